@@ -1,0 +1,125 @@
+"""The Python API: ``meshrun.detect()`` and ``meshrun.run(fn, nproc=N)``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable, Mapping
+
+from .cluster.detect import resolve
+from .cluster.gpus import count_visible_gpus
+from .cluster.options import user_topology
+from .cluster.topology import Topology
+from .errors import MeshrunError, bad_value
+
+
+def detect(env: Mapping[str, str] | None = None, platform: str | None = None) -> Topology:
+    """The topology of this node, as ``meshrun env`` shows it (MESHRUN_* values included)."""
+    env = dict(os.environ if env is None else env)
+    user = user_topology({"platform": platform}, env)
+    return resolve(env, count_visible_gpus(env), user.platform, user.overrides)
+
+
+class RankError(RuntimeError):
+    """A rank of ``meshrun.run`` failed; the message carries that rank's traceback."""
+
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{detail}")
+        self.rank = rank
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, nproc: int, port: int, backend: str, fn: Callable[..., Any],
+            args: tuple, kwargs: dict, queue: Any) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                       "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    import torch
+    import torch.distributed as dist
+
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=nproc)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, result if rank == 0 else None))
+    except BaseException:  # report everything, KeyboardInterrupt included, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: str | None = None,
+        start_method: str = "auto", timeout_s: float | None = None, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` on ``nproc`` local processes with the process group ready.
+
+    Returns rank 0's result. If a rank raises, the others are stopped and ``RankError`` is
+    raised with the first failing rank's traceback. ``nproc`` defaults to the visible GPUs
+    (NCCL), or 2 CPU processes (gloo). ``start_method="auto"`` forks where that is safe (Linux,
+    CUDA not yet initialised here), so functions defined in a notebook work; else spawns.
+    """
+    import queue as queue_mod
+
+    import torch
+    import torch.multiprocessing as mp
+
+    gpus = count_visible_gpus(os.environ)
+    nproc = nproc if nproc is not None else (gpus or 2)
+    if nproc < 1:
+        raise bad_value("nproc", nproc, "must be at least 1")
+    if backend is None:
+        backend = "nccl" if gpus else "gloo"
+    if backend == "nccl" and nproc > gpus:
+        raise bad_value("nproc", nproc, f"exceeds the {gpus} visible GPU(s) for the nccl backend",
+                        "lower nproc or use backend='gloo'")
+    if start_method == "auto":
+        can_fork = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+        start_method = "fork" if can_fork else "spawn"
+    ctx = mp.get_context(start_method)
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, backend, fn, args, kwargs, results),
+                         daemon=True) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    reports: dict[int, tuple[bool, Any]] = {}
+    failure: tuple[int, str] | None = None
+    try:
+        while len(reports) < nproc and failure is None:
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+                reports[rank] = (ok, payload)
+                if not ok:
+                    failure = (rank, payload)
+                continue
+            except queue_mod.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in reports and not p.is_alive() and p.exitcode not in (None, 0):
+                    failure = (r, f"process exited with code {p.exitcode} before reporting")
+            if deadline is not None and time.monotonic() > deadline:
+                failure = (-1, f"timed out after {timeout_s} s")
+    finally:
+        for p in procs:
+            if failure is not None and p.is_alive():
+                p.terminate()
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failure is not None:
+        raise RankError(*failure)
+    ok, payload = reports[0]
+    return payload
+
+
+__all__ = ["detect", "run", "RankError", "MeshrunError"]

@@ -1,0 +1,296 @@
+"""meshrun: take a training script from one GPU to many nodes, on any cluster.
+
+  meshrun env [--json]                 show the topology meshrun detects here, and why
+  meshrun launch [options] script.py   start the script on this node for its framework
+
+Run ``meshrun COMMAND --help`` for each command's manual. Every option accepts dashes or
+underscores (--master-port, --master_port) and can also be set through the environment as
+MESHRUN_<NAME> (MESHRUN_MASTER_PORT=29600); a flag wins over its variable, and either wins
+over what the platform says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from typing import Mapping, Sequence
+
+from . import __version__
+from .cluster.detect import PLATFORMS, resolve
+from .cluster.gpus import count_visible_gpus
+from .cluster.options import ENV_PREFIX, user_topology
+from .cluster.topology import FIELDS, Topology
+from .errors import MeshrunError, bad_value
+from .launch.build import FRAMEWORKS, build
+from .launch.command import Command, LaunchSpec
+
+LAUNCH_HELP = """\
+Start a training script on this node, for its framework, on the topology meshrun detects.
+
+Run the same command on every node; meshrun reads where it is (Saturn Cloud, SkyPilot,
+Slurm, Kubeflow, MPI, SageMaker, a torchrun worker, MASTER_ADDR/NNODES/NODE_RANK, or a
+plain machine) and builds the launcher command the documents prescribe:
+
+  torch       torchrun --nproc_per_node=G --nnodes=N --node_rank=R --master_addr=A ...
+  deepspeed   the same torchrun line (+ --deepspeed --deepspeed_config FILE for the script),
+              or with --deepspeed-launcher native: `deepspeed --hostfile` on the head node only
+  accelerate  accelerate launch --num_processes=N*G (GLOBAL) --num_machines=N ...
+  jax         python script.py per process; call meshrun.jax_initialize() in the script
+  tensorflow  python script.py per worker with TF_CONFIG; or call meshrun.tf_config()
+
+examples:
+  meshrun launch train.py --epochs 10              # all GPUs here (2 CPU processes if none)
+  meshrun launch --nproc 4 train.py                # 4 processes on this machine
+  meshrun launch --dry-run --json train.py         # show argv and env, run nothing
+  meshrun launch -f accelerate train.py            # accelerate launch with global counts
+  meshrun launch -f deepspeed --deepspeed-config ds_config.json train.py
+  meshrun launch -f jax train.py                   # one JAX process per local device
+  meshrun launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 train.py
+  meshrun launch --nnodes 1:4 --rdzv c10d --master-addr head train.py   # elastic
+
+Exit code: the job's (128+N if it died of signal N); 2 for bad input.
+SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are forwarded to the job.
+"""
+
+ENV_HELP = """\
+Show the topology meshrun resolves on this node and where each value came from.
+
+examples:
+  meshrun env                         # a table: value and source of each field
+  meshrun env --json                  # one JSON object (platform, nnodes, node_rank, ...)
+  SLURM_JOB_ID=7 SLURM_NNODES=2 SLURM_NODEID=1 SLURM_JOB_NODELIST='gpu[1-2]' meshrun env
+"""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one line and exit code 2, as meshrun does everywhere."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise MeshrunError(f"{message} (see '{self.prog} --help')")
+
+
+def add_option(p: argparse.ArgumentParser, name: str, *aliases: str, **kw: object) -> None:
+    """Register --a-b and --a_b (torchrun's convention) plus any aliases."""
+    spellings = []
+    for n in (name, *aliases):
+        if n.startswith("--"):
+            dash, under = n.replace("_", "-"), "--" + n[2:].replace("-", "_")
+            spellings += [dash] + ([under] if under != dash else [])
+        else:
+            spellings.append(n)
+    kw.setdefault("dest", name[2:].replace("-", "_"))
+    p.add_argument(*spellings, **kw)  # type: ignore[arg-type]
+
+
+def add_topology_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("topology (override what the platform says)")
+    add_option(g, "--platform", metavar="NAME", help=f"skip detection: one of {', '.join(PLATFORMS)}")
+    add_option(g, "--nnodes", metavar="N|MIN:MAX", help="number of nodes; MIN:MAX for an elastic job")
+    add_option(g, "--node-rank", metavar="R", help="this node's rank, 0..nnodes-1")
+    add_option(g, "--nproc", "--nproc-per-node", metavar="G", dest="nproc_per_node",
+               help="processes on this node (default: one per visible GPU; 2 on a CPU-only machine)")
+    add_option(g, "--master-addr", metavar="HOST", help="node 0's address (rendezvous host)")
+    add_option(g, "--master-port", metavar="PORT", help="rendezvous port (default 29500)")
+    add_option(g, "--hosts", metavar="H0,H1,..", help="every node's address in node-rank order")
+    add_option(g, "--run-id", metavar="ID", help="rendezvous id shared by the job's nodes")
+
+
+def topology_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[Topology, tuple[int, int] | None]:
+    user = user_topology(vars(ns), env)
+    topo = resolve(env, count_visible_gpus(env), user.platform, user.overrides, free_port=free_port)
+    return topo, user.elastic
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def check_ports(topo: Topology, cmd: Command, spec: LaunchSpec) -> None:
+    """Refuse to start when a port this node must listen on is taken: the rendezvous would
+    otherwise fail late, after every other node has started and waited."""
+    if "--standalone" in cmd.argv or not cmd.processes:
+        return
+    ports: list[int] = []
+    if spec.framework == "tensorflow":
+        ports = [topo.master_port + lr for lr in range(topo.nproc_per_node)
+                 if topo.local_rank in (None, lr)]
+    elif topo.node_rank == 0 and topo.local_rank in (None, 0):
+        ports = [topo.master_port]
+    for port in ports:
+        if not port_is_free(port):
+            raise bad_value(topo.source("master_port"), port,
+                            f"port {port} is already in use on this node (the rendezvous master)",
+                            "choose another with --master-port, or stop what holds it")
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+def cmd_env(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
+    topo, _ = topology_from_args(ns, env)
+    if ns.json:
+        print(json.dumps(topo.to_dict(), indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"meshrun topology ({topo.platform})")
+    table.add_column("field")
+    table.add_column("value")
+    table.add_column("source")
+    for name in FIELDS + ("world_size",):
+        value = getattr(topo, name)
+        if name == "hosts":
+            value = ", ".join(value) if value else "(not given by the platform)"
+        if name == "local_rank" and value is None:
+            value = "(launcher mode: meshrun starts the node's processes)"
+        src = "nnodes x nproc_per_node" if name == "world_size" else topo.source(name)
+        table.add_row(name, str(value), src)
+    Console().print(table)
+    return 0
+
+
+def launch_spec(ns: argparse.Namespace, elastic: tuple[int, int] | None) -> LaunchSpec:
+    if not ns.module and not os.path.isfile(ns.script):
+        raise bad_value("script", ns.script, "no such file",
+                        "give the path of your training script, or -m for a module")
+    if ns.deepspeed_config and not os.path.isfile(ns.deepspeed_config):
+        raise bad_value("--deepspeed-config", ns.deepspeed_config, "no such file")
+    if ns.accelerate_config and not os.path.isfile(ns.accelerate_config):
+        raise bad_value("--accelerate-config", ns.accelerate_config, "no such file")
+    if ns.max_restarts < 0:
+        raise bad_value("--max-restarts", ns.max_restarts, "must be >= 0")
+    return LaunchSpec(
+        framework=ns.framework,
+        script=ns.script,
+        script_args=tuple(ns.script_args),
+        module=ns.module,
+        rdzv=ns.rdzv,
+        max_restarts=ns.max_restarts,
+        nnodes_range=elastic,
+        deepspeed_launcher=ns.deepspeed_launcher,
+        deepspeed_config=ns.deepspeed_config,
+        hostfile=ns.hostfile,
+        accelerate_config=ns.accelerate_config,
+        use_fsdp=ns.use_fsdp or bool(ns.fsdp_sharding_strategy),
+        fsdp_sharding_strategy=ns.fsdp_sharding_strategy,
+        mixed_precision=ns.mixed_precision,
+    )
+
+
+def cmd_launch(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
+    fw = ns.framework or env.get(ENV_PREFIX + "FRAMEWORK") or "torch"
+    if fw not in FRAMEWORKS:
+        raise bad_value("--framework", fw, "unknown framework", f"choose one of {', '.join(FRAMEWORKS)}")
+    ns.framework = fw
+    topo, elastic = topology_from_args(ns, env)
+    spec = launch_spec(ns, elastic)
+    cmd = build(topo, spec, env.get("CUDA_VISIBLE_DEVICES"))
+    if ns.dry_run:
+        print_dry_run(cmd, ns.json)
+        return 0
+    check_ports(topo, cmd, spec)
+    from .launch.run import execute
+    return execute(cmd, env)
+
+
+def print_dry_run(cmd: Command, as_json: bool) -> None:
+    from .launch.run import resolve_program
+
+    def exact(argv: tuple[str, ...]) -> list[str]:
+        # Show the program meshrun would really start; fall back to its name if missing.
+        try:
+            return [resolve_program(argv[0]), *argv[1:]]
+        except MeshrunError:
+            return list(argv)
+
+    procs = [{"argv": exact(p.argv), "env": cmd.env_of(i)} for i, p in enumerate(cmd.processes)]
+    if as_json:
+        out = {"argv": procs[0]["argv"] if procs else [], "env": procs[0]["env"] if procs else dict(cmd.env),
+               "processes": procs, "files": dict(cmd.files), "note": cmd.note}
+        print(json.dumps(out, indent=2))
+        return
+    import shlex
+    if cmd.note:
+        print(f"# {cmd.note}")
+    for path, text in cmd.files.items():
+        print(f"# file {path}:\n" + "".join(f"#   {line}\n" for line in text.splitlines()), end="")
+    for p in procs:
+        assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p["env"].items()))  # type: ignore[union-attr]
+        print(f"{assigns} {shlex.join(p['argv'])}".strip())  # type: ignore[arg-type]
+
+
+def make_parser() -> Parser:
+    parser = Parser(prog="meshrun", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"meshrun {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+
+    p_env = sub.add_parser("env", help="show the detected topology and where each value came from",
+                           description=ENV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_topology_options(p_env)
+    p_env.add_argument("--json", action="store_true", help="print one JSON object")
+    p_env.set_defaults(func=cmd_env)
+
+    p = sub.add_parser("launch", help="start a training script on this node for its framework",
+                       description=LAUNCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_option(p, "--framework", "-f", metavar="NAME", help=f"one of {', '.join(FRAMEWORKS)} (default torch)")
+    add_topology_options(p)
+    g = p.add_argument_group("launcher")
+    add_option(g, "--rdzv", choices=("static", "c10d"), default="static",
+               help="torchrun rendezvous: static (fixed nodes, default) or c10d (needed for elastic)")
+    add_option(g, "--max-restarts", type=int, default=0, metavar="N", help="torchrun worker-group restarts")
+    add_option(g, "--module", "-m", action="store_true", help="run the script argument as a module (python -m)")
+    g = p.add_argument_group("framework options")
+    add_option(g, "--deepspeed-launcher", choices=("torchrun", "native"), default="torchrun",
+               help="torchrun on every node (default), or deepspeed --hostfile on the head node only")
+    add_option(g, "--deepspeed-config", metavar="FILE",
+               help="ds_config.json: passed to the script as --deepspeed --deepspeed_config FILE, "
+                    "or to accelerate as --use_deepspeed --deepspeed_config_file FILE")
+    add_option(g, "--hostfile", metavar="FILE", help="where the native DeepSpeed launcher's hostfile is written")
+    add_option(g, "--accelerate-config", metavar="FILE", help="accelerate config YAML (--config_file)")
+    add_option(g, "--use-fsdp", action="store_true", help="accelerate: --use_fsdp")
+    add_option(g, "--fsdp-sharding-strategy", metavar="S",
+               choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"),
+               help="accelerate: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or HYBRID_SHARD_ZERO2")
+    add_option(g, "--mixed-precision", choices=("no", "fp16", "bf16", "fp8"), help="accelerate: --mixed_precision")
+    g = p.add_argument_group("output")
+    add_option(g, "--dry-run", action="store_true", help="print the command and environment; run nothing")
+    add_option(g, "--json", action="store_true", help="with --dry-run: one JSON object with argv and env")
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=cmd_launch)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    parser = make_parser()
+    environ = dict(os.environ if env is None else env)
+    try:
+        ns = parser.parse_args(argv)
+        if ns.command is None:
+            parser.print_help()
+            return 0
+        return int(ns.func(ns, environ))
+    except MeshrunError as exc:
+        print(f"meshrun: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())

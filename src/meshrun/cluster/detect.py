@@ -1,0 +1,133 @@
+"""Resolve one Topology from the environment, the GPU count and the user's flags.
+
+Probe order (first match wins), and why:
+
+1. ``torchrun``   a TorchElastic worker: torchrun runs inside every platform below, and its
+                  per-worker variables are then the truth.
+2. ``mpi``        mpirun may start meshrun inside a Slurm allocation; MPI's layout is the
+                  one that actually placed this process.
+3. ``skypilot``   SKYPILOT_* describe this task even on Kubernetes or Slurm infrastructure.
+4. ``saturn``     SATURN_JOB_* (Saturn Cloud runs on Kubernetes).
+5. ``kubeflow``   PET_* from the training operator; before ``generic`` because it also sets
+                  MASTER_ADDR, and its RANK/WORLD_SIZE count pods, not processes.
+6. ``sagemaker``  SM_HOSTS / SM_CURRENT_HOST.
+7. ``slurm``      SLURM_JOB_ID.
+8. ``generic``    MASTER_ADDR (+ NNODES, NODE_RANK, MASTER_PORT, NPROC_PER_NODE).
+9. ``local``      nothing found: this machine alone.
+
+``--platform NAME`` skips the probing. Flags (or their MESHRUN_* variables) then override
+single values, and the result is validated as a whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from types import ModuleType
+from typing import Callable, Mapping
+
+from ..errors import MeshrunError, bad_value
+from .platforms import (generic, kubeflow, local, mpi, sagemaker, saturn, skypilot, slurm,
+                        torchelastic)
+from .topology import Topology
+
+PROBE_ORDER = (torchelastic, mpi, skypilot, saturn, kubeflow, sagemaker, slurm, generic, local)
+PLATFORMS: dict[str, ModuleType] = {m.NAME: m for m in PROBE_ORDER}
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Values the user gave explicitly; ``sources`` says how (``flag --nnodes``)."""
+
+    nnodes: int | None = None
+    node_rank: int | None = None
+    nproc_per_node: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    hosts: tuple[str, ...] | None = None
+    run_id: str | None = None
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def given(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "sources" and getattr(self, f.name) is not None}
+
+
+def detect_platform(env: Mapping[str, str], gpus: int, platform: str | None = None) -> Topology:
+    if platform is not None:
+        module = PLATFORMS.get(platform)
+        if module is None:
+            raise bad_value("--platform", platform, "unknown platform",
+                            f"choose one of {', '.join(PLATFORMS)}")
+        topo = module.detect(env, gpus)
+        if topo is None:
+            raise bad_value("--platform", platform, "its variables are not set here",
+                            f"{platform} is recognised by {module.MARKERS}")
+        return topo.replace(sources={"platform": "flag --platform"})
+    for module in PROBE_ORDER:
+        topo = module.detect(env, gpus)
+        if topo is not None:
+            src = topo.sources.get("platform") or f"detected ({module.MARKERS} set)"
+            return topo.replace(sources={"platform": src})
+    raise MeshrunError("no platform matched")  # unreachable: local always matches
+
+
+def apply_overrides(topo: Topology, ov: Overrides) -> Topology:
+    changes = ov.given()
+    if not changes:
+        return topo
+    srcs = {k: ov.sources.get(k, f"flag --{k.replace('_', '-')}") for k in changes}
+    if "hosts" in changes and "master_addr" not in changes:
+        hosts = changes["hosts"]
+        if hosts:
+            changes["master_addr"] = hosts[0]  # type: ignore[index]
+            srcs["master_addr"] = srcs["hosts"] + " (first host)"
+    if "nnodes" in changes and "hosts" not in changes and topo.hosts:
+        # A different node count makes the platform's host list meaningless.
+        if changes["nnodes"] != len(topo.hosts):
+            changes["hosts"] = ()
+            srcs["hosts"] = "dropped: " + srcs["nnodes"] + " differs from the platform's host count"
+    return topo.replace(sources=srcs, **changes)
+
+
+def validate(topo: Topology, gpus: int) -> Topology:
+    s = topo.source
+    if topo.nnodes < 1:
+        raise bad_value(s("nnodes"), topo.nnodes, "must be at least 1")
+    if topo.nproc_per_node < 1:
+        raise bad_value(s("nproc_per_node"), topo.nproc_per_node, "must be at least 1")
+    if not 0 <= topo.node_rank < topo.nnodes:
+        raise bad_value(s("node_rank"), topo.node_rank,
+                        f"node rank must be in 0..{topo.nnodes - 1} (nnodes={topo.nnodes} from {s('nnodes')})",
+                        "node ranks count from 0")
+    if topo.hosts and len(topo.hosts) != topo.nnodes:
+        raise bad_value(s("hosts"), ",".join(topo.hosts),
+                        f"lists {len(topo.hosts)} host(s) but nnodes={topo.nnodes} (from {s('nnodes')})",
+                        "give one address per node, in node-rank order")
+    if not 1 <= topo.master_port <= 65535:
+        raise bad_value(s("master_port"), topo.master_port, "is not a TCP port (1-65535)")
+    if topo.nnodes > 1 and not topo.master_addr:
+        raise bad_value("master address", "", f"unknown for a {topo.nnodes}-node job on platform {topo.platform}",
+                        "pass --master-addr (or set MASTER_ADDR) to node 0's address")
+    if topo.local_rank is not None and not 0 <= topo.local_rank < topo.nproc_per_node:
+        raise bad_value(s("local_rank"), topo.local_rank,
+                        f"must be below nproc_per_node={topo.nproc_per_node} (from {s('nproc_per_node')})")
+    if gpus > 0 and topo.local_rank is None and topo.nproc_per_node > gpus:
+        raise bad_value(s("nproc_per_node"), topo.nproc_per_node,
+                        f"is more processes than the {gpus} GPU(s) visible on this node",
+                        "use one process per GPU: lower --nproc, or check CUDA_VISIBLE_DEVICES")
+    return topo
+
+
+def resolve(
+    env: Mapping[str, str],
+    gpus: int,
+    platform: str | None = None,
+    overrides: Overrides = Overrides(),
+    free_port: Callable[[], int] | None = None,
+) -> Topology:
+    """Detect, override, validate. Pure unless ``free_port`` is given: on a single node whose
+    port nobody chose, that callable picks a free one so parallel local runs do not collide."""
+    topo = apply_overrides(detect_platform(env, gpus, platform), overrides)
+    if free_port is not None and topo.nnodes == 1 and topo.source("master_port") == "default":
+        topo = topo.replace(master_port=free_port(), sources={"master_port": "free port (single node)"})
+    return validate(topo, gpus)

@@ -1,0 +1,46 @@
+"""Count this node's GPUs without importing torch (importing it costs ~1 s of start-up)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from typing import Mapping
+
+_DEV = re.compile(r"^nvidia\d+$")
+
+
+def count_visible_gpus(env: Mapping[str, str], dev_dir: str = "/dev") -> int:
+    """GPUs this process may use.
+
+    ``CUDA_VISIBLE_DEVICES`` wins when set (an empty value or ``-1`` hides every GPU, as in
+    CUDA). Otherwise the ``/dev/nvidiaN`` nodes are counted: a container sees only the
+    devices it was given, unlike ``/proc/driver/nvidia``. ``nvidia-smi -L`` is the last
+    resort for unusual device layouts.
+    """
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        items = [v for v in visible.split(",") if v.strip()]
+        if not items or items[0].strip().startswith("-"):
+            return 0
+        # CUDA stops at the first invalid entry; a negative one ends the list.
+        count = 0
+        for item in items:
+            if item.strip().startswith("-"):
+                break
+            count += 1
+        return count
+    try:
+        count = sum(1 for name in os.listdir(dev_dir) if _DEV.match(name))
+    except OSError:
+        count = 0
+    if count:
+        return count
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+            return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.SubprocessError):
+            return 0
+    return 0

@@ -1,0 +1,26 @@
+"""Errors meant for the user.
+
+Every problem with the user's input ends up as a :class:`MeshrunError`. The CLI prints
+``meshrun: error: <message>`` and exits 2; the library lets it propagate. They are plain
+exceptions raised by real checks, never ``assert``, so they survive ``python -O``.
+"""
+
+from __future__ import annotations
+
+
+class MeshrunError(Exception):
+    """A problem with what the user asked for; its message is one self-contained line."""
+
+    exit_code = 2
+
+
+def bad_value(name: str, value: object, problem: str, hint: str = "") -> MeshrunError:
+    """Build the standard message: which setting, its value, what is wrong, what to do.
+
+    ``name`` names where the value came from (``--nnodes``, ``env SLURM_NODEID``) so the
+    user knows which knob to turn.
+    """
+    msg = f"{name}={value!r}: {problem}"
+    if hint:
+        msg += f" (hint: {hint})"
+    return MeshrunError(msg)

@@ -1,0 +1,1 @@
+"""Per-process helpers that training scripts call (each imports its framework lazily)."""

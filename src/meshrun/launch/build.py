@@ -1,0 +1,37 @@
+"""Pick the builder for a framework. Every builder is a pure function of its inputs."""
+
+from __future__ import annotations
+
+from ..cluster.topology import Topology
+from ..errors import bad_value
+from . import accelerate, deepspeed, direct, jax, tensorflow, torchrun
+from .command import Command, LaunchSpec
+from .common import deepspeed_script_args
+
+FRAMEWORKS = ("torch", "deepspeed", "accelerate", "jax", "tensorflow")
+
+
+def build(topo: Topology, spec: LaunchSpec, visible_devices: str | None = None) -> Command:
+    """The command this node runs. ``visible_devices`` is the parent's CUDA_VISIBLE_DEVICES,
+    needed where meshrun itself pins one device per process (JAX, TensorFlow)."""
+    fw = spec.framework
+    if fw not in FRAMEWORKS:
+        raise bad_value("--framework", fw, "unknown framework", f"choose one of {', '.join(FRAMEWORKS)}")
+    if spec.nnodes_range is not None and fw not in ("torch", "deepspeed"):
+        raise bad_value("--nnodes", f"{spec.nnodes_range[0]}:{spec.nnodes_range[1]}",
+                        f"an elastic node range needs torchrun's rendezvous; {fw} cannot use it",
+                        "give a fixed node count")
+    if fw in ("torch", "deepspeed") and topo.is_worker:
+        if spec.framework == "deepspeed" and spec.deepspeed_launcher == "native":
+            return deepspeed.build(topo, spec)  # raises the worker-mode error
+        extra = deepspeed_script_args(spec) if fw == "deepspeed" else []
+        return direct.build(topo, spec, extra)
+    if fw == "torch":
+        return torchrun.build(topo, spec)
+    if fw == "deepspeed":
+        return deepspeed.build(topo, spec)
+    if fw == "accelerate":
+        return accelerate.build(topo, spec)
+    if fw == "jax":
+        return jax.build(topo, spec, visible_devices)
+    return tensorflow.build(topo, spec, visible_devices)

@@ -1,0 +1,118 @@
+"""Execute a Command: write its files, start its processes, forward signals, and return
+the job's exit code.
+
+Each child starts in its own session so that signals reach it exactly once, through
+meshrun: a Ctrl-C or a scheduler's SIGTERM (or Slurm's SIGUSR1 before the time limit)
+is forwarded to the child's whole process group, as a terminal would have delivered it.
+When one of several processes (JAX, TensorFlow) fails, the rest are stopped: a
+collective would otherwise wait for the dead peer forever.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Mapping
+
+from ..errors import MeshrunError
+from .command import Command
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+INSTALL_HINT = {
+    "torchrun": "pip install torch",
+    "accelerate": "pip install 'meshrun[accelerate]'",
+    "deepspeed": "pip install 'meshrun[deepspeed]'",
+}
+
+
+def resolve_program(prog: str) -> str:
+    """Find a launcher next to this interpreter first (an un-activated venv), then on PATH."""
+    if prog == "python":
+        return sys.executable
+    beside = os.path.join(os.path.dirname(sys.executable), prog)
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(prog)
+    if found is None:
+        raise MeshrunError(f"program {prog!r} not found beside {sys.executable} or on PATH "
+                           f"(hint: {INSTALL_HINT.get(prog, 'install it')})")
+    return found
+
+
+def resolved_argv(argv: tuple[str, ...]) -> list[str]:
+    return [resolve_program(argv[0]), *argv[1:]]
+
+
+def exit_code(returncode: int) -> int:
+    """A child killed by signal N exits like a shell reports it: 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0) -> int:
+    for path, text in cmd.files.items():
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    if cmd.note:
+        print(f"meshrun: {cmd.note}", file=sys.stderr, flush=True)
+    if not cmd.processes:
+        return 0
+    argvs = [resolved_argv(p.argv) for p in cmd.processes]  # fail before starting anything
+    procs: list[subprocess.Popen] = []
+    stopping_since: list[float] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        if not stopping_since:
+            stopping_since.append(time.monotonic())
+        for p in procs:
+            _signal_group(p, signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        for argv, p in zip(argvs, cmd.processes):
+            env = {**base_env, **cmd.env, **p.env}
+            procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
+        return _supervise(procs, stopping_since, grace_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _supervise(procs: list[subprocess.Popen], stopping_since: list[float], grace_s: float) -> int:
+    first_failure: int | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        for code in codes:
+            if code not in (None, 0) and first_failure is None:
+                first_failure = exit_code(code)
+                if len(procs) > 1:
+                    print(f"meshrun: a process exited with code {first_failure}; stopping the others",
+                          file=sys.stderr, flush=True)
+                stopping_since.append(time.monotonic())
+                for p in procs:
+                    if p.poll() is None:
+                        _signal_group(p, signal.SIGTERM)
+        if all(c is not None for c in codes):
+            if first_failure is not None:
+                return first_failure
+            return max(exit_code(c) for c in codes if c is not None)
+        if stopping_since and time.monotonic() - stopping_since[0] > grace_s:
+            for p in procs:
+                if p.poll() is None:
+                    _signal_group(p, signal.SIGKILL)
+        time.sleep(0.05)
