@@ -24,7 +24,7 @@ from .cluster.gpus import count_visible_gpus
 from .cluster.options import ENV_PREFIX, user_topology
 from .cluster.topology import FIELDS, Topology
 from .errors import MeshrunError, bad_value
-from .launch.build import FRAMEWORKS, build
+from .launch.build import FRAMEWORKS, build, per_framework
 from .launch.command import Command, LaunchSpec
 
 LAUNCH_HELP = """\
@@ -98,9 +98,10 @@ def add_topology_options(p: argparse.ArgumentParser) -> None:
     add_option(g, "--run-id", metavar="ID", help="rendezvous id shared by the job's nodes")
 
 
-def topology_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[Topology, tuple[int, int] | None]:
+def topology_from_args(ns: argparse.Namespace, env: Mapping[str, str],
+                       gpus: int) -> tuple[Topology, tuple[int, int] | None]:
     user = user_topology(vars(ns), env)
-    topo = resolve(env, count_visible_gpus(env), user.platform, user.overrides, free_port=free_port)
+    topo = resolve(env, gpus, user.platform, user.overrides, free_port=free_port)
     return topo, user.elastic
 
 
@@ -141,7 +142,7 @@ def check_ports(topo: Topology, cmd: Command, spec: LaunchSpec) -> None:
 # ---- commands ---------------------------------------------------------------------------
 
 def cmd_env(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
-    topo, _ = topology_from_args(ns, env)
+    topo, _ = topology_from_args(ns, env, count_visible_gpus(env))
     if ns.json:
         print(json.dumps(topo.to_dict(), indent=2))
         return 0
@@ -197,7 +198,9 @@ def cmd_launch(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     if fw not in FRAMEWORKS:
         raise bad_value("--framework", fw, "unknown framework", f"choose one of {', '.join(FRAMEWORKS)}")
     ns.framework = fw
-    topo, elastic = topology_from_args(ns, env)
+    gpus = count_visible_gpus(env)
+    topo, elastic = topology_from_args(ns, env, gpus)
+    topo = per_framework(topo, fw, gpus)
     spec = launch_spec(ns, elastic)
     cmd = build(topo, spec, env.get("CUDA_VISIBLE_DEVICES"))
     if ns.dry_run:

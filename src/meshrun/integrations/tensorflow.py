@@ -6,16 +6,15 @@ import json
 import os
 from typing import Any, Mapping
 
-DEFAULT_TF_PORT = 5000  # seed 000's port; any port works on platforms with open pod ports
-
-
-def tf_config(env: Mapping[str, str] | None = None, port: int | None = None, set_env: bool = True) -> dict[str, Any]:
+def tf_config(env: Mapping[str, str] | None = None, port: int | None = None,
+              set_env: bool = True) -> dict[str, Any]:
     """Return (and by default export) TF_CONFIG for this worker; worker 0 is the chief.
 
     Under ``meshrun launch -f tensorflow`` TF_CONFIG is already set and is returned as is.
     Started another way (``python train.py`` on every Saturn Cloud or SkyPilot node, one
     worker per node), it is built from the detected topology, as seed 000's snippet does by
-    hand. Call it before constructing the strategy: TensorFlow reads TF_CONFIG then.
+    hand (worker ports start at the master port, 29500 by default). Call it before
+    constructing the strategy: TensorFlow reads TF_CONFIG then.
     """
     from ..api import detect
     from ..launch.tensorflow import tf_config_json, worker_addresses
@@ -26,9 +25,7 @@ def tf_config(env: Mapping[str, str] | None = None, port: int | None = None, set
     topo = detect(dict(environ))
     # One worker per node unless the platform itself started one process per device.
     per_node = topo.nproc_per_node if topo.is_worker else 1
-    base = port if port is not None else (topo.master_port if topo.source("master_port") != "default"
-                                          else DEFAULT_TF_PORT)
-    topo = topo.replace(nproc_per_node=per_node, master_port=base)
+    topo = topo.replace(nproc_per_node=per_node, master_port=port or topo.master_port)
     index = topo.node_rank * per_node + (topo.local_rank or 0)
     text = tf_config_json(worker_addresses(topo), index)
     if set_env and env is None:

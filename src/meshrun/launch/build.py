@@ -11,6 +11,22 @@ from .common import deepspeed_script_args
 FRAMEWORKS = ("torch", "deepspeed", "accelerate", "jax", "tensorflow")
 
 
+def is_user_given(source: str) -> bool:
+    return source.startswith(("flag ", "env MESHRUN_"))
+
+
+def per_framework(topo: Topology, framework: str, gpus: int) -> Topology:
+    """JAX and TensorFlow default to one process per node that drives all its GPUs, as the
+    documents launch them (``python train.py`` on every pod); torchrun-style frameworks use
+    one process per GPU. A process count the user chose, or a platform's worker layout, is
+    kept; so are the CPU processes of a GPU-less machine."""
+    if (framework in ("jax", "tensorflow") and gpus > 0 and not topo.is_worker
+            and topo.nproc_per_node > 1 and not is_user_given(topo.source("nproc_per_node"))):
+        return topo.replace(nproc_per_node=1, sources={
+            "nproc_per_node": f"default for {framework}: one process drives all local GPUs"})
+    return topo
+
+
 def build(topo: Topology, spec: LaunchSpec, visible_devices: str | None = None) -> Command:
     """The command this node runs. ``visible_devices`` is the parent's CUDA_VISIBLE_DEVICES,
     needed where meshrun itself pins one device per process (JAX, TensorFlow)."""

@@ -16,22 +16,25 @@ from .common import script_argv, topology_env
 
 
 def torchrun_args(topo: Topology, spec: LaunchSpec) -> list[str]:
-    args = [f"--nproc_per_node={topo.nproc_per_node}"]
+    """Flags in the documents' order, so a user can hold the dry run against their recipe."""
+    nproc = f"--nproc_per_node={topo.nproc_per_node}"
     elastic = spec.nnodes_range is not None
     if spec.rdzv == "c10d" or elastic:
         lo, hi = spec.nnodes_range or (topo.nnodes, topo.nnodes)
-        args += [
+        args = [
             f"--nnodes={lo}:{hi}" if elastic else f"--nnodes={topo.nnodes}",
+            nproc,
+            f"--rdzv_id={topo.run_id}",
             "--rdzv_backend=c10d",
             f"--rdzv_endpoint={topo.master_addr}:{topo.master_port}",
-            f"--rdzv_id={topo.run_id}",
         ]
     elif topo.nnodes == 1 and topo.source("master_addr") == "default":
-        args += ["--standalone"]
+        args = ["--standalone", nproc]
     else:
-        args += [
+        args = [
             f"--nnodes={topo.nnodes}",
             f"--node_rank={topo.node_rank}",
+            nproc,
             f"--master_addr={topo.master_addr}",
             f"--master_port={topo.master_port}",
         ]

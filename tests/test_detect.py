@@ -1,0 +1,165 @@
+"""Detection: each platform's variables -> one Topology, with sources; the probe order."""
+
+import pytest
+
+from meshrun.cluster.detect import Overrides, resolve
+from meshrun.cluster.topology import Topology
+from meshrun.errors import MeshrunError
+
+from platform_envs import (GENERIC, KUBEFLOW, MPI_PER_GPU, MPI_PER_NODE, SAGEMAKER, SATURN, SKYPILOT,
+                           SLURM, SLURM_PER_TASK, TORCHRUN_WORKER)
+
+SATURN_HOSTS = ("train-0.jobs.team.svc.cluster.local", "train-1.jobs.team.svc.cluster.local")
+
+# (env, gpus) -> (platform, nnodes, node_rank, nproc, master_addr, master_port, hosts, run_id, local_rank)
+CASES = [
+    (SATURN, 4, ("saturn", 2, 1, 4, SATURN_HOSTS[0], 29500, SATURN_HOSTS, "train", None)),
+    (SKYPILOT, 8, ("skypilot", 2, 1, 8, "10.0.0.5", 29500, ("10.0.0.5", "10.0.0.6"), "sky-2026-11-26-abc", None)),
+    (SLURM, 4, ("slurm", 3, 2, 4, "gpu07", 15000 + 123456 % 10000, ("gpu07", "gpu08", "login2"), "123456", None)),
+    (SLURM_PER_TASK, 4, ("slurm", 2, 1, 4, "n1", 15077, ("n1", "n2"), "77", 3)),
+    (KUBEFLOW, 4, ("kubeflow", 2, 1, 4, "pj-master-0", 23456, (), "kubeflow", None)),
+    (TORCHRUN_WORKER, 4, ("torchrun", 2, 1, 4, "10.1.1.1", 29400, (), "none", 1)),
+    (MPI_PER_NODE, 2, ("mpi", 2, 1, 2, "10.2.0.1", 29500, (), "mpi", None)),
+    (MPI_PER_GPU, 4, ("mpi", 2, 1, 4, "10.2.0.1", 29500, (), "mpi", 2)),
+    (SAGEMAKER, 8, ("sagemaker", 2, 1, 8, "algo-1", 29500, ("algo-1", "algo-2"), "sm-job", None)),
+    (GENERIC, 2, ("generic", 2, 1, 2, "head.example", 6000, (), "meshrun", None)),
+    ({}, 0, ("local", 1, 0, 2, "127.0.0.1", 29500, (), "local", None)),
+    ({}, 3, ("local", 1, 0, 3, "127.0.0.1", 29500, (), "local", None)),
+]
+
+
+def shape(t: Topology) -> tuple:
+    return (t.platform, t.nnodes, t.node_rank, t.nproc_per_node, t.master_addr, t.master_port,
+            t.hosts, t.run_id, t.local_rank)
+
+
+@pytest.mark.parametrize("env,gpus,expected", CASES)
+def test_each_platform_resolves(env, gpus, expected):
+    assert shape(resolve(env, gpus)) == expected
+
+
+def test_worker_mode_rank_is_global():
+    t = resolve(MPI_PER_GPU, 4)
+    assert t.is_worker and t.rank == 6 and t.world_size == 8
+    t = resolve(TORCHRUN_WORKER, 4)
+    assert t.rank == 5
+
+
+def test_sources_name_the_variables():
+    t = resolve(SLURM, 4)
+    assert t.source("nnodes") == "env SLURM_NNODES"
+    assert t.source("node_rank") == "env SLURM_NODEID"
+    assert t.source("nproc_per_node") == "env SLURM_GPUS_ON_NODE"
+    assert t.source("hosts") == "env SLURM_JOB_NODELIST"
+    assert "SLURM_JOB_ID" in t.source("master_port")
+    assert t.source("platform") == "detected (SLURM_JOB_ID set)"
+    k = resolve(KUBEFLOW, 4)
+    assert k.source("node_rank") == "env PET_NODE_RANK"
+
+
+def test_kubeflow_rank_is_pod_index_not_process_rank():
+    env = dict(KUBEFLOW)
+    del env["PET_NODE_RANK"]
+    t = resolve(env, 4)
+    assert t.node_rank == 1 and t.world_size == 8  # WORLD_SIZE=2 (pods) is not the world size
+    assert "pod index" in t.source("node_rank")
+
+
+def test_probe_order_torchrun_worker_inside_slurm_wins():
+    t = resolve({**SLURM, **TORCHRUN_WORKER}, 4)
+    assert t.platform == "torchrun"
+
+
+def test_probe_order_kubeflow_before_generic():
+    assert resolve(KUBEFLOW, 4).platform == "kubeflow"
+
+
+def test_slurm_master_addr_and_port_from_env_win():
+    t = resolve({**SLURM, "MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "31000"}, 4)
+    assert (t.master_addr, t.master_port) == ("10.9.9.9", 31000)
+
+
+def test_slurm_port_outside_ephemeral_range():
+    for job in (1, 9999, 123456, 10**9 + 7):
+        port = resolve({**SLURM, "SLURM_JOB_ID": str(job)}, 4).master_port
+        assert 1024 < port < 32768
+
+
+def test_skypilot_zero_gpus_means_one_cpu_process():
+    t = resolve({**SKYPILOT, "SKYPILOT_NUM_GPUS_PER_NODE": "0"}, 0)
+    assert t.nproc_per_node == 1
+
+
+def test_platform_flag_skips_probe():
+    t = resolve({**SLURM, **SATURN}, 4, platform="slurm")
+    assert t.platform == "slurm" and t.source("platform") == "flag --platform"
+
+
+def test_flags_override_env_and_record_source():
+    ov = Overrides(nproc_per_node=2, master_port=29999, sources={"nproc_per_node": "flag --nproc"})
+    t = resolve(SATURN, 4, overrides=ov)
+    assert (t.nproc_per_node, t.master_port) == (2, 29999)
+    assert t.source("nproc_per_node") == "flag --nproc"
+    assert t.source("master_port") == "flag --master-port"
+    assert t.source("node_rank") == "env SATURN_JOB_RANK"
+
+
+def test_hosts_flag_sets_master_to_first_host():
+    t = resolve({}, 0, overrides=Overrides(nnodes=2, node_rank=1, hosts=("a", "b")))
+    assert t.master_addr == "a" and t.hosts == ("a", "b")
+
+
+def test_free_port_used_only_for_unchosen_single_node_port():
+    assert resolve({}, 0, free_port=lambda: 40001).master_port == 40001
+    assert resolve(SATURN, 4, free_port=lambda: 40001).master_port == 29500
+    ov = Overrides(master_port=29600)
+    assert resolve({}, 0, overrides=ov, free_port=lambda: 40001).master_port == 29600
+
+
+BAD = [
+    ({**SATURN, "SATURN_JOB_RANK": "2"}, 4, "SATURN_JOB_RANK", "must be in 0..1"),
+    ({**SATURN, "SATURN_JOB_RANK": "one"}, 4, "SATURN_JOB_RANK", "not an integer"),
+    ({**SKYPILOT, "SKYPILOT_NUM_NODES": "3"}, 8, "SKYPILOT_NUM_NODES", "lists 2 address"),
+    ({**SLURM, "SLURM_JOB_NODELIST": "gpu[07-"}, 4, "SLURM_JOB_NODELIST", "cannot parse"),
+    ({**SLURM, "SLURM_NNODES": "2"}, 4, "SLURM_NNODES", "lists 3 host"),
+    ({**SAGEMAKER, "SM_CURRENT_HOST": "algo-9"}, 8, "SM_CURRENT_HOST", "not in SM_HOSTS"),
+    ({**SAGEMAKER, "SM_HOSTS": "algo-1"}, 8, "SM_HOSTS", "JSON list"),
+    ({**MPI_PER_GPU, "OMPI_COMM_WORLD_SIZE": "7"}, 4, "OMPI_COMM_WORLD_SIZE", "multiple"),
+    ({"MASTER_ADDR": "h", "NNODES": "2", "NODE_RANK": "-1"}, 0, "NODE_RANK", ">= 0"),
+    ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": ""}, 0, "master address", "--master-addr"),
+    ({**KUBEFLOW, "PET_NNODES": "1:4"}, 4, "PET_NNODES", "elastic"),
+]
+
+
+@pytest.mark.parametrize("env,gpus,name,words", BAD)
+def test_bad_environment_names_variable_and_value(env, gpus, name, words):
+    with pytest.raises(MeshrunError) as e:
+        resolve(env, gpus)
+    msg = str(e.value)
+    assert name in msg and words in msg
+    assert "\n" not in msg
+
+
+def test_more_processes_than_gpus_is_refused():
+    with pytest.raises(MeshrunError, match=r"--nproc.*3.*2 GPU"):
+        resolve({}, 2, overrides=Overrides(nproc_per_node=3, sources={"nproc_per_node": "flag --nproc"}))
+
+
+def test_node_rank_flag_beyond_nnodes():
+    with pytest.raises(MeshrunError, match=r"flag --node-rank=2: node rank must be in 0\.\.1"):
+        resolve(SATURN, 4, overrides=Overrides(node_rank=2))
+
+
+def test_unknown_and_absent_platform():
+    with pytest.raises(MeshrunError, match="unknown platform"):
+        resolve({}, 0, platform="borg")
+    with pytest.raises(MeshrunError, match="SLURM_JOB_ID"):
+        resolve({}, 0, platform="slurm")
+
+
+def test_topology_is_frozen():
+    t = resolve({}, 0)
+    with pytest.raises(AttributeError):
+        t.nnodes = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        t.sources["nnodes"] = "x"  # type: ignore[index]
