@@ -1,5 +1,6 @@
 """Each rank contributes rank+1; every rank must see the sum. Prints one line per rank."""
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -9,6 +10,8 @@ rank, world = dist.get_rank(), dist.get_world_size()
 t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)
 expected = world * (world + 1) / 2
-print(f"ALLREDUCE rank={rank} world={world} local={os.environ['LOCAL_RANK']} sum={t.item():.0f} "
-      f"ok={t.item() == expected}", flush=True)
+# One write per line: print() may split text and newline, interleaving ranks' output.
+sys.stdout.write(f"ALLREDUCE rank={rank} world={world} local={os.environ['LOCAL_RANK']} "
+                 f"sum={t.item():.0f} ok={t.item() == expected}\n")
+sys.stdout.flush()
 dist.destroy_process_group()

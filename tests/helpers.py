@@ -1,0 +1,55 @@
+"""Run the real CLI in a subprocess, with a clean environment we control."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+
+# Variables of the machine running the tests that would change detection.
+_CLUSTER_PREFIXES = ("SLURM_", "SATURN_", "SKYPILOT_", "PET_", "OMPI_", "SM_", "TORCHELASTIC_", "MESHRUN_",
+                     "TF_CONFIG", "JAX_")
+_CLUSTER_NAMES = {"MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                  "LOCAL_WORLD_SIZE", "GROUP_RANK", "NPROC_PER_NODE", "CUDA_VISIBLE_DEVICES"}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_CLUSTER_PREFIXES) and k not in _CLUSTER_NAMES}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def meshrun(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
+            cwd: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshrun", *args], env=env if env is not None else clean_env(),
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def script(name: str) -> str:
+    return os.path.join(SCRIPTS, name)
+
+
+def require(module: str) -> None:
+    """Skip when a framework is not installed, except under MESHRUN_TEST_STRICT=1 (CI),
+    where a missing framework is a failure: CI must run every real launch."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec(module) is None:
+        if os.environ.get("MESHRUN_TEST_STRICT") == "1":
+            pytest.fail(f"{module} is not installed but MESHRUN_TEST_STRICT=1")
+        pytest.skip(f"{module} not installed")
+
+
+def lines(output: str, tag: str) -> list[dict[str, str]]:
+    """Parse 'TAG key=value key=value' lines printed by the scripts in tests/scripts."""
+    rows = []
+    for line in output.splitlines():
+        if line.startswith(tag + " "):
+            rows.append(dict(item.split("=", 1) for item in line.split()[1:]))
+    return rows

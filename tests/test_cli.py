@@ -1,0 +1,112 @@
+"""The CLI as a user meets it: help, env, dry runs, and one-line errors with exit code 2."""
+
+import json
+import socket
+
+import pytest
+
+from helpers import clean_env, meshrun, script
+from platform_envs import SATURN, SKYPILOT, SLURM
+
+TRAIN = script("torch_allreduce.py")
+
+
+def test_help_teaches_with_examples():
+    top = meshrun("--help")
+    assert top.returncode == 0 and "meshrun launch" in top.stdout and "MESHRUN_" in top.stdout
+    launch = meshrun("launch", "--help")
+    assert launch.returncode == 0
+    for words in ("examples:", "--num_processes=N*G (GLOBAL)", "--dry-run", "jax_initialize", "--nnodes 1:4"):
+        assert words in launch.stdout
+    assert "examples:" in meshrun("env", "--help").stdout
+
+
+def test_env_json_has_the_documented_keys():
+    out = meshrun("env", "--json", env=clean_env(**SATURN))
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    for key in ("platform", "nnodes", "node_rank", "nproc_per_node", "world_size", "master_addr",
+                "master_port", "hosts"):
+        assert key in data
+    assert (data["platform"], data["nnodes"], data["node_rank"]) == ("saturn", 2, 1)
+    assert data["sources"]["node_rank"] == "env SATURN_JOB_RANK"
+
+
+def test_env_table_shows_sources():
+    out = meshrun("env", env=clean_env(**SLURM))
+    assert out.returncode == 0
+    assert "SLURM_NODEID" in out.stdout and "gpu07" in out.stdout
+
+
+def test_dry_run_json_is_exact():
+    out = meshrun("launch", "--dry-run", "--json", "--nproc", "4", "--nnodes=2", "--node_rank", "1",
+                  "--master-addr", "10.0.0.1", "--master_port", "29511", TRAIN, "--lr", "0.1")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["argv"][0].endswith("torchrun")
+    assert data["argv"][1:] == ["--nnodes=2", "--node_rank=1", "--nproc_per_node=4", "--master_addr=10.0.0.1",
+                                "--master_port=29511", TRAIN, "--lr", "0.1"]
+    assert data["env"]["MESHRUN_MASTER_PORT"] == "29511"
+
+
+def test_meshrun_variables_act_as_flag_defaults_and_flags_win():
+    env = clean_env(MESHRUN_NNODES="2", MESHRUN_NODE_RANK="1", MESHRUN_MASTER_ADDR="h0", MESHRUN_FRAMEWORK="accelerate")
+    data = json.loads(meshrun("launch", "--dry-run", "--json", "--node-rank", "0", TRAIN, env=env).stdout)
+    assert data["argv"][0].endswith("accelerate")
+    assert "--machine_rank=0" in data["argv"] and "--num_machines=2" in data["argv"]
+    src = json.loads(meshrun("env", "--json", env=env).stdout)["sources"]
+    assert src["nnodes"] == "env MESHRUN_NNODES"
+
+
+def test_dry_run_text_is_a_copyable_shell_line():
+    out = meshrun("launch", "--dry-run", "-f", "tensorflow", TRAIN)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("TF_CONFIG=" in line for line in lines)
+
+
+ERRORS = [
+    (["launch", "--platform", "borg", TRAIN], {}, "--platform='borg': unknown platform"),
+    (["launch", "-f", "mxnet", TRAIN], {}, "--framework='mxnet': unknown framework"),
+    (["launch", "missing_script.py"], {}, "script='missing_script.py': no such file"),
+    (["launch", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h", TRAIN], {},
+     "flag --node-rank=2: node rank must be in 0..1"),
+    (["launch", "--node-rank", "x", TRAIN], {}, "flag --node-rank='x': not an integer"),
+    (["env"], {**SATURN, "SATURN_JOB_RANK": "one"}, "env SATURN_JOB_RANK='one': not an integer"),
+    (["env"], {**SKYPILOT, "SKYPILOT_NUM_NODES": "3"}, "env SKYPILOT_NUM_NODES=3: but SKYPILOT_NODE_IPS lists 2"),
+    (["env"], {**SLURM, "SLURM_JOB_NODELIST": "gpu[1-"}, "env SLURM_JOB_NODELIST='gpu[1-': cannot parse"),
+    (["launch", "--nproc", "3", TRAIN], {"CUDA_VISIBLE_DEVICES": "0,1"},
+     "flag --nproc-per-node=3: is more processes than the 2 GPU(s)"),
+    (["launch", "--nnodes", "0:2", TRAIN], {}, "must be >= 1"),
+    (["launch", "--bogus", TRAIN], {}, "unrecognized arguments"),
+    (["launch", "-f", "deepspeed", "--deepspeed-config", "nope.json", TRAIN], {}, "--deepspeed-config='nope.json'"),
+    (["launch", "-f", "tensorflow", "--nnodes", "2", "--master-addr", "h", TRAIN], {},
+     "TensorFlow's TF_CONFIG needs every node's address"),
+]
+
+
+@pytest.mark.parametrize("args,env,message", ERRORS)
+def test_bad_input_is_one_line_exit_2(args, env, message):
+    out = meshrun(*args, env=clean_env(**env))
+    assert out.returncode == 2, out
+    assert out.stderr.startswith("meshrun: error: ")
+    assert message in out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+def test_port_in_use_on_master_is_refused():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = meshrun("launch", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                      "--master-port", str(port), TRAIN)
+    assert out.returncode == 2
+    assert f"flag --master-port={port}: port {port} is already in use" in out.stderr
+
+
+def test_missing_launcher_program_is_named():
+    from meshrun.errors import MeshrunError
+    from meshrun.launch.run import resolve_program
+
+    with pytest.raises(MeshrunError, match="program 'deepspeed-nope' not found"):
+        resolve_program("deepspeed-nope")
