@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
 
 # Variables of the machine running the tests that would change detection.
 _CLUSTER_PREFIXES = ("SLURM_", "SATURN_", "SKYPILOT_", "PET_", "OMPI_", "SM_", "TORCHELASTIC_", "MESHRUN_",
@@ -31,6 +32,10 @@ def meshrun(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
 
 def script(name: str) -> str:
     return os.path.join(SCRIPTS, name)
+
+
+def example(name: str) -> str:
+    return os.path.join(EXAMPLES, name)
 
 
 def require(module: str) -> None:

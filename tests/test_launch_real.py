@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import clean_env, lines, meshrun, require, script
+from helpers import clean_env, example, lines, meshrun, require, script
 
 pytestmark = pytest.mark.framework
 
@@ -31,7 +31,7 @@ def test_tensorflow_multiworker_two_workers(tmp_path, mode):
     require("tensorflow")
     if mode == "fit":
         require("tf_keras")
-    out = meshrun("launch", "-f", "tensorflow", "--nproc", "2", script("tf_train.py"), mode, str(tmp_path))
+    out = meshrun("launch", "-f", "tensorflow", "--nproc", "2", example("tf_train.py"), mode, str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = lines(out.stdout, "TFTRAIN")
     assert sorted(r["index"] for r in rows) == ["0", "1"]
@@ -43,30 +43,36 @@ def test_tensorflow_multiworker_two_workers(tmp_path, mode):
     assert (tmp_path / "tmp-worker-1" / "final.weights.h5").is_file()
 
 
-def test_jax_two_processes_cross_process_sum():
+def test_jax_two_processes_cross_process_sum_and_sharded_training():
     require("jax")
-    out = meshrun("launch", "-f", "jax", "--nproc", "2", script("jax_sum.py"))
+    out = meshrun("launch", "-f", "jax", "--nproc", "2", example("jax_train.py"))
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = lines(out.stdout, "JAXSUM")
+    rows = lines(out.stdout, "JAXTRAIN")
     assert sorted(r["process"] for r in rows) == ["0", "1"]
-    assert all(r["count"] == "2" and r["sum"] == "3" for r in rows)
+    assert all(r["count"] == "2" and r["devices"] == "2" and r["sum"] == "3" for r in rows)
+    assert rows[0]["checksum"] == rows[1]["checksum"]
+    assert float(rows[0]["last"]) < 0.01 * float(rows[0]["first"])
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "native"])
-def test_deepspeed_zero2_two_processes(launcher):
+def test_deepspeed_zero2_two_processes(launcher, tmp_path):
     require("deepspeed")
     out = meshrun("launch", "-f", "deepspeed", "--deepspeed-launcher", launcher, "--nproc", "2",
-                  "--deepspeed-config", script("ds_zero2.json"), script("ds_train.py"), timeout=600)
+                  "--deepspeed-config", example("ds_config.json"), example("deepspeed_train.py"),
+                  "--save_dir", str(tmp_path), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = lines(out.stdout, "DSTRAIN")
     assert sorted(r["rank"] for r in rows) == ["0", "1"]
     assert all(r["world"] == "2" and r["stage"] == "2" for r in rows)
     assert rows[0]["checksum"] == rows[1]["checksum"]
+    shards = sorted(p.name for p in (tmp_path / "final").iterdir())
+    assert "mp_rank_00_model_states.pt" in shards
+    assert sum("optim_states" in name for name in shards) == 2  # one optimizer shard per rank
 
 
 def test_accelerate_two_processes_global_count():
     require("accelerate")
-    out = meshrun("launch", "-f", "accelerate", "--nproc", "2", script("accel_train.py"))
+    out = meshrun("launch", "-f", "accelerate", "--nproc", "2", example("accelerate_train.py"))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = lines(out.stdout, "ACCEL")
     assert sorted(r["index"] for r in rows) == ["0", "1"]

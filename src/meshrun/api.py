@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from typing import Any, Callable, Mapping
 
@@ -46,13 +47,16 @@ def _worker(rank: int, nproc: int, port: int, backend: str, fn: Callable[..., An
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=nproc)
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            dist.destroy_process_group()
-        queue.put((rank, True, result if rank == 0 else None))
+        result = fn(*args, **kwargs)
     except BaseException:  # report everything, KeyboardInterrupt included, to the parent
-        queue.put((rank, False, traceback.format_exc()))
+        # Report before tearing down: the teardown makes peers fail too, and the parent
+        # must see this root cause first (the timestamp orders near-simultaneous reports).
+        queue.put((rank, False, traceback.format_exc(), time.time()))
+    else:
+        queue.put((rank, True, result if rank == 0 else None, time.time()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: str | None = None,
@@ -88,26 +92,30 @@ def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: s
                          daemon=True) for r in range(nproc)]
     for p in procs:
         p.start()
-    import time
-
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    reports: dict[int, tuple[bool, Any]] = {}
+    reports: dict[int, tuple[bool, Any, float]] = {}
     failure: tuple[int, str] | None = None
+    settle_until: float | None = None  # after a failure, wait briefly for earlier ones
     try:
-        while len(reports) < nproc and failure is None:
+        while len(reports) < nproc and (settle_until is None or time.monotonic() < settle_until):
             try:
-                rank, ok, payload = results.get(timeout=0.2)
-                reports[rank] = (ok, payload)
-                if not ok:
-                    failure = (rank, payload)
+                rank, ok, payload, stamp = results.get(timeout=0.2)
+                reports[rank] = (ok, payload, stamp)
+                if not ok and settle_until is None:
+                    settle_until = time.monotonic() + 1.0
                 continue
             except queue_mod.Empty:
                 pass
             for r, p in enumerate(procs):
                 if r not in reports and not p.is_alive() and p.exitcode not in (None, 0):
-                    failure = (r, f"process exited with code {p.exitcode} before reporting")
+                    reports[r] = (False, f"process exited with code {p.exitcode} before reporting", time.time())
+                    settle_until = settle_until or time.monotonic() + 1.0
             if deadline is not None and time.monotonic() > deadline:
                 failure = (-1, f"timed out after {timeout_s} s")
+                break
+        failed = sorted((stamp, r, payload) for r, (ok, payload, stamp) in reports.items() if not ok)
+        if failure is None and failed:
+            failure = (failed[0][1], failed[0][2])
     finally:
         for p in procs:
             if failure is not None and p.is_alive():
@@ -118,8 +126,7 @@ def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: s
                 p.join()
     if failure is not None:
         raise RankError(*failure)
-    ok, payload = reports[0]
-    return payload
+    return reports[0][1]
 
 
 __all__ = ["detect", "run", "RankError", "MeshrunError"]

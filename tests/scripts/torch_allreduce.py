@@ -14,4 +14,5 @@ expected = world * (world + 1) / 2
 sys.stdout.write(f"ALLREDUCE rank={rank} world={world} local={os.environ['LOCAL_RANK']} "
                  f"sum={t.item():.0f} ok={t.item() == expected}\n")
 sys.stdout.flush()
+dist.barrier()  # nobody tears down while a peer is still in a collective
 dist.destroy_process_group()

@@ -1,5 +1,14 @@
-"""DeepSpeed ZeRO on CPU (gloo): a few steps of a small MLP; every rank prints the loss and a
-parameter checksum, which must agree across ranks (ZeRO keeps replicas in sync)."""
+"""DeepSpeed ZeRO launched on the torchrun path (seed 000) or by DeepSpeed's own launcher.
+
+    meshrun launch -f deepspeed --deepspeed-config examples/ds_config.json examples/deepspeed_train.py
+    meshrun launch -f deepspeed --deepspeed-launcher native --deepspeed-config examples/ds_config.json \
+        examples/deepspeed_train.py --save_dir /tmp/ds-ckpt
+
+meshrun appends ``--deepspeed --deepspeed_config FILE``, which ``deepspeed.add_config_arguments``
+parses. NCCL on GPU, gloo on CPU. Every rank prints its loss and a parameter checksum: the
+checksums must agree (ZeRO keeps the replicas in sync). With ``--save_dir``, the engine's
+own sharded checkpoint is written (each rank its optimizer shard), as the seed advises.
+"""
 import argparse
 import sys
 
@@ -8,10 +17,11 @@ import torch
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)  # the native launcher passes it
+parser.add_argument("--save_dir", default=None, help="write a DeepSpeed checkpoint here at the end")
 parser = deepspeed.add_config_arguments(parser)
 args = parser.parse_args()
 
-deepspeed.init_distributed(dist_backend="gloo")
+deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
@@ -31,6 +41,8 @@ with torch.no_grad():
             checksum = sum(float(p.double().sum()) for p in engine.module.parameters())
     else:
         checksum = sum(float(p.double().sum()) for p in engine.module.parameters())
+if args.save_dir:
+    engine.save_checkpoint(args.save_dir, tag="final")
 sys.stdout.write(f"DSTRAIN rank={rank} world={torch.distributed.get_world_size()} stage={stage} "
                  f"first={losses[0]:.5f} last={losses[-1]:.5f} checksum={checksum:.6f}\n")
 sys.stdout.flush()

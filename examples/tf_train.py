@@ -1,4 +1,11 @@
-"""TensorFlow MultiWorkerMirroredStrategy: train a small Keras model on every worker.
+"""TensorFlow MultiWorkerMirroredStrategy with chief-only checkpointing (seed 000).
+
+    meshrun launch -f tensorflow examples/tf_train.py fit /tmp/ckpt     # 2 workers here
+    # on every node (or call meshrun.tf_config() and run `python` yourself):
+    meshrun launch -f tensorflow examples/tf_train.py fit /shared/ckpt
+
+``meshrun.tf_config()`` returns the TF_CONFIG meshrun set (or builds it from the platform's
+variables when started without meshrun) and must run before the strategy is created.
 
 Usage: tf_train.py fit|loop CKPT_DIR
   fit   Keras ``model.fit`` through tf_keras (Keras 2, TF_USE_LEGACY_KERAS=1): Keras 3's fit

@@ -1,5 +1,13 @@
-"""Accelerate on CPU: prepare a model, take a few steps, and check every rank ended with the
-same weights and that the process count is the global one accelerate launch was given."""
+"""HuggingFace Accelerate, launched with the GLOBAL process count (seed 000's warning).
+
+    meshrun launch -f accelerate examples/accelerate_train.py              # 2 CPU processes here
+    meshrun launch -f accelerate --nnodes 2 --node-rank 0 --master-addr HEAD examples/accelerate_train.py
+
+meshrun passes ``--num_processes`` = nodes x processes per node. The script uses only the
+Accelerator API (no deepspeed.initialize, no FSDP wrapping: accelerate does those when
+launched with --deepspeed-config or --use-fsdp). Every rank prints its weight checksum,
+which must agree, and the process count it sees.
+"""
 import sys
 
 import torch

@@ -1,0 +1,65 @@
+"""Two or more "hosts" on this machine: network namespaces joined by a bridge-less veth
+pair (two hosts) with addresses in a private /24 created here and nowhere else.
+
+Names resolve per namespace: ``ip netns exec`` bind-mounts /etc/netns/NAME/hosts over
+/etc/hosts, so each host can resolve its peers' DNS names (Saturn Cloud's pod names) as a
+cluster's DNS would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+
+@dataclass
+class Host:
+    netns: str
+    ifname: str
+    addr: str
+
+    def command(self, argv: list[str], env: dict[str, str]) -> list[str]:
+        assigns = [f"{k}={v}" for k, v in env.items()]
+        return ["ip", "netns", "exec", self.netns, "env", "-i", *assigns, *argv]
+
+
+def available() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "needs root"
+    if shutil.which("ip") is None:
+        return "needs iproute2's ip"
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def create_pair(tag: str, subnet: int, names: dict[str, int]) -> list[Host]:
+    """Two hosts 10.231.SUBNET.1 and .2; ``names`` maps extra DNS names to host index."""
+    hosts = [Host(f"mr{tag}a", f"mv{tag}a", f"10.231.{subnet}.1"), Host(f"mr{tag}b", f"mv{tag}b", f"10.231.{subnet}.2")]
+    destroy(hosts)
+    for h in hosts:
+        _ip("netns", "add", h.netns)
+    _ip("link", "add", hosts[0].ifname, "type", "veth", "peer", "name", hosts[1].ifname)
+    for h in hosts:
+        _ip("link", "set", h.ifname, "netns", h.netns)
+        _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
+        _ip("-n", h.netns, "link", "set", h.ifname, "up")
+        _ip("-n", h.netns, "link", "set", "lo", "up")
+        etc = f"/etc/netns/{h.netns}"
+        os.makedirs(etc, exist_ok=True)
+        with open(f"{etc}/hosts", "w") as f:
+            f.write("127.0.0.1 localhost\n")
+            for name, index in names.items():
+                f.write(f"{hosts[index].addr} {name}\n")
+    return hosts
+
+
+def destroy(hosts: list[Host]) -> None:
+    for h in hosts:
+        subprocess.run(["ip", "netns", "del", h.netns], capture_output=True, timeout=30)
+        shutil.rmtree(f"/etc/netns/{h.netns}", ignore_errors=True)
