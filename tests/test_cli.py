@@ -110,3 +110,21 @@ def test_missing_launcher_program_is_named():
 
     with pytest.raises(MeshrunError, match="program 'deepspeed-nope' not found"):
         resolve_program("deepspeed-nope")
+
+
+def test_every_launch_option_can_come_from_the_environment():
+    env = clean_env(MESHRUN_RDZV="c10d", MESHRUN_MAX_RESTARTS="2", MESHRUN_DRY_RUN="1", MESHRUN_JSON="yes")
+    out = meshrun("launch", "--nnodes", "2", "--master-addr", "h0", TRAIN, env=env)
+    assert out.returncode == 0, out.stderr
+    argv = json.loads(out.stdout)["argv"]
+    assert "--rdzv_backend=c10d" in argv and "--max_restarts=2" in argv
+    bad = meshrun("launch", TRAIN, env=clean_env(MESHRUN_RDZV="etcd"))
+    assert bad.returncode == 2 and "env MESHRUN_RDZV='etcd': not one of static, c10d" in bad.stderr
+    bad = meshrun("launch", TRAIN, env=clean_env(MESHRUN_MAX_RESTARTS="many"))
+    assert bad.returncode == 2 and "env MESHRUN_MAX_RESTARTS='many': not an integer" in bad.stderr
+
+
+def test_missing_script_argument_is_one_line():
+    out = meshrun("launch")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "required: script" in out.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 import os
 import socket
 import sys
@@ -21,7 +22,7 @@ from typing import Mapping, Sequence
 from . import __version__
 from .cluster.detect import PLATFORMS, resolve
 from .cluster.gpus import count_visible_gpus
-from .cluster.options import ENV_PREFIX, user_topology
+from .cluster.options import ENV_PREFIX, parse_int, user_topology
 from .cluster.topology import FIELDS, Topology
 from .errors import MeshrunError, bad_value
 from .launch.build import FRAMEWORKS, build, per_framework
@@ -72,8 +73,27 @@ class Parser(argparse.ArgumentParser):
         raise MeshrunError(f"{message} (see '{self.prog} --help')")
 
 
-def add_option(p: argparse.ArgumentParser, name: str, *aliases: str, **kw: object) -> None:
-    """Register --a-b and --a_b (torchrun's convention) plus any aliases."""
+@dataclass(frozen=True)
+class EnvDefault:
+    """An option whose default may come from MESHRUN_<DEST> before its built-in default."""
+
+    flag: str
+    default: object
+    kind: str  # "bool" | "int" | "str"
+    choices: tuple[str, ...] | None
+
+
+# Filled by add_option; topology options are left out: cluster/options.py reads their
+# variables itself, so that their sources can be reported separately.
+ENV_DEFAULTS: dict[str, EnvDefault] = {}
+
+
+def add_option(p: argparse._ActionsContainer, name: str, *aliases: str, from_env: bool = True,
+               **kw: object) -> None:
+    """Register --a-b and --a_b (torchrun's convention) plus any aliases.
+
+    With ``from_env`` the option's default is looked up in MESHRUN_<DEST> first, so that
+    every flag can be set from the environment (a flag on the command line still wins)."""
     spellings = []
     for n in (name, *aliases):
         if n.startswith("--"):
@@ -81,21 +101,53 @@ def add_option(p: argparse.ArgumentParser, name: str, *aliases: str, **kw: objec
             spellings += [dash] + ([under] if under != dash else [])
         else:
             spellings.append(n)
-    kw.setdefault("dest", name[2:].replace("-", "_"))
+    dest = str(kw.setdefault("dest", name[2:].replace("-", "_")))
+    if from_env:
+        kind = "bool" if kw.get("action") == "store_true" else "int" if kw.get("type") is int else "str"
+        choices = tuple(kw["choices"]) if "choices" in kw else None  # type: ignore[call-overload]
+        ENV_DEFAULTS[dest] = EnvDefault(name, kw.pop("default", False if kind == "bool" else None), kind, choices)
+        kw["default"] = None
     p.add_argument(*spellings, **kw)  # type: ignore[arg-type]
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def fill_env_defaults(ns: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Give every option left unset on the command line its MESHRUN_<DEST> value or default."""
+    for dest, opt in ENV_DEFAULTS.items():
+        if not hasattr(ns, dest) or getattr(ns, dest) is not None:
+            continue
+        var = ENV_PREFIX + dest.upper()
+        raw = env.get(var)
+        if raw is None:
+            setattr(ns, dest, opt.default)
+            continue
+        src = f"env {var}"
+        if opt.kind == "bool":
+            if raw.strip().lower() not in _TRUE + _FALSE:
+                raise bad_value(src, raw, "not a yes/no value", "use 1 or 0")
+            value: object = raw.strip().lower() in _TRUE
+        elif opt.kind == "int":
+            value = parse_int(raw, src)
+        else:
+            value = raw
+        if opt.choices and value not in opt.choices:
+            raise bad_value(src, raw, f"not one of {', '.join(opt.choices)}", f"see {opt.flag} in --help")
+        setattr(ns, dest, value)
 
 
 def add_topology_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("topology (override what the platform says)")
-    add_option(g, "--platform", metavar="NAME", help=f"skip detection: one of {', '.join(PLATFORMS)}")
-    add_option(g, "--nnodes", metavar="N|MIN:MAX", help="number of nodes; MIN:MAX for an elastic job")
-    add_option(g, "--node-rank", metavar="R", help="this node's rank, 0..nnodes-1")
-    add_option(g, "--nproc", "--nproc-per-node", metavar="G", dest="nproc_per_node",
+    add_option(g, "--platform", from_env=False, metavar="NAME", help=f"skip detection: one of {', '.join(PLATFORMS)}")
+    add_option(g, "--nnodes", from_env=False, metavar="N|MIN:MAX", help="number of nodes; MIN:MAX for an elastic job")
+    add_option(g, "--node-rank", from_env=False, metavar="R", help="this node's rank, 0..nnodes-1")
+    add_option(g, "--nproc", "--nproc-per-node", from_env=False, metavar="G", dest="nproc_per_node",
                help="processes on this node (default: one per visible GPU; 2 on a CPU-only machine)")
-    add_option(g, "--master-addr", metavar="HOST", help="node 0's address (rendezvous host)")
-    add_option(g, "--master-port", metavar="PORT", help="rendezvous port (default 29500)")
-    add_option(g, "--hosts", metavar="H0,H1,..", help="every node's address in node-rank order")
-    add_option(g, "--run-id", metavar="ID", help="rendezvous id shared by the job's nodes")
+    add_option(g, "--master-addr", from_env=False, metavar="HOST", help="node 0's address (rendezvous host)")
+    add_option(g, "--master-port", from_env=False, metavar="PORT", help="rendezvous port (default 29500)")
+    add_option(g, "--hosts", from_env=False, metavar="H0,H1,..", help="every node's address in node-rank order")
+    add_option(g, "--run-id", from_env=False, metavar="ID", help="rendezvous id shared by the job's nodes")
 
 
 def topology_from_args(ns: argparse.Namespace, env: Mapping[str, str],
@@ -194,10 +246,9 @@ def launch_spec(ns: argparse.Namespace, elastic: tuple[int, int] | None) -> Laun
 
 
 def cmd_launch(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
-    fw = ns.framework or env.get(ENV_PREFIX + "FRAMEWORK") or "torch"
+    fw = ns.framework
     if fw not in FRAMEWORKS:
         raise bad_value("--framework", fw, "unknown framework", f"choose one of {', '.join(FRAMEWORKS)}")
-    ns.framework = fw
     gpus = count_visible_gpus(env)
     topo, elastic = topology_from_args(ns, env, gpus)
     topo = per_framework(topo, fw, gpus)
@@ -250,7 +301,7 @@ def make_parser() -> Parser:
 
     p = sub.add_parser("launch", help="start a training script on this node for its framework",
                        description=LAUNCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_option(p, "--framework", "-f", metavar="NAME", help=f"one of {', '.join(FRAMEWORKS)} (default torch)")
+    add_option(p, "--framework", "-f", metavar="NAME", default="torch", help=f"one of {', '.join(FRAMEWORKS)} (default torch)")
     add_topology_options(p)
     g = p.add_argument_group("launcher")
     add_option(g, "--rdzv", choices=("static", "c10d"), default="static",
@@ -284,6 +335,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     environ = dict(os.environ if env is None else env)
     try:
         ns = parser.parse_args(argv)
+        fill_env_defaults(ns, environ)
         if ns.command is None:
             parser.print_help()
             return 0
