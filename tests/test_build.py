@@ -219,3 +219,18 @@ def test_elastic_range_uses_c10d():
 def test_module_script():
     cmd = build(resolve({}, 0), LaunchSpec("torch", "pkg.train", script_args=("--x",), module=True))
     assert cmd.argv[-3:] == ("-m", "pkg.train", "--x")
+
+
+@pytest.mark.parametrize("framework,spec,message", [
+    ("torch", {"deepspeed_config": "ds.json"}, "--deepspeed-config='ds.json': has no effect with -f torch"),
+    ("jax", {"max_restarts": 2}, "--max-restarts=2: has no effect with -f jax"),
+    ("tensorflow", {"rdzv": "c10d"}, "--rdzv='c10d': has no effect with -f tensorflow"),
+    ("torch", {"use_fsdp": True}, "--use-fsdp=True: has no effect with -f torch"),
+    ("deepspeed", {"deepspeed_launcher": "native", "max_restarts": 1}, "DeepSpeed's native launcher"),
+    ("deepspeed", {"hostfile": "/tmp/h"}, "add --deepspeed-launcher native"),
+    ("torch", {"deepspeed_launcher": "native"}, "--deepspeed-launcher='native': has no effect with -f torch"),
+])
+def test_options_the_launcher_would_ignore_are_errors(framework, spec, message):
+    with pytest.raises(MeshrunError) as err:
+        build(resolve({}, 0), LaunchSpec(framework, "train.py", **spec))
+    assert message in str(err.value)

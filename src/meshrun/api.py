@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 from typing import Any, Callable, Mapping
 
 from .cluster.detect import resolve
 from .cluster.gpus import count_visible_gpus
+from .cluster.net import free_port
 from .cluster.options import user_topology
 from .cluster.topology import Topology
 from .errors import MeshrunError, bad_value
@@ -28,12 +28,6 @@ class RankError(RuntimeError):
     def __init__(self, rank: int, detail: str) -> None:
         super().__init__(f"rank {rank} failed:\n{detail}")
         self.rank = rank
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, nproc: int, port: int, backend: str, fn: Callable[..., Any],
@@ -87,7 +81,7 @@ def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: s
         start_method = "fork" if can_fork else "spawn"
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, nproc, port, backend, fn, args, kwargs, results),
                          daemon=True) for r in range(nproc)]
     for p in procs:

@@ -15,13 +15,13 @@ import argparse
 import json
 from dataclasses import dataclass
 import os
-import socket
 import sys
 from typing import Mapping, Sequence
 
 from . import __version__
 from .cluster.detect import PLATFORMS, resolve
 from .cluster.gpus import count_visible_gpus
+from .cluster.net import free_port, port_is_free
 from .cluster.options import ENV_PREFIX, parse_int, user_topology
 from .cluster.topology import FIELDS, Topology
 from .errors import MeshrunError, bad_value
@@ -155,22 +155,6 @@ def topology_from_args(ns: argparse.Namespace, env: Mapping[str, str],
     user = user_topology(vars(ns), env)
     topo = resolve(env, gpus, user.platform, user.overrides, free_port=free_port)
     return topo, user.elastic
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
 
 
 def check_ports(topo: Topology, cmd: Command, spec: LaunchSpec) -> None:

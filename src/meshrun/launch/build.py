@@ -11,6 +11,38 @@ from .common import deepspeed_script_args
 FRAMEWORKS = ("torch", "deepspeed", "accelerate", "jax", "tensorflow")
 
 
+def _used_by(spec: LaunchSpec) -> list[tuple[str, object, tuple[str, ...]]]:
+    """(flag, value, frameworks that use it) for every launcher option that was set."""
+    native = spec.framework == "deepspeed" and spec.deepspeed_launcher == "native"
+    rows: list[tuple[str, object, tuple[str, ...]]] = [
+        ("--deepspeed-config", spec.deepspeed_config, ("deepspeed", "accelerate")),
+        ("--accelerate-config", spec.accelerate_config, ("accelerate",)),
+        ("--use-fsdp", spec.use_fsdp or None, ("accelerate",)),
+        ("--fsdp-sharding-strategy", spec.fsdp_sharding_strategy, ("accelerate",)),
+        ("--mixed-precision", spec.mixed_precision, ("accelerate",)),
+        ("--hostfile", spec.hostfile, ("deepspeed",)),
+        ("--max-restarts", spec.max_restarts or None, () if native else ("torch", "deepspeed", "accelerate")),
+        ("--rdzv", None if spec.rdzv == "static" else spec.rdzv, () if native else ("torch", "deepspeed", "accelerate")),
+    ]
+    if spec.deepspeed_launcher != "torchrun":
+        rows.append(("--deepspeed-launcher", spec.deepspeed_launcher, ("deepspeed",)))
+    return rows
+
+
+def check_spec(spec: LaunchSpec) -> None:
+    """An option the chosen launcher would ignore is an error, not a silent no-op."""
+    for flag, value, frameworks in _used_by(spec):
+        if value is not None and spec.framework not in frameworks:
+            where = (f"-f {' or -f '.join(frameworks)}" if frameworks
+                     else "the torchrun path, not DeepSpeed's native launcher")
+            raise bad_value(flag, value, f"has no effect with -f {spec.framework}"
+                            + (" --deepspeed-launcher native" if spec.framework == "deepspeed" else ""),
+                            f"it is for {where}")
+    if spec.hostfile and spec.deepspeed_launcher != "native":
+        raise bad_value("--hostfile", spec.hostfile, "is only written for DeepSpeed's native launcher",
+                        "add --deepspeed-launcher native")
+
+
 def is_user_given(source: str) -> bool:
     return source.startswith(("flag ", "env MESHRUN_"))
 
@@ -33,7 +65,8 @@ def build(topo: Topology, spec: LaunchSpec, visible_devices: str | None = None) 
     fw = spec.framework
     if fw not in FRAMEWORKS:
         raise bad_value("--framework", fw, "unknown framework", f"choose one of {', '.join(FRAMEWORKS)}")
-    if spec.nnodes_range is not None and fw not in ("torch", "deepspeed"):
+    check_spec(spec)
+    if spec.nnodes_range is not None and (fw not in ("torch", "deepspeed") or spec.deepspeed_launcher == "native"):
         raise bad_value("--nnodes", f"{spec.nnodes_range[0]}:{spec.nnodes_range[1]}",
                         f"an elastic node range needs torchrun's rendezvous; {fw} cannot use it",
                         "give a fixed node count")
