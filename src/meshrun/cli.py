@@ -2,6 +2,8 @@
 
   meshrun env [--json]                 show the topology meshrun detects here, and why
   meshrun launch [options] script.py   start the script on this node for its framework
+  meshrun train [options]              train with meshrun's trainer (default: a small GPT
+                                       on the Python standard library's source)
 
 Run ``meshrun COMMAND --help`` for each command's manual. Every option accepts dashes or
 underscores (--master-port, --master_port) and can also be set through the environment as
@@ -124,6 +126,9 @@ def fill_env_defaults(ns: argparse.Namespace, env: Mapping[str, str]) -> None:
             setattr(ns, dest, opt.default)
             continue
         src = f"env {var}"
+        env_sourced = getattr(ns, "_env_sources", {})
+        env_sourced[dest] = src
+        ns._env_sources = env_sourced
         if opt.kind == "bool":
             if raw.strip().lower() not in _TRUE + _FALSE:
                 raise bad_value(src, raw, "not a yes/no value", "use 1 or 0")
@@ -311,6 +316,10 @@ def make_parser() -> Parser:
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=cmd_launch)
+
+    from .train_cli import add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""meshrun trainer (see trainer.py)."""

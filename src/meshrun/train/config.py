@@ -1,0 +1,212 @@
+"""TrainConfig: every knob of `meshrun train`, validated with errors that name their source.
+
+This module does not import torch: the CLI validates a config before launching anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from ..errors import MeshrunError, bad_value
+
+STRATEGIES = ("auto", "single", "ddp", "fsdp")
+FSDP_FLAVOURS = ("full", "grad_op", "hybrid", "no_shard")
+PRECISIONS = ("auto", "bf16", "fp32")
+AC_MODES = ("none", "full")
+EXAMPLES = ("gpt", "toy")
+BUILTIN_DATA = ("stdlib", "random", "toy")
+# GPT presets (d_model, n_layers, n_heads); the benchmarks use gpt-124m and gpt-1.3b.
+GPT_PRESETS = {
+    "gpt-tiny": dict(d_model=64, n_layers=2, n_heads=4),
+    "gpt-small": dict(d_model=256, n_layers=4, n_heads=4),  # the default job's model
+    "gpt-124m": dict(d_model=768, n_layers=12, n_heads=12),
+    "gpt-350m": dict(d_model=1024, n_layers=24, n_heads=16),
+    "gpt-1.3b": dict(d_model=2048, n_layers=24, n_heads=16),
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    example: str = "gpt"
+    model: str | None = None  # "module:factory" returning an nn.Module
+    data: str | None = None  # built-in name, or "module:factory" returning a Dataset or (train, val)
+    model_size: str = "gpt-small"
+    strategy: str = "auto"
+    fsdp: str = "full"  # full (ZeRO-3) | grad_op (ZeRO-2) | hybrid (HSDP) | no_shard (replicate)
+    fsdp_shard_size: int | None = None  # hybrid: ranks per shard group (default: processes per node)
+    steps: int = 200
+    micro_batch: int | None = None  # default: 8 for gpt, 32 for toy
+    global_batch: int | None = None  # default: micro_batch x data-parallel size (no accumulation)
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup: int | None = None  # default: 10% of steps, at most 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    precision: str = "auto"  # bf16 on GPUs that have it, fp32 elsewhere
+    compile: bool = False
+    activation_checkpointing: str = "none"
+    ddp_bucket_mb: int = 25
+    blocks: str | None = None  # attribute path of the block list, e.g. "model.layers"
+    out: str | None = None
+    log_every: int = 10
+    eval_every: int = 0  # 0: evaluate once, at the end
+    eval_batches: int = 8
+    seed: int = 0
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    # ---- derived ------------------------------------------------------------------------
+    @property
+    def micro(self) -> int:
+        if self.micro_batch is not None:
+            return self.micro_batch
+        return 32 if self.example == "toy" else 8
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else min(100, self.steps // 10)
+
+    def accumulation(self, dp_size: int) -> int:
+        """Micro-steps per optimizer step: global = micro x accumulation x data-parallel size."""
+        per_step = self.micro * dp_size
+        if self.global_batch is None:
+            return 1
+        if self.global_batch % per_step:
+            lo = self.global_batch // per_step * per_step
+            near = f"{lo} or {lo + per_step}" if lo else str(per_step)
+            raise bad_value(self.source("global_batch"), self.global_batch,
+                            f"is not a multiple of micro-batch {self.micro} x data-parallel size {dp_size} "
+                            f"= {per_step}", f"use a multiple of {per_step}, e.g. {near}")
+        return self.global_batch // per_step
+
+    def source(self, name: str) -> str:
+        src = self.sources.get(name)
+        flag = "--" + name.replace("_", "-")
+        return flag if src is None or src == "flag" else f"{flag} (from {src})"
+
+    def to_json(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["sources"] = dict(self.sources)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
+        return cls(**json.loads(text))
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise bad_value(cfg.source(name), value, "unknown value", f"choose one of {', '.join(choices)}")
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Checks that need no torch and no process group (the batch arithmetic needs the world
+    size and is checked by ``accumulation``)."""
+    _check_choice(cfg, "example", EXAMPLES)
+    _check_choice(cfg, "strategy", STRATEGIES)
+    _check_choice(cfg, "fsdp", FSDP_FLAVOURS)
+    _check_choice(cfg, "precision", PRECISIONS)
+    _check_choice(cfg, "activation_checkpointing", AC_MODES)
+    if cfg.model is None and cfg.example == "gpt" and cfg.model_size not in GPT_PRESETS:
+        raise bad_value(cfg.source("model_size"), cfg.model_size, "unknown GPT preset",
+                        f"choose one of {', '.join(GPT_PRESETS)}")
+    for name in ("model", "data"):
+        value = getattr(cfg, name)
+        if value is not None and ":" not in value and not (name == "data" and value in BUILTIN_DATA):
+            hint = "module:factory" + (f", or one of {', '.join(BUILTIN_DATA)}" if name == "data" else "")
+            raise bad_value(cfg.source(name), value, "expected module:factory", f"write {hint}")
+    positive = ("steps", "seq_len", "log_every", "eval_batches", "ddp_bucket_mb")
+    for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise bad_value(cfg.source(name), value, "must be at least 1")
+    for name in ("warmup", "eval_every"):
+        value = getattr(cfg, name)
+        if value is not None and value < 0:
+            raise bad_value(cfg.source(name), value, "must be >= 0")
+    if cfg.lr <= 0:
+        raise bad_value(cfg.source("lr"), cfg.lr, "must be positive")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise bad_value(cfg.source("min_lr_ratio"), cfg.min_lr_ratio, "must be between 0 and 1")
+    if cfg.grad_clip < 0:
+        raise bad_value(cfg.source("grad_clip"), cfg.grad_clip, "must be >= 0 (0 disables clipping)")
+    return cfg
+
+
+def load_file(path: str) -> dict[str, Any]:
+    """Read a YAML or TOML config whose keys are the flag names (dashes or underscores)."""
+    if not os.path.isfile(path):
+        raise bad_value("--config", path, "no such file")
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        else:
+            import yaml
+
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+    except ImportError:
+        raise bad_value("--config", path, "YAML needs PyYAML", "pip install pyyaml, or use a .toml file") from None
+    except Exception as exc:  # a parse error of either format
+        raise bad_value("--config", path, f"cannot parse ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
+    if not isinstance(raw, dict):
+        raise bad_value("--config", path, "must hold a mapping of option: value")
+    known = {f.name for f in fields(TrainConfig)} - {"sources"}
+    out = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise bad_value(f"--config {path}", key, "unknown key", "keys are the flag names of meshrun train")
+        out[name] = value
+    return out
+
+
+def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any],
+                 file_name: str | None = None) -> TrainConfig:
+    """Defaults < config file < flags; each value remembers where it came from."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, value in file_values.items():
+        values[name], sources[name] = value, f"config {file_name}"
+    for name, value in flag_values.items():
+        if value is not None:
+            values[name], sources[name] = value, "flag"
+    types = {f.name: f.type for f in fields(TrainConfig)}
+    for name, value in list(values.items()):
+        values[name] = _coerce(name, value, str(types[name]), sources[name])
+    try:
+        return validate(TrainConfig(sources=sources, **values))
+    except TypeError as exc:  # should not happen: keys are checked above
+        raise MeshrunError(f"bad configuration: {exc}") from None
+
+
+def _coerce(name: str, value: Any, type_name: str, source: str) -> Any:
+    """Config files give strings or numbers loosely; turn them into the field's type."""
+    where = f"--{name.replace('_', '-')} (from {source})" if source != "flag" else f"--{name.replace('_', '-')}"
+    try:
+        if "bool" in type_name:
+            if isinstance(value, str):
+                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("1", "true", "yes")
+            return bool(value)
+        if "int" in type_name:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if "float" in type_name:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise bad_value(where, value, f"expected {type_name.replace(' | None', '')}") from None

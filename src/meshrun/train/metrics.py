@@ -1,0 +1,147 @@
+"""Throughput, MFU, and where metrics go: stdout lines, a rich progress bar, metrics.jsonl,
+TensorBoard (when installed) and a loss-curve PNG (when matplotlib is installed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+# Dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets; sparsity excluded).
+PEAK_BF16 = (
+    ("H200", 989.4e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989.4e12),  # SXM
+    ("GH200", 989.4e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A10G", 70e12),  # AWS's A10G is clocked lower than the A10
+    ("A10", 125e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The card's bf16 peak, or None on CPU or an unknown card (MFU is then reported null)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16:
+        if key in name:
+            return value
+    return None
+
+
+def mfu(tokens_per_s_per_gpu: float, flops_per_token: float | None, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the card's peak."""
+    if not flops_per_token or not peak:
+        return None
+    return tokens_per_s_per_gpu * flops_per_token / peak
+
+
+class MetricsSink:
+    """Rank 0's outputs. Every record goes to stdout as one line and to metrics.jsonl."""
+
+    def __init__(self, out: str | None, total_steps: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.out = out
+        self.records: list[dict[str, Any]] = []
+        self.jsonl = None
+        self.tb = None
+        self.progress = None
+        self.start = time.monotonic()
+        self.total = total_steps
+        if not enabled:
+            return
+        if out:
+            os.makedirs(out, exist_ok=True)
+            self.jsonl = open(os.path.join(out, "metrics.jsonl"), "a", buffering=1)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(out, "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self.tb = None
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=True)
+            self.task = self.progress.add_task("train", total=total_steps, info="")
+            self.progress.start()
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        if self.jsonl:
+            self.jsonl.write(json.dumps(record) + "\n")
+        if self.tb:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
+        line = " | ".join(_fmt(k, v) for k, v in record.items() if v is not None)
+        if self.progress:
+            self.progress.update(self.task, completed=record["step"], info=_fmt("loss", record.get("loss")))
+            self.progress.console.print(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.progress:
+            self.progress.stop()
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+        if self.out:
+            plot_losses(self.records, os.path.join(self.out, "loss.png"))
+
+
+def _fmt(key: str, value: Any) -> str:
+    if value is None:
+        return f"{key} -"
+    if key in ("tokens_per_s", "tokens_per_s_per_gpu"):
+        return f"{key} {value:,.0f}"
+    if key == "mfu":
+        return f"mfu {100 * value:.1f}%"
+    if key == "peak_mem_bytes":
+        return f"peak_mem {value / 2**30:.2f} GiB"
+    if isinstance(value, float):
+        return f"{key} {value:.4g}"
+    return f"{key} {value}"
+
+
+def plot_losses(records: list[dict[str, Any]], path: str) -> bool:
+    """Training (and validation) loss against step; skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if train:
+        ax.plot(*zip(*train), label="train")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -1,0 +1,109 @@
+"""Built-in models: a GPT-2-style decoder (the benchmarks' model) and the seeds' toy Linear."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import GPT_PRESETS
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 50304  # 50257 rounded up to a multiple of 64 for tensor-core-friendly shapes
+    seq_len: int = 1024
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        # (b, heads, t, head_dim) for SDPA; it picks flash/memory-efficient kernels on GPU.
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """Learned positions, pre-LayerNorm blocks, GELU MLP 4x, tied input/output embeddings.
+
+    ``forward(idx, targets)`` returns the mean cross-entropy (computed in fp32) so that the
+    trainer never holds a second copy of the logits; without targets it returns logits.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        self.head.weight = self.tok.weight
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith(("proj.weight", "down.weight")):  # GPT-2's scaled residual init
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def flops_per_token(self) -> float:
+        """6N + 12·L·d·T: the forward+backward FLOPs per token (N = all parameters, tied
+        counted once), the formula of the benchmarks in ../shared/BASELINE.md."""
+        n = sum(p.numel() for p in self.parameters())
+        return 6 * n + 12 * self.cfg.n_layers * self.cfg.d_model * self.cfg.seq_len
+
+
+def gpt(preset: str = "gpt-small", seq_len: int = 256, vocab: int = 50304) -> GPT:
+    return GPT(GPTConfig(vocab=vocab, seq_len=seq_len, **GPT_PRESETS[preset]))
+
+
+class Toy(nn.Module):
+    """The seeds' model: Linear(20 -> 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(20, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)

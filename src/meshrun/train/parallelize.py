@@ -1,0 +1,133 @@
+"""Parallelisms as plain functions, applied in one fixed order (torchtitan's):
+
+    activation checkpointing -> compile -> data-parallel wrap (DDP or FSDP2)
+
+Checkpointing wraps each block first so that compile sees (and FSDP shards) the wrapped
+blocks; compile comes before the FSDP wrap so each block compiles as a unit and FSDP's
+hooks stay outside the graph; DDP is compiled after wrapping so its bucketing is visible
+to the compiler (DDPOptimizer splits the graph at bucket boundaries to overlap all-reduces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..errors import bad_value
+from .runtime import Runtime
+
+# Where common model families keep their list of repeated blocks.
+BLOCK_PATHS = ("blocks", "layers", "h", "transformer.h", "transformer.blocks", "model.layers",
+               "model.decoder.layers", "gpt_neox.layers", "decoder.layers", "encoder.layers")
+
+
+def _attr_path(model: nn.Module, path: str) -> object:
+    obj: object = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def find_blocks(model: nn.Module, override: str | None = None) -> tuple[str, nn.ModuleList] | None:
+    """The model's repeated blocks (the units to shard and to checkpoint), or None."""
+    if override:
+        blocks = _attr_path(model, override)
+        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) == 0:
+            raise bad_value("--blocks", override, "does not name a non-empty ModuleList of the model",
+                            "give the attribute path of the block list, e.g. model.layers")
+        return override, blocks  # type: ignore[return-value]
+    for path in BLOCK_PATHS:
+        blocks = _attr_path(model, path)
+        if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
+            return path, blocks
+    lists = [(sum(p.numel() for p in m.parameters()), name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) > 1]
+    if lists:
+        _, name, m = max(lists, key=lambda t: t[0])
+        return name, m
+    return None
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
+    """Recompute each block's activations in backward instead of storing them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(blocks):
+        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, per_block: bool) -> None:
+    """``Module.compile()`` compiles in place, so parameter names (and checkpoints) do not
+    change. Per block under FSDP (identical blocks share one compiled graph)."""
+    if per_block and blocks is not None:
+        for block in blocks:
+            block.compile()
+    else:
+        model.compile()
+
+
+def apply_ddp(model: nn.Module, rt: Runtime, bucket_mb: int) -> DDP:
+    return DDP(model, device_ids=[rt.local_rank] if rt.cuda else None, gradient_as_bucket_view=True,
+               bucket_cap_mb=bucket_mb)
+
+
+@dataclass(frozen=True)
+class FSDPPlan:
+    flavour: str  # full | grad_op | hybrid | no_shard
+    shard_size: int  # ranks per shard group (hybrid); world for full/grad_op; 1 for no_shard
+
+
+def fsdp_mesh(rt: Runtime, plan: FSDPPlan) -> DeviceMesh:
+    if plan.flavour in ("full", "grad_op"):
+        return init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("shard",))
+    if rt.world_size % plan.shard_size:
+        raise bad_value("--fsdp-shard-size", plan.shard_size, f"does not divide the world size {rt.world_size}",
+                        "hybrid sharding needs equal shard groups")
+    return init_device_mesh(rt.device.type, (rt.world_size // plan.shard_size, plan.shard_size),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def apply_fsdp(model: nn.Module, blocks: nn.ModuleList | None, mesh: DeviceMesh, plan: FSDPPlan,
+               bf16: bool) -> None:
+    """FSDP2: ``fully_shard`` each block, then the root (embeddings, final norm, head).
+
+    full     params, grads and optimizer state sharded; params resharded after forward (ZeRO-3)
+    grad_op  params stay unsharded between forward and backward (ZeRO-2 equivalent)
+    hybrid   a 2-D mesh: replicate across groups (nodes), shard within (HSDP)
+    no_shard a (world, 1) mesh: every rank holds everything (DDP equivalent, for comparison)
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
+    reshard = plan.flavour != "grad_op"
+    if blocks is not None:
+        for i, block in enumerate(blocks):
+            # The last block's parameters are needed again at once by backward: keep them.
+            fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def choose_strategy(requested: str, rt: Runtime, n_params: int) -> tuple[str, str]:
+    """(strategy, reason). ``auto``: one process -> single; else DDP when a full replica with
+    AdamW state (16 bytes per parameter) takes under half the GPU, else FSDP (full shard)."""
+    if requested == "single" and rt.world_size > 1:
+        raise bad_value("--strategy", "single", f"runs one process, but the world has {rt.world_size}",
+                        "use --nproc 1, or --strategy ddp/fsdp")
+    if requested != "auto":
+        return requested, "requested"
+    if rt.world_size == 1:
+        return "single", "one process"
+    if not rt.cuda:
+        return "ddp", "CPU: memory is not the constraint"
+    total = torch.cuda.get_device_properties(rt.device).total_memory
+    need = 16 * n_params
+    if need < 0.5 * total:
+        return "ddp", f"a replica with AdamW state needs {need / 2**30:.1f} GiB of {total / 2**30:.0f} GiB"
+    return "fsdp", f"a replica with AdamW state needs {need / 2**30:.1f} GiB: too much to replicate"

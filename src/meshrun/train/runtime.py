@@ -1,0 +1,64 @@
+"""The per-process runtime: process group, device, and a clean teardown.
+
+Works under `meshrun train`/`meshrun launch`, plain torchrun, and as a single process (no
+RANK in the environment: world of one, no process group needed but one is made anyway so
+collectives in the loop need no special case).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..cluster.net import free_port
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def init_runtime(timeout_s: float = 600) -> Runtime:
+    """NCCL with one GPU per process (from LOCAL_RANK) when CUDA is there, else gloo on CPU."""
+    if "RANK" not in os.environ:  # a plain `python train.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world, local_world = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return Runtime(rank, local_rank, world, local_world, device, backend)
+
+
+def teardown() -> None:
+    """Barrier first: with gloo, a rank that destroys the group while a peer is still inside
+    a collective can abort the peer ('terminate called without an active exception')."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,214 @@
+"""The Trainer: seed 002's snapshot Trainer grown up (checkpoints arrive with issue 4).
+
+    from meshrun.train import Trainer, TrainConfig
+    Trainer(model, train_dataset, val_dataset, TrainConfig(strategy="fsdp", steps=1000)).fit()
+
+Launch the script with `meshrun launch` or torchrun, or run it as one process. One optimizer
+step reads ``global_batch`` samples: micro-batch x accumulation x data-parallel size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from ..errors import MeshrunError
+from .config import TrainConfig, validate
+from .data import LoaderSpec, batches, make_loader
+from .metrics import MetricsSink, mfu, peak_flops
+from .optim import build_optimizer, build_scheduler
+from .parallelize import (FSDPPlan, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp,
+                          choose_strategy, find_blocks, fsdp_mesh)
+from .runtime import Runtime, init_runtime
+
+
+def _takes_targets(module: nn.Module) -> bool:
+    """Models whose forward(x, targets) returns the loss (GPT, HF models with labels)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 2 and params[1] in ("targets", "labels", "target", "y")
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, train_data: Dataset, val_data: Dataset | None = None,
+                 config: TrainConfig | None = None, runtime: Runtime | None = None) -> None:
+        self.cfg = validate(config or TrainConfig())
+        self.rt = runtime or init_runtime()
+        cfg, rt = self.cfg, self.rt
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and rt.cuda and torch.cuda.is_bf16_supported())
+        if cfg.precision == "bf16" and not rt.cuda:
+            raise MeshrunError("--precision='bf16': this run is on CPU, where meshrun trains in fp32 "
+                               "(hint: use --precision auto or fp32)")
+        self.flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else None
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.strategy, self.strategy_reason = choose_strategy(cfg.strategy, rt, self.n_params)
+        self.model_takes_targets = _takes_targets(model)
+        self.accum = cfg.accumulation(rt.world_size)
+        self.model, self.ddp = self._parallelize(model.to(rt.device))
+        self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay, rt.cuda)
+        self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+        spec = LoaderSpec(cfg.micro, rt.rank, rt.world_size, cfg.seed, pin_memory=rt.cuda)
+        self.train_loader = make_loader(train_data, spec)
+        self.val_loader = make_loader(val_data, LoaderSpec(cfg.micro, rt.rank, rt.world_size, cfg.seed,
+                                                           rt.cuda, shuffle=False)) if val_data is not None else None
+        if len(self.train_loader) == 0:
+            raise MeshrunError(f"the training data has {len(train_data)} samples: too few for one micro-batch of "
+                               f"{cfg.micro} on each of {rt.world_size} ranks (hint: lower --micro-batch)")
+
+    # ---- setup --------------------------------------------------------------------------
+    def _parallelize(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        cfg, rt = self.cfg, self.rt
+        found = find_blocks(model, cfg.blocks)
+        blocks = found[1] if found else None
+        if cfg.activation_checkpointing != "none":
+            if blocks is None:
+                raise MeshrunError("--activation-checkpointing: no block list found in the model "
+                                   "(hint: name it with --blocks, e.g. model.layers)")
+            apply_activation_checkpointing(blocks)
+        if self.strategy == "fsdp":
+            for t in model.state_dict().values():  # same initial weights everywhere before sharding
+                dist.broadcast(t, src=0)
+            if cfg.compile:
+                apply_compile(model, blocks, per_block=True)
+            plan = FSDPPlan(cfg.fsdp, cfg.fsdp_shard_size or rt.local_world_size)
+            apply_fsdp(model, blocks, fsdp_mesh(rt, plan), plan, self.bf16)
+            return model, None
+        if self.strategy == "ddp":
+            ddp = apply_ddp(model, rt, cfg.ddp_bucket_mb)
+            if cfg.compile:
+                apply_compile(ddp, None, per_block=False)
+            return ddp, ddp
+        if cfg.compile:
+            apply_compile(model, None, per_block=False)
+        return model, None
+
+    def _grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Skip the gradient all-reduce / reduce-scatter on micro-steps before the last."""
+        if self.ddp is not None and not sync:
+            return self.ddp.no_sync()
+        if self.strategy == "fsdp":
+            self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        return contextlib.nullcontext()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # DDP and single keep fp32 master weights and run matmuls in bf16 under autocast;
+        # FSDP2 casts parameters itself (MixedPrecisionPolicy), so no autocast there.
+        if self.bf16 and self.strategy != "fsdp":
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ---- the step -----------------------------------------------------------------------
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.model_takes_targets:
+            return self.model(x, y)
+        out = self.model(x)
+        if not y.is_floating_point():
+            return F.cross_entropy(out.float().view(-1, out.shape[-1]), y.reshape(-1))
+        return F.mse_loss(out.float(), y.float())
+
+    def _to_device(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch
+        return x.to(self.rt.device, non_blocking=True), y.to(self.rt.device, non_blocking=True)
+
+    def train_step(self, data: Iterator) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """One optimizer step over ``accum`` micro-batches. Returns this rank's mean loss (a
+        device tensor: no CPU sync here), the gradient norm and the tokens processed."""
+        loss_sum = torch.zeros((), device=self.rt.device)
+        tokens = 0
+        for micro in range(self.accum):
+            x, y = self._to_device(next(data))
+            tokens += x.numel() if not x.is_floating_point() else x.shape[0]
+            with self._grad_sync(micro == self.accum - 1), self._autocast():
+                loss = self._loss(x, y) / self.accum
+                loss.backward()
+            loss_sum += loss.detach()
+        norm = None
+        if self.cfg.grad_clip > 0:
+            # Works on FSDP2's sharded DTensor gradients too: the norm is reduced across shards.
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, norm, tokens
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.val_loader is None:
+            return None
+        self.model.eval()
+        total = torch.zeros(2, device=self.rt.device)
+        for i, batch in enumerate(self.val_loader):
+            if i >= self.cfg.eval_batches:
+                break
+            x, y = self._to_device(batch)
+            with self._autocast():
+                total += torch.stack([self._loss(x, y).float(), torch.ones((), device=self.rt.device)])
+        self.model.train()
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item() if total[1] > 0 else None
+
+    # ---- the loop -----------------------------------------------------------------------
+    def fit(self) -> list[dict[str, Any]]:
+        cfg, rt = self.cfg, self.rt
+        sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main)
+        if rt.is_main:
+            print(f"meshrun train: strategy {self.strategy} ({self.strategy_reason}), {rt.world_size} process(es), "
+                  f"{self.n_params / 1e6:.2f}M parameters, global batch {cfg.micro} x {self.accum} x "
+                  f"{rt.world_size} = {cfg.micro * self.accum * rt.world_size}, "
+                  f"{'bf16' if self.bf16 else 'fp32'}{', compiled' if cfg.compile else ''}", flush=True)
+        peak = peak_flops(rt.device)
+        data = batches(self.train_loader)
+        pending = torch.zeros((), device=rt.device)
+        window_tokens, window_start, window_steps = 0, time.perf_counter(), 0
+        try:
+            for step in range(1, cfg.steps + 1):
+                try:
+                    loss, norm, tokens = self.train_step(data)
+                except torch.cuda.OutOfMemoryError:
+                    if step > 1:
+                        raise
+                    raise MeshrunError(
+                        f"out of memory at step 1 with strategy {self.strategy}, micro-batch {cfg.micro} "
+                        f"(hint: try --strategy fsdp, a smaller --micro-batch, or --activation-checkpointing full)"
+                    ) from None
+                pending += loss
+                window_tokens += tokens
+                window_steps += 1
+                last = step == cfg.steps
+                if step % cfg.log_every and not last:
+                    continue
+                # The loss over the whole global batch, from every rank (one all-reduce per log).
+                dist.all_reduce(pending)
+                mean_loss = pending.item() / (rt.world_size * window_steps)  # .item() waits for the GPU
+                elapsed = time.perf_counter() - window_start
+                per_gpu = window_tokens / elapsed
+                record = {
+                    "step": step,
+                    "loss": mean_loss,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                    if norm is not None else None,
+                    "step_time_s": elapsed / window_steps,
+                    "tokens_per_s": per_gpu * rt.world_size,
+                    "tokens_per_s_per_gpu": per_gpu,
+                    "mfu": mfu(per_gpu, self.flops_per_token, peak),
+                    "peak_mem_bytes": torch.cuda.max_memory_allocated(rt.device) if rt.cuda else None,
+                }
+                if last or (cfg.eval_every and step % cfg.eval_every == 0):
+                    record["val_loss"] = self.evaluate()
+                sink.log(record)
+                pending.zero_()
+                window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+        finally:
+            sink.close()
+        return sink.records

@@ -1,0 +1,45 @@
+"""The per-rank program that `meshrun train` launches: `python -m meshrun.train.worker`.
+
+It reads the validated TrainConfig from MESHRUN_TRAIN_CONFIG. A MeshrunError (bad factory,
+out of memory at step 1, ...) is written to MESHRUN_ERROR_FILE for the launching
+`meshrun train`, which prints it as its one-line error, and the rank exits with code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..errors import MeshrunError
+
+
+def _report(exc: MeshrunError) -> None:
+    path = os.environ.get("MESHRUN_ERROR_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{exc}\n")
+    print(f"meshrun: error: {exc}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    from .config import TrainConfig
+    from .factories import build_data, build_model
+    from .runtime import init_runtime, teardown
+    from .trainer import Trainer
+
+    cfg = TrainConfig.from_json(os.environ["MESHRUN_TRAIN_CONFIG"])
+    try:
+        rt = init_runtime()
+        model = build_model(cfg)
+        vocab = getattr(getattr(model, "cfg", None), "vocab", None)
+        train, val = build_data(cfg, vocab)
+        Trainer(model, train, val, cfg, rt).fit()
+    except MeshrunError as exc:
+        _report(exc)
+        return 2  # no teardown barrier: the peers may be stuck elsewhere; the launcher stops them
+    teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
