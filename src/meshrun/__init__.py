@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Topology", "MeshrunError", "detect", "run", "tf_config", "jax_initialize", "__version__"]
+__all__ = ["Topology", "MeshrunError", "Trainer", "TrainConfig", "detect", "run", "tf_config", "jax_initialize",
+           "__version__"]
 
 if TYPE_CHECKING:
     from .api import detect, run
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     from .errors import MeshrunError
     from .integrations.jax import jax_initialize
     from .integrations.tensorflow import tf_config
+    from .train.config import TrainConfig
+    from .train.trainer import Trainer
 
 _LAZY = {
     "Topology": ("meshrun.cluster.topology", "Topology"),
@@ -26,6 +29,8 @@ _LAZY = {
     "run": ("meshrun.api", "run"),
     "tf_config": ("meshrun.integrations.tensorflow", "tf_config"),
     "jax_initialize": ("meshrun.integrations.jax", "jax_initialize"),
+    "Trainer": ("meshrun.train.trainer", "Trainer"),
+    "TrainConfig": ("meshrun.train.config", "TrainConfig"),
 }
 
 

@@ -1,0 +1,109 @@
+"""`meshrun train` end to end: the default job, the toy, user factories, outputs, errors."""
+
+import json
+import os
+
+import pytest
+
+from helpers import clean_env, meshrun, require
+
+pytestmark = pytest.mark.framework
+HERE = os.path.dirname(__file__)
+
+
+def records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_default_job_short_form_loss_falls(tmp_path):
+    require("torch")
+    out = meshrun("train", "--steps", "40", "--log-every", "10", "--out", str(tmp_path), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "strategy ddp" in out.stdout and "2 process(es)" in out.stdout
+    rows = records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [10, 20, 30, 40]
+    for key in ("step", "loss", "tokens_per_s", "mfu", "peak_mem_bytes"):
+        assert key in rows[0]
+    assert rows[0]["mfu"] is None  # CPU: no peak to compare with
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # bytes of Python source are learnable
+    assert rows[-1]["val_loss"] is not None and rows[-1]["val_loss"] < 4.0
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_toy_example_and_config_file_with_flag_override(tmp_path):
+    require("torch")
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("example: toy\nsteps: 100\nlr: 0.01\nlog-every: 50\n")
+    out = meshrun("train", "--config", str(cfg), "--steps", "60", "--log-every", "20", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [20, 40, 60]  # the flags won over the file
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_user_model_and_data_factories(tmp_path):
+    require("torch")
+    env = clean_env(PYTHONPATH=HERE)
+    out = meshrun("train", "--model", "userpkg.factories:mlp", "--data", "userpkg.factories:regression",
+                  "--steps", "30", "--lr", "0.01", "--log-every", "10", "--global-batch", "64",
+                  "--micro-batch", "16", "--out", str(tmp_path), env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "global batch 16 x 2 x 2 = 64" in out.stdout
+    rows = records(tmp_path / "metrics.jsonl")
+    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["val_loss"] is not None
+
+
+def test_dry_run_launches_the_worker_through_torchrun():
+    out = meshrun("train", "--dry-run", "--json", "--steps", "5")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["argv"][1:] == ["--standalone", "--nproc_per_node=2", "-m", "meshrun.train.worker"]
+    assert json.loads(data["env"]["MESHRUN_TRAIN_CONFIG"])["steps"] == 5
+
+
+ERRORS = [
+    (["--strategy", "zero4"], "--strategy='zero4': unknown value (hint: choose one of auto, single, ddp, fsdp)"),
+    (["--global-batch", "100", "--micro-batch", "8"],
+     "--global-batch=100: is not a multiple of micro-batch 8 x data-parallel size 2 = 16 (hint: use a multiple of 16, e.g. 96 or 112)"),
+    (["--model", "nosuchpkg.models:build"], "--model='nosuchpkg.models:build': cannot import module 'nosuchpkg.models'"),
+    (["--model", "userpkg.factories:nothing"], "module 'userpkg.factories' has no callable 'nothing'"),
+    (["--model-size", "gpt-9t"], "--model-size='gpt-9t': unknown GPT preset"),
+    (["--steps", "0"], "--steps=0: must be at least 1"),
+    (["--data", "wikipedia"], "--data='wikipedia': expected module:factory"),
+    (["--strategy", "single"], "--strategy='single': runs one process, but the world has 2"),
+]
+
+
+@pytest.mark.parametrize("args,message", ERRORS)
+def test_bad_input_is_one_line_exit_2(args, message):
+    out = meshrun("train", *args, env=clean_env(PYTHONPATH=HERE), timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshrun: error: ") and message in last
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stepz: 3\n")
+    out = meshrun("train", "--config", str(bad))
+    assert out.returncode == 2 and "unknown key" in out.stderr and "stepz" in out.stderr
+    typed = tmp_path / "typed.toml"
+    typed.write_text('steps = "many"\n')
+    out = meshrun("train", "--config", str(typed))
+    assert out.returncode == 2 and "--steps (from config" in out.stderr and "'many'" in out.stderr
+
+
+def test_factory_that_raises_inside_the_ranks_is_reported_in_one_line():
+    out = meshrun("train", "--data", "userpkg.factories:broken", "--steps", "2", env=clean_env(PYTHONPATH=HERE))
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == ("meshrun: error: --data='userpkg.factories:broken': the factory raised "
+                    "RuntimeError: database unreachable")
+
+
+def test_trainer_importable_from_meshrun():
+    require("torch")
+    import meshrun
+
+    assert meshrun.Trainer.__name__ == "Trainer" and meshrun.TrainConfig().strategy == "auto"

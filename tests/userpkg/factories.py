@@ -1,0 +1,18 @@
+"""User code for `meshrun train --model ... --data ...` tests."""
+import torch
+from torch.utils.data import TensorDataset
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+
+def regression():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1024, 20, generator=g)
+    y = x.sum(dim=1, keepdim=True)
+    return TensorDataset(x, y), TensorDataset(x[:128], y[:128])
+
+
+def broken():
+    raise RuntimeError("database unreachable")
