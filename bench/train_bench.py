@@ -1,0 +1,187 @@
+"""meshrun train against its peers, same model, same data, same card, same call.
+
+Launch one configuration per torchrun run (all GPUs of the node), e.g.
+
+    torchrun --standalone --nproc_per_node=4 bench/train_bench.py --mode meshrun --size gpt-124m --micro 64 --compile
+    torchrun --standalone --nproc_per_node=4 bench/train_bench.py --mode accelerate --size gpt-124m --micro 16
+
+Modes: ddp (plain DDP, autocast bf16), ddp_compile (plain DDP + torch.compile: the
+hand-tuned peer), accelerate (Accelerator(mixed_precision="bf16")), fabric (Lightning Fabric
+strategy="ddp", precision="bf16-mixed"), fsdp2 (fully_shard per block + root, bf16 params,
+fp32 reduce; --compile compiles per block), meshrun (meshrun's Trainer, --strategy).
+The model is ../shared/BASELINE.md's GPT (learned positions, LayerNorm, GELU 4x, tied
+embeddings, vocab 50304, SDPA causal), random tokens, fused AdamW. Rank 0 prints one line
+`BENCH {json}` with tokens/s per GPU, MFU (6N + 12 L d T per token over the bf16 peak) and
+peak memory, and appends it to --jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshrun.train.config import GPT_PRESETS, TrainConfig
+from meshrun.train.metrics import peak_flops
+from meshrun.train.models import GPT, GPTConfig
+
+
+def random_batch(micro: int, seq: int, vocab: int, device: torch.device, step: int, rank: int):
+    g = torch.Generator(device=device).manual_seed(step * 1000 + rank)
+    t = torch.randint(0, vocab, (micro, seq + 1), device=device, generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def make_model(size: str, seq: int, vocab: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=vocab, seq_len=seq, **GPT_PRESETS[size]))
+
+
+def timed_loop(step_fn, warmup: int, steps: int, device: torch.device) -> float:
+    for i in range(warmup):
+        step_fn(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        step_fn(warmup + i)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True, choices=["ddp", "ddp_compile", "accelerate", "fabric", "fsdp2", "meshrun"])
+    ap.add_argument("--size", default="gpt-124m")
+    ap.add_argument("--micro", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--jsonl", default=None)
+    args = ap.parse_args()
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    bf16 = cuda
+    model = make_model(args.size, args.seq, args.vocab)
+    flops_per_token = model.flops_per_token()
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
+    extra: dict = {}
+
+    if args.mode == "meshrun":
+        from meshrun.train.data import RandomTokens, batches
+        from meshrun.train.trainer import Trainer
+
+        cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro, seq_len=args.seq, compile=args.compile,
+                          steps=args.warmup + args.steps, lr=3e-4, log_every=10**9, grad_clip=1.0)
+        trainer = Trainer(model, RandomTokens(1 << 20, args.seq, args.vocab), None, cfg)
+        data = batches(trainer.train_loader)
+        extra["strategy"] = trainer.strategy
+        step_fn = lambda i: trainer.train_step(data)  # noqa: E731
+        rank, world = trainer.rt.rank, trainer.rt.world_size
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model.to(device)
+        if args.mode in ("ddp", "ddp_compile"):
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            net = DDP(model, device_ids=[local] if cuda else None)
+            if args.mode == "ddp_compile":
+                net = torch.compile(net)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cuda)
+
+            def step_fn(i):
+                x, y = random_batch(args.micro, args.seq, args.vocab, device, i, rank)
+                with amp:
+                    loss = net(x, y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        elif args.mode == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+            for block in model.blocks:
+                if args.compile:
+                    block.compile()
+                fully_shard(block, **({"mp_policy": mp} if mp else {}))
+            fully_shard(model, **({"mp_policy": mp} if mp else {}))
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cuda)
+
+            def step_fn(i):
+                x, y = random_batch(args.micro, args.seq, args.vocab, device, i, rank)
+                loss = model(x, y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        elif args.mode == "accelerate":
+            from accelerate import Accelerator
+
+            acc = Accelerator(mixed_precision="bf16" if bf16 else "no", cpu=not cuda)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cuda)
+            net, opt = acc.prepare(model, opt)
+
+            def step_fn(i):
+                x, y = random_batch(args.micro, args.seq, args.vocab, device, i, rank)
+                loss = net(x, y)
+                acc.backward(loss)
+                acc.clip_grad_norm_(net.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        else:  # fabric
+            from lightning.fabric import Fabric
+
+            fabric = Fabric(accelerator="cuda" if cuda else "cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                            num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)), strategy="ddp",
+                            precision="bf16-mixed" if bf16 else "32-true")
+            fabric.launch()
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=cuda)
+            net, opt = fabric.setup(model, opt)
+
+            def step_fn(i):
+                x, y = random_batch(args.micro, args.seq, args.vocab, device, i, rank)
+                loss = net(x, y)
+                fabric.backward(loss)
+                fabric.clip_gradients(net, opt, max_norm=1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    elapsed = timed_loop(step_fn, args.warmup, args.steps, device)
+    tokens_per_gpu = args.micro * args.seq * args.steps / elapsed
+    peak = peak_flops(device)
+    result = {
+        "mode": args.mode, "size": args.size, "gpus": world, "micro": args.micro, "compile": args.compile, **extra,
+        "tokens_per_s_per_gpu": round(tokens_per_gpu), "mfu": round(tokens_per_gpu * flops_per_token / peak, 4)
+        if peak else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
+        "card": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if rank == 0:
+        line = json.dumps(result)
+        print("BENCH " + line, flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(line + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
