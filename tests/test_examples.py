@@ -21,3 +21,28 @@ def test_ddp_snapshot_trains_then_resumes(tmp_path):
     assert "Resuming training from snapshot at epoch 4" in second.stdout
     assert "Epoch 0 |" not in second.stdout and "Epoch 5 | Training snapshot saved" in second.stdout
     assert not (tmp_path / "snapshot.pt.tmp").exists()
+
+
+@pytest.mark.parametrize("how", ["python", "meshrun launch", "torchrun"])
+def test_trainer_in_a_user_script_runs_three_ways(how):
+    import subprocess
+    import sys
+
+    from helpers import clean_env
+
+    require("torch")
+    script = example("trainer_script.py")
+    if how == "python":
+        argv = [sys.executable, script]
+    elif how == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
+    else:
+        argv = [sys.executable, "-m", "meshrun", "launch", script]
+    out = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    world = "1 process(es)" if how == "python" else "2 process(es)"
+    assert world in out.stdout
+    final = [line for line in out.stdout.splitlines() if line.startswith("final loss")]
+    assert len(final) == 1  # only rank 0 reports
+    loss, val = float(final[0].split()[2].rstrip(",")), float(final[0].split()[-1])
+    assert loss < 0.1 and val < 0.1

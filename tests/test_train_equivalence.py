@@ -85,3 +85,21 @@ def test_clipping_matches_single_process():
     # a per-shard norm would be smaller by about sqrt(2) than the single process's: the
     # equal norms above show the norm is taken over all shards.
     assert all(norm > 0.05 * 5 for _, norm in one)
+
+
+@pytest.mark.parametrize("nproc,overrides", [
+    (1, {"strategy": "single", "micro_batch": 8}),
+    (2, {"strategy": "ddp", "micro_batch": 4}),
+    (2, {"strategy": "fsdp", "micro_batch": 4}),
+], ids=["single", "ddp", "fsdp"])
+def test_activation_checkpointing_recomputes_the_same_training(reference, nproc, overrides):
+    close(run(nproc, activation_checkpointing="full", **overrides), reference)
+
+
+@pytest.mark.parametrize("nproc,overrides", [
+    (1, {"strategy": "single", "micro_batch": 8}),
+    (2, {"strategy": "fsdp", "micro_batch": 4}),
+], ids=["single", "fsdp-per-block"])
+def test_compiled_training_matches_eager(reference, nproc, overrides):
+    # Inductor fuses and reorders fp32 arithmetic: allow 1e-3 (a wrong graph is off by >1e-2).
+    close(run(nproc, compile=True, **overrides), reference, rtol=1e-3)

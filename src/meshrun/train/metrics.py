@@ -29,15 +29,19 @@ PEAK_BF16 = (
 )
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """The card's bf16 peak, or None on CPU or an unknown card (MFU is then reported null)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+def peak_for_name(name: str) -> float | None:
+    """First table entry whose key is in the device name (more specific keys come first)."""
     for key, value in PEAK_BF16:
         if key in name:
             return value
     return None
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The card's bf16 peak, or None on CPU or an unknown card (MFU is then reported null)."""
+    if device.type != "cuda":
+        return None
+    return peak_for_name(torch.cuda.get_device_name(device))
 
 
 def mfu(tokens_per_s_per_gpu: float, flops_per_token: float | None, peak: float | None) -> float | None:

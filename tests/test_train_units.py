@@ -1,0 +1,95 @@
+"""Pure pieces of the trainer: block discovery, schedule, MFU, data sharding, config."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from meshrun.errors import MeshrunError  # noqa: E402
+from meshrun.train.config import TrainConfig, build_config  # noqa: E402
+from meshrun.train.data import ShardedIterable, TokenChunks  # noqa: E402
+from meshrun.train.metrics import mfu, peak_for_name  # noqa: E402
+from meshrun.train.models import GPT, GPTConfig  # noqa: E402
+from meshrun.train.optim import lr_factor  # noqa: E402
+from meshrun.train.parallelize import find_blocks  # noqa: E402
+
+nn = torch.nn
+
+
+class HFLlamaLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+
+class GPT2Like(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.h = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+
+class Unusual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.small = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+        self.stack = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+
+def test_find_blocks_common_layouts_and_override():
+    assert find_blocks(HFLlamaLike())[0] == "model.layers"
+    assert find_blocks(GPT2Like())[0] == "transformer.h"
+    assert find_blocks(GPT(GPTConfig(vocab=16, seq_len=8, d_model=8, n_layers=2, n_heads=2)))[0] == "blocks"
+    assert find_blocks(Unusual())[0] == "stack"  # the largest ModuleList
+    assert find_blocks(nn.Linear(2, 2)) is None
+    assert find_blocks(Unusual(), "small")[0] == "small"
+    with pytest.raises(MeshrunError, match="--blocks='nothing.here'"):
+        find_blocks(Unusual(), "nothing.here")
+
+
+def test_warmup_then_cosine_to_min_ratio():
+    assert lr_factor(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(55, 10, 100, 0.1) == pytest.approx(0.55)  # halfway through the cosine
+    assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989.4e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L4", 121e12), ("NVIDIA L40S", 362e12), ("NVIDIA A10G", 70e12),
+    ("Some Future GPU", None),
+])
+def test_peak_table(name, peak):
+    assert peak_for_name(name) == peak
+
+
+def test_mfu_formula_matches_the_baseline_document():
+    # BASELINE.md: 124M, 333,396 tokens/s/GPU -> 29.0% on a 989.4 TFLOP/s card.
+    model = GPT(GPTConfig(vocab=50304, seq_len=1024, d_model=768, n_layers=12, n_heads=12))
+    assert mfu(333_396, model.flops_per_token(), 989.4e12) == pytest.approx(0.290, abs=0.002)
+    assert mfu(1000, None, 989.4e12) is None and mfu(1000, 1e9, None) is None
+
+
+def test_token_chunks_shift_targets():
+    ds = TokenChunks(torch.arange(10, dtype=torch.uint8), seq_len=4)
+    assert len(ds) == 2
+    x, y = ds[1]
+    assert x.tolist() == [4, 5, 6, 7] and y.tolist() == [5, 6, 7, 8]
+
+
+def test_iterable_sharding_is_disjoint_and_complete():
+    class Count(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    shards = [list(ShardedIterable(Count(), r, 3)) for r in range(3)]
+    assert sorted(sum(shards, [])) == list(range(10)) and shards[1] == [1, 4, 7]
+
+
+def test_config_sources_and_accumulation():
+    cfg = build_config({"steps": 7}, {"micro_batch": 4, "global_batch": 32}, "a.yaml")
+    assert cfg.accumulation(4) == 2 and cfg.steps == 7
+    assert cfg.source("steps") == "--steps (from config a.yaml)" and cfg.source("micro_batch") == "--micro-batch"
+    assert TrainConfig().accumulation(8) == 1
+    assert TrainConfig.from_json(cfg.to_json()) == cfg
