@@ -22,6 +22,14 @@ if [ "$SET" = 124m ] || [ "$SET" = all ]; then
   run "$N" --mode meshrun --size gpt-124m --micro 64 --compile
   run 1 --mode meshrun --size gpt-124m --micro 64 --compile
 fi
+if [ "$SET" = tune ]; then  # knobs tried after the first runs (docs/benchmarks.md)
+  run "$N" --mode meshrun --size gpt-124m --micro 64 --compile --bucket-mb 100
+  run "$N" --mode meshrun --size gpt-124m --micro 64 --compile --reduce-precision bf16
+  run "$N" --mode meshrun --size gpt-124m --micro 128 --compile
+  run "$N" --mode meshrun --size gpt-124m --micro 64 --compile --strategy fsdp --fsdp grad_op
+  run "$N" --mode meshrun --size gpt-1.3b --micro 32 --compile --strategy fsdp
+  run "$N" --mode meshrun --size gpt-1.3b --micro 16 --compile --strategy fsdp --fsdp grad_op
+fi
 if [ "$SET" = 1.3b ] || [ "$SET" = all ]; then
   run "$N" --mode fsdp2 --size gpt-1.3b --micro 16 --compile
   run "$N" --mode meshrun --size gpt-1.3b --micro 16 --compile

@@ -66,6 +66,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--fsdp", default="full")
+    ap.add_argument("--bucket-mb", type=int, default=25)
+    ap.add_argument("--reduce-precision", default="fp32")
     ap.add_argument("--jsonl", default=None)
     args = ap.parse_args()
 
@@ -85,10 +88,12 @@ def main() -> None:
         from meshrun.train.trainer import Trainer
 
         cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro, seq_len=args.seq, compile=args.compile,
-                          steps=args.warmup + args.steps, lr=3e-4, log_every=10**9, grad_clip=1.0)
+                          steps=args.warmup + args.steps, lr=3e-4, log_every=10**9, grad_clip=1.0, fsdp=args.fsdp,
+                          ddp_bucket_mb=args.bucket_mb, reduce_precision=args.reduce_precision)
         trainer = Trainer(model, RandomTokens(1 << 20, args.seq, args.vocab), None, cfg)
         data = batches(trainer.train_loader)
-        extra["strategy"] = trainer.strategy
+        extra.update(strategy=trainer.strategy, fsdp=args.fsdp, bucket_mb=args.bucket_mb,
+                     reduce_precision=args.reduce_precision)
         step_fn = lambda i: trainer.train_step(data)  # noqa: E731
         rank, world = trainer.rt.rank, trainer.rt.world_size
     else:

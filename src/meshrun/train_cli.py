@@ -64,6 +64,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--compile", action="store_const", const=True, default=None, help="torch.compile (per block under FSDP)")
     add_option(g, "--activation-checkpointing", metavar="MODE", default=None, help=f"{', '.join(AC_MODES)}")
     add_option(g, "--ddp-bucket-mb", type=int, metavar="MB", default=None, help="DDP gradient bucket size (default 25)")
+    add_option(g, "--reduce-precision", metavar="P", default=None,
+               help="gradient reduction across ranks: fp32 (default) or bf16 (half the bytes, less exact)")
     g = p.add_argument_group("schedule")
     add_option(g, "--steps", type=int, metavar="N", default=None, help="optimizer steps (default 200)")
     add_option(g, "--micro-batch", type=int, metavar="B", default=None, help="samples per process per micro-step")

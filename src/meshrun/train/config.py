@@ -16,6 +16,7 @@ from ..errors import MeshrunError, bad_value
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 FSDP_FLAVOURS = ("full", "grad_op", "hybrid", "no_shard")
 PRECISIONS = ("auto", "bf16", "fp32")
+REDUCE_PRECISIONS = ("fp32", "bf16")
 AC_MODES = ("none", "full")
 EXAMPLES = ("gpt", "toy")
 BUILTIN_DATA = ("stdlib", "random", "toy")
@@ -51,6 +52,7 @@ class TrainConfig:
     compile: bool = False
     activation_checkpointing: str = "none"
     ddp_bucket_mb: int = 25
+    reduce_precision: str = "fp32"  # gradients' data-parallel reduction: fp32, or bf16 (half the bytes)
     blocks: str | None = None  # attribute path of the block list, e.g. "model.layers"
     out: str | None = None
     log_every: int = 10
@@ -114,6 +116,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_choice(cfg, "strategy", STRATEGIES)
     _check_choice(cfg, "fsdp", FSDP_FLAVOURS)
     _check_choice(cfg, "precision", PRECISIONS)
+    _check_choice(cfg, "reduce_precision", REDUCE_PRECISIONS)
     _check_choice(cfg, "activation_checkpointing", AC_MODES)
     if cfg.model is None and cfg.example == "gpt" and cfg.model_size not in GPT_PRESETS:
         raise bad_value(cfg.source("model_size"), cfg.model_size, "unknown GPT preset",

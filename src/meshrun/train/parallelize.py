@@ -72,9 +72,18 @@ def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, per_block: boo
         model.compile()
 
 
-def apply_ddp(model: nn.Module, rt: Runtime, bucket_mb: int) -> DDP:
-    return DDP(model, device_ids=[rt.local_rank] if rt.cuda else None, gradient_as_bucket_view=True,
-               bucket_cap_mb=bucket_mb)
+def apply_ddp(model: nn.Module, rt: Runtime, bucket_mb: int, bf16_reduce: bool = False) -> DDP:
+    """``bf16_reduce`` all-reduces gradients in bf16 (half the bytes; the sum of N bf16 values
+    loses precision, so it is opt-in)."""
+    if bf16_reduce and not rt.cuda:
+        raise bad_value("--reduce-precision", "bf16", "DDP's bf16 reduction needs NCCL (GPUs)", "use fp32 on CPU")
+    ddp = DDP(model, device_ids=[rt.local_rank] if rt.cuda else None, gradient_as_bucket_view=True,
+              bucket_cap_mb=bucket_mb)
+    if bf16_reduce:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        ddp.register_comm_hook(None, bf16_compress_hook)
+    return ddp
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ def fsdp_mesh(rt: Runtime, plan: FSDPPlan) -> DeviceMesh:
 
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList | None, mesh: DeviceMesh, plan: FSDPPlan,
-               bf16: bool) -> None:
+               bf16: bool, bf16_reduce: bool = False) -> None:
     """FSDP2: ``fully_shard`` each block, then the root (embeddings, final norm, head).
 
     full     params, grads and optimizer state sharded; params resharded after forward (ZeRO-3)
@@ -104,7 +113,8 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList | None, mesh: DeviceMesh,
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    reduce = torch.bfloat16 if bf16_reduce else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if bf16 else None
     kwargs = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
     reshard = plan.flavour != "grad_op"
     if blocks is not None:

@@ -81,10 +81,10 @@ class Trainer:
             if cfg.compile:
                 apply_compile(model, blocks, per_block=True)
             plan = FSDPPlan(cfg.fsdp, cfg.fsdp_shard_size or rt.local_world_size)
-            apply_fsdp(model, blocks, fsdp_mesh(rt, plan), plan, self.bf16)
+            apply_fsdp(model, blocks, fsdp_mesh(rt, plan), plan, self.bf16, cfg.reduce_precision == "bf16")
             return model, None
         if self.strategy == "ddp":
-            ddp = apply_ddp(model, rt, cfg.ddp_bucket_mb)
+            ddp = apply_ddp(model, rt, cfg.ddp_bucket_mb, cfg.reduce_precision == "bf16")
             if cfg.compile:
                 apply_compile(ddp, None, per_block=False)
             return ddp, ddp
