@@ -30,6 +30,13 @@ if [ "$SET" = tune ]; then  # knobs tried after the first runs (docs/benchmarks.
   run "$N" --mode meshrun --size gpt-1.3b --micro 32 --compile --strategy fsdp
   run "$N" --mode meshrun --size gpt-1.3b --micro 16 --compile --strategy fsdp --fsdp grad_op
 fi
+if [ "$SET" = final ]; then  # meshrun's defaults after tuning, plus the CLI's default job
+  run "$N" --mode meshrun --size gpt-124m --micro 64 --compile
+  run 1 --mode meshrun --size gpt-124m --micro 64 --compile
+  run "$N" --mode meshrun --size gpt-1.3b --micro 32 --compile
+  run 1 --mode meshrun --size gpt-1.3b --micro 32 --compile
+  timeout 200 python3 -m meshrun train --steps 60 --log-every 20 --out "$OUT/default-job" 2>&1 | grep -E "^meshrun|^step|rror" | tail -5
+fi
 if [ "$SET" = 1.3b ] || [ "$SET" = all ]; then
   run "$N" --mode fsdp2 --size gpt-1.3b --micro 16 --compile
   run "$N" --mode meshrun --size gpt-1.3b --micro 16 --compile

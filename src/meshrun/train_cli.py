@@ -26,9 +26,10 @@ strategies (applied in this order: activation checkpointing -> compile -> data p
   single   one process, one device
   ddp      DistributedDataParallel (bucketed all-reduce overlapped with backward)
   fsdp     FSDP2 fully_shard per block, then the root; --fsdp picks the flavour:
-           full (ZeRO-3), grad_op (ZeRO-2), hybrid (shard in a node, replicate across), no_shard
-  auto     single for one process, else DDP when a replica with AdamW state fits in half a GPU,
-           else FSDP full shard (the default)
+           full (ZeRO-3), grad_op (ZeRO-2), hybrid (shard in a node, replicate across), no_shard,
+           auto (grad_op when a bf16 copy of the parameters is small, else full)
+  auto     single for one process; FSDP from 1B parameters or when a replica with AdamW state
+           would take over half a GPU; else DDP (the default)
 
 batch arithmetic: global batch = micro-batch x accumulation x data-parallel size; give
 --global-batch and meshrun derives the accumulation (or refuses with the nearest valid sizes).
@@ -57,13 +58,14 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                help="the model's block list, when meshrun does not find it (e.g. model.layers)")
     g = p.add_argument_group("how")
     add_option(g, "--strategy", metavar="S", default=None, help=f"{', '.join(STRATEGIES)} (default auto)")
-    add_option(g, "--fsdp", metavar="FLAVOUR", default=None, help=f"{', '.join(FSDP_FLAVOURS)} (default full)")
+    add_option(g, "--fsdp", metavar="FLAVOUR", default=None, help=f"{', '.join(FSDP_FLAVOURS)} (default auto: grad_op when a bf16 copy of the "
+                    "parameters is small, else full)")
     add_option(g, "--fsdp-shard-size", type=int, metavar="N", default=None,
                help="hybrid: ranks per shard group (default: processes per node)")
     add_option(g, "--precision", metavar="P", default=None, help=f"{', '.join(PRECISIONS)} (default auto: bf16 on GPU)")
     add_option(g, "--compile", action="store_const", const=True, default=None, help="torch.compile (per block under FSDP)")
     add_option(g, "--activation-checkpointing", metavar="MODE", default=None, help=f"{', '.join(AC_MODES)}")
-    add_option(g, "--ddp-bucket-mb", type=int, metavar="MB", default=None, help="DDP gradient bucket size (default 25)")
+    add_option(g, "--ddp-bucket-mb", type=int, metavar="MB", default=None, help="DDP gradient bucket size (default 100)")
     add_option(g, "--reduce-precision", metavar="P", default=None,
                help="gradient reduction across ranks: fp32 (default) or bf16 (half the bytes, less exact)")
     g = p.add_argument_group("schedule")

@@ -26,7 +26,7 @@ from .data import LoaderSpec, batches, make_loader
 from .metrics import MetricsSink, mfu, peak_flops
 from .optim import build_optimizer, build_scheduler
 from .parallelize import (FSDPPlan, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp,
-                          choose_strategy, find_blocks, fsdp_mesh)
+                          choose_fsdp_flavour, choose_strategy, find_blocks, fsdp_mesh)
 from .runtime import Runtime, init_runtime
 
 
@@ -80,7 +80,9 @@ class Trainer:
                 dist.broadcast(t, src=0)
             if cfg.compile:
                 apply_compile(model, blocks, per_block=True)
-            plan = FSDPPlan(cfg.fsdp, cfg.fsdp_shard_size or rt.local_world_size)
+            flavour, why = choose_fsdp_flavour(cfg.fsdp, rt, self.n_params)
+            self.strategy_reason += f"; fsdp {flavour}: {why}"
+            plan = FSDPPlan(flavour, cfg.fsdp_shard_size or rt.local_world_size)
             apply_fsdp(model, blocks, fsdp_mesh(rt, plan), plan, self.bf16, cfg.reduce_precision == "bf16")
             return model, None
         if self.strategy == "ddp":
