@@ -107,3 +107,12 @@ def test_trainer_importable_from_meshrun():
     import meshrun
 
     assert meshrun.Trainer.__name__ == "Trainer" and meshrun.TrainConfig().strategy == "auto"
+
+
+def test_out_of_memory_at_step_one_suggests_another_strategy():
+    out = meshrun("train", "--example", "toy", "--model", "userpkg.factories:oom_model", "--steps", "3",
+                  env=clean_env(PYTHONPATH=HERE))
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshrun: error: out of memory at step 1 with strategy ddp, micro-batch 32")
+    assert "--strategy fsdp" in last

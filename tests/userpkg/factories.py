@@ -16,3 +16,18 @@ def regression():
 
 def broken():
     raise RuntimeError("database unreachable")
+
+
+class _OutOfMemoryAtFirstStep(torch.nn.Module):
+    """Raises the exception CUDA raises when a step does not fit (this suite has no GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(20, 1)
+
+    def forward(self, x):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+def oom_model():
+    return _OutOfMemoryAtFirstStep()

@@ -1,0 +1,75 @@
+"""Where a training step's GPU time goes: meshrun's Trainer on one GPU under torch.profiler.
+
+    PYTHONPATH=src python3 bench/profile_step.py --size gpt-124m --micro 64 --compile
+
+Prints the share of device time per kernel family (matmuls, attention, Triton-fused
+elementwise/norm/loss kernels, optimizer, copies) and the top kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from meshrun.train.config import TrainConfig
+from meshrun.train.data import RandomTokens, batches
+from meshrun.train.models import gpt
+from meshrun.train.trainer import Trainer
+
+# Attention first: cuDNN's flash kernels also carry "sm90" in their names.
+FAMILIES = (("attention", ("flash", "fmha", "attention", "sdpa")), ("gemm", ("gemm", "sm90", "cutlass", "matmul", "nvjet")),
+            ("optimizer", ("adam", "multi_tensor", "foreach")), ("nccl", ("nccl",)),
+            ("triton", ("triton",)), ("copy", ("copy", "memcpy", "memset")))
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="gpt-124m")
+    ap.add_argument("--micro", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    model = gpt(args.size, seq_len=args.seq, vocab=50304)
+    cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9)
+    trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
+    data = batches(trainer.train_loader)
+    for _ in range(6):
+        trainer.train_step(data)
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(args.steps):
+            trainer.train_step(data)
+        if cuda:
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA" if cuda else True)]
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    total = sum(getattr(e, attr) for e in events) or 1
+    by_family: dict[str, float] = defaultdict(float)
+    for e in events:
+        by_family[family(e.key)] += getattr(e, attr)
+    print(f"PROFILE {args.size} micro {args.micro} compile {args.compile}: "
+          f"{total / args.steps / 1e3:.1f} ms device time per step")
+    for fam, t in sorted(by_family.items(), key=lambda kv: -kv[1]):
+        print(f"  {fam:10s} {100 * t / total:5.1f}%")
+    for e in sorted(events, key=lambda e: -getattr(e, attr))[:12]:
+        print(f"  {100 * getattr(e, attr) / total:5.1f}%  {e.key[:110]}")
+    from meshrun.train.runtime import teardown
+
+    teardown()
+
+
+if __name__ == "__main__":
+    main()
