@@ -160,57 +160,67 @@ class Trainer:
         return (total[0] / total[1]).item() if total[1] > 0 else None
 
     # ---- the loop -----------------------------------------------------------------------
+    def describe(self) -> str:
+        cfg, rt = self.cfg, self.rt
+        return (f"meshrun train: strategy {self.strategy} ({self.strategy_reason}), {rt.world_size} process(es), "
+                f"{self.n_params / 1e6:.2f}M parameters, global batch {cfg.micro} x {self.accum} x "
+                f"{rt.world_size} = {cfg.micro * self.accum * rt.world_size}, "
+                f"{'bf16' if self.bf16 else 'fp32'}{', compiled' if cfg.compile else ''}")
+
+    def _first_step_guard(self, data: Iterator, step: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """A step; an out-of-memory error on the first one becomes advice, not a traceback."""
+        try:
+            return self.train_step(data)
+        except torch.cuda.OutOfMemoryError:
+            if step > 1:
+                raise
+            raise MeshrunError(
+                f"out of memory at step 1 with strategy {self.strategy}, micro-batch {self.cfg.micro} "
+                f"(hint: try --strategy fsdp, a smaller --micro-batch, or --activation-checkpointing full)"
+            ) from None
+
+    def _record(self, step: int, loss_sum: torch.Tensor, steps: int, tokens: int, elapsed: float,
+                norm: torch.Tensor | None) -> dict[str, Any]:
+        """One log line's metrics over the last ``steps`` steps. The loss is the mean over the
+        whole global batch from every rank: one all-reduce per log line, not per step."""
+        rt = self.rt
+        dist.all_reduce(loss_sum)
+        per_gpu = tokens / elapsed
+        return {
+            "step": step,
+            "loss": loss_sum.item() / (rt.world_size * steps),  # .item() waits for the GPU
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": None if norm is None else float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),
+            "step_time_s": elapsed / steps,
+            "tokens_per_s": per_gpu * rt.world_size,
+            "tokens_per_s_per_gpu": per_gpu,
+            "mfu": mfu(per_gpu, self.flops_per_token, peak_flops(rt.device)),
+            "peak_mem_bytes": torch.cuda.max_memory_allocated(rt.device) if rt.cuda else None,
+        }
+
     def fit(self) -> list[dict[str, Any]]:
+        """Train ``cfg.steps`` optimizer steps; returns rank 0's log records (others: [])."""
         cfg, rt = self.cfg, self.rt
         sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main)
         if rt.is_main:
-            print(f"meshrun train: strategy {self.strategy} ({self.strategy_reason}), {rt.world_size} process(es), "
-                  f"{self.n_params / 1e6:.2f}M parameters, global batch {cfg.micro} x {self.accum} x "
-                  f"{rt.world_size} = {cfg.micro * self.accum * rt.world_size}, "
-                  f"{'bf16' if self.bf16 else 'fp32'}{', compiled' if cfg.compile else ''}", flush=True)
-        peak = peak_flops(rt.device)
+            print(self.describe(), flush=True)
         data = batches(self.train_loader)
-        pending = torch.zeros((), device=rt.device)
-        window_tokens, window_start, window_steps = 0, time.perf_counter(), 0
+        loss_sum = torch.zeros((), device=rt.device)
+        tokens, steps, start = 0, 0, time.perf_counter()
         try:
             for step in range(1, cfg.steps + 1):
-                try:
-                    loss, norm, tokens = self.train_step(data)
-                except torch.cuda.OutOfMemoryError:
-                    if step > 1:
-                        raise
-                    raise MeshrunError(
-                        f"out of memory at step 1 with strategy {self.strategy}, micro-batch {cfg.micro} "
-                        f"(hint: try --strategy fsdp, a smaller --micro-batch, or --activation-checkpointing full)"
-                    ) from None
-                pending += loss
-                window_tokens += tokens
-                window_steps += 1
+                loss, norm, n = self._first_step_guard(data, step)
+                loss_sum += loss
+                tokens, steps = tokens + n, steps + 1
                 last = step == cfg.steps
                 if step % cfg.log_every and not last:
                     continue
-                # The loss over the whole global batch, from every rank (one all-reduce per log).
-                dist.all_reduce(pending)
-                mean_loss = pending.item() / (rt.world_size * window_steps)  # .item() waits for the GPU
-                elapsed = time.perf_counter() - window_start
-                per_gpu = window_tokens / elapsed
-                record = {
-                    "step": step,
-                    "loss": mean_loss,
-                    "lr": self.scheduler.get_last_lr()[0],
-                    "grad_norm": float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-                    if norm is not None else None,
-                    "step_time_s": elapsed / window_steps,
-                    "tokens_per_s": per_gpu * rt.world_size,
-                    "tokens_per_s_per_gpu": per_gpu,
-                    "mfu": mfu(per_gpu, self.flops_per_token, peak),
-                    "peak_mem_bytes": torch.cuda.max_memory_allocated(rt.device) if rt.cuda else None,
-                }
+                record = self._record(step, loss_sum, steps, tokens, time.perf_counter() - start, norm)
                 if last or (cfg.eval_every and step % cfg.eval_every == 0):
                     record["val_loss"] = self.evaluate()
                 sink.log(record)
-                pending.zero_()
-                window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+                loss_sum.zero_()
+                tokens, steps, start = 0, 0, time.perf_counter()
         finally:
             sink.close()
         return sink.records
