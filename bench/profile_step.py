@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from meshrun.train.config import TrainConfig
-from meshrun.train.data import RandomTokens, batches
+from meshrun.train.data import BatchStream, RandomTokens
 from meshrun.train.models import gpt
 from meshrun.train.trainer import Trainer
 
@@ -44,7 +44,7 @@ def main() -> None:
     model = gpt(args.size, seq_len=args.seq, vocab=50304)
     cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9)
     trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
-    data = batches(trainer.train_loader)
+    data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)
     for _ in range(6):
         trainer.train_step(data)
     cuda = torch.cuda.is_available()

@@ -84,14 +84,14 @@ def main() -> None:
     extra: dict = {}
 
     if args.mode == "meshrun":
-        from meshrun.train.data import RandomTokens, batches
+        from meshrun.train.data import BatchStream, RandomTokens
         from meshrun.train.trainer import Trainer
 
         cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro, seq_len=args.seq, compile=args.compile,
                           steps=args.warmup + args.steps, lr=3e-4, log_every=10**9, grad_clip=1.0, fsdp=args.fsdp,
                           ddp_bucket_mb=args.bucket_mb, reduce_precision=args.reduce_precision)
         trainer = Trainer(model, RandomTokens(1 << 20, args.seq, args.vocab), None, cfg)
-        data = batches(trainer.train_loader)
+        data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)
         extra.update(strategy=trainer.strategy, fsdp=args.fsdp, bucket_mb=args.bucket_mb,
                      reduce_precision=args.reduce_precision)
         step_fn = lambda i: trainer.train_step(data)  # noqa: E731

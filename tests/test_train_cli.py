@@ -114,5 +114,5 @@ def test_out_of_memory_at_step_one_suggests_another_strategy():
                   env=clean_env(PYTHONPATH=HERE))
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("meshrun: error: out of memory at step 1 with strategy ddp, micro-batch 32")
+    assert last.startswith("meshrun: error: out of memory at the first step with strategy ddp, micro-batch 32")
     assert "--strategy fsdp" in last

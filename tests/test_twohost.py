@@ -55,3 +55,48 @@ def test_saturn_two_nodes_torch_allreduce(hosts):
     rows = [r for out, _ in outs for r in lines(out, "ALLREDUCE")]
     assert sorted(int(r["rank"]) for r in rows) == [0, 1, 2, 3]
     assert all(r["world"] == "4" and r["sum"] == "10" for r in rows)
+
+
+def test_two_nodes_survive_a_killed_rank_and_resume_bit_for_bit(hosts, tmp_path):
+    """`meshrun train --max-restarts 1` on both nodes; one worker on node 1 is SIGKILLed
+    mid-run; both nodes start a fresh rendezvous (port + 1) and resume from the snapshot
+    in the shared output directory; every loss after the resume equals an uninterrupted
+    run's."""
+    require("torch")
+    from test_checkpoint import JOB, kill_when, losses, reached
+
+    from helpers import meshrun as run_cli
+
+    reference = tmp_path / "reference"
+    res = run_cli("train", *JOB, "--out", str(reference), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    expected = losses(str(reference))
+
+    out = str(tmp_path / "two-nodes")
+    watcher, killed = kill_when(reached(out, 15), out, deadline_s=300)
+    procs = []
+    for rank, host in enumerate(hosts):
+        # One process per node: torchrun leaves OMP_NUM_THREADS alone then, and a different
+        # thread count changes the order of CPU float sums; match the reference's 1.
+        env = clean_env(MASTER_ADDR=hosts[0].addr, MASTER_PORT="29400", NNODES="2", NODE_RANK=str(rank),
+                        GLOO_SOCKET_IFNAME=host.ifname, OMP_NUM_THREADS="1")
+        argv = host.command([sys.executable, "-m", "meshrun", "train", "--nproc", "1", *JOB, "--out", out,
+                             "--max-restarts", "1"], env)
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=400))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    watcher.join(timeout=1)
+    assert killed, "the job ended before a worker could be killed"
+    for p, (stdout, stderr) in zip(procs, outs):
+        assert p.returncode == 0, stderr[-3000:]
+        assert "restart 1 of 1" in stderr
+    assert "resumed from" in outs[0][0] and "at step 12" in outs[0][0]
+    after = losses(out)
+    assert sorted(after) == list(range(1, 61))
+    assert all(after[s] == expected[s] for s in range(13, 61))

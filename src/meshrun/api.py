@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import time
 import traceback
 from typing import Any, Callable, Mapping
@@ -47,7 +48,9 @@ def _worker(rank: int, nproc: int, port: int, backend: str, fn: Callable[..., An
         # must see this root cause first (the timestamp orders near-simultaneous reports).
         queue.put((rank, False, traceback.format_exc(), time.time()))
     else:
-        queue.put((rank, True, result if rank == 0 else None, time.time()))
+        # Plain pickle bytes, not the queue's own tensor sharing: that passes file descriptors
+        # which vanish when this process exits before the parent has read them.
+        queue.put((rank, True, pickle.dumps(result) if rank == 0 else None, time.time()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -120,7 +123,7 @@ def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: s
                 p.join()
     if failure is not None:
         raise RankError(*failure)
-    return reports[0][1]
+    return pickle.loads(reports[0][1])
 
 
 __all__ = ["detect", "run", "RankError", "MeshrunError"]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from typing import Mapping
 
 from .cli import add_option, add_topology_options, check_ports, print_dry_run, topology_from_args
 from .cluster.gpus import count_visible_gpus
+from .cluster.net import free_port
 from .errors import MeshrunError
 from .launch.build import build
 from .launch.command import Command, LaunchSpec
@@ -79,18 +81,57 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--weight-decay", type=float, metavar="W", default=None, help="AdamW weight decay (default 0.1)")
     add_option(g, "--grad-clip", type=float, metavar="C", default=None, help="global gradient norm clip (0: off)")
     add_option(g, "--seed", type=int, metavar="S", default=None, help="seed for weights and data order")
-    g = p.add_argument_group("output")
+    g = p.add_argument_group("metrics")
     add_option(g, "--out", metavar="DIR", default=None, help="write metrics.jsonl, TensorBoard events, loss.png")
     add_option(g, "--log-every", type=int, metavar="N", default=None, help="steps between log lines (default 10)")
     add_option(g, "--eval-every", type=int, metavar="N", default=None, help="steps between validations (0: at the end)")
     add_option(g, "--eval-batches", type=int, metavar="N", default=None, help="validation micro-batches per rank")
+    g = p.add_argument_group("snapshots and restarts (with --out)")
+    add_option(g, "--save-every", type=int, metavar="N", default=None,
+               help="snapshot every N steps and at the end (default 100; 0: only at the end)")
+    add_option(g, "--keep-last", type=int, metavar="K", default=None, help="committed snapshots kept (default 3; 0: all)")
+    add_option(g, "--resume", metavar="auto|none|PATH", default=None,
+               help="auto (default): continue from the newest snapshot in OUT/checkpoints; none; or a snapshot")
+    add_option(g, "--no-resume", action="store_const", const="none", dest="resume", from_env=False,
+               help="start fresh even if OUT holds snapshots")
+    add_option(g, "--max-restarts", type=int, metavar="N", default=0,
+               help="after a crash, start the job again (a fresh rendezvous) up to N times; it resumes")
+    add_option(g, "--async-save", action="store_const", const=True, default=None,
+               help="write snapshots in the background while training continues (one in flight)")
+    add_option(g, "--deterministic", action="store_const", const=True, default=None,
+               help="deterministic kernels: reruns and resumes reproduce the loss bit for bit")
+    g = p.add_argument_group("output")
     add_option(g, "--dry-run", action="store_true", help="print the launch command; run nothing")
     add_option(g, "--json", action="store_true", help="with --dry-run: one JSON object")
     add_topology_options(p)
     p.set_defaults(func=cmd_train)
 
+    e = sub.add_parser("export", help="write a snapshot's weights as one safetensors file",
+                       description="Consolidate the model weights of a meshrun train snapshot (sharded or not) "
+                                   "into one safetensors file for inference and Hugging Face tools.\n\n"
+                                   "example:\n  meshrun export runs/a/checkpoints/step-00000200 --to model.safetensors",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("snapshot", help="a committed snapshot directory (OUT/checkpoints/step-N), or OUT/checkpoints")
+    add_option(e, "--to", required=True, metavar="FILE", from_env=False, help="the .safetensors file to write")
+    e.set_defaults(func=cmd_export)
+
+
+def cmd_export(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from .train import checkpoint
+
+    path = ns.snapshot
+    if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
+        found = checkpoint.latest(path) if os.path.isdir(path) else None
+        if found is None:
+            raise MeshrunError(f"snapshot={path!r}: not a committed snapshot nor a directory of them")
+        path = found
+    n = checkpoint.export_safetensors(path, ns.to)
+    print(f"meshrun export: {n} tensors from {path} -> {ns.to}")
+    return 0
+
 
 TRAIN_KEYS = [f for f in TrainConfig.__dataclass_fields__ if f != "sources"]
+RETRY_PORT_STRIDE = 1  # attempt k rendezvous on master_port + k: every node computes the same port
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
@@ -118,11 +159,25 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
             from .train.factories import load_factory
 
             load_factory(value, f"--{name}")  # import errors now, not in every rank
+    if ns.max_restarts < 0:
+        raise MeshrunError(f"--max-restarts={ns.max_restarts}: must be >= 0")
+    if ns.max_restarts and not cfg.out:
+        raise MeshrunError("--max-restarts: a restarted job resumes from its snapshots, which need --out DIR "
+                           "(hint: add --out)")
     error_file = os.path.join(tempfile.gettempdir(), f"meshrun-train-{os.getpid()}.err")
-    spec = LaunchSpec(framework="torch", script="meshrun.train.worker", module=True)
-    launch = build(topo, spec)
     extra = {"MESHRUN_TRAIN_CONFIG": cfg.to_json(), "MESHRUN_ERROR_FILE": error_file}
-    cmd = Command(processes=launch.processes, env={**launch.env, **extra}, files=launch.files, note=launch.note)
+
+    def command(attempt: int) -> tuple[Command, LaunchSpec]:
+        # Each attempt is a new torchrun with a new rendezvous port: torchrun's in-place
+        # restarts did not resume here (../shared/FIELD-NOTES.md), a fresh launch does.
+        t = topo if attempt == 0 else topo.replace(master_port=(free_port() if topo.source("master_port").startswith(
+            "free port") else topo.master_port + attempt * RETRY_PORT_STRIDE))
+        spec = LaunchSpec(framework="torch", script="meshrun.train.worker", module=True)
+        launch = build(t, spec)
+        return Command(processes=launch.processes, env={**launch.env, **extra}, files=launch.files,
+                       note=launch.note), spec
+
+    cmd, spec = command(0)
     if ns.dry_run:
         print_dry_run(cmd, ns.json)
         return 0
@@ -130,12 +185,19 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     from .launch.run import execute
 
     try:
-        code = execute(cmd, env)
-        if code != 0 and os.path.exists(error_file):
-            with open(error_file) as f:
-                first = f.readline().strip()
-            if first:
-                raise MeshrunError(first)
+        for attempt in range(ns.max_restarts + 1):
+            if attempt:
+                print(f"meshrun: job exited with code {code}; restart {attempt} of {ns.max_restarts}, "
+                      "resuming from the newest snapshot", file=sys.stderr, flush=True)
+                cmd, _ = command(attempt)
+            code = execute(cmd, env)
+            if code == 0:
+                return 0
+            if os.path.exists(error_file):
+                with open(error_file) as f:
+                    first = f.readline().strip()
+                if first:  # bad input or a non-finite loss: a restart would fail the same way
+                    raise MeshrunError(first)
         return code
     finally:
         if os.path.exists(error_file):

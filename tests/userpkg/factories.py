@@ -31,3 +31,8 @@ class _OutOfMemoryAtFirstStep(torch.nn.Module):
 
 def oom_model():
     return _OutOfMemoryAtFirstStep()
+
+
+def nan_data():
+    x = torch.full((256, 20), float("nan"))
+    return TensorDataset(x, torch.zeros(256, 1))

@@ -55,6 +55,11 @@ class TrainConfig:
     reduce_precision: str = "fp32"  # gradients' data-parallel reduction: fp32, or bf16 (half the bytes)
     blocks: str | None = None  # attribute path of the block list, e.g. "model.layers"
     out: str | None = None
+    save_every: int = 100  # with --out: snapshot every N steps (and at the end); 0: only at the end
+    keep_last: int = 3  # committed snapshots to keep (0: all)
+    resume: str = "auto"  # auto (newest snapshot in OUT/checkpoints), none, or a snapshot path
+    async_save: bool = False  # write snapshots in the background while training continues
+    deterministic: bool = False  # deterministic kernels: bit-identical reruns and resumes
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate once, at the end
     eval_batches: int = 8
@@ -131,7 +136,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise bad_value(cfg.source(name), value, "must be at least 1")
-    for name in ("warmup", "eval_every"):
+    for name in ("warmup", "eval_every", "save_every", "keep_last"):
         value = getattr(cfg, name)
         if value is not None and value < 0:
             raise bad_value(cfg.source(name), value, "must be >= 0")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import sysconfig
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 VAL_FRACTION = 0.05
 
@@ -85,15 +85,52 @@ class ToyRegression(Dataset):
 
 
 class ShardedIterable(IterableDataset):
-    """Every ``world``-th item of an iterable dataset, so ranks never see the same item."""
+    """Every ``world``-th item of an iterable dataset, so ranks never see the same item;
+    ``skip`` items of this rank's share are passed over (a resumed run)."""
 
-    def __init__(self, source: IterableDataset, rank: int, world: int) -> None:
-        self.source, self.rank, self.world = source, rank, world
+    def __init__(self, source: IterableDataset, rank: int, world: int, skip: int = 0) -> None:
+        self.source, self.rank, self.world, self.skip = source, rank, world, skip
 
     def __iter__(self) -> Iterator:
-        for i, item in enumerate(self.source):
-            if i % self.world == self.rank:
+        mine = (item for i, item in enumerate(self.source) if i % self.world == self.rank)
+        for j, item in enumerate(mine):
+            if j >= self.skip:
                 yield item
+
+
+class ResumableSampler(Sampler[int]):
+    """DistributedSampler's split, resumable mid-epoch on any world size.
+
+    One shuffled order per epoch (seeded by seed + epoch, the same on every rank); rank r
+    takes every world-th index of it, starting ``start`` samples in. With start 0 this is
+    exactly DistributedSampler(drop_last=True). Because the position is counted in global
+    samples, a run saved on N ranks continues on M ranks with the very same sample order.
+    """
+
+    def __init__(self, n: int, rank: int, world: int, seed: int, shuffle: bool) -> None:
+        self.n, self.rank, self.world, self.seed, self.shuffle = n, rank, world, seed, shuffle
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def set_start(self, samples: int) -> None:
+        self.start = samples
+
+    def _usable(self) -> int:
+        remaining = max(0, self.n - self.start)
+        return remaining - remaining % self.world
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.n, generator=g).tolist()
+        else:
+            order = list(range(self.n))
+        return iter(order[self.start + self.rank:self.start + self._usable():self.world])
+
+    def __len__(self) -> int:
+        return self._usable() // self.world
 
 
 @dataclass(frozen=True)
@@ -106,31 +143,47 @@ class LoaderSpec:
     shuffle: bool = True
 
 
-def make_loader(dataset: Dataset, spec: LoaderSpec) -> DataLoader:
-    """A DataLoader whose batches are this data-parallel rank's share.
-
-    Map-style data goes through DistributedSampler (call ``sampler.set_epoch`` each epoch);
-    drop_last keeps every micro-batch the same size on every rank, which the loss average
-    over the global batch relies on."""
+def make_loader(dataset: Dataset, spec: LoaderSpec, skip: int = 0) -> DataLoader:
+    """A DataLoader whose batches are this data-parallel rank's share (drop_last keeps every
+    micro-batch the same size on every rank, which the global loss average relies on)."""
     if isinstance(dataset, IterableDataset):
-        return DataLoader(ShardedIterable(dataset, spec.dp_rank, spec.dp_size), batch_size=spec.micro_batch,
+        return DataLoader(ShardedIterable(dataset, spec.dp_rank, spec.dp_size, skip), batch_size=spec.micro_batch,
                           drop_last=True, pin_memory=spec.pin_memory)
-    sampler = DistributedSampler(dataset, num_replicas=spec.dp_size, rank=spec.dp_rank, shuffle=spec.shuffle,
-                                 seed=spec.seed, drop_last=True)
+    sampler = ResumableSampler(len(dataset), spec.dp_rank, spec.dp_size, spec.seed, spec.shuffle)  # type: ignore[arg-type]
     return DataLoader(dataset, batch_size=spec.micro_batch, sampler=sampler, drop_last=True,
                       pin_memory=spec.pin_memory)
 
 
-def batches(loader: DataLoader) -> Iterator:
-    """Endless batches: a new epoch (and a new shuffle, the same on every rank) after each pass."""
-    epoch = 0
-    while True:
-        if isinstance(loader.sampler, DistributedSampler):
-            loader.sampler.set_epoch(epoch)
-        empty = True
-        for batch in loader:
-            empty = False
-            yield batch
-        if empty:
-            raise RuntimeError("the data loader yielded no batch")  # guarded earlier by config checks
-        epoch += 1
+class BatchStream:
+    """Endless micro-batches that know their position: the epoch, and the global samples
+    read in it (micro-batch x data-parallel size per micro-step, all ranks in lockstep).
+    A new epoch (a new shuffle, the same on every rank) starts after each pass."""
+
+    def __init__(self, loader: DataLoader, micro: int, world: int, epoch: int = 0, samples: int = 0) -> None:
+        self.loader, self.micro, self.world = loader, micro, world
+        self.epoch, self.samples = epoch, samples
+        self._it: Iterator | None = None
+
+    def _start_epoch(self) -> None:
+        sampler = self.loader.sampler
+        if isinstance(sampler, ResumableSampler):
+            sampler.set_epoch(self.epoch)
+            sampler.set_start(self.samples)
+        self._it = iter(self.loader)
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._start_epoch()
+        for _ in range(2):
+            try:
+                batch = next(self._it)  # type: ignore[arg-type]
+            except StopIteration:
+                self.epoch, self.samples = self.epoch + 1, 0
+                self._start_epoch()
+                continue
+            self.samples += self.micro * self.world
+            return batch
+        raise RuntimeError("the data loader yielded no batch")  # guarded earlier by config checks

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import time
 from typing import Any, Iterator
 
@@ -22,7 +23,9 @@ from torch.utils.data import Dataset
 
 from ..errors import MeshrunError
 from .config import TrainConfig, validate
-from .data import LoaderSpec, batches, make_loader
+from . import checkpoint
+from .checkpoint import Position
+from .data import BatchStream, LoaderSpec, make_loader
 from .metrics import MetricsSink, mfu, peak_flops
 from .optim import build_optimizer, build_scheduler
 from .parallelize import (FSDPPlan, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp,
@@ -53,12 +56,16 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.strategy, self.strategy_reason = choose_strategy(cfg.strategy, rt, self.n_params)
         self.model_takes_targets = _takes_targets(model)
+        if cfg.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
+            torch.use_deterministic_algorithms(True)
         self.accum = cfg.accumulation(rt.world_size)
         self.model, self.ddp = self._parallelize(model.to(rt.device))
         self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay, rt.cuda)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
-        spec = LoaderSpec(cfg.micro, rt.rank, rt.world_size, cfg.seed, pin_memory=rt.cuda)
-        self.train_loader = make_loader(train_data, spec)
+        self.train_data = train_data
+        self.loader_spec = LoaderSpec(cfg.micro, rt.rank, rt.world_size, cfg.seed, pin_memory=rt.cuda)
+        self.train_loader = make_loader(train_data, self.loader_spec)
         self.val_loader = make_loader(val_data, LoaderSpec(cfg.micro, rt.rank, rt.world_size, cfg.seed,
                                                            rt.cuda, shuffle=False)) if val_data is not None else None
         if len(self.train_loader) == 0:
@@ -122,6 +129,8 @@ class Trainer:
         x, y = batch
         return x.to(self.rt.device, non_blocking=True), y.to(self.rt.device, non_blocking=True)
 
+    step = 0  # optimizer steps done
+
     def train_step(self, data: Iterator) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """One optimizer step over ``accum`` micro-batches. Returns this rank's mean loss (a
         device tensor: no CPU sync here), the gradient norm and the tokens processed."""
@@ -134,14 +143,19 @@ class Trainer:
                 loss = self._loss(x, y) / self.accum
                 loss.backward()
             loss_sum += loss.detach()
-        norm = None
-        if self.cfg.grad_clip > 0:
-            # Works on FSDP2's sharded DTensor gradients too: the norm is reduced across shards.
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        # The global gradient norm (reduced across FSDP2's shards too); with clipping off, an
+        # infinite threshold computes it without scaling anything.
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
+        total = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if not torch.isfinite(total).item():  # one scalar sync per step, the price of never stepping on NaN
+            raise MeshrunError(
+                f"non-finite loss or gradients (gradient norm {total.item()}) at step {self.step + 1}; stopped "
+                "before the optimizer step, so no snapshot holds poisoned weights (hint: lower --lr, check the data)")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, norm, tokens
+        self.step += 1
+        return loss_sum, (norm if self.cfg.grad_clip > 0 else None), tokens
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -167,15 +181,15 @@ class Trainer:
                 f"{rt.world_size} = {cfg.micro * self.accum * rt.world_size}, "
                 f"{'bf16' if self.bf16 else 'fp32'}{', compiled' if cfg.compile else ''}")
 
-    def _first_step_guard(self, data: Iterator, step: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """A step; an out-of-memory error on the first one becomes advice, not a traceback."""
+    def _guarded_step(self, data: Iterator, first: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """A step; out of memory on the run's first step becomes advice, not a traceback."""
         try:
             return self.train_step(data)
         except torch.cuda.OutOfMemoryError:
-            if step > 1:
+            if not first:
                 raise
             raise MeshrunError(
-                f"out of memory at step 1 with strategy {self.strategy}, micro-batch {self.cfg.micro} "
+                f"out of memory at the first step with strategy {self.strategy}, micro-batch {self.cfg.micro} "
                 f"(hint: try --strategy fsdp, a smaller --micro-batch, or --activation-checkpointing full)"
             ) from None
 
@@ -198,21 +212,92 @@ class Trainer:
             "peak_mem_bytes": torch.cuda.max_memory_allocated(rt.device) if rt.cuda else None,
         }
 
+    # ---- snapshots --------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> str | None:
+        return os.path.join(self.cfg.out, "checkpoints") if self.cfg.out else None
+
+    def resume_path(self) -> str | None:
+        """The snapshot to start from: --resume PATH, or the newest committed one under
+        --out (``auto``), or none."""
+        cfg, root = self.cfg, self.checkpoint_root
+        if cfg.resume == "none":
+            return None
+        if cfg.resume != "auto":
+            if os.path.isfile(os.path.join(cfg.resume, checkpoint.MARKER)):
+                return cfg.resume
+            found = checkpoint.latest(cfg.resume) if os.path.isdir(cfg.resume) else None
+            if found is None:
+                raise MeshrunError(f"--resume={cfg.resume!r}: not a committed snapshot nor a directory of them "
+                                   "(hint: give OUT/checkpoints/step-N, or --resume none)")
+            return found
+        return checkpoint.latest(root) if root else None
+
+    def restore(self) -> BatchStream:
+        """Load the snapshot to resume from, if any, and return the data stream positioned
+        where it stopped."""
+        rt, path = self.rt, self.resume_path()
+        if self.checkpoint_root and rt.is_main:
+            checkpoint.clear_partial(self.checkpoint_root)  # a save killed halfway
+        dist.barrier()
+        position = Position()
+        if path:
+            position, saved_world = checkpoint.load(path, self.model, self.optimizer)
+            self.step = position.step
+            for _ in range(position.step):  # the schedule is a pure function of the step
+                self.scheduler.step()
+            if rt.is_main:
+                print(f"meshrun train: resumed from {path} at step {position.step} (epoch {position.epoch}, "
+                      f"{position.samples} samples into it; saved on {saved_world} rank(s))", flush=True)
+        if position.samples and not hasattr(self.train_loader.sampler, "set_start"):  # iterable data
+            self.train_loader = make_loader(self.train_data, self.loader_spec, skip=position.samples // rt.world_size)
+            position = Position(position.step, position.epoch, 0)
+        return BatchStream(self.train_loader, self.cfg.micro, rt.world_size, position.epoch, position.samples)
+
+    _pending: checkpoint.PendingSave | None = None
+    _async_group: Any = None
+
+    def save(self, data: BatchStream, final: bool = False) -> None:
+        """Snapshot now. Asynchronous saves commit the previous snapshot first (one in
+        flight at a time, so two never interleave), and the last one before returning."""
+        root = self.checkpoint_root
+        if root is None:
+            return
+        if self._pending is not None:
+            checkpoint.commit(self._pending)
+            self._pending = None
+        group = None
+        if self.cfg.async_save and not final:
+            if self._async_group is None:  # the background writer coordinates over gloo
+                self._async_group = dist.new_group(backend="gloo")
+            group = self._async_group
+        pending = checkpoint.begin_save(root, Position(self.step, data.epoch, data.samples), self.model,
+                                        self.optimizer, self.cfg.to_json(), self.cfg.keep_last, group)
+        if group is None:
+            checkpoint.commit(pending)
+        else:
+            self._pending = pending
+
     def fit(self) -> list[dict[str, Any]]:
-        """Train ``cfg.steps`` optimizer steps; returns rank 0's log records (others: [])."""
+        """Train to ``cfg.steps`` optimizer steps, resuming from a snapshot when there is one;
+        with --out, snapshot every ``save_every`` steps and at the end. Returns rank 0's log
+        records (other ranks: [])."""
         cfg, rt = self.cfg, self.rt
+        data = self.restore()
         sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main)
         if rt.is_main:
             print(self.describe(), flush=True)
-        data = batches(self.train_loader)
         loss_sum = torch.zeros((), device=rt.device)
         tokens, steps, start = 0, 0, time.perf_counter()
         try:
-            for step in range(1, cfg.steps + 1):
-                loss, norm, n = self._first_step_guard(data, step)
+            first_step = self.step + 1
+            for step in range(first_step, cfg.steps + 1):
+                loss, norm, n = self._guarded_step(data, step == first_step)
                 loss_sum += loss
                 tokens, steps = tokens + n, steps + 1
                 last = step == cfg.steps
+                if (cfg.save_every and step % cfg.save_every == 0) or last:
+                    self.save(data, final=last)
                 if step % cfg.log_every and not last:
                     continue
                 record = self._record(step, loss_sum, steps, tokens, time.perf_counter() - start, norm)

@@ -15,10 +15,11 @@ from ..errors import MeshrunError
 
 def _report(exc: MeshrunError) -> None:
     path = os.environ.get("MESHRUN_ERROR_FILE")
-    if path:
+    if path:  # `meshrun train` prints it once, as its last line
         with open(path, "a") as f:
             f.write(f"{exc}\n")
-    print(f"meshrun: error: {exc}", file=sys.stderr, flush=True)
+    else:
+        print(f"meshrun: error: {exc}", file=sys.stderr, flush=True)
 
 
 def main() -> int:

@@ -1,0 +1,349 @@
+"""Snapshots: sharded, atomic, verified, resumable on another world size.
+
+Layout under ``OUT/checkpoints``::
+
+    .tmp-step-00000100/      being written; ignored (and cleared) by readers
+    step-00000100/           committed: renamed from .tmp-* after COMMITTED.json was written
+        .metadata, __*_*.distcp   torch.distributed.checkpoint (model + optimizer, each rank its shards)
+        state.json                step, data position, config, format version
+        rng-rank<R>.json          each rank's Python, NumPy, torch and CUDA RNG states
+        COMMITTED.json            written last by rank 0: format, step, world size, SHA-256 of every file
+
+Commit protocol: every rank writes into the temporary directory; a barrier; rank 0 hashes
+and fsyncs every file, writes the marker (fsync), renames the directory (atomic) and fsyncs
+the parent. A crash at any point leaves either the previous snapshot as the newest
+committed one, or the new one complete. Loading verifies the marker and every hash (a
+truncated or altered file is refused, naming it), unpickles DCP's metadata with an
+allow-list, and reads non-tensor values with ``weights_only=True``: no code in a snapshot
+runs. Tensors are read by DCP with ``weights_only=True`` as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ..errors import MeshrunError
+
+FORMAT = 1
+MARKER = "COMMITTED.json"
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-step-"
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training is: optimizer steps done, and the data read in the current epoch
+    (global samples, all ranks together, so it maps onto any world size)."""
+
+    step: int = 0
+    epoch: int = 0
+    samples: int = 0
+
+
+def snapshot_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def committed(root: str) -> list[tuple[int, str]]:
+    """(step, path) of committed snapshots, oldest first. A ``step-*`` directory without
+    its marker is not a partial save (those stay under ``.tmp-*``): it was damaged."""
+    out = []
+    if not os.path.isdir(root):
+        return out
+    for name in os.listdir(root):
+        if not name.startswith(PREFIX):
+            continue
+        path = os.path.join(root, name)
+        if not os.path.isfile(os.path.join(path, MARKER)):
+            raise MeshrunError(f"snapshot {path} has no {MARKER}: it was damaged or edited "
+                               "(hint: move it away, or pass --resume with another snapshot)")
+        try:
+            out.append((int(name[len(PREFIX):]), path))
+        except ValueError:
+            continue
+    return sorted(out)
+
+
+def latest(root: str) -> str | None:
+    snaps = committed(root)
+    return snaps[-1][1] if snaps else None
+
+
+# ---- saving -----------------------------------------------------------------------------
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: str, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+@dataclass
+class PendingSave:
+    """A snapshot whose shards are (being) written but which is not committed yet."""
+
+    root: str
+    tmp: str
+    final: str
+    position: Position
+    config_json: str
+    keep_last: int
+    future: Any = None  # set for an asynchronous save
+
+
+def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               config_json: str, keep_last: int, async_group: Any = None) -> PendingSave:
+    """Every rank writes its shards and RNG state into the temporary directory. With
+    ``async_group`` (a gloo group), the tensors are staged to CPU memory now and written by
+    a background thread while training goes on."""
+    rank = dist.get_rank()
+    tmp = os.path.join(root, TMP_PREFIX + f"{position.step:08d}")
+    pending = PendingSave(root, tmp, os.path.join(root, snapshot_name(position.step)), position, config_json,
+                          keep_last)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt's leftovers
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    if async_group is not None:
+        pending.future = dcp.async_save(state, checkpoint_id=tmp, process_group=async_group)
+    else:
+        dcp.save(state, checkpoint_id=tmp)
+    _write_json(os.path.join(tmp, f"rng-rank{rank}.json"), rng_state())
+    return pending
+
+
+def commit(p: PendingSave) -> str:
+    """Collective: wait for this rank's writes, then rank 0 seals the snapshot (hashes,
+    marker, atomic rename) once every rank is done."""
+    if p.future is not None:
+        p.future.result()
+    pause = float(os.environ.get("MESHRUN_SAVE_PAUSE_S") or 0)
+    if pause:  # a debugging aid: hold a save between its shards and its commit (crash tests)
+        time.sleep(pause)
+    dist.barrier()  # every rank's shards and RNG file are on disk
+    if dist.get_rank() == 0:
+        _write_json(os.path.join(p.tmp, "state.json"), {"format": FORMAT, "position": asdict(p.position),
+                                                       "world_size": dist.get_world_size(),
+                                                       "config": json.loads(p.config_json)})
+        files = {}
+        for name in sorted(os.listdir(p.tmp)):
+            _fsync_file(os.path.join(p.tmp, name))
+            files[name] = _sha256(os.path.join(p.tmp, name))
+        _write_json(os.path.join(p.tmp, MARKER), {"format": FORMAT, "step": p.position.step,
+                                                   "world_size": dist.get_world_size(), "files": files})
+        _fsync_dir(p.tmp)
+        if os.path.exists(p.final):  # the same step saved again (a restart that redid it)
+            shutil.rmtree(p.final)
+        os.replace(p.tmp, p.final)
+        _fsync_dir(p.root)
+        prune(p.root, p.keep_last)
+    dist.barrier()
+    return p.final
+
+
+def save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         config_json: str, keep_last: int) -> str:
+    """Write and commit a snapshot (collective); returns its path."""
+    return commit(begin_save(root, position, model, optimizer, config_json, keep_last))
+
+
+def prune(root: str, keep_last: int) -> None:
+    """Delete all but the ``keep_last`` newest committed snapshots (0 keeps all). Only
+    committed ones are candidates, so a snapshot being written is never touched, and the
+    newest committed one always stays."""
+    if keep_last <= 0:
+        return
+    for _, path in committed(root)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def clear_partial(root: str) -> None:
+    """Remove ``.tmp-*`` directories left by a save that was killed."""
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith(TMP_PREFIX):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+_SAFE_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool",
+                  "complex", "slice", "NoneType"}
+_TORCH_DTYPES = {str(d).split(".")[-1] for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                                  torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+                                                  torch.bool, torch.complex64)}
+# Exactly what a DCP metadata pickle refers to (read off real ones, torch 2.6-2.13).
+_SAFE_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+    ("torch", "Size"), ("torch", "device"), ("torch", "layout"), ("torch", "memory_format"),
+}
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle; accept only the classes a real one contains."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        ok = ((module, name) in _SAFE_GLOBALS
+              or (module == "builtins" and name in _SAFE_BUILTINS)
+              or (module == "torch" and name in _TORCH_DTYPES)
+              # the metadata dataclasses and enums (no methods run when they are rebuilt)
+              or (module == "torch.distributed.checkpoint.metadata" and name[:1].isupper() or
+                  name == "_MEM_FORMAT_ENCODING" and module == "torch.distributed.checkpoint.metadata"))
+        if not ok:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor values with weights_only=False."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def verify(path: str) -> dict[str, Any]:
+    """Check the marker, every file's hash and the metadata's classes; return state.json."""
+    marker_path = os.path.join(path, MARKER)
+    if not os.path.isfile(marker_path):
+        raise MeshrunError(f"{marker_path} is missing: {path} is not a committed snapshot")
+    try:
+        with open(marker_path) as f:
+            marker = json.load(f)
+        files = marker["files"]
+    except (ValueError, KeyError, TypeError):
+        raise MeshrunError(f"{marker_path} is not a valid snapshot marker (truncated or edited)") from None
+    if marker.get("format") != FORMAT:
+        raise MeshrunError(f"{marker_path}: snapshot format {marker.get('format')!r}, this meshrun reads {FORMAT}")
+    on_disk = set(os.listdir(path)) - {MARKER}
+    if on_disk != set(files):
+        extra, missing = sorted(on_disk - set(files)), sorted(set(files) - on_disk)
+        raise MeshrunError(f"{path}: files differ from its marker (missing {missing}, unexpected {extra})")
+    for name, digest in files.items():
+        if _sha256(os.path.join(path, name)) != digest:
+            raise MeshrunError(f"{os.path.join(path, name)} does not match the checksum in its marker: "
+                               "truncated or altered; refusing to load it")
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            _AllowListUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
+        raise MeshrunError(f"{os.path.join(path, '.metadata')}: refused ({exc})") from None
+    with open(os.path.join(path, "state.json")) as f:
+        return json.load(f)
+
+
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Position, int]:
+    """Load a snapshot collectively. Rank 0 verifies it and tells the others; returns the
+    position and the world size it was saved with."""
+    rank = dist.get_rank()
+    result: list[Any] = [None]
+    if rank == 0:
+        try:
+            result[0] = verify(path)
+        except MeshrunError as exc:
+            result[0] = f"error: {exc}"
+    dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], str):
+        raise MeshrunError(result[0][len("error: "):])
+    state = result[0]
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=path, planner=SafeLoadPlanner())
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    saved_world = int(state["world_size"])
+    rng_path = os.path.join(path, f"rng-rank{rank}.json")
+    if saved_world == dist.get_world_size() and os.path.isfile(rng_path):
+        with open(rng_path) as f:
+            set_rng_state(json.load(f))
+    return Position(**state["position"]), saved_world
+
+
+def export_safetensors(path: str, target: str) -> int:
+    """Consolidate a snapshot's model weights into one safetensors file (one process, no
+    process group); returns the number of tensors written."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    verify(path)
+    meta = FileSystemReader(path).read_metadata()  # safe: verify() vetted its classes
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+          if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    if not sd:
+        raise MeshrunError(f"{path}: the snapshot holds no model weights")
+    import warnings
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=path, planner=SafeLoadPlanner(), no_dist=True)
+    tensors = {k[len("model."):]: t.contiguous() for k, t in sd.items()}
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    save_file(tensors, target, metadata={"format": "pt", "source": os.path.abspath(path)})
+    return len(tensors)

@@ -1,0 +1,284 @@
+"""Snapshots and fault tolerance, with real processes and real kills."""
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import meshrun
+from helpers import clean_env, meshrun as run_cli, require
+
+pytestmark = pytest.mark.framework
+HERE = os.path.dirname(__file__)
+JOB = ["--model-size", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4", "--steps", "60", "--save-every", "6",
+       "--log-every", "1", "--deterministic", "--lr", "3e-3", "--eval-batches", "2"]
+
+
+def losses(out_dir):
+    """step -> loss, keeping the last line logged for each step (after a restart, the
+    resumed run's)."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def worker_pids(out_dir):
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if b"meshrun.train.worker" in cmd and out_dir.encode() in env:
+            pids.append(int(pid))
+    return pids
+
+
+def kill_when(condition, out_dir, deadline_s=120):
+    """In a thread: once condition() holds, SIGKILL one worker of the job in out_dir."""
+    killed = []
+
+    def watch():
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if condition():
+                pids = worker_pids(out_dir)
+                if pids:
+                    os.kill(max(pids), signal.SIGKILL)
+                    killed.append(max(pids))
+                    return
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t, killed
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    require("torch")
+    out = str(tmp_path_factory.mktemp("uninterrupted"))
+    res = run_cli("train", *JOB, "--out", out, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return losses(out)
+
+
+def reached(out_dir, step):
+    def check():
+        try:
+            return max(losses(out_dir)) >= step
+        except (OSError, ValueError):
+            return False
+    return check
+
+
+def test_sigkill_a_rank_restarts_and_resumes_bit_for_bit(tmp_path, uninterrupted):
+    out = str(tmp_path)
+    watcher, killed = kill_when(reached(out, 15), out)
+    res = run_cli("train", *JOB, "--out", out, "--max-restarts", "1", timeout=600)
+    watcher.join(timeout=1)
+    assert killed, "the job ended before a worker could be killed"
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "restart 1 of 1" in res.stderr
+    assert "resumed from" in res.stdout and "at step 12" in res.stdout
+    after = losses(out)
+    assert sorted(after) == list(range(1, 61))
+    for step in range(13, 61):
+        assert after[step] == uninterrupted[step], step  # bit for bit: the same float
+
+
+def test_sigkill_during_a_save_falls_back_to_the_previous_snapshot(tmp_path, uninterrupted):
+    out = str(tmp_path)
+    ckpt = os.path.join(out, "checkpoints")
+
+    def saving_step_12():
+        return os.path.isdir(os.path.join(ckpt, ".tmp-step-00000012"))
+
+    watcher, killed = kill_when(saving_step_12, out)
+    env = clean_env(MESHRUN_SAVE_PAUSE_S="2")
+    res = run_cli("train", *JOB[:-4], "--steps", "18", "--log-every", "1", "--eval-batches", "2", "--out", out,
+                  "--max-restarts", "1", env=env, timeout=600)
+    watcher.join(timeout=1)
+    assert killed and res.returncode == 0, res.stderr[-3000:]
+    assert "at step 6" in res.stdout  # step 12's half-written snapshot was ignored
+    assert sorted(os.listdir(ckpt)) == ["step-00000006", "step-00000012", "step-00000018"]
+
+
+def test_keep_last_leaves_the_two_newest(tmp_path):
+    require("torch")
+    res = run_cli("train", "--example", "toy", "--steps", "10", "--save-every", "2", "--keep-last", "2",
+                  "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000008", "step-00000010"]
+
+
+def test_non_finite_loss_stops_before_the_optimizer_step(tmp_path):
+    require("torch")
+    res = run_cli("train", "--example", "toy", "--data", "userpkg.factories:nan_data", "--steps", "5",
+                  "--out", str(tmp_path), env=clean_env(PYTHONPATH=HERE))
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1].startswith("meshrun: error: non-finite loss or gradients")
+    assert not os.listdir(tmp_path / "checkpoints") if (tmp_path / "checkpoints").exists() else True
+
+
+# ---- resharding, export and tampering -----------------------------------------------------
+
+def _fsdp_state(out, steps, resume):
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from meshrun.train.config import TrainConfig
+    from meshrun.train.data import RandomTokens
+    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
+    cfg = TrainConfig(strategy="fsdp", steps=steps, seq_len=16, micro_batch=2, global_batch=12, precision="fp32",
+                      out=out, save_every=steps, log_every=100, resume=resume)
+    trainer = Trainer(model, RandomTokens(512, 16, 64), None, cfg)
+    if resume == "none":
+        trainer.fit()
+    else:
+        trainer.restore()
+    msd, osd = get_state_dict(trainer.model, trainer.optimizer,
+                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": msd, "optim": osd.get("state", {}), "step": trainer.step}  # full dicts: rank 0 only
+
+
+def test_fsdp_snapshot_from_2_ranks_loads_on_1_and_3(tmp_path):
+    require("torch")
+    import torch
+
+    out = str(tmp_path)
+    saved = meshrun.run(_fsdp_state, out, 4, "none", nproc=2, timeout_s=300)
+    assert len(saved["model"]) > 5 and len(saved["optim"]) == len(saved["model"]) - 1  # tied head: one param
+    for nproc in (1, 3):
+        loaded = meshrun.run(_fsdp_state, out, 4, "auto", nproc=nproc, timeout_s=300)
+        assert loaded["step"] == 4
+        assert saved["model"].keys() == loaded["model"].keys()
+        for key in saved["model"]:
+            assert torch.equal(saved["model"][key], loaded["model"][key]), key
+        for key, state in saved["optim"].items():
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(state[name], loaded["optim"][key][name]), (nproc, key, name)
+
+
+@pytest.fixture
+def snapshot(tmp_path):
+    require("torch")
+    res = run_cli("train", "--example", "toy", "--steps", "4", "--save-every", "4", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return tmp_path / "checkpoints" / "step-00000004"
+
+
+def test_export_safetensors_matches_the_snapshot(snapshot, tmp_path):
+    from safetensors.torch import load_file
+
+    target = tmp_path / "model.safetensors"
+    res = run_cli("export", str(snapshot.parent), "--to", str(target))
+    assert res.returncode == 0, res.stderr
+    tensors = load_file(str(target))
+    assert sorted(tensors) == ["linear.bias", "linear.weight"] and tensors["linear.weight"].shape == (1, 20)
+
+
+def _rewrite_marker(snap, name):
+    from meshrun.train.checkpoint import _sha256
+
+    marker = snap / "COMMITTED.json"
+    data = json.loads(marker.read_text())
+    data["files"][name] = _sha256(str(snap / name))
+    marker.write_text(json.dumps(data))
+
+
+def test_altered_shard_is_refused_naming_it(snapshot):
+    from meshrun.errors import MeshrunError
+    from meshrun.train.checkpoint import verify
+
+    shard = sorted(p for p in snapshot.iterdir() if p.suffix == ".distcp")[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(MeshrunError, match=f"{shard.name} does not match the checksum"):
+        verify(str(snapshot))
+
+
+def test_truncated_metadata_is_refused(snapshot):
+    from meshrun.errors import MeshrunError
+    from meshrun.train.checkpoint import verify
+
+    meta = snapshot / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:40])
+    with pytest.raises(MeshrunError, match=r"\.metadata does not match the checksum"):
+        verify(str(snapshot))
+    _rewrite_marker(snapshot, ".metadata")  # even with a consistent marker it cannot load
+    with pytest.raises(MeshrunError, match=r"\.metadata: refused"):
+        verify(str(snapshot))
+
+
+def test_malicious_pickle_is_refused_without_running(snapshot, tmp_path):
+    from meshrun.errors import MeshrunError
+    from meshrun.train.checkpoint import verify
+
+    witness = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {witness}",))
+
+    (snapshot / ".metadata").write_bytes(pickle.dumps(Payload()))
+    _rewrite_marker(snapshot, ".metadata")  # an attacker who also rewrote the marker
+    with pytest.raises(MeshrunError, match="system is not allowed"):
+        verify(str(snapshot))
+    assert not witness.exists()
+    # And the CLI refuses to resume from it, in one line.
+    res = run_cli("train", "--example", "toy", "--steps", "8", "--out", str(snapshot.parent.parent))
+    assert res.returncode == 2 and "is not allowed in checkpoint metadata" in res.stderr.splitlines()[-1]
+    assert not witness.exists()
+
+
+def test_missing_marker_is_an_error_not_a_fresh_start(snapshot):
+    (snapshot / "COMMITTED.json").unlink()
+    res = run_cli("train", "--example", "toy", "--steps", "8", "--out", str(snapshot.parent.parent))
+    assert res.returncode == 2
+    assert "has no COMMITTED.json" in res.stderr.splitlines()[-1]
+
+
+def test_async_save_writes_the_same_snapshots_and_resumes(tmp_path):
+    require("torch")
+    from safetensors.torch import load_file
+
+    args = ["--example", "toy", "--steps", "12", "--save-every", "4", "--deterministic", "--log-every", "4"]
+    sync, asy = tmp_path / "sync", tmp_path / "async"
+    for out, extra in ((sync, []), (asy, ["--async-save"])):
+        res = run_cli("train", *args, *extra, "--out", str(out))
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(os.listdir(asy / "checkpoints")) == ["step-00000004", "step-00000008", "step-00000012"]
+    for step in ("step-00000008", "step-00000012"):
+        weights = []
+        for out in (sync, asy):
+            target = tmp_path / f"{out.name}-{step}.safetensors"
+            assert run_cli("export", str(out / "checkpoints" / step), "--to", str(target)).returncode == 0
+            weights.append(load_file(str(target)))
+        assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
+    # Resuming from an asynchronously written snapshot continues like the synchronous run.
+    res = run_cli("train", *args[:2], "--steps", "16", *args[4:], "--out", str(asy), "--async-save")
+    assert res.returncode == 0 and "at step 12" in res.stdout
+
+
+def test_resume_path_and_no_resume(snapshot, tmp_path):
+    res = run_cli("train", "--example", "toy", "--steps", "6", "--out", str(tmp_path / "other"),
+                  "--resume", str(snapshot))
+    assert res.returncode == 0 and f"resumed from {snapshot} at step 4" in res.stdout
+    res = run_cli("train", "--example", "toy", "--steps", "6", "--out", str(snapshot.parent.parent), "--no-resume")
+    assert res.returncode == 0 and "resumed" not in res.stdout
+    res = run_cli("train", "--example", "toy", "--steps", "6", "--resume", str(tmp_path / "nothing"))
+    assert res.returncode == 2 and "not a committed snapshot" in res.stderr.splitlines()[-1]
