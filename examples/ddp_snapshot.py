@@ -19,6 +19,7 @@ What changed from the slides, and why:
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -118,9 +119,13 @@ def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=DistributedSampler(dataset),
                         pin_memory=torch.cuda.is_available())
-    Trainer(model, loader, optimizer, save_every, snapshot_path).train(total_epochs)
-    # Wait for rank 0's last snapshot before tearing down: a rank that destroys the group
-    # while a peer is still inside it can abort (seen with gloo), failing a finished job.
+    trainer = Trainer(model, loader, optimizer, save_every, snapshot_path)
+    trainer.train(total_epochs)
+    # Wait for rank 0's last snapshot, and drop DDP (whose reducer holds the process group)
+    # before tearing down: with gloo, destroying the group under a live DDP or while a peer
+    # is still inside a collective can abort a finished job ("terminate called ...").
+    del trainer
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -53,6 +53,9 @@ def _worker(rank: int, nproc: int, port: int, backend: str, fn: Callable[..., An
         queue.put((rank, True, pickle.dumps(result) if rank == 0 else None, time.time()))
     finally:
         if dist.is_initialized():
+            import gc
+
+            gc.collect()  # drop DDP reducers in reference cycles before the group (gloo aborts otherwise)
             dist.destroy_process_group()
 
 

@@ -1,0 +1,104 @@
+"""Snapshot cost: meshrun's sharded save/load (sync and async) against the seeds' recipe
+(full state dict gathered to rank 0, then torch.save), and the step-time overhead of
+asynchronous saving.
+
+    torchrun --standalone --nproc_per_node=N bench/checkpoint_bench.py --size gpt-1.3b --dir /tmp/ckb
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshrun.train import checkpoint
+from meshrun.train.checkpoint import Position
+from meshrun.train.config import TrainConfig
+from meshrun.train.data import BatchStream, RandomTokens
+from meshrun.train.models import gpt
+from meshrun.train.trainer import Trainer
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def timed(fn) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="gpt-1.3b")
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--save-every", type=int, default=20)
+    ap.add_argument("--dir", default="/tmp/meshrun-ckpt-bench")
+    args = ap.parse_args()
+    model = gpt(args.size, seq_len=args.seq, vocab=50304)
+    cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro, seq_len=args.seq, steps=10**6,
+                      log_every=10**9, keep_last=1)
+    t = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
+    data = BatchStream(t.train_loader, cfg.micro, t.rt.world_size)
+    rank = t.rt.rank
+    if rank == 0:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    for _ in range(3):
+        t.train_step(data)
+    res: dict = {"size": args.size, "world": t.rt.world_size, "strategy": t.strategy,
+                 "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    root = os.path.join(args.dir, "meshrun")
+    pos = Position(t.step, data.epoch, data.samples)
+    res["sync_save_s"] = timed(lambda: checkpoint.save(root, pos, t.model, t.optimizer, cfg.to_json(), 1))
+    snap = checkpoint.latest(root)
+    res["snapshot_gb"] = dir_bytes(snap) / 1e9
+    res["sync_save_gb_s"] = res["snapshot_gb"] / res["sync_save_s"]
+    res["load_s"] = timed(lambda: checkpoint.load(snap, t.model, t.optimizer))
+    res["load_gb_s"] = res["snapshot_gb"] / res["load_s"]
+
+    def seeds_recipe() -> None:  # gather everything on rank 0, one torch.save
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(t.model, t.optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                  cpu_offload=True))
+        if rank == 0:
+            torch.save({"model": msd, "optim": osd}, os.path.join(args.dir, "full.pt"))
+    res["torch_save_rank0_s"] = timed(seeds_recipe)
+
+    def steps(n: int, save_async: bool) -> None:
+        for i in range(n):
+            t.train_step(data)
+            if save_async and (i + 1) % args.save_every == 0:
+                t.cfg = t.cfg.replace(out=os.path.join(args.dir, "async"), async_save=True)
+                t.save(data)
+        if t._pending is not None:
+            checkpoint.commit(t._pending)
+            t._pending = None
+    res["steps_plain_s"] = timed(lambda: steps(args.steps, False))
+    res["steps_async_s"] = timed(lambda: steps(args.steps, True))
+    res["async_overhead"] = res["steps_async_s"] / res["steps_plain_s"] - 1
+    res["async_saves"] = args.steps // args.save_every
+    if rank == 0:
+        print("CKPT " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
+        shutil.rmtree(args.dir, ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
