@@ -70,6 +70,8 @@ def main() -> None:
     res["sync_save_gb_s"] = res["snapshot_gb"] / res["sync_save_s"]
     res["load_s"] = timed(lambda: checkpoint.load(snap, t.model, t.optimizer))
     res["load_gb_s"] = res["snapshot_gb"] / res["load_s"]
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)  # keep the disk for the next phases
 
     def seeds_recipe() -> None:  # gather everything on rank 0, one torch.save
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -79,6 +81,9 @@ def main() -> None:
         if rank == 0:
             torch.save({"model": msd, "optim": osd}, os.path.join(args.dir, "full.pt"))
     res["torch_save_rank0_s"] = timed(seeds_recipe)
+    if rank == 0:
+        res["torch_save_gb"] = os.path.getsize(os.path.join(args.dir, "full.pt")) / 1e9
+        os.unlink(os.path.join(args.dir, "full.pt"))
 
     def steps(n: int, save_async: bool) -> None:
         for i in range(n):
