@@ -29,29 +29,38 @@ def hosts():
     netns.destroy(pair)
 
 
+def run_on_hosts(hosts, argv, env_for, timeout):
+    """Start ``meshrun ARGV`` on every host at once; wait (bounded) for all; return
+    [(returncode, stdout, stderr)] in host order. Whatever still runs at the end is killed."""
+    procs = [subprocess.Popen(host.command([sys.executable, "-m", "meshrun", *argv], env_for(rank, host)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, host in enumerate(hosts)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
 def test_saturn_two_nodes_torch_allreduce(hosts):
     require("torch")
-    procs = []
-    for rank, host in enumerate(hosts):
-        env = clean_env(
+
+    def env_for(rank, host):
+        return clean_env(
             SATURN_JOB_SCALE="2", SATURN_JOB_RANK=str(rank), SATURN_JOB_LEADER=NAMES[0],
             SATURN_JOB_RUN=RUN, SATURN_INTERNAL_SUBDOMAIN=SUB, SATURN_NAMESPACE=NS,
             # Until meshrun picks the interface itself, name it as a user would.
             GLOO_SOCKET_IFNAME=host.ifname,
         )
-        argv = host.command([sys.executable, "-m", "meshrun", "launch", "--nproc", "2",
-                             script("torch_allreduce.py")], env)
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+
+    results = run_on_hosts(hosts, ["launch", "--nproc", "2", script("torch_allreduce.py")], env_for, 180)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    outs = [(out, err) for _, out, err in results]
     rows = [r for out, _ in outs for r in lines(out, "ALLREDUCE")]
     assert sorted(int(r["rank"]) for r in rows) == [0, 1, 2, 3]
     assert all(r["world"] == "4" and r["sum"] == "10" for r in rows)
@@ -74,29 +83,21 @@ def test_two_nodes_survive_a_killed_rank_and_resume_bit_for_bit(hosts, tmp_path)
 
     out = str(tmp_path / "two-nodes")
     watcher, killed = kill_when(reached(out, 15), out, deadline_s=300)
-    procs = []
-    for rank, host in enumerate(hosts):
+
+    def env_for(rank, host):
         # One process per node: torchrun leaves OMP_NUM_THREADS alone then, and a different
         # thread count changes the order of CPU float sums; match the reference's 1.
-        env = clean_env(MASTER_ADDR=hosts[0].addr, MASTER_PORT="29400", NNODES="2", NODE_RANK=str(rank),
-                        GLOO_SOCKET_IFNAME=host.ifname, OMP_NUM_THREADS="1")
-        argv = host.command([sys.executable, "-m", "meshrun", "train", "--nproc", "1", *JOB, "--out", out,
-                             "--max-restarts", "1"], env)
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=400))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        return clean_env(MASTER_ADDR=hosts[0].addr, MASTER_PORT="29400", NNODES="2", NODE_RANK=str(rank),
+                         GLOO_SOCKET_IFNAME=host.ifname, OMP_NUM_THREADS="1")
+
+    results = run_on_hosts(hosts, ["train", "--nproc", "1", *JOB, "--out", out, "--max-restarts", "1"],
+                           env_for, 400)
     watcher.join(timeout=1)
     assert killed, "the job ended before a worker could be killed"
-    for p, (stdout, stderr) in zip(procs, outs):
-        assert p.returncode == 0, stderr[-3000:]
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
         assert "restart 1 of 1" in stderr
-    assert "resumed from" in outs[0][0] and "at step 12" in outs[0][0]
+    assert "resumed from" in results[0][1] and "at step 12" in results[0][1]
     after = losses(out)
     assert sorted(after) == list(range(1, 61))
     assert all(after[s] == expected[s] for s in range(13, 61))

@@ -117,6 +117,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
+    require_trainer_packages()
     from .train import checkpoint
 
     path = ns.snapshot
@@ -146,7 +147,17 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
+def require_trainer_packages() -> None:
+    import importlib.util
+
+    missing = [m for m in ("torch", "numpy", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MeshrunError(f"meshrun train needs {', '.join(missing)}, not installed here "
+                           "(hint: pip install 'meshrun[torch]')")
+
+
 def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
+    require_trainer_packages()
     cfg = config_from_args(ns)
     gpus = count_visible_gpus(env)
     topo, elastic = topology_from_args(ns, env, gpus)
