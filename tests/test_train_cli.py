@@ -100,6 +100,7 @@ def test_factory_that_raises_inside_the_ranks_is_reported_in_one_line():
     last = out.stderr.strip().splitlines()[-1]
     assert last == ("meshrun: error: --data='userpkg.factories:broken': the factory raised "
                     "RuntimeError: database unreachable")
+    assert "Traceback" not in out.stderr  # torchrun's failure report is not relayed
 
 
 def test_trainer_importable_from_meshrun():

@@ -201,7 +201,8 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
                 print(f"meshrun: job exited with code {code}; restart {attempt} of {ns.max_restarts}, "
                       "resuming from the newest snapshot", file=sys.stderr, flush=True)
                 cmd, _ = command(attempt)
-            code = execute(cmd, env)
+            # Once a rank has written its one-line error, torchrun's failure report is noise.
+            code = execute(cmd, env, mute_stderr=lambda: os.path.exists(error_file))
             if code == 0:
                 return 0
             if os.path.exists(error_file):

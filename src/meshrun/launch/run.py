@@ -15,8 +15,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..errors import MeshrunError
 from .command import Command
@@ -59,7 +60,29 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0) -> int:
+def _relay_stderr(proc: subprocess.Popen, mute: Callable[[], bool]) -> threading.Thread:
+    """Copy a child's stderr to ours line by line, dropping lines once ``mute()`` holds."""
+
+    def pump() -> None:
+        if proc.stderr is None:  # not piped: nothing to relay
+            return
+        for line in iter(proc.stderr.readline, b""):
+            if not mute():
+                sys.stderr.buffer.write(line)
+                sys.stderr.buffer.flush()
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return thread
+
+
+def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
+            mute_stderr: Callable[[], bool] | None = None) -> int:
+    """Run the command; returns the job's exit code.
+
+    ``mute_stderr``: when given, the children's stderr is relayed through this process and
+    dropped once it returns True. `meshrun train` uses it to keep torchrun's own failure
+    report (a traceback) off the screen after a rank has explained a bad input in one line."""
     for path, text in cmd.files.items():
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
@@ -82,8 +105,13 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0) ->
     try:
         for argv, p in zip(argvs, cmd.processes):
             env = {**base_env, **cmd.env, **p.env}
-            procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
-        return _supervise(procs, stopping_since, grace_s)
+            procs.append(subprocess.Popen(argv, env=env, start_new_session=True,
+                                          stderr=subprocess.PIPE if mute_stderr else None))
+        relays = [_relay_stderr(p, mute_stderr) for p in procs] if mute_stderr else []
+        code = _supervise(procs, stopping_since, grace_s)
+        for relay in relays:
+            relay.join(timeout=5)
+        return code
     finally:
         for p in procs:
             if p.poll() is None:
