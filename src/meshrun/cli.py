@@ -4,6 +4,7 @@
   meshrun launch [options] script.py   start the script on this node for its framework
   meshrun train [options]              train with meshrun's trainer (default: a small GPT
                                        on the Python standard library's source)
+  meshrun export SNAPSHOT --to FILE    a snapshot's weights as one safetensors file
 
 Run ``meshrun COMMAND --help`` for each command's manual. Every option accepts dashes or
 underscores (--master-port, --master_port) and can also be set through the environment as
