@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from ..errors import MeshrunError
 from .config import TrainConfig, validate
@@ -68,7 +68,7 @@ class Trainer:
         self.train_loader = make_loader(train_data, self.loader_spec)
         self.val_loader = make_loader(val_data, LoaderSpec(cfg.micro, rt.rank, rt.world_size, cfg.seed,
                                                            rt.cuda, shuffle=False)) if val_data is not None else None
-        if len(self.train_loader) == 0:
+        if not isinstance(train_data, IterableDataset) and len(self.train_loader) == 0:
             raise MeshrunError(f"the training data has {len(train_data)} samples: too few for one micro-batch of "
                                f"{cfg.micro} on each of {rt.world_size} ranks (hint: lower --micro-batch)")
 
