@@ -32,8 +32,3 @@ def tf_config(env: Mapping[str, str] | None = None, port: int | None = None,
         os.environ["TF_CONFIG"] = text
     return json.loads(text)
 
-
-def is_chief(config: Mapping[str, Any] | None = None) -> bool:
-    """True on worker 0, the one that should write checkpoints to shared storage."""
-    cfg = config if config is not None else tf_config(set_env=False)
-    return int(cfg["task"]["index"]) == 0

@@ -294,8 +294,8 @@ class _AllowListUnpickler(pickle.Unpickler):
               or (module == "builtins" and name in _SAFE_BUILTINS)
               or (module == "torch" and name in _TORCH_DTYPES)
               # the metadata dataclasses and enums (no methods run when they are rebuilt)
-              or (module == "torch.distributed.checkpoint.metadata" and name[:1].isupper() or
-                  name == "_MEM_FORMAT_ENCODING" and module == "torch.distributed.checkpoint.metadata"))
+              or (module == "torch.distributed.checkpoint.metadata"
+                  and (name[:1].isupper() or name == "_MEM_FORMAT_ENCODING")))
         if not ok:
             raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
         return super().find_class(module, name)
