@@ -110,10 +110,19 @@ def test_hosts_flag_sets_master_to_first_host():
 
 
 def test_free_port_used_only_for_unchosen_single_node_port():
-    assert resolve({}, 0, free_port=lambda: 40001).master_port == 40001
-    assert resolve(SATURN, 4, free_port=lambda: 40001).master_port == 29500
+    asked: list[int] = []
+    assert resolve({}, 0, free_port=lambda n: asked.append(n) or 40001).master_port == 40001
+    assert asked == [2]  # room for one listener per local process (TensorFlow needs that)
+    assert resolve(SATURN, 4, free_port=lambda n: 40001).master_port == 29500
     ov = Overrides(master_port=29600)
-    assert resolve({}, 0, overrides=ov, free_port=lambda: 40001).master_port == 29600
+    assert resolve({}, 0, overrides=ov, free_port=lambda n: 40001).master_port == 29600
+
+
+def test_free_port_block_is_bindable():
+    from meshrun.cluster.net import free_port, port_is_free
+
+    base = free_port(4)
+    assert all(port_is_free(base + i) for i in range(4))
 
 
 BAD = [

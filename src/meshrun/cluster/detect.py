@@ -123,11 +123,13 @@ def resolve(
     gpus: int,
     platform: str | None = None,
     overrides: Overrides = Overrides(),
-    free_port: Callable[[], int] | None = None,
+    free_port: Callable[[int], int] | None = None,
 ) -> Topology:
     """Detect, override, validate. Pure unless ``free_port`` is given: on a single node whose
-    port nobody chose, that callable picks a free one so parallel local runs do not collide."""
+    port nobody chose, that callable picks a free one (the first of ``nproc_per_node`` free
+    consecutive ports, enough for any framework's listeners) so parallel local runs do not
+    collide."""
     topo = apply_overrides(detect_platform(env, gpus, platform), overrides)
     if free_port is not None and topo.nnodes == 1 and topo.source("master_port") == "default":
-        topo = topo.replace(master_port=free_port(), sources={"master_port": "free port (single node)"})
+        topo = topo.replace(master_port=free_port(topo.nproc_per_node), sources={"master_port": "free port (single node)"})
     return validate(topo, gpus)
