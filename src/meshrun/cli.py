@@ -4,6 +4,8 @@
   meshrun launch [options] script.py   start the script on this node for its framework
   meshrun train [options]              train with meshrun's trainer (default: a small GPT
                                        on the Python standard library's source)
+  meshrun plan [options]               per-GPU memory of each strategy, the one that fits,
+                                       and its ds_config.json / accelerate / train configs
   meshrun export SNAPSHOT --to FILE    a snapshot's weights as one safetensors file
 
 Run ``meshrun COMMAND --help`` for each command's manual. Every option accepts dashes or
@@ -86,9 +88,10 @@ class EnvDefault:
     choices: tuple[str, ...] | None
 
 
-# Filled by add_option; topology options are left out: cluster/options.py reads their
-# variables itself, so that their sources can be reported separately.
-ENV_DEFAULTS: dict[str, EnvDefault] = {}
+# add_option hangs an EnvDefault on each action it creates (as ``meshrun_env``), so that
+# commands sharing an option name (--model, --precision, --framework) keep their own
+# defaults and choices. Topology options have none: cluster/options.py reads their variables
+# itself, so that their sources can be reported separately.
 
 
 def add_option(p: argparse._ActionsContainer, name: str, *aliases: str, from_env: bool = True,
@@ -105,21 +108,27 @@ def add_option(p: argparse._ActionsContainer, name: str, *aliases: str, from_env
         else:
             spellings.append(n)
     dest = str(kw.setdefault("dest", name[2:].replace("-", "_")))
+    env_default = None
     if from_env:
         kind = "bool" if kw.get("action") == "store_true" else "int" if kw.get("type") is int else "str"
         choices = tuple(kw["choices"]) if "choices" in kw else None  # type: ignore[call-overload]
-        ENV_DEFAULTS[dest] = EnvDefault(name, kw.pop("default", False if kind == "bool" else None), kind, choices)
+        env_default = EnvDefault(name, kw.pop("default", False if kind == "bool" else None), kind, choices)
         kw["default"] = None
-    p.add_argument(*spellings, **kw)  # type: ignore[arg-type]
+    action = p.add_argument(*spellings, **kw)  # type: ignore[arg-type]
+    action.meshrun_env = env_default  # type: ignore[attr-defined]
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
-def fill_env_defaults(ns: argparse.Namespace, env: Mapping[str, str]) -> None:
-    """Give every option left unset on the command line its MESHRUN_<DEST> value or default."""
-    for dest, opt in ENV_DEFAULTS.items():
-        if not hasattr(ns, dest) or getattr(ns, dest) is not None:
+def fill_env_defaults(ns: argparse.Namespace, env: Mapping[str, str],
+                      actions: Sequence[argparse.Action]) -> None:
+    """Give every option of the command (its parser's ``actions``) left unset on the command
+    line its MESHRUN_<DEST> value or default."""
+    for action in actions:
+        opt: EnvDefault | None = getattr(action, "meshrun_env", None)
+        dest = action.dest
+        if opt is None or not hasattr(ns, dest) or getattr(ns, dest) is not None:
             continue
         var = ENV_PREFIX + dest.upper()
         raw = env.get(var)
@@ -318,10 +327,17 @@ def make_parser() -> Parser:
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=cmd_launch)
 
+    from .plan_cli import add_plan_parser
     from .train_cli import add_train_parser
 
     add_train_parser(sub)
+    add_plan_parser(sub)
     return parser
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
@@ -329,10 +345,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     environ = dict(os.environ if env is None else env)
     try:
         ns = parser.parse_args(argv)
-        fill_env_defaults(ns, environ)
         if ns.command is None:
             parser.print_help()
             return 0
+        fill_env_defaults(ns, environ, command_parser(parser, ns.command)._actions)
         return int(ns.func(ns, environ))
     except MeshrunError as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)

@@ -30,8 +30,10 @@ strategies (applied in this order: activation checkpointing -> compile -> data p
   fsdp     FSDP2 fully_shard per block, then the root; --fsdp picks the flavour:
            full (ZeRO-3), grad_op (ZeRO-2), hybrid (shard in a node, replicate across), no_shard,
            auto (grad_op when a bf16 copy of the parameters is small, else full)
-  auto     single for one process; FSDP from 1B parameters or when a replica with AdamW state
-           would take over half a GPU; else DDP (the default)
+  auto     (the default) on GPUs, `meshrun plan`'s pick: the first of ddp, fsdp grad_op, fsdp
+           full, then the same with activation checkpointing (turned on for you unless you
+           set --activation-checkpointing), whose predicted memory fits; single for one
+           process; DDP on CPU
 
 batch arithmetic: global batch = micro-batch x accumulation x data-parallel size; give
 --global-batch and meshrun derives the accumulation (or refuses with the nearest valid sizes).

@@ -55,6 +55,10 @@ class Trainer:
         self.flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else None
         self.n_params = sum(p.numel() for p in model.parameters())
         self.strategy, self.strategy_reason = choose_strategy(cfg.strategy, rt, self.n_params)
+        self.ac = cfg.activation_checkpointing != "none"
+        self.fsdp_flavour: str | None = None  # the planner's, for --strategy auto
+        if cfg.strategy == "auto" and rt.cuda:
+            self._plan_auto(model)
         self.model_takes_targets = _takes_targets(model)
         if cfg.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
@@ -73,11 +77,24 @@ class Trainer:
                                f"{cfg.micro} on each of {rt.world_size} ranks (hint: lower --micro-batch)")
 
     # ---- setup --------------------------------------------------------------------------
+    def _plan_auto(self, model: nn.Module) -> None:
+        """--strategy auto on GPUs: the planner's first fitting strategy (and activation
+        checkpointing when it is needed to fit, unless the user set it)."""
+        from .autoplan import for_trainer
+
+        rt = self.rt
+        d = for_trainer(model, self.cfg, rt.world_size, rt.local_world_size,
+                        torch.cuda.get_device_properties(rt.device).total_memory, self.bf16)
+        self.strategy, self.strategy_reason = d.strategy, d.reason
+        if d.fsdp and self.cfg.fsdp == "auto":
+            self.fsdp_flavour = d.fsdp
+        self.ac = self.ac or d.activation_checkpointing
+
     def _parallelize(self, model: nn.Module) -> tuple[nn.Module, Any]:
         cfg, rt = self.cfg, self.rt
         found = find_blocks(model, cfg.blocks)
         blocks = found[1] if found else None
-        if cfg.activation_checkpointing != "none":
+        if self.ac:
             if blocks is None:
                 raise MeshrunError("--activation-checkpointing: no block list found in the model "
                                    "(hint: name it with --blocks, e.g. model.layers)")
@@ -87,8 +104,11 @@ class Trainer:
                 dist.broadcast(t, src=0)
             if cfg.compile:
                 apply_compile(model, blocks, per_block=True)
-            flavour, why = choose_fsdp_flavour(cfg.fsdp, rt, self.n_params)
-            self.strategy_reason += f"; fsdp {flavour}: {why}"
+            if self.fsdp_flavour:
+                flavour = self.fsdp_flavour
+            else:
+                flavour, why = choose_fsdp_flavour(cfg.fsdp, rt, self.n_params)
+                self.strategy_reason += f"; fsdp {flavour}: {why}"
             plan = FSDPPlan(flavour, cfg.fsdp_shard_size or rt.local_world_size)
             apply_fsdp(model, blocks, fsdp_mesh(rt, plan), plan, self.bf16, cfg.reduce_precision == "bf16")
             return model, None

@@ -1,0 +1,272 @@
+"""How right is `meshrun plan`? Measure true peaks on GPUs, compare with the predictions.
+
+Three steps (docs/benchmarks.md records the results):
+
+  # 1. on a GPU host: every configuration of a grid, one torchrun per GPU count, peaks per rank
+  torchrun --standalone --nproc_per_node=4 bench/plan_accuracy.py measure --grid quick --out bench/calibration/X.jsonl
+  torchrun --standalone --nproc_per_node=1 bench/plan_accuracy.py measure --grid quick --out bench/calibration/X.jsonl
+
+  # 2. anywhere: predicted vs measured, median and worst error against the reserved peak
+  python bench/plan_accuracy.py report bench/calibration/X.jsonl
+
+  # 3. anywhere: fit the model's open constants (src/meshrun/plan/calibration.json) to the data
+  python bench/plan_accuracy.py fit bench/calibration/*.jsonl [--write]
+
+`measure` runs meshrun's Trainer (single / DDP / FSDP2 flavours, activation checkpointing on
+and off, compiled or eager) and, when DeepSpeed is installed, deepspeed.initialize with the
+planner's own ds_config.json for ZeRO-1/2/3, on GPT presets with random tokens. Each
+configuration: 2 warm-up steps, then the peak of 3 steps (torch.cuda.max_memory_reserved and
+max_memory_allocated, the largest over ranks). One process group serves the whole grid; each
+configuration's memory is released before the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+
+GiB = 2**30
+
+# (model, micro-batches, seq) per grid; strategies and AC are crossed with them.
+GRIDS = {
+    "cpu": [("gpt-tiny", (2,), 64)],  # exercises the code paths on a CPU box (no peaks to read)
+    "quick": [("gpt-124m", (8, 32), 1024), ("gpt-350m", (8,), 1024), ("gpt-1.3b", (4, 16), 1024)],
+    "full": [("gpt-124m", (8, 32, 64), 1024), ("gpt-350m", (8, 32), 1024), ("gpt-1.3b", (4, 16, 32), 1024),
+             ("gpt-2.7b", (4, 8), 1024)],
+}
+
+
+def grid(name: str, world: int, deepspeed: bool, compile_: bool) -> list[dict]:
+    strategies = ["single"] if world == 1 else ["ddp", "fsdp-grad-op", "fsdp-full"]
+    if deepspeed and world > 1:
+        strategies += ["zero1", "zero2", "zero3"]
+    out = []
+    for (model, micros, seq), strategy, ac in itertools.product(GRIDS[name], strategies, (False, True)):
+        for micro in micros:
+            comp = compile_ and not strategy.startswith("zero")
+            out.append(dict(model=model, strategy=strategy, ac=ac, micro=micro, seq=seq, compile=comp))
+    return out
+
+
+# ---- measure (runs under torchrun) -------------------------------------------------------------
+
+def _meshrun_step_fn(conf: dict, rt):
+    from meshrun.train.config import TrainConfig
+    from meshrun.train.data import BatchStream, RandomTokens
+    from meshrun.train.models import gpt
+    from meshrun.train.trainer import Trainer
+
+    strategy, fsdp = {"single": ("single", "auto"), "ddp": ("ddp", "auto"), "fsdp-grad-op": ("fsdp", "grad_op"),
+                      "fsdp-full": ("fsdp", "full")}[conf["strategy"]]
+    cfg = TrainConfig(strategy=strategy, fsdp=fsdp, micro_batch=conf["micro"], seq_len=conf["seq"],
+                      compile=conf["compile"], activation_checkpointing="full" if conf["ac"] else "none",
+                      steps=100, log_every=10**9, lr=3e-4)
+    import torch
+
+    torch.manual_seed(0)
+    trainer = Trainer(gpt(conf["model"], conf["seq"]), RandomTokens(1 << 16, conf["seq"], 50304), None, cfg, runtime=rt)
+    data = BatchStream(trainer.train_loader, trainer.cfg.micro, rt.world_size)
+    return (lambda: trainer.train_step(data)), trainer
+
+
+def _deepspeed_step_fn(conf: dict, rt):
+    import deepspeed
+    import torch
+
+    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
+    from meshrun.plan.configs import ds_config
+    from meshrun.plan.modelspec import PRESETS
+    from meshrun.train.models import gpt
+
+    spec = PRESETS[conf["model"]]
+    mem = torch.cuda.get_device_properties(rt.device).total_memory if rt.cuda else 10**12
+    plan = make_plan(spec, ClusterSpec(1, rt.world_size, mem),
+                     TrainSpec(conf["seq"], conf["micro"], None, compile=False, precision="bf16" if rt.cuda else "fp32",
+                               activation_checkpointing="full" if conf["ac"] else "none"), framework="deepspeed")
+    cand = next(x for x in plan.candidates if x.strategy.label == conf["strategy"] + ("+ac" if conf["ac"] else ""))
+    cfg = ds_config(plan, cand)
+    cfg["optimizer"]["params"]["torch_adam"] = True  # no JIT-built fused Adam on the bench host
+    torch.manual_seed(0)
+    model = gpt(conf["model"], conf["seq"])
+    if conf["ac"]:
+        from meshrun.train.parallelize import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model.blocks)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    g = torch.Generator(device=rt.device).manual_seed(rt.rank)
+
+    def step():
+        t = torch.randint(0, 50304, (conf["micro"], conf["seq"] + 1), device=rt.device, generator=g)
+        loss = engine(t[:, :-1], t[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    return step, engine
+
+
+def measure(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from meshrun.train.runtime import init_runtime, teardown
+
+    rt = init_runtime()
+    has_ds = False
+    try:
+        import deepspeed  # noqa: F401
+
+        has_ds = True
+    except ImportError:
+        pass
+    confs = grid(args.grid, rt.world_size, has_ds, not args.eager)
+    card = torch.cuda.get_device_name(rt.device) if rt.cuda else "cpu"
+    for i, conf in enumerate(confs):
+        row = dict(conf, gpus=rt.world_size, card=card, torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+                   precision="bf16" if rt.cuda else "fp32")
+        obj = None
+        try:
+            make = _deepspeed_step_fn if conf["strategy"].startswith("zero") else _meshrun_step_fn
+            step, obj = make(conf, rt)
+            for _ in range(2):
+                step()
+            if rt.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(rt.device)
+            for _ in range(3):
+                step()
+            if rt.cuda:
+                torch.cuda.synchronize()
+            peaks = torch.tensor([torch.cuda.max_memory_reserved(rt.device), torch.cuda.max_memory_allocated(rt.device)]
+                                 if rt.cuda else [0, 0], dtype=torch.float64, device=rt.device)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+            row.update(reserved_gib=round(peaks[0].item() / GiB, 3) or None,
+                       allocated_gib=round(peaks[1].item() / GiB, 3) or None)
+        except torch.cuda.OutOfMemoryError:
+            row.update(oom=True)
+        finally:
+            del obj
+            gc.collect()
+            if rt.cuda:
+                torch.cuda.empty_cache()
+            torch._dynamo.reset()
+        if rt.is_main:
+            line = json.dumps(row)
+            print(f"[{i + 1}/{len(confs)}] MEM {line}", flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
+        dist.barrier()
+    teardown()
+
+
+# ---- report and fit ------------------------------------------------------------------------------
+
+def predict(row: dict, cal: dict | None = None) -> tuple[float, float]:
+    """(reserved, allocated) bytes the planner predicts for a measured row."""
+    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
+    from meshrun.plan import memory
+    from meshrun.plan.modelspec import PRESETS
+
+    if cal is not None:
+        _override(cal)
+    plan = make_plan(PRESETS[row["model"]], ClusterSpec(1, row["gpus"], 10**15),
+                     TrainSpec(row["seq"], row["micro"], None, precision=row.get("precision", "bf16"),
+                               compile=row["compile"], activation_checkpointing="full" if row["ac"] else "none"),
+                     framework="any")
+    label = row["strategy"] + ("+ac" if row["ac"] else "")
+    c = next(x for x in plan.candidates if x.strategy.label == label)
+    b = c.memory.breakdown
+    return c.memory.allocator_peak, c.memory.allocator_peak - b["fragmentation"]
+
+
+def _override(cal: dict) -> None:
+    from meshrun.plan import memory
+
+    memory.calibration = lambda: cal  # type: ignore[assignment]
+
+
+def load(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if not r.get("oom")]
+
+
+def errors(rows: list[dict]) -> list[tuple[dict, float, float, float]]:
+    out = []
+    for r in rows:
+        pred_res, pred_alloc = predict(r)
+        measured = r.get("reserved_gib") or r.get("allocated_gib")
+        target = pred_res if r.get("reserved_gib") else pred_alloc
+        out.append((r, target / GiB, measured, target / GiB / measured - 1))
+    return out
+
+
+def report(args: argparse.Namespace) -> None:
+    res = errors(load(args.files))
+    print("| model | GPUs | strategy | AC | compile | micro | predicted GiB | measured GiB (reserved) | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r, pred, meas, err in res:
+        kind = "reserved" if r.get("reserved_gib") else "allocated"
+        print(f"| {r['model']} | {r['gpus']} | {r['strategy']} | {'on' if r['ac'] else 'off'} | "
+              f"{'yes' if r['compile'] else 'no'} | {r['micro']} | {pred:.1f} | {meas:.1f}"
+              f"{'' if kind == 'reserved' else ' (allocated)'} | {err:+.1%} |")
+    abs_err = [abs(e) for *_, e in res]
+    if abs_err:
+        print(f"\n{len(abs_err)} runs: median |error| {statistics.median(abs_err):.1%}, worst {max(abs_err):.1%}")
+
+
+def fit(args: argparse.Namespace) -> None:
+    """Grid-search the constants theory leaves open, minimising the worst relative error
+    (then the median); print them, and write calibration.json with --write."""
+    from meshrun.plan import memory
+
+    rows = load(args.files)
+    base = json.loads(open(os.path.join(os.path.dirname(memory.__file__), "calibration.json")).read())
+    best = None
+    for act_c, act_e, log_c, log_e, frag in itertools.product(
+            (0.9, 0.95, 1.0, 1.05, 1.1), (0.95, 1.0, 1.05), (1.0, 2.0, 3.0, 4.0), (10.0, 12.0, 14.0),
+            (1.0, 1.02, 1.04, 1.06, 1.08, 1.1)):
+        cal = dict(base, act_factor={"compiled": act_c, "eager": act_e},
+                   logits_vocab_bytes={"compiled": log_c, "eager": log_e}, reserved_over_allocated=frag)
+        _override(cal)
+        errs = [abs(e) for *_, e in errors(rows)]
+        key = (round(max(errs), 4), statistics.median(errs))
+        if best is None or key < best[0]:
+            best = (key, cal)
+    (worst, median), cal = best
+    cal["fitted_from"] = ", ".join(args.files)
+    print(json.dumps(cal, indent=2))
+    print(f"worst {worst:.1%}, median {median:.1%} over {len(rows)} runs")
+    if args.write:
+        with open(os.path.join(os.path.dirname(memory.__file__), "calibration.json"), "w") as f:
+            json.dump(cal, f, indent=2)
+            f.write("\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--grid", choices=tuple(GRIDS), default="quick")
+    m.add_argument("--out", default=None)
+    m.add_argument("--eager", action="store_true", help="do not compile (default: compile, as meshrun train does)")
+    for name in ("report", "fit"):
+        p = sub.add_parser(name)
+        p.add_argument("files", nargs="+")
+        if name == "fit":
+            p.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    {"measure": measure, "report": report, "fit": fit}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

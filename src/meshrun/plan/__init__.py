@@ -1,0 +1,14 @@
+"""meshrun plan: the documents' decision guide as a memory and communication calculator.
+
+Pure in the middle: ``ModelSpec`` + ``ClusterSpec`` + ``TrainSpec`` -> candidates (each a
+per-GPU memory breakdown, CPU memory, communication volume and an estimated step time) ->
+a recommendation with its reasons and warnings -> config files. Nothing here touches a GPU
+or starts a process; ``modelspec.from_factory`` imports torch only to build a model on the
+meta device.
+"""
+
+from .recommend import Plan, make_plan
+from .spec import ClusterSpec, TrainSpec
+from .modelspec import ModelSpec, resolve_model
+
+__all__ = ["ClusterSpec", "ModelSpec", "Plan", "TrainSpec", "make_plan", "resolve_model"]

@@ -1,0 +1,99 @@
+"""The seed's flowchart as sentences, and its common-mistakes table as warnings."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .modelspec import ModelSpec
+from .spec import ClusterSpec, TrainSpec
+from .units import fmt_bytes, fmt_count
+
+if TYPE_CHECKING:
+    from .recommend import Candidate
+
+HEAVIER = ("zero3-offload", "zero3-offload-all")
+
+
+def _first(cands: list[Candidate], *names: str, ac: bool | None = False) -> Candidate | None:
+    """The first candidate of these names (without checkpointing unless ac says otherwise;
+    with it when only checkpointed ones were planned)."""
+    found = next((x for x in cands if x.strategy.name in names and (ac is None or x.strategy.ac == ac)), None)
+    return found or next((x for x in cands if x.strategy.name in names), None)
+
+
+def _peak(x: Candidate | None) -> str:
+    return fmt_bytes(x.memory.peak) if x and x.memory else "?"
+
+
+def reasons_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidate], pick: Candidate | None,
+                limit: float) -> list[str]:
+    """Walk the flowchart: does a replica fit? with sharded optimizer and gradients? with
+    everything sharded? with activation checkpointing? with offload? with TP x PP?"""
+    out = [f"{m.name}: {fmt_count(m.params)} parameters; usable per GPU {fmt_bytes(limit)} "
+           f"({fmt_bytes(c.gpu_mem)} less the safety margin)"]
+    base = _first(cands, "single", "ddp")
+    zero2 = _first(cands, "fsdp-grad-op", "zero2")
+    zero3 = _first(cands, "fsdp-full", "zero3")
+    steps = [("a full replica per GPU (DDP)", base), ("sharded optimizer and gradients (ZeRO-2 / FSDP grad_op)", zero2),
+             ("everything sharded (ZeRO-3 / FSDP full shard)", zero3)]
+    for what, x in steps:
+        if x is None:
+            continue
+        verdict = "fits" if x.fits else "does not fit"
+        out.append(f"{what}: {_peak(x)} per GPU -> {verdict}")
+        if x.fits:
+            break
+    if pick is None:
+        out.append("nothing fits: more GPUs, a shorter sequence, a smaller micro-batch, or a smaller model")
+        return out
+    s = pick.strategy
+    if s.ac:
+        out.append(f"with activation checkpointing (each block recomputed in backward, about 1/3 more compute): "
+                   f"{s.label} {_peak(pick)} per GPU -> fits")
+    if s.offload_optimizer:
+        out.append("CPU offload: the last resort the guide names; expect a 2-5x slower step")
+    if s.tp * s.pp > 1:
+        out.append(f"tensor x pipeline parallelism: TP={s.tp} within a node, PP={s.pp}, DP={s.dp}")
+    if s.name == "fsdp-grad-op" and base is not None and base.fits:
+        out.append("FSDP grad_op ranks before DDP from 1B parameters: measured faster (docs/benchmarks.md)")
+    b = pick.batch
+    if b is not None:
+        out.append(f"batch: global {b.global_batch} = micro-batch {b.micro} x accumulation {b.accum} "
+                   f"x data-parallel {b.dp}")
+    out.append(f"recommended: {s.label} ({s.engine}), {_peak(pick)} per GPU, "
+               f"about {pick.step_time_s:.3g} s per step (estimate)")
+    return out
+
+
+def warnings_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidate],
+                 pick: Candidate | None) -> list[str]:
+    out = []
+    if c.nodes > 1 and c.inter_bw < 20e9:
+        out.append("multi-node over ordinary Ethernet: inter-node traffic will bound the step "
+                   "(SkyPilot: network_tier: best; elsewhere InfiniBand/EFA)")
+    if pick is not None and pick.strategy.offload_optimizer and c.cpu_mem is None and pick.memory:
+        out.append(f"offload needs {fmt_bytes(pick.memory.cpu_bytes_per_node)} of CPU memory per node; "
+                   "give --cpu-mem to check it")
+    base = _first(cands, "ddp", "single")
+    if base is not None and not base.fits and pick is not None:
+        out.append("a full replica does not fit: FSDP NO_SHARD or plain DDP would run out of memory; shard instead")
+    return out
+
+
+def check_choice(name: str, cands: list[Candidate], pick: Candidate | None) -> list[str]:
+    """Warnings for a strategy the user chose (``meshrun plan --strategy``)."""
+    mine = next((x for x in cands if x.strategy.label == name), None)
+    if mine is None:
+        return [f"--strategy {name}: not among the candidates (see the table's names)"]
+    out = []
+    if not mine.fits:
+        out.append(f"--strategy {name}: {mine.why_not}")
+    zero2 = _first(cands, "zero2", "fsdp-grad-op", ac=None)
+    if mine.strategy.offload_optimizer and zero2 is not None and zero2.fits:
+        out.append(f"--strategy {name}: CPU offload although {zero2.strategy.label} fits on the GPUs "
+                   "(start with ZeRO-2; offload is the last resort, 2-5x slower)")
+    elif mine.strategy.name in ("zero3", "fsdp-full") and zero2 is not None and zero2.fits and not zero2.strategy.ac:
+        out.append(f"--strategy {name}: full sharding although {zero2.strategy.label} fits (it communicates less)")
+    if mine.strategy.name in ("ddp",) and not mine.fits:
+        out.append("NO_SHARD / DDP does not save memory; use FULL_SHARD (fsdp-full) or ZeRO-3")
+    return out

@@ -1,0 +1,146 @@
+"""The files a plan writes: DeepSpeed's ds_config.json (the seed's keys, every "auto"
+resolved to a number), an accelerate config YAML, and a meshrun train config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .modelspec import ModelSpec
+from .recommend import Candidate, Plan
+
+ZERO_STAGE = {"single": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp-grad-op": 2, "zero3": 3, "fsdp-full": 3,
+              "fsdp-hybrid": 3, "zero2-offload": 2, "zero3-offload": 3, "zero3-offload-all": 3}
+
+
+def zero_stage(c: Candidate) -> int:
+    return ZERO_STAGE.get(c.strategy.name, 1)  # TP x PP: Megatron's distributed optimizer is ZeRO-1
+
+
+def ds_config(plan: Plan, c: Candidate, lr: float = 3e-4) -> dict[str, Any]:
+    """The seed's ZeRO configs. DeepSpeed's "auto" values are what its HF integration would
+    put there: reduce bucket h², prefetch 0.9·h², persistence threshold 10·h."""
+    m, t, s = plan.model, plan.train, c.strategy
+    b = c.batch
+    stage = zero_stage(c)
+    h2 = m.hidden * m.hidden
+    zero: dict[str, Any] = {"stage": stage}
+    if stage in (1, 2):
+        zero.update(allgather_partitions=True, allgather_bucket_size=int(5e8), overlap_comm=True,
+                    reduce_scatter=True, reduce_bucket_size=int(5e8), contiguous_gradients=True)
+    if stage == 3:
+        zero.update(overlap_comm=True, contiguous_gradients=True, sub_group_size=int(1e9),
+                    reduce_bucket_size=h2, stage3_prefetch_bucket_size=int(0.9 * h2),
+                    stage3_param_persistence_threshold=10 * m.hidden, stage3_max_live_parameters=int(1e9),
+                    stage3_max_reuse_distance=int(1e9), stage3_gather_16bit_weights_on_model_save=True)
+    if s.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if s.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    cfg: dict[str, Any] = {
+        "train_batch_size": b.global_batch if b else None,
+        "train_micro_batch_size_per_gpu": b.micro if b else None,
+        "gradient_accumulation_steps": b.accum if b else None,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 100,
+        "wall_clock_breakdown": False,
+    }
+    if s.ac:
+        cfg["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
+    return cfg
+
+
+def accelerate_config(plan: Plan, c: Candidate, ds_config_file: str = "ds_config.json") -> dict[str, Any]:
+    """accelerate's ClusterConfig keys. num_processes is GLOBAL (all nodes' processes)."""
+    cl, s = plan.cluster, c.strategy
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
+        "num_machines": cl.nodes, "num_processes": cl.world, "main_training_function": "main",
+        "mixed_precision": "bf16" if plan.train.precision == "bf16" else "no",
+        "rdzv_backend": "static", "same_network": True, "use_cpu": False, "gpu_ids": "all",
+        "downcast_bf16": "no", "tpu_env": [], "tpu_use_cluster": False, "tpu_use_sudo": False,
+    }
+    if s.engine == "deepspeed":
+        out["distributed_type"] = "DEEPSPEED"
+        out["deepspeed_config"] = {"deepspeed_config_file": ds_config_file, "zero3_init_flag": zero_stage(c) == 3}
+    elif s.name.startswith("fsdp"):
+        out["distributed_type"] = "FSDP"
+        fsdp: dict[str, Any] = {
+            "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_reshard_after_forward": s.name != "fsdp-grad-op", "fsdp_offload_params": False,
+            "fsdp_activation_checkpointing": s.ac, "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        }
+        if plan.model.block_class:
+            fsdp["fsdp_transformer_layer_cls_to_wrap"] = plan.model.block_class
+        out["fsdp_config"] = fsdp
+        if s.name == "fsdp-hybrid":
+            out["parallelism_config"] = {"parallelism_config_dp_replicate_size": cl.world // s.shard_group,
+                                         "parallelism_config_dp_shard_size": s.shard_group}
+    else:
+        out["distributed_type"] = "MULTI_GPU" if cl.world > 1 else "NO"
+    return out
+
+
+def train_config(plan: Plan, c: Candidate, m: ModelSpec) -> dict[str, Any]:
+    """A `meshrun train --config` file for the torch strategies meshrun's trainer runs."""
+    s, b = c.strategy, c.batch
+    strategy, fsdp = {"single": ("single", None), "ddp": ("ddp", None), "fsdp-grad-op": ("fsdp", "grad_op"),
+                      "fsdp-full": ("fsdp", "full"), "fsdp-hybrid": ("fsdp", "hybrid")}.get(s.name, (None, None))
+    out: dict[str, Any] = {}
+    from ..train.config import GPT_PRESETS
+
+    if m.name in GPT_PRESETS:
+        out["model_size"] = m.name
+    if strategy is not None:
+        out["strategy"] = strategy
+    if fsdp is not None:
+        out["fsdp"] = fsdp
+    out.update(activation_checkpointing="full" if s.ac else "none", seq_len=plan.train.seq_len,
+               precision=plan.train.precision, compile=plan.train.compile)
+    if b is not None:
+        out.update(micro_batch=b.micro, global_batch=b.global_batch)
+    return out
+
+
+def write_all(plan: Plan, out_dir: str) -> list[str]:
+    """Write the recommended candidate's files into out_dir; returns their paths."""
+    import json
+    import os
+
+    import yaml
+
+    c = plan.recommended
+    if c is None:
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    ds = os.path.join(out_dir, "ds_config.json")
+    with open(ds, "w") as f:
+        json.dump(ds_config(plan, _zero_equivalent(plan, c)), f, indent=2)
+    paths.append(ds)
+    acc = os.path.join(out_dir, "accelerate.yaml")
+    with open(acc, "w") as f:
+        yaml.safe_dump(accelerate_config(plan, c, ds), f, sort_keys=False)
+    paths.append(acc)
+    if c.strategy.engine == "torch":
+        tr = os.path.join(out_dir, "train.yaml")
+        with open(tr, "w") as f:
+            yaml.safe_dump(train_config(plan, c, plan.model), f, sort_keys=False)
+        paths.append(tr)
+    return paths
+
+
+def _zero_equivalent(plan: Plan, c: Candidate) -> Candidate:
+    """For a torch pick, the DeepSpeed candidate of the same stage (so ds_config.json is the
+    DeepSpeed route to the same memory), when the plan has one that fits; else the pick."""
+    if c.strategy.engine == "deepspeed":
+        return c
+    stage = zero_stage(c)
+    for x in plan.candidates:
+        if x.strategy.engine == "deepspeed" and zero_stage(x) == stage and x.strategy.ac == c.strategy.ac \
+                and not x.strategy.offload_optimizer and x.batch is not None:
+            return x
+    return c

@@ -1,0 +1,217 @@
+"""Per-GPU memory of one training step, term by term (pure arithmetic, bytes).
+
+Model states (the ZeRO paper's accounting, Rajbhandari et al. 2020, section 3): with mixed
+precision and Adam, 2 bytes of bf16 parameters + 2 of bf16 gradients + K = 12 of fp32 master
+weights and moments per parameter; ZeRO-1 shards the 12, ZeRO-2 also the gradients, ZeRO-3
+everything over the N data-parallel ranks. PyTorch-native training (meshrun's trainer, DDP,
+FSDP2 with a MixedPrecisionPolicy) keeps fp32 parameters and fp32 gradients instead: 4 + 4 +
+8 (Adam's moments), the same 16 bytes, sharded the same way by FSDP2.
+
+Activations per layer per token follow Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", section 4.1), redone for what PyTorch's autograd
+actually saves with flash attention under bf16 autocast (no s² term; fp32 residual stream
+and LayerNorm inputs, since the parameters are fp32), then scaled by calibrated factors for
+torch.compile (calibration.json, fitted on GPUs by bench/plan_accuracy.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from .modelspec import ModelSpec
+from .spec import ClusterSpec, TrainSpec
+
+
+@lru_cache(maxsize=1)
+def calibration() -> dict:
+    with open(os.path.join(os.path.dirname(__file__), "calibration.json")) as f:
+        return json.load(f)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to lay the model over the GPUs.
+
+    shard: what the data-parallel group shards: none (DDP), optimizer (ZeRO-1),
+    grads (ZeRO-2, FSDP SHARD_GRAD_OP), params (ZeRO-3, FSDP FULL_SHARD).
+    """
+
+    name: str
+    engine: str  # torch | deepspeed | megatron (TP x PP)
+    shard: str
+    dp: int  # data-parallel replicas x shards: the batch is split dp ways
+    shard_group: int  # ranks one copy of the states is sharded over
+    tp: int = 1
+    pp: int = 1
+    ac: bool = False
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    keep_gathered: bool = False  # FSDP2 reshard_after_forward=False: bf16 params live fwd -> bwd
+
+    @property
+    def label(self) -> str:
+        return self.name + ("+ac" if self.ac else "")
+
+
+BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "logits", "comm_buffers", "workspace",
+                  "fragmentation", "cuda_context")
+
+
+@dataclass(frozen=True)
+class Memory:
+    breakdown: dict[str, int]
+    cpu_bytes_per_node: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak(self) -> int:
+        return sum(self.breakdown.values())
+
+    @property
+    def allocator_peak(self) -> int:
+        """What ``torch.cuda.max_memory_reserved`` would show: everything but the context."""
+        return self.peak - self.breakdown["cuda_context"]
+
+
+def autocast(t: TrainSpec, s: Strategy) -> bool:
+    """fp32 parameters under bf16 autocast (meshrun's single/DDP); FSDP2's MixedPrecisionPolicy,
+    DeepSpeed and Megatron run the model in bf16 outright."""
+    return t.precision == "bf16" and s.engine == "torch" and s.shard == "none"
+
+
+def layer_activation_bytes(m: ModelSpec, precision: str, fp32_residual: bool = True) -> float:
+    """Bytes autograd keeps per token per layer, eager, flash attention (checked against the
+    tensors autograd saves on CPU: tests/test_plan.py).
+
+    bf16 autocast: the residual stream and LayerNorm inputs stay fp32 (r = 4); matmul inputs
+    and outputs are bf16 (a = 2). Saved: norm input (r·h) and its bf16 cast for the next
+    matmul (a·h), twice (a model run in bf16 outright: r = 2); the q/k/v projection (a·(h + 2·kv)); with rotary embeddings the
+    rotated q and k (a·(h + kv)); the attention output (a·h); the MLP's hidden (a·f for up and
+    a·f for the activation; a gated MLP keeps gate, up, act(gate) and their product: 4·a·f);
+    flash attention's log-sum-exp (4 bytes per head). fp32: a = r = 4.
+    """
+    h, f, kv = m.hidden, m.ffn, m.kv_dim
+    a, r = (2, 4 if fp32_residual else 2) if precision == "bf16" else (4, 4)
+    norms = 2 * (r * h + a * h)
+    attn = a * (h + 2 * kv) + (a * (h + kv) if m.gated_mlp else 0) + a * h + 4 * m.heads
+    mlp = 4 * a * f if m.gated_mlp else 2 * a * f
+    return norms + attn + mlp
+
+
+def activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[int, int]:
+    """(stored for backward over all of this GPU's layers, transient of one layer's backward
+    or recomputation). Tensor parallelism with sequence parallelism divides everything by tp;
+    1F1B pipelining keeps pp micro-batches of L/pp layers on the first stage: L layers' worth."""
+    mode = "compiled" if t.compile and s.engine == "torch" else "eager"
+    per_layer = layer_activation_bytes(m, t.precision, autocast(t, s)) * calibration()["act_factor"][mode]
+    tokens = micro * t.seq_len
+    layers = m.layers  # L/pp layers x pp in-flight micro-batches on the first stage
+    one_layer = per_layer * tokens / s.tp
+    if s.ac:
+        stored = (4 if autocast(t, s) or t.precision == "fp32" else 2) * m.hidden * tokens * layers / s.tp
+        return int(stored), int(one_layer)
+    return int(one_layer * layers), int(one_layer / 4)
+
+
+def whole_model_compiled(t: TrainSpec, s: Strategy) -> bool:
+    """meshrun compiles the whole model (loss included) under single/DDP, but each block on
+    its own under FSDP (so FSDP's hooks stay outside the graphs): there the loss runs eager."""
+    return t.compile and s.engine == "torch" and s.shard == "none"
+
+
+def logits_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
+    """The loss spike: logits for the whole micro-batch, their fp32 copy, log-softmax's output
+    and its gradient (eager: about 12 bytes per vocabulary entry per token at the start of
+    backward); a compiled loss fuses most of it away. Vocabulary-parallel under TP."""
+    mode = "compiled" if whole_model_compiled(t, s) else "eager"
+    return int(calibration()["logits_vocab_bytes"][mode] * m.vocab * micro * t.seq_len / s.tp)
+
+
+def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int], int, list[str]]:
+    """(params, grads, optimizer, comm_buffers) bytes per GPU, CPU bytes per GPU, notes."""
+    p = m.params / (s.tp * s.pp)
+    block = m.block_params / s.tp
+    n = s.shard_group
+    k = t.optimizer_bytes
+    notes: list[str] = []
+    mixed = t.precision == "bf16"
+    cpu = 0.0
+    if s.engine == "deepspeed":
+        # bf16 weights and grads on the GPU, fp32 master copy + moments in the optimizer.
+        pw, gw, master = (2, 2, 4 + k) if mixed else (4, 4, k)
+        params = pw * p / (n if s.shard == "params" else 1)
+        grads = gw * p / (n if s.shard in ("grads", "params") else 1)
+        opt = master * p / (n if s.shard != "none" else 1)
+        bucket = 2 * 5e8 if s.shard in ("optimizer", "grads") else 0  # reduce/allgather buckets (5e8 elements)
+        if s.shard == "params":
+            bucket = 2 * (2 * 0.9 * m.hidden**2 + 1e9 / max(1, m.layers))  # prefetch buckets + live params
+            bucket += 2 * m.outer_params  # embeddings/head gathered while in use
+        if s.offload_optimizer:
+            cpu += opt + 4 * p / n  # master weights, moments and the fp32 gradient partition
+            opt = 0
+            notes.append("optimizer state and its step on the CPU (DeepSpeed's CPU Adam)")
+        if s.offload_params:
+            cpu += params
+            params = 2 * 2 * block  # only the gathered block(s) in use
+        return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
+                "comm_buffers": int(bucket)}, int(cpu), notes
+    # torch / megatron-style: fp32 params and grads (or bf16 everything for megatron's
+    # distributed optimizer, whose 2 + 4 + 12/dp we use for TP x PP).
+    if s.engine == "megatron":
+        params, grads = 2 * p, 4 * p
+        opt = (4 + k) * p / s.dp
+        return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
+                "comm_buffers": int(2 * 4 * block)}, 0, notes
+    # FSDP2 shards the fp32 parameters in both flavours; grad_op only keeps the bf16 copy.
+    params = 4 * p / (n if s.shard in ("grads", "params") else 1)
+    if autocast(t, s):
+        # autocast's bf16 weight copies, saved by each matmul for its backward: alive from
+        # forward to backward (the input embedding lookup is not cast; a tied head is).
+        params += 2 * (p - (0 if m.tied else m.vocab * m.hidden))
+    grads = 4 * p / (n if s.shard in ("grads", "params") else 1)
+    opt = k * p / (n if s.shard != "none" else 1)
+    buffers = 0.0
+    if s.shard == "params":
+        # FSDP2: the root (embeddings, head) stays gathered in bf16 through the step, the
+        # last block too, plus the next block's prefetch and one block's unsharded fp32 grads.
+        gathered = 2 if mixed else 4
+        buffers = gathered * (m.outer_params + 2 * block) + 4 * block
+    if s.keep_gathered:
+        buffers = (2 if mixed else 4) * (m.outer_params + m.layers * block) + 4 * block
+    return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
+            "comm_buffers": int(buffers)}, int(cpu), notes
+
+
+def persistent_grads(s: Strategy) -> bool:
+    """DDP's gradient buckets (gradient_as_bucket_view), DeepSpeed's and Megatron's gradient
+    buffers live through the whole step; single-device and FSDP2 gradients are freed by
+    ``zero_grad(set_to_none=True)`` and appear only during backward."""
+    return s.engine != "torch" or (s.shard == "none" and s.dp > 1)
+
+
+def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int) -> Memory:
+    """The larger of two moments: the start of backward (all activations and the loss spike
+    alive) and the end of backward (all gradients alive, activations gone)."""
+    cal = calibration()
+    states, cpu_per_gpu, notes = model_states(m, t, s)
+    acts, transient = activations(m, t, s, micro)
+    logits = logits_bytes(m, t, s, micro)
+    spike = max(logits, transient)  # the loss spike and one layer's backward do not overlap
+    fixed = states["params"] + states["optimizer"] + states["comm_buffers"] + cal["workspace_bytes"]
+    grads_early = states["grads"] if persistent_grads(s) else 0
+    start = fixed + grads_early + acts + spike
+    end = fixed + states["grads"] + transient
+    if start >= end:
+        parts = {"grads": grads_early, "activations": acts, "logits": spike}
+    else:
+        parts = {"grads": states["grads"], "activations": transient, "logits": 0}
+    allocated = max(start, end)
+    frag = int(allocated * (cal["reserved_over_allocated"] - 1))
+    breakdown = {"params": states["params"], "grads": parts["grads"], "optimizer": states["optimizer"],
+                 "activations": parts["activations"], "logits": parts["logits"],
+                 "comm_buffers": states["comm_buffers"], "workspace": cal["workspace_bytes"],
+                 "fragmentation": frag, "cuda_context": cal["cuda_context_bytes"]}
+    return Memory(breakdown, cpu_per_gpu * c.gpus_per_node, tuple(notes))

@@ -1,0 +1,97 @@
+"""The plan as a rich table, the reasons, the warnings and (with --explain) the formulas."""
+
+from __future__ import annotations
+
+from .memory import BREAKDOWN_KEYS, calibration, layer_activation_bytes
+from .recommend import Plan
+from .units import fmt_bytes, fmt_count
+
+SHORT = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ", "logits": "logits",
+         "comm_buffers": "buffers"}
+MAX_MODEL_PARALLEL_ROWS = 4  # TP x PP rows shown (all are in --json)
+
+
+def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=max(124, Console().width))
+    m, c = plan.model, plan.cluster
+    table = Table(title=f"{m.name} ({fmt_count(m.params)} params) on {c.nodes} x {c.gpus_per_node} GPUs "
+                        f"of {fmt_bytes(c.gpu_mem)}, seq {plan.train.seq_len}, {plan.train.precision}")
+    for col in ("strategy", "mb x acc", *SHORT.values(), "peak", "fits", "step~"):
+        table.add_column(col, justify="left" if col in ("strategy", "fits") else "right", no_wrap=True)
+    mp = [x for x in plan.candidates if x.strategy.engine == "megatron"]
+    # Of the TP x PP combinations, the ones that fit (fewest GPUs per model copy first),
+    # else the smallest footprints; all of them are in --json.
+    mp_shown = {id(x) for x in sorted(mp, key=lambda x: (not x.fits, 0 if x.fits else (x.memory.peak if x.memory else 1 << 62)))
+                [:MAX_MODEL_PARALLEL_ROWS]}
+    for x in plan.candidates:
+        s = x.strategy
+        if s.engine == "megatron" and id(x) not in mp_shown and x is not plan.recommended:
+            continue
+        mark = "*" if x is plan.recommended else ""
+        if x.memory is None or x.batch is None:
+            table.add_row(mark + s.label, "-", *["-"] * len(SHORT), "-", "no: batch", "-")
+            continue
+        b = x.memory.breakdown
+        style = "bold green" if x is plan.recommended else None
+        table.add_row(mark + s.label, f"{x.batch.micro} x {x.batch.accum}",
+                      *[_short(b[k]) for k in SHORT], _short(x.memory.peak),
+                      "yes" if x.fits else "no", f"{x.step_time_s:.3g} s", style=style)
+    con.print(table)
+    con.print("  (* recommended; sizes in GiB/MiB per GPU; deepspeed rows: zero*, torch: ddp/fsdp*, "
+              "tp*-pp*: Megatron-style)", highlight=False)
+    for line in plan.reasons:
+        con.print(f"  {line}", highlight=False)
+    for line in plan.warnings:
+        con.print(f"  [yellow]warning:[/] {line}", highlight=False)
+    if plan.recommended and plan.recommended.memory and plan.recommended.memory.cpu_bytes_per_node:
+        con.print(f"  CPU memory per node for offload: {fmt_bytes(plan.recommended.memory.cpu_bytes_per_node)}")
+    for path in written:
+        con.print(f"  wrote {path}")
+    if explain:
+        con.print(explanation(plan), highlight=False)
+
+
+def _short(n: float) -> str:
+    """5 characters at most, for the table: 24.4G, 626M, 0."""
+    for unit, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= size:
+            v = n / size
+            return f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
+    return "0" if n == 0 else f"{n:.0f}B"
+
+
+def explanation(plan: Plan) -> str:
+    m, t = plan.model, plan.train
+    cal = calibration()
+    lines = [
+        "",
+        "formulas (bytes per GPU; P = parameters on this GPU = N / (tp·pp), n = ranks sharding the states):",
+        "  torch (meshrun, DDP, FSDP2): fp32 params 4P, fp32 grads 4P, optimizer k·P "
+        f"(k = {t.optimizer_bytes} for {t.optimizer}); FSDP shards all three over n, grad_op keeps a bf16 copy 2P;",
+        "    under bf16 autocast (single/DDP) matmuls keep bf16 weight copies for backward: +2P",
+        "  DeepSpeed ZeRO (mixed): 2P bf16 params + 2P bf16 grads + (4 + k)·P master and moments;",
+        "    ZeRO-1 shards the last, ZeRO-2 also the grads, ZeRO-3 everything: 2P + 2P + (4+k)P/n ... (2+2+4+k)P/n",
+        f"  activations per layer per token (eager, flash attention): {layer_activation_bytes(m, t.precision):.0f} B here =",
+        "    2·(r·h + a·h) norms + a·(h + 2·kv) qkv [+ a·(h + kv) rotary] + a·h attention out + 2·a·f MLP "
+        "(4·a·f gated) + 4·heads",
+        "    a = 2 (bf16) or 4; r = 4 under autocast (fp32 residual), else a; with checkpointing: r·h per layer",
+        f"  x layers x micro-batch x seq / tp; compiled blocks x {cal['act_factor']['compiled']}",
+        f"  logits spike: {cal['logits_vocab_bytes']['eager']} B x vocab x tokens eager (bf16 logits, fp32 copy, "
+        f"log-softmax and its gradient), {cal['logits_vocab_bytes']['compiled']} B compiled with the loss",
+        "  peak = max(start of backward: states + activations + spike, end of backward: states + all grads)",
+        f"  + workspace {fmt_bytes(cal['workspace_bytes'])}, x {cal['reserved_over_allocated']} allocator "
+        f"fragmentation (reserved / allocated), + CUDA context {fmt_bytes(cal['cuda_context_bytes'])}",
+        "  communication per step (ring): all-reduce 2(n-1)/n·B, all-gather / reduce-scatter (n-1)/n·B;",
+        "    DDP fp32 grads; FSDP bf16 all-gathers (x2 for full shard) + fp32 reduce-scatter; TP 4 activation",
+        "    all-reduces per layer; step time = FLOPs / (peak x 45%) + comm not hidden (80% overlap) + offload",
+    ]
+    r = plan.recommended
+    if r is not None and r.memory is not None:
+        lines.append(f"  this plan's pick, {r.strategy.label}:")
+        for key in BREAKDOWN_KEYS:
+            lines.append(f"    {key:14} {fmt_bytes(r.memory.breakdown[key]):>10}")
+        lines.append(f"    {'peak':14} {fmt_bytes(r.memory.peak):>10}")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""The cluster and the training settings a plan is made for (validated, frozen)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import bad_value
+
+# Per-GPU bandwidths in bytes/s, the "bus bandwidth" a ring collective reaches (what
+# nccl-tests reports as busbw). Datasheet-derived defaults; `meshrun doctor` measures them.
+INTRA_NODE = {"nvlink": 360e9, "pcie": 20e9}
+INTER_NODE = {"ib": 45e9, "efa": 40e9, "ethernet": 10e9}  # per GPU: 400 Gb/s IB per GPU, 100 Gb/s shared
+OPTIMIZERS = {"adamw": 8, "sgd": 4, "adam8bit": 2}  # optimizer-state bytes per parameter (fp32 m, v / momentum / 8-bit m, v)
+PRECISIONS = ("bf16", "fp32")
+AC_MODES = ("none", "full")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    nodes: int
+    gpus_per_node: int
+    gpu_mem: int  # bytes per GPU
+    cpu_mem: int | None = None  # bytes per node, for offload
+    intra_bw: float = INTRA_NODE["nvlink"]
+    inter_bw: float = INTER_NODE["ib"]
+    gpu_flops: float = 989.4e12  # dense bf16 peak (H100/H200 SXM)
+    sources: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def source(self, name: str) -> str:
+        return dict(self.sources).get(name, "flag")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    seq_len: int
+    micro_batch: int | None  # None: the planner picks the largest that fits
+    global_batch: int | None  # None: micro x data-parallel size (no accumulation)
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    activation_checkpointing: str | None = None  # None: try both
+    compile: bool = True  # meshrun train compiles on GPUs by default
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return OPTIMIZERS[self.optimizer]
+
+
+def validate_cluster(c: ClusterSpec) -> ClusterSpec:
+    for name in ("nodes", "gpus_per_node"):
+        value = getattr(c, name)
+        if value < 1:
+            raise bad_value(f"--{name.replace('_', '-')}", value, "must be >= 1")
+    return c
+
+
+def validate_train(t: TrainSpec, max_seq: int | None) -> TrainSpec:
+    if t.seq_len < 1:
+        raise bad_value("--seq-len", t.seq_len, "must be >= 1")
+    for name in ("micro_batch", "global_batch"):
+        value = getattr(t, name)
+        if value is not None and value < 1:
+            raise bad_value(f"--{name.replace('_', '-')}", value, "must be >= 1")
+    if t.precision not in PRECISIONS:
+        raise bad_value("--precision", t.precision, "unknown", f"one of {', '.join(PRECISIONS)}")
+    if t.optimizer not in OPTIMIZERS:
+        raise bad_value("--optimizer", t.optimizer, "unknown", f"one of {', '.join(OPTIMIZERS)}")
+    if t.activation_checkpointing not in (None, *AC_MODES):
+        raise bad_value("--activation-checkpointing", t.activation_checkpointing, "unknown",
+                        f"one of {', '.join(AC_MODES)}")
+    if max_seq is not None and t.seq_len > max_seq and max_seq > 0:
+        raise bad_value("--seq-len", t.seq_len, f"is longer than the model's {max_seq} positions",
+                        f"use --seq-len {max_seq} or less")
+    return t

@@ -1,0 +1,101 @@
+"""The candidate strategies, in the order the seed's flowchart prefers them: the least
+communication and complexity first (DDP; shard the optimizer; also the gradients; also the
+parameters), then the same with activation checkpointing, then CPU offload, then tensor x
+pipeline parallelism."""
+
+from __future__ import annotations
+
+from .memory import Strategy
+from .modelspec import ModelSpec
+from .spec import ClusterSpec, TrainSpec
+
+# What each engine can run; meshrun train runs the torch ones.
+ENGINES = {"torch": ("torch", "megatron"), "deepspeed": ("deepspeed",), "any": ("torch", "deepspeed", "megatron")}
+# Measured (docs/benchmarks.md, GPT 1.3B on 4 x H200): from here FSDP2 keeping parameters
+# gathered beat DDP even when a replica fits, so it ranks first among torch strategies.
+FSDP_FIRST_FROM_PARAMS = 1_000_000_000
+
+
+def _dp_family(c: ClusterSpec, ac: bool, m: ModelSpec) -> list[Strategy]:
+    w, g = c.world, c.gpus_per_node
+    if w == 1:
+        return [Strategy("single", "torch", "none", 1, 1, ac=ac)]
+    ddp = Strategy("ddp", "torch", "none", w, 1, ac=ac)
+    grad_op = Strategy("fsdp-grad-op", "torch", "grads", w, w, ac=ac, keep_gathered=True)
+    out = [grad_op, ddp] if m.params >= FSDP_FIRST_FROM_PARAMS else [ddp, grad_op]
+    out += [Strategy("zero1", "deepspeed", "optimizer", w, w, ac=ac),
+            Strategy("zero2", "deepspeed", "grads", w, w, ac=ac)]
+    if c.nodes > 1 and g > 1:
+        out.append(Strategy("fsdp-hybrid", "torch", "params", w, g, ac=ac))
+    out += [Strategy("fsdp-full", "torch", "params", w, w, ac=ac),
+            Strategy("zero3", "deepspeed", "params", w, w, ac=ac)]
+    return out
+
+
+def _offload(c: ClusterSpec) -> list[Strategy]:
+    w = c.world
+    out: list[Strategy] = []
+    for ac in (False, True):
+        out += [Strategy("zero2-offload", "deepspeed", "grads", w, w, ac=ac, offload_optimizer=True),
+                Strategy("zero3-offload", "deepspeed", "params", w, w, ac=ac, offload_optimizer=True),
+                Strategy("zero3-offload-all", "deepspeed", "params", w, w, ac=ac, offload_optimizer=True,
+                         offload_params=True)]
+    return out
+
+
+def _tp_pp(m: ModelSpec, c: ClusterSpec) -> list[Strategy]:
+    """TP within a node (it needs NVLink), PP across; fewest model-parallel GPUs first."""
+    out = []
+    tps = [t for t in (1, 2, 4, 8) if t <= c.gpus_per_node and c.gpus_per_node % t == 0 and m.heads % t == 0
+           and m.kv_heads % t == 0 or t == 1]
+    for tp in tps:
+        pp = 1
+        while tp * pp <= c.world:
+            if (tp, pp) != (1, 1) and c.world % (tp * pp) == 0 and pp <= m.layers:
+                dp = c.world // (tp * pp)
+                out.append(Strategy(f"tp{tp}-pp{pp}-dp{dp}", "megatron", "optimizer", dp, dp, tp=tp, pp=pp, ac=True))
+            pp *= 2
+    return sorted(out, key=lambda s: (s.tp * s.pp, s.pp))
+
+
+def candidates(m: ModelSpec, c: ClusterSpec, t: TrainSpec) -> list[Strategy]:
+    acs = [False, True] if t.activation_checkpointing is None else [t.activation_checkpointing == "full"]
+    out: list[Strategy] = []
+    for ac in acs:
+        out += _dp_family(c, ac, m)
+    out += [s for s in _offload(c) if t.activation_checkpointing is None or s.ac == acs[0]]
+    return out
+
+
+def model_parallel(m: ModelSpec, c: ClusterSpec) -> list[Strategy]:
+    """TP x PP x DP combinations: the flowchart's last branch, planned only when no
+    data-parallel strategy fits on the GPUs."""
+    return _tp_pp(m, c)
+
+
+def comm_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int, accum: int) -> tuple[float, float]:
+    """(bytes each GPU moves per optimizer step inside a node, across nodes), ring collectives:
+    an all-reduce of B bytes over n ranks moves 2(n-1)/n·B, all-gather / reduce-scatter (n-1)/n·B."""
+    p = m.params / (s.tp * s.pp)
+    n = s.shard_group if s.shard != "none" else s.dp
+    ring = (n - 1) / n if n > 1 else 0.0
+    g = 2 if t.precision == "bf16" else 4  # bytes of a gathered parameter
+    if s.engine == "deepspeed":
+        vol = {"none": 2 * ring * g * p, "optimizer": ring * 2 * g * p,
+               "grads": ring * g * p * accum + ring * g * p,
+               "params": ring * 3 * g * p * accum}[s.shard]
+    elif s.engine == "megatron":
+        vol = 2 * ring * 4 * p  # distributed optimizer: reduce-scatter fp32 grads + all-gather
+        tp_ring = 2 * (s.tp - 1) / s.tp
+        act = 2 * micro * t.seq_len * m.hidden  # bf16 activation slab
+        vol += accum * (m.layers / s.pp) * 4 * tp_ring * act + (accum * 2 * act if s.pp > 1 else 0)
+    else:
+        vol = {"none": 2 * ring * 4 * p,
+               "grads": ring * (g * p * accum + 4 * p),
+               "params": ring * (2 * g * p * accum + 4 * p)}[s.shard]
+        if s.name == "fsdp-hybrid" and s.dp > s.shard_group:
+            reps = s.dp // s.shard_group
+            return vol, 2 * (reps - 1) / reps * 4 * p / s.shard_group
+    if s.offload_optimizer:
+        vol += 0.0  # PCIe traffic is timed separately (step_time)
+    return vol, 0.0

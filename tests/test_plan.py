@@ -1,0 +1,335 @@
+"""meshrun plan: formulas against hand-computed cases and against what autograd really
+saves, the flowchart's branches, batch arithmetic, generated configs parsed by DeepSpeed,
+accelerate and meshrun train themselves, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers import clean_env, example, lines, meshrun, require
+from meshrun.errors import MeshrunError
+from meshrun.plan import ClusterSpec, TrainSpec, make_plan
+from meshrun.plan.batch import solve
+from meshrun.plan.memory import Strategy, layer_activation_bytes, model_states
+from meshrun.plan.modelspec import PRESETS, from_hf_config, gpt_spec, resolve_model
+
+GB = 1e9
+GiB = 2**30
+USERPKG = os.path.dirname(__file__)
+
+
+def plan_env() -> dict[str, str]:
+    return clean_env(PYTHONPATH=USERPKG + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+# ---- formulas ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shard,expected_gb", [("none", 120), ("optimizer", 31.4), ("grads", 16.6), ("params", 1.9)])
+def test_zero_paper_model_states(shard, expected_gb):
+    """Rajbhandari et al. 2020, figure 1: 7.5B parameters, Adam (K = 12), 64 GPUs."""
+    m = gpt_spec("x", 4096, 1, 32)
+    m = type(m)(**{**m.__dict__, "params": int(7.5e9)})
+    t = TrainSpec(1024, 1, None)
+    s = Strategy("z", "deepspeed", shard, 64, 1 if shard == "none" else 64)
+    states, _, _ = model_states(m, t, s)
+    total = states["params"] + states["grads"] + states["optimizer"]
+    assert total / GB == pytest.approx(expected_gb, abs=0.06)
+
+
+def test_torch_states_are_16_bytes_sharded_by_fsdp():
+    m = PRESETS["gpt-1.3b"]
+    t = TrainSpec(1024, 1, None, precision="fp32")
+    full = model_states(m, t, Strategy("fsdp-full", "torch", "params", 8, 8))[0]
+    assert full["params"] + full["grads"] + full["optimizer"] == pytest.approx(16 * m.params / 8, rel=1e-6)
+    ddp = model_states(m, t, Strategy("ddp", "torch", "none", 8, 1))[0]
+    assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == pytest.approx(16 * m.params, rel=1e-6)
+
+
+def _saved_bytes_per_token(block, x, autocast: bool) -> float:
+    """Bytes of the distinct tensors autograd saves for backward in one block's forward
+    (its input included, excluding the parameters themselves)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    seen: dict[int, int] = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            block(x)
+    weight_copies = sum(2 * p.numel() for n, p in block.named_parameters() if n.endswith("weight") and p.dim() == 2)
+    total = sum(seen.values()) - (weight_copies if autocast else 0)
+    return total / (x.shape[0] * x.shape[1])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_activation_formula_matches_what_autograd_saves(precision):
+    """The per-layer formula against the tensors autograd really keeps for meshrun's GPT block
+    (bf16: CPU autocast, whose casts match CUDA's for these ops; its bf16 weight copies are the
+    +2P the model counts separately)."""
+    require("torch")
+    import torch
+
+    from meshrun.train.models import Block, GPTConfig
+
+    torch.manual_seed(0)
+    h, heads, b, t = 128, 4, 2, 64
+    block = Block(GPTConfig(vocab=256, seq_len=t, d_model=h, n_layers=1, n_heads=heads))
+    x = torch.randn(b, t, h, requires_grad=True)
+    counted = _saved_bytes_per_token(block, x, precision == "bf16")
+    predicted = layer_activation_bytes(gpt_spec("x", h, 1, heads, 256, t), precision)
+    assert counted == pytest.approx(predicted, rel=0.02), (counted, predicted)
+
+
+def test_calibration_points_within_five_percent():
+    """The allocated peaks measured on an H200 (bench/calibration) against the model."""
+    path = os.path.join(os.path.dirname(USERPKG), "bench", "calibration", "h200-2026-11-26.jsonl")
+    errors = []
+    for line in open(path):
+        r = json.loads(line)
+        p = make_plan(PRESETS[r["model"]], ClusterSpec(1, r["gpus"], 141 * GiB),
+                      TrainSpec(r["seq"], r["micro"], None, compile=r["compile"], activation_checkpointing="none"))
+        c = next(x for x in p.candidates if x.strategy.name == r["strategy"])
+        b = c.memory.breakdown
+        allocated = sum(v for k, v in b.items() if k not in ("fragmentation", "cuda_context"))
+        errors.append(abs(allocated / GiB / r["allocated_gib"] - 1))
+    assert len(errors) >= 7 and max(errors) <= 0.05, errors
+
+
+# ---- model inputs --------------------------------------------------------------------------
+
+def test_presets_have_their_published_sizes():
+    sizes = {"gpt-124m": 124e6, "gpt-1.3b": 1.31e9, "llama-7b": 6.74e9, "llama-13b": 13.0e9, "llama-70b": 69.0e9,
+             "llama3-8b": 8.03e9}
+    for name, n in sizes.items():
+        assert PRESETS[name].params == pytest.approx(n, rel=0.01), name
+
+
+def test_hf_config_counted_from_shapes_and_by_transformers(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+           "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000, "hidden_act": "silu",
+           "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    spec = resolve_model(str(tmp_path))  # a folder holding config.json works too
+    assert spec.params == PRESETS["llama-7b"].params == 6738415616
+    require("transformers")
+    assert "transformers on the meta device" in spec.source and spec.block_class == "LlamaDecoderLayer"
+
+
+def test_factory_built_on_meta_device_is_read():
+    require("torch")
+    import sys
+
+    sys.path.insert(0, USERPKG)
+    try:
+        spec = resolve_model("userpkg.factories:tiny_llama")
+        from userpkg.factories import tiny_llama
+    finally:
+        sys.path.remove(USERPKG)
+    real = tiny_llama()
+    assert spec.params == sum(p.numel() for p in real.parameters())
+    assert (spec.layers, spec.hidden, spec.ffn, spec.heads, spec.vocab) == (3, 64, 176, 4, 1000)
+    assert spec.gated_mlp and not spec.tied and spec.block_class == "_GatedBlock"
+    gpt = resolve_model("meshrun.train.models:gpt")  # meshrun's GPT: read exactly from its config
+    assert gpt.hidden == 256 and gpt.layers == 4 and gpt.block_class == "Block"
+
+
+# ---- the flowchart ---------------------------------------------------------------------------
+
+def _pick(model, nodes=1, gpus=8, mem=80, framework="torch", **train):
+    train.setdefault("seq_len", 1024)
+    train.setdefault("micro_batch", None)
+    train.setdefault("global_batch", None)
+    p = make_plan(PRESETS[model] if isinstance(model, str) else model, ClusterSpec(nodes, gpus, mem * GiB),
+                  TrainSpec(**train), framework)
+    return p, p.recommended
+
+
+def test_small_model_gets_ddp_or_a_single_gpu():
+    assert _pick("gpt-124m")[1].strategy.name == "ddp"
+    assert _pick("gpt-124m", gpus=1)[1].strategy.name == "single"
+
+
+def test_model_that_fits_only_with_sharded_optimizer_and_grads():
+    p, r = _pick("gpt-6.7b", micro_batch=1)
+    ddp = next(x for x in p.candidates if x.strategy.label == "ddp")
+    assert not ddp.fits and r.strategy.label == "fsdp-grad-op"
+    _, ds = _pick("gpt-6.7b", micro_batch=1, framework="deepspeed")
+    assert ds.strategy.label in ("zero1", "zero2")
+    assert any("shard instead" in w for w in p.warnings)
+
+
+def test_model_that_needs_everything_sharded():
+    p, r = _pick("llama-13b", mem=40, micro_batch=1, seq_len=2048)
+    assert r.strategy.name == "fsdp-full", [(x.strategy.label, x.fits) for x in p.candidates]
+    assert any("optimizer and gradients" in line and "does not fit" in line for line in p.reasons)
+    assert any(line.startswith("with activation checkpointing") for line in p.reasons) == r.strategy.ac
+
+
+def test_still_out_of_memory_means_checkpointing_then_offload():
+    p, r = _pick("llama-70b", framework="any", micro_batch=1, seq_len=4096)
+    assert r.strategy.offload_optimizer and r.strategy.name.startswith("zero3")
+    _, torch_only = _pick("llama-70b", micro_batch=1, seq_len=4096)
+    assert torch_only.strategy.engine == "deepspeed"  # nothing torch-native fits: said so
+    assert any("nothing torch runs fits" in w for w in _pick("llama-70b", micro_batch=1, seq_len=4096)[0].warnings)
+
+
+def test_long_context_needs_tensor_parallelism(tmp_path):
+    """Activations that no data-parallel sharding divides: 32K tokens of a 70B model."""
+    cfg = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+           "num_hidden_layers": 80, "num_key_value_heads": 8, "vocab_size": 128256, "hidden_act": "silu",
+           "max_position_embeddings": 131072}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = from_hf_config(str(tmp_path / "config.json"))
+    p, r = _pick(m, nodes=8, micro_batch=1, seq_len=32768, activation_checkpointing="full")
+    assert r is not None and r.strategy.engine == "megatron" and r.strategy.tp > 1, \
+        [(x.strategy.label, x.fits, x.memory.peak // GiB if x.memory else None) for x in p.candidates]
+
+
+def test_largest_micro_batch_that_fits_divides_the_global_batch():
+    _, r = _pick("gpt-1.3b", gpus=4, mem=24, global_batch=96)
+    b = r.batch
+    assert b.global_batch == 96 and b.micro * b.accum * 4 == 96 and r.memory.peak <= 0.9 * 24 * GiB
+
+
+# ---- batch arithmetic --------------------------------------------------------------------------
+
+def test_batch_arithmetic():
+    assert solve(256, 8, 4).accum == 8
+    with pytest.raises(MeshrunError, match=r"--global-batch=100: is not a multiple of micro-batch 8 x "
+                                           r"data-parallel size 4 = 32 \(hint: use 96 or 128"):
+        solve(100, 8, 4)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def test_plan_json_shape():
+    out = meshrun("plan", "--model", "gpt-1.3b", "--gpus-per-node", "4", "--gpu-mem", "80GiB", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["recommended"]["strategy"] == "fsdp-grad-op"
+    for c in d["candidates"]:
+        assert {"strategy", "fits", "peak_bytes", "breakdown"} <= set(c)
+        assert sum(c["breakdown"].values()) == c["peak_bytes"]
+
+
+def test_plan_table_explain_and_check_choice():
+    out = meshrun("plan", "--model", "gpt-1.3b", "--gpus-per-node", "4", "--gpu-mem", "80GiB",
+                  "--framework", "deepspeed", "--strategy", "zero3-offload", "--explain")
+    assert out.returncode == 0, out.stderr
+    assert "recommended: zero1" in out.stdout
+    assert "CPU offload although" in out.stdout  # the seed's "ZeRO-3 + CPU offload by default"
+    assert "activations per layer per token" in out.stdout
+
+
+def test_written_configs_are_accepted_by_accelerate_and_meshrun_train(tmp_path):
+    require("accelerate")
+    out = meshrun("plan", "--model", "gpt-1.3b", "--gpus-per-node", "4", "--gpu-mem", "80GiB",
+                  "--global-batch", "64", "--write", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    acc = load_config_from_file(str(tmp_path / "accelerate.yaml"))
+    assert acc.distributed_type == "FSDP" and acc.num_processes == 4
+    assert acc.fsdp_config["fsdp_reshard_after_forward"] is False  # grad_op
+    from meshrun.train.config import build_config, load_file
+
+    cfg = build_config(load_file(str(tmp_path / "train.yaml")), {}, "train.yaml")
+    assert (cfg.strategy, cfg.fsdp, cfg.global_batch, cfg.model_size) == ("fsdp", "grad_op", 64, "gpt-1.3b")
+    ds = json.loads((tmp_path / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 2 and ds["train_batch_size"] == 64
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 4
+    assert "auto" not in json.dumps(ds)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_written_ds_config_runs_in_deepspeed(tmp_path, stage):
+    """DeepSpeed itself parses and trains with the generated file (2 gloo processes)."""
+    require("deepspeed")
+    from meshrun.plan.configs import ds_config
+
+    p = make_plan(gpt_spec("tiny", 64, 2, 4, 256, 64), ClusterSpec(1, 2, 80 * GiB),
+                  TrainSpec(64, 4, 16, precision="fp32"), framework="deepspeed")  # CPU: fp32
+    cand = next(x for x in p.candidates if x.strategy.label == {2: "zero2", 3: "zero3"}[stage])
+    cfg = ds_config(p, cand)
+    cfg["optimizer"]["params"]["torch_adam"] = True  # CPU: DeepSpeed's fused Adam is CUDA-only
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    out = meshrun("launch", "-f", "deepspeed", "--nproc", "2", "--deepspeed-config", str(path),
+                  example("deepspeed_train.py"), env=plan_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = lines(out.stdout, "DSTRAIN")
+    assert len(got) == 2 and all(g["stage"] == str(stage) and g["world"] == "2" for g in got)
+    assert got[0]["checksum"] == got[1]["checksum"]  # ZeRO kept the replicas in sync
+
+
+BAD = [
+    (["--model", "gpt-9b"], "--model='gpt-9b': is not a preset"),
+    (["--gpu-mem=-5GiB"], "--gpu-mem='-5GiB': is not a size"),
+    (["--gpu-mem", "0GiB"], "--gpu-mem='0GiB': must be positive"),
+    (["--gpu-mem", "80"], "--gpu-mem='80': has no unit"),
+    (["--gpu-mem", "80GiB", "--nodes", "0"], "--nodes='0': must be >= 1"),
+    (["--gpu-mem", "80GiB", "--gpus-per-node", "4", "--micro-batch", "8", "--global-batch", "100"],
+     "--global-batch=100: is not a multiple of micro-batch 8 x data-parallel size 4 = 32"),
+    (["--gpu-mem", "80GiB", "--gpus-per-node", "4", "--global-batch", "6"], "--global-batch=6: does not split"),
+    (["--gpu-mem", "80GiB", "--model", "llama-7b", "--seq-len", "8192"], "is longer than the model's 4096"),
+    (["--gpu-mem", "80GiB", "--margin", "1.5"], "--margin='1.5': must be in [0, 1)"),
+    (["--gpu-mem", "80GiB", "--inter", "carrier-pigeon"], "--inter='carrier-pigeon': unknown"),
+    (["--model", "nosuchmod:build", "--gpu-mem", "80GiB"], "cannot import module 'nosuchmod'"),
+    ([], "--gpu-mem=None: no GPU on this machine"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD)
+def test_bad_input_is_one_line(args, message, tmp_path):
+    env = plan_env()
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = meshrun("plan", *args, env=env)
+    assert out.returncode == 2, out.stdout + out.stderr
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in out.stderr, out.stderr
+
+
+def test_bad_config_json_is_one_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": -4}))
+    out = meshrun("plan", "--model", str(path), "--gpu-mem", "80GiB")
+    assert out.returncode == 2 and "hidden_size=-4: must be a positive integer" in out.stderr
+
+
+# ---- meshrun train --strategy auto ----------------------------------------------------------------
+
+def test_train_auto_asks_the_planner():
+    require("torch")
+    import torch
+
+    from meshrun.train.autoplan import for_trainer
+    from meshrun.train.config import TrainConfig, build_config
+    from meshrun.train.models import gpt
+
+    with torch.device("meta"):
+        model = gpt("gpt-1.3b", 1024)
+    roomy = for_trainer(model, TrainConfig(micro_batch=16, seq_len=1024, compile=True), 4, 4, 141 * GiB, True)
+    assert (roomy.strategy, roomy.fsdp, roomy.activation_checkpointing) == ("fsdp", "grad_op", False)
+    tight = for_trainer(model, TrainConfig(micro_batch=16, seq_len=1024), 1, 1, 40 * GiB, True)
+    assert (tight.strategy, tight.activation_checkpointing) == ("single", True)
+    said_none = build_config({}, {"activation_checkpointing": "none", "micro_batch": 16, "seq_len": 1024})
+    kept = for_trainer(model, said_none, 1, 1, 40 * GiB, True)
+    assert not kept.activation_checkpointing and not kept.fits and "nothing fits" in kept.reason
+
+
+def test_plan_options_come_from_the_environment_too():
+    env = plan_env()
+    env.update(MESHRUN_PRECISION="fp32", MESHRUN_GPU_MEM="40GiB", MESHRUN_GPUS_PER_NODE="2")
+    d = json.loads(meshrun("plan", "--model", "gpt-124m", "--json", env=env).stdout)
+    assert d["train"]["precision"] == "fp32" and d["cluster"]["gpu_mem_bytes"] == 40 * GiB
+    assert d["cluster"]["gpus_per_node"] == 2
