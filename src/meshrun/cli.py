@@ -6,6 +6,8 @@
                                        on the Python standard library's source)
   meshrun plan [options]               per-GPU memory of each strategy, the one that fits,
                                        and its ds_config.json / accelerate / train configs
+  meshrun render TARGET -- COMMAND     a Slurm / SkyPilot / Kubernetes / Saturn Cloud job spec
+                                       (or a DeepSpeed hostfile) that runs COMMAND via meshrun
   meshrun export SNAPSHOT --to FILE    a snapshot's weights as one safetensors file
 
 Run ``meshrun COMMAND --help`` for each command's manual. Every option accepts dashes or
@@ -328,10 +330,12 @@ def make_parser() -> Parser:
     p.set_defaults(func=cmd_launch)
 
     from .plan_cli import add_plan_parser
+    from .render_cli import add_render_parser
     from .train_cli import add_train_parser
 
     add_train_parser(sub)
     add_plan_parser(sub)
+    add_render_parser(sub)
     return parser
 
 
@@ -344,7 +348,18 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     parser = make_parser()
     environ = dict(os.environ if env is None else env)
     try:
-        ns = parser.parse_args(argv)
+        args = list(sys.argv[1:] if argv is None else argv)
+        tail = None
+        if args and args[0] == "render" and "--" in args:  # argparse mangles `--` inside subcommands
+            cut = args.index("--")
+            args, tail = args[:cut], args[cut + 1:]
+        ns, extra = parser.parse_known_args(args)
+        if extra:
+            hint = ("put the command after --, e.g. meshrun render slurm -- meshrun train"
+                    if ns.command == "render" else f"see 'meshrun {ns.command or ''} --help'")
+            raise MeshrunError(f"unrecognized arguments: {' '.join(extra)} (hint: {hint})")
+        if tail is not None:
+            ns.cmd = tail
         if ns.command is None:
             parser.print_help()
             return 0

@@ -1,0 +1,36 @@
+"""A SkyPilot task YAML as in seed 001: num_nodes, resources.accelerators, network_tier: best.
+
+SkyPilot runs ``run`` on every node with SKYPILOT_NODE_IPS / NUM_NODES / NODE_RANK /
+NUM_GPUS_PER_NODE set, which meshrun reads; the DeepSpeed native launcher's head-only rule
+and its hostfile are meshrun's to handle (``meshrun launch -f deepspeed --deepspeed-launcher
+native``)."""
+
+from __future__ import annotations
+
+import yaml
+
+from .spec import RenderSpec
+
+
+class _Literal(str):
+    pass
+
+
+def _literal(dumper: yaml.SafeDumper, value: _Literal) -> yaml.Node:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+
+
+def render(spec: RenderSpec) -> str:
+    resources: dict = {"accelerators": f"{spec.accelerator}:{spec.gpus_per_node}"} if spec.gpus_per_node else {}
+    if spec.nodes > 1:
+        resources["network_tier"] = "best"  # InfiniBand / EFA / GPUDirect-TCPX: seed 001
+    if spec.image:
+        resources["image_id"] = f"docker:{spec.image}"
+    task: dict = {"name": spec.name, "num_nodes": spec.nodes, "resources": resources, "workdir": "."}
+    if spec.setup:
+        task["setup"] = _Literal(spec.setup.rstrip() + "\n")
+    task["run"] = _Literal(spec.shell_command() + "\n")
+    dumper = yaml.SafeDumper
+    dumper.add_representer(_Literal, _literal)
+    head = "# Rendered by `meshrun render skypilot`: sky launch -c NAME this.yaml\n"
+    return head + yaml.dump(task, Dumper=dumper, sort_keys=False)

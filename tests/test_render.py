@@ -1,0 +1,164 @@
+"""meshrun render: each spec checked by the platform's own tools where they install
+(bash -n for sbatch, SkyPilot's task schema, the Kubernetes and Kubeflow API models), plus
+its content: the node command is meshrun's, per-node variables expand on the node."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from helpers import meshrun, require, script
+from meshrun.render import RenderSpec, render
+from meshrun.render.slurm import node_command
+
+TRAIN = ("meshrun", "train", "--out", "/shared/run-$SLURM_JOB_ID", "--steps", "100")
+
+
+def test_slurm_script_is_valid_bash_with_well_formed_sbatch_lines(tmp_path):
+    text = render(RenderSpec("slurm", TRAIN, nodes=4, gpus_per_node=8, partition="gpu", time="02:00:00"))
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    first_cmd = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    sbatch = [line for line in lines if line.startswith("#SBATCH")]
+    assert all(re.fullmatch(r"#SBATCH --[a-z-]+=\S+", line) for line in sbatch), sbatch
+    assert all(lines.index(line) < first_cmd for line in sbatch)  # sbatch stops reading at the first command
+    assert {"#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+            "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00"} <= set(sbatch)
+
+
+def test_slurm_per_node_variables_expand_on_the_node(tmp_path):
+    """The batch host has SLURM_JOB_ID=1 ... but the node command is quoted, so it is the
+    node's bash that expands $SLURM_NODEID."""
+    text = render(RenderSpec("slurm", ("meshrun", "train", "--out", "/runs/$SLURM_NODEID"), nodes=2))
+    cmd = node_command(text)
+    assert cmd == 'exec meshrun train --out "/runs/$SLURM_NODEID"'
+    out = subprocess.run(["bash", "-c", cmd.replace("exec meshrun train", "echo")],
+                         env={"SLURM_NODEID": "7", "PATH": os.environ["PATH"]}, capture_output=True, text=True)
+    assert out.stdout.strip() == "--out /runs/7"
+
+
+def _skypilot_python() -> str | None:
+    py = os.environ.get("MESHRUN_SKYPILOT_PYTHON")
+    if py:
+        return py
+    try:
+        import sky  # noqa: F401
+
+        return sys.executable
+    except ImportError:
+        return None
+
+
+def test_skypilot_yaml_matches_skypilot_task_schema():
+    text = render(RenderSpec("skypilot", ("train.py", "--epochs", "3"), nodes=2, gpus_per_node=8,
+                             framework="deepspeed", setup="pip install -e .", image="ghcr.io/me/img:1"))
+    task = yaml.safe_load(text)
+    assert task["num_nodes"] == 2 and task["resources"]["accelerators"] == "H100:8"
+    assert task["resources"]["network_tier"] == "best"
+    assert task["run"].strip() == "meshrun launch -f deepspeed train.py --epochs 3"
+    py = _skypilot_python()
+    if py is None:
+        if os.environ.get("MESHRUN_TEST_STRICT") == "1":
+            pytest.fail("no SkyPilot to validate against (set MESHRUN_SKYPILOT_PYTHON) but MESHRUN_TEST_STRICT=1")
+        pytest.skip("SkyPilot not installed")
+    out = subprocess.run([py, script("validate_skypilot.py")], input=text, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "VALID", out.stderr[-2000:]
+    bad = text.replace("num_nodes: 2", "num_nodes: two")
+    out = subprocess.run([py, script("validate_skypilot.py")], input=bad, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0  # the validator does reject a wrong task
+
+
+def _roundtrip(api, doc: dict, model: str) -> None:
+    """Deserialize into the API model (required fields and types checked) and serialize
+    back: a key the model does not know would be dropped, so the two must be equal."""
+    obj = api._ApiClient__deserialize(doc, model)
+    assert api.sanitize_for_serialization(obj) == doc
+
+
+def test_kubernetes_indexed_job_matches_the_api_models():
+    require("kubernetes")
+    from kubernetes.client import ApiClient
+
+    text = render(RenderSpec("kubernetes", TRAIN, nodes=3, gpus_per_node=4, name="gpt", image="img:1",
+                             namespace="ml"))
+    service, job = list(yaml.safe_load_all(text))
+    api = ApiClient()
+    _roundtrip(api, service, "V1Service")
+    _roundtrip(api, job, "V1Job")
+    assert service["spec"]["clusterIP"] == "None" and job["spec"]["completionMode"] == "Indexed"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"] == "gpt"  # peers resolve as gpt-i.gpt
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["MASTER_ADDR"]["value"] == "gpt-0.gpt" and env["NNODES"]["value"] == "3"
+    assert "job-completion-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert env["MESHRUN_HOSTS"]["value"] == "gpt-0.gpt,gpt-1.gpt,gpt-2.gpt"
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    with pytest.raises(ValueError):  # the check has teeth: a Job without its template is refused
+        api._ApiClient__deserialize({"apiVersion": "batch/v1", "kind": "Job", "spec": {}}, "V1Job")
+
+
+def test_kubernetes_pytorchjob_matches_kubeflow_models():
+    require("kubeflow")
+    from kubeflow.training.api_client import ApiClient
+
+    text = render(RenderSpec("kubernetes", TRAIN, nodes=3, gpus_per_node=8, name="gpt", image="img:1",
+                             pytorchjob=True))
+    (job,) = list(yaml.safe_load_all(text))
+    _roundtrip(ApiClient(), job, "KubeflowOrgV1PyTorchJob")
+    reps = job["spec"]["pytorchReplicaSpecs"]
+    assert reps["Master"]["replicas"] == 1 and reps["Worker"]["replicas"] == 2
+    assert reps["Master"]["template"]["spec"]["containers"][0]["name"] == "pytorch"
+
+
+def test_saturn_job_settings():
+    text = render(RenderSpec("saturn", ("train.py",), nodes=2, gpus_per_node=4, framework="accelerate",
+                             image="saturncloud/saturn-python-pytorch:2024.08.01", setup="pip install meshrun"))
+    job = yaml.safe_load(text)
+    assert job["type"] == "job"
+    spec = job["spec"]
+    assert spec["instance_count"] == 2 and spec["command"] == "meshrun launch -f accelerate train.py"
+    assert spec["start_script"] == "pip install meshrun"
+
+
+def test_hostfile_cli(tmp_path):
+    out = meshrun("render", "hostfile", "--hosts", "10.0.0.1, 10.0.0.2", "--gpus-per-node", "4",
+                  "-o", str(tmp_path / "hostfile"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "hostfile").read_text() == "10.0.0.1 slots=4\n10.0.0.2 slots=4\n"
+
+
+def test_cli_keeps_the_command_after_double_dash(tmp_path):
+    out = meshrun("render", "slurm", "--nodes", "2", "-o", str(tmp_path / "job.sbatch"), "--",
+                  "meshrun", "train", "--steps", "5", "--out", "runs/a b")
+    assert out.returncode == 0, out.stderr
+    text = (tmp_path / "job.sbatch").read_text()
+    assert node_command(text) == "exec meshrun train --steps 5 --out 'runs/a b'"
+    assert os.access(tmp_path / "job.sbatch", os.X_OK)
+
+
+BAD = [
+    (["render", "borg", "--", "x.py"], "target='borg': unknown"),
+    (["render", "slurm", "--nodes", "0", "--", "x.py"], "--nodes=0: must be >= 1"),
+    (["render", "slurm"], "command='': nothing to run"),
+    (["render", "kubernetes", "--", "x.py"], "--image=None: Kubernetes runs containers"),
+    (["render", "kubernetes", "--image", "i", "--name", "My_Job", "--", "x.py"], "--name='My_Job': is not a Kubernetes name"),
+    (["render", "hostfile"], "--hosts='': a hostfile needs"),
+    (["render", "slurm", "-f", "mxnet", "--", "x.py"], "--framework='mxnet': unknown"),
+    (["render", "slurm", "meshrun", "train", "--steps", "4"], "put the command after --"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD)
+def test_bad_input_is_one_line(args, message):
+    out = meshrun(*args)
+    assert out.returncode == 2
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1 and message in err[0], out.stderr
