@@ -120,7 +120,7 @@ def measure(args: argparse.Namespace) -> None:
     rt = init_runtime()
     has_ds = False
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed  # noqa: F401  (installed: the grid includes ZeRO-1/2/3)
 
         has_ds = True
     except ImportError:
@@ -171,7 +171,6 @@ def measure(args: argparse.Namespace) -> None:
 def predict(row: dict, cal: dict | None = None) -> tuple[float, float]:
     """(reserved, allocated) bytes the planner predicts for a measured row."""
     from meshrun.plan import ClusterSpec, TrainSpec, make_plan
-    from meshrun.plan import memory
     from meshrun.plan.modelspec import PRESETS
 
     if cal is not None:

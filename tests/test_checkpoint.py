@@ -4,8 +4,6 @@ import json
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import threading
 import time
 

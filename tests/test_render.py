@@ -50,7 +50,7 @@ def _skypilot_python() -> str | None:
     if py:
         return py
     try:
-        import sky  # noqa: F401
+        import sky  # noqa: F401  (importable here: validate with this Python)
 
         return sys.executable
     except ImportError:

@@ -19,6 +19,7 @@ over what the platform says.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 import os
@@ -29,11 +30,16 @@ from . import __version__
 from .cluster.detect import PLATFORMS, resolve
 from .cluster.gpus import count_visible_gpus
 from .cluster.net import free_port, port_is_free
+from .cluster.reach import DEFAULT_TIMEOUT_S, route_interface, wait_reachable
+from .cluster.reach import resolve as resolve_host
 from .cluster.options import ENV_PREFIX, parse_int, user_topology
 from .cluster.topology import FIELDS, Topology
 from .errors import MeshrunError, bad_value
 from .launch.build import FRAMEWORKS, build, per_framework
 from .launch.command import Command, LaunchSpec
+
+# The seed's NCCL table: set the socket interface, but never override what the user set.
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 LAUNCH_HELP = """\
 Start a training script on this node, for its framework, on the topology meshrun detects.
@@ -109,7 +115,7 @@ def add_option(p: argparse._ActionsContainer, name: str, *aliases: str, from_env
             spellings += [dash] + ([under] if under != dash else [])
         else:
             spellings.append(n)
-    dest = str(kw.setdefault("dest", name[2:].replace("-", "_")))
+    kw.setdefault("dest", name[2:].replace("-", "_"))
     env_default = None
     if from_env:
         kind = "bool" if kw.get("action") == "store_true" else "int" if kw.get("type") is int else "str"
@@ -167,6 +173,34 @@ def add_topology_options(p: argparse.ArgumentParser) -> None:
     add_option(g, "--run-id", from_env=False, metavar="ID", help="rendezvous id shared by the job's nodes")
 
 
+def add_rdzv_timeout_option(g: argparse._ActionsContainer) -> None:
+    add_option(g, "--rdzv-timeout", type=int, metavar="S",
+               help=f"multi-node: seconds to wait for the master and the other nodes before a one-line "
+                    f"error saying why (default {DEFAULT_TIMEOUT_S})")
+
+
+def prepare_network(topo: Topology, cmd: Command, env: Mapping[str, str], timeout_s: int | None) -> Command:
+    """Multi-node only, before anything starts: the master's name must resolve; a node other
+    than 0 waits (bounded) until the master's port answers; and the interface that routes to
+    the master becomes GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless the user set them."""
+    if topo.nnodes == 1 or not cmd.processes:
+        return cmd
+    timeout = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S
+    if timeout < 1:
+        raise bad_value("--rdzv-timeout", timeout, "must be >= 1 second")
+    source = topo.source("master_addr")
+    addr = resolve_host(topo.master_addr, timeout, source)
+    if topo.node_rank != 0 or (topo.local_rank or 0) != 0:
+        wait_reachable(topo.master_addr, topo.master_port, timeout, source)
+    extra = dict(cmd.env)
+    ifname = route_interface(addr)
+    if ifname:
+        for var in IFNAME_VARS:
+            if var not in env:
+                extra[var] = ifname
+    return dataclasses.replace(cmd, env=extra)
+
+
 def topology_from_args(ns: argparse.Namespace, env: Mapping[str, str],
                        gpus: int) -> tuple[Topology, tuple[int, int] | None]:
     user = user_topology(vars(ns), env)
@@ -194,10 +228,30 @@ def check_ports(topo: Topology, cmd: Command, spec: LaunchSpec) -> None:
 
 # ---- commands ---------------------------------------------------------------------------
 
+def socket_interface(topo: Topology, env: Mapping[str, str]) -> tuple[str | None, str]:
+    """(interface, where it comes from) for `meshrun env`: the user's variable, else the
+    interface that routes to the master (multi-node only)."""
+    for var in IFNAME_VARS:
+        if env.get(var):
+            return env[var], f"env {var}"
+    if topo.nnodes == 1:
+        return None, "single node: not needed"
+    try:
+        addr = resolve_host(topo.master_addr, 5, topo.source("master_addr"))
+    except MeshrunError:
+        return None, f"{topo.master_addr} does not resolve here"
+    ifname = route_interface(addr)
+    return ifname, f"routes to {topo.master_addr}" if ifname else "no route found"
+
+
 def cmd_env(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     topo, _ = topology_from_args(ns, env, count_visible_gpus(env))
+    ifname, if_source = socket_interface(topo, env)
     if ns.json:
-        print(json.dumps(topo.to_dict(), indent=2))
+        out = topo.to_dict()
+        out["socket_ifname"] = ifname
+        out.setdefault("sources", {})["socket_ifname"] = if_source
+        print(json.dumps(out, indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -214,6 +268,8 @@ def cmd_env(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
             value = "(launcher mode: meshrun starts the node's processes)"
         src = "nnodes x nproc_per_node" if name == "world_size" else topo.source(name)
         table.add_row(name, str(value), src)
+    table.add_row("socket interface", ifname or "-", if_source + (" (GLOO/NCCL_SOCKET_IFNAME)" if ifname and
+                                                                   not if_source.startswith("env") else ""))
     Console().print(table)
     return 0
 
@@ -243,6 +299,7 @@ def launch_spec(ns: argparse.Namespace, elastic: tuple[int, int] | None) -> Laun
         use_fsdp=ns.use_fsdp or bool(ns.fsdp_sharding_strategy),
         fsdp_sharding_strategy=ns.fsdp_sharding_strategy,
         mixed_precision=ns.mixed_precision,
+        rdzv_timeout=ns.rdzv_timeout,
     )
 
 
@@ -259,8 +316,23 @@ def cmd_launch(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         print_dry_run(cmd, ns.json)
         return 0
     check_ports(topo, cmd, spec)
+    cmd = prepare_network(topo, cmd, env, ns.rdzv_timeout)
+    return run_multinode_aware(cmd, env, topo, spec)
+
+
+def run_multinode_aware(cmd: Command, env: Mapping[str, str], topo: Topology, spec: LaunchSpec,
+                        **kw: object) -> int:
+    """Execute; on a multi-node torchrun job, turn a rendezvous timeout into one line."""
+    from .launch.rdzvwatch import RendezvousWatch
     from .launch.run import execute
-    return execute(cmd, env)
+
+    uses_torchrun = bool(cmd.processes) and cmd.processes[0].argv[0] == "torchrun"
+    watch = RendezvousWatch() if topo.nnodes > 1 and uses_torchrun else None
+    code = execute(cmd, env, watch=watch, **kw)  # type: ignore[arg-type]
+    if code and watch is not None and watch.timed_out:
+        print(f"meshrun: error: {watch.message(topo.master_addr, topo.master_port, topo.nnodes, spec.rdzv_timeout)}",
+              file=sys.stderr, flush=True)
+    return code
 
 
 def print_dry_run(cmd: Command, as_json: bool) -> None:
@@ -308,6 +380,7 @@ def make_parser() -> Parser:
     add_option(g, "--rdzv", choices=("static", "c10d"), default="static",
                help="torchrun rendezvous: static (fixed nodes, default) or c10d (needed for elastic)")
     add_option(g, "--max-restarts", type=int, default=0, metavar="N", help="torchrun worker-group restarts")
+    add_rdzv_timeout_option(g)
     add_option(g, "--module", "-m", action="store_true", help="run the script argument as a module (python -m)")
     g = p.add_argument_group("framework options")
     add_option(g, "--deepspeed-launcher", choices=("torchrun", "native"), default="torchrun",

@@ -16,7 +16,7 @@ from .plan import ClusterSpec, TrainSpec, make_plan, resolve_model
 from .plan.advice import check_choice
 from .plan.modelspec import PRESETS
 from .plan.spec import AC_MODES, INTER_NODE, INTRA_NODE, OPTIMIZERS, PRECISIONS
-from .plan.units import fmt_bytes, fmt_count, parse_bytes
+from .plan.units import parse_bytes
 
 PLAN_HELP = f"""\
 Plan a training run before it wastes a cluster: the per-GPU memory of every strategy

@@ -8,11 +8,13 @@ import sys
 import tempfile
 from typing import Mapping
 
-from .cli import add_option, add_topology_options, check_ports, print_dry_run, topology_from_args
+from .cli import (add_option, add_rdzv_timeout_option, add_topology_options, check_ports, prepare_network,
+                  print_dry_run, run_multinode_aware, topology_from_args)
 from .cluster.gpus import count_visible_gpus
 from .cluster.net import free_port
 from .errors import MeshrunError
 from .launch.build import build
+from .cluster.topology import Topology
 from .launch.command import Command, LaunchSpec
 from .train.config import (AC_MODES, EXAMPLES, FSDP_FLAVOURS, GPT_PRESETS, PRECISIONS, STRATEGIES, TrainConfig,
                            build_config, load_file)
@@ -96,6 +98,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                help="auto (default): continue from the newest snapshot in OUT/checkpoints; none; or a snapshot")
     add_option(g, "--no-resume", action="store_const", const="none", dest="resume", from_env=False,
                help="start fresh even if OUT holds snapshots")
+    add_rdzv_timeout_option(g)
     add_option(g, "--max-restarts", type=int, metavar="N", default=0,
                help="after a crash, start the job again (a fresh rendezvous) up to N times; it resumes")
     add_option(g, "--async-save", action="store_const", const=True, default=None,
@@ -180,31 +183,32 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     error_file = os.path.join(tempfile.gettempdir(), f"meshrun-train-{os.getpid()}.err")
     extra = {"MESHRUN_TRAIN_CONFIG": cfg.to_json(), "MESHRUN_ERROR_FILE": error_file}
 
-    def command(attempt: int) -> tuple[Command, LaunchSpec]:
+    def command(attempt: int) -> tuple[Command, LaunchSpec, Topology]:
         # Each attempt is a new torchrun with a new rendezvous port: torchrun's in-place
         # restarts did not resume here (../shared/FIELD-NOTES.md), a fresh launch does.
         t = topo if attempt == 0 else topo.replace(master_port=(free_port() if topo.source("master_port").startswith(
             "free port") else topo.master_port + attempt * RETRY_PORT_STRIDE))
-        spec = LaunchSpec(framework="torch", script="meshrun.train.worker", module=True)
+        spec = LaunchSpec(framework="torch", script="meshrun.train.worker", module=True, rdzv_timeout=ns.rdzv_timeout)
         launch = build(t, spec)
         return Command(processes=launch.processes, env={**launch.env, **extra}, files=launch.files,
-                       note=launch.note), spec
+                       note=launch.note), spec, t
 
-    cmd, spec = command(0)
+    cmd, spec, t = command(0)
     if ns.dry_run:
         print_dry_run(cmd, ns.json)
         return 0
     check_ports(topo, cmd, spec)
-    from .launch.run import execute
 
+    code = 0
     try:
         for attempt in range(ns.max_restarts + 1):
             if attempt:
                 print(f"meshrun: job exited with code {code}; restart {attempt} of {ns.max_restarts}, "
                       "resuming from the newest snapshot", file=sys.stderr, flush=True)
-                cmd, _ = command(attempt)
+                cmd, _, t = command(attempt)
             # Once a rank has written its one-line error, torchrun's failure report is noise.
-            code = execute(cmd, env, mute_stderr=lambda: os.path.exists(error_file))
+            cmd = prepare_network(t, cmd, env, ns.rdzv_timeout)
+            code = run_multinode_aware(cmd, env, t, spec, mute_stderr=lambda: os.path.exists(error_file))
             if code == 0:
                 return 0
             if os.path.exists(error_file):

@@ -43,8 +43,38 @@ def jax_initialize(**overrides: Any) -> dict[str, Any]:
     kwargs = {**jax_arguments(os.environ), **overrides}
     if os.environ.get("JAX_PLATFORMS", "") == "cpu" or not _has_gpu_backend():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        _gloo_on_interface(os.environ.get("GLOO_SOCKET_IFNAME"))
     jax.distributed.initialize(**kwargs)
     return kwargs
+
+
+def _gloo_on_interface(ifname: str | None) -> None:
+    """JAX builds its gloo transport without an interface, so gloo binds to the address the
+    machine's hostname resolves to, which on a multi-homed node may be the wrong network
+    and where the hostname does not resolve fails outright ("device.cc:99 rv == 0"). Hand it
+    the interface meshrun chose (or the user's GLOO_SOCKET_IFNAME), as torch's gloo gets it.
+    jaxlib's factory takes ``interface=``; JAX's caller does not pass it, so wrap the
+    factory where JAX looks it up (a private name: left alone if it is not there)."""
+    if not ifname:
+        return
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        return
+    lib = getattr(xla_bridge, "_jax", None)
+    factory = getattr(lib, "make_gloo_tcp_collectives", None)
+    if factory is None or getattr(factory, "_meshrun_interface", None):
+        return
+
+    def on_interface(*args: Any, **kw: Any) -> Any:
+        kw.setdefault("interface", ifname)
+        return factory(*args, **kw)
+
+    on_interface._meshrun_interface = ifname  # type: ignore[attr-defined]
+    try:
+        setattr(lib, "make_gloo_tcp_collectives", on_interface)
+    except (AttributeError, TypeError):
+        pass
 
 
 def _has_gpu_backend() -> bool:

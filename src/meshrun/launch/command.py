@@ -30,6 +30,7 @@ class LaunchSpec:
     use_fsdp: bool = False
     fsdp_sharding_strategy: str | None = None
     mixed_precision: str | None = None
+    rdzv_timeout: int | None = None  # seconds a multi-node rendezvous may take; None: torchrun's 600
 
 
 @dataclass(frozen=True)

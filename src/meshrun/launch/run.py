@@ -60,16 +60,38 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _relay_stderr(proc: subprocess.Popen, mute: Callable[[], bool]) -> threading.Thread:
-    """Copy a child's stderr to ours line by line, dropping lines once ``mute()`` holds."""
+def _relay_stderr(proc: subprocess.Popen, mute: Callable[[], bool] | None, watch: object | None) -> threading.Thread:
+    """Copy a child's stderr to ours line by line, dropping lines once ``mute()`` holds, and
+    through ``watch`` (a RendezvousWatch) when given. select() with a timeout lets held
+    lines out even when the child goes quiet."""
+    import select
+
+    def write(lines: list[bytes]) -> None:
+        for line in lines:
+            if mute is None or not mute():
+                sys.stderr.buffer.write(line)
+        sys.stderr.buffer.flush()
 
     def pump() -> None:
         if proc.stderr is None:  # not piped: nothing to relay
             return
-        for line in iter(proc.stderr.readline, b""):
-            if not mute():
-                sys.stderr.buffer.write(line)
-                sys.stderr.buffer.flush()
+        fd, buf = proc.stderr.fileno(), b""
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if watch is not None:
+                write(watch.stale())  # type: ignore[attr-defined]
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                line += b"\n"
+                write(watch.feed(line) if watch is not None else [line])  # type: ignore[attr-defined]
+        tail = [buf] if buf else []
+        write((watch.feed(buf) if watch is not None and buf else tail) + (watch.close() if watch is not None else []))
 
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
@@ -77,12 +99,13 @@ def _relay_stderr(proc: subprocess.Popen, mute: Callable[[], bool]) -> threading
 
 
 def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
-            mute_stderr: Callable[[], bool] | None = None) -> int:
+            mute_stderr: Callable[[], bool] | None = None, watch: object | None = None) -> int:
     """Run the command; returns the job's exit code.
 
     ``mute_stderr``: when given, the children's stderr is relayed through this process and
     dropped once it returns True. `meshrun train` uses it to keep torchrun's own failure
-    report (a traceback) off the screen after a rank has explained a bad input in one line."""
+    report (a traceback) off the screen after a rank has explained a bad input in one line.
+    ``watch``: a RendezvousWatch the relayed stderr passes through (multi-node torchrun)."""
     for path, text in cmd.files.items():
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
@@ -106,8 +129,8 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
         for argv, p in zip(argvs, cmd.processes):
             env = {**base_env, **cmd.env, **p.env}
             procs.append(subprocess.Popen(argv, env=env, start_new_session=True,
-                                          stderr=subprocess.PIPE if mute_stderr else None))
-        relays = [_relay_stderr(p, mute_stderr) for p in procs] if mute_stderr else []
+                                          stderr=subprocess.PIPE if (mute_stderr or watch) else None))
+        relays = [_relay_stderr(p, mute_stderr, watch) for p in procs] if (mute_stderr or watch) else []
         code = _supervise(procs, stopping_since, grace_s)
         for relay in relays:
             relay.join(timeout=5)

@@ -38,6 +38,9 @@ def torchrun_args(topo: Topology, spec: LaunchSpec) -> list[str]:
             f"--master_addr={topo.master_addr}",
             f"--master_port={topo.master_port}",
         ]
+    if spec.rdzv_timeout is not None and "--standalone" not in args:
+        key = "join_timeout" if "--rdzv_backend=c10d" in args else "timeout"
+        args.append(f"--rdzv_conf={key}={spec.rdzv_timeout}")
     if spec.max_restarts:
         args.append(f"--max_restarts={spec.max_restarts}")
     return args
