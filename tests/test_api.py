@@ -74,3 +74,17 @@ def test_integration_helpers_outside_a_launcher():
     cfg = tf_config(saturn, port=5000)
     assert cfg == {"cluster": {"worker": [f"r-{i}.s.n.svc.cluster.local:5000" for i in range(3)]},
                    "task": {"type": "worker", "index": 2}}
+
+
+def test_fork_after_the_parent_used_cpu_threads_does_not_hang():
+    """Forked ranks inherit OpenMP's pool state without its threads; they must not wait on it."""
+    require("torch")
+    import subprocess
+    import sys
+
+    from helpers import clean_env, lines, script
+
+    out = subprocess.run([sys.executable, script("fork_after_parallel.py")], capture_output=True, text=True,
+                         timeout=120, env=clean_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert lines(out.stdout, "FORKRUN") == [{"result": "1024"}]

@@ -62,9 +62,14 @@ def _saved_bytes_per_token(block, x, autocast: bool) -> float:
             seen[st.data_ptr()] = st.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            block(x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # keep OpenMP's pool unborn in the test process (later tests fork)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                block(x)
+    finally:
+        torch.set_num_threads(threads)
     weight_copies = sum(2 * p.numel() for n, p in block.named_parameters() if n.endswith("weight") and p.dim() == 2)
     total = sum(seen.values()) - (weight_copies if autocast else 0)
     return total / (x.shape[0] * x.shape[1])

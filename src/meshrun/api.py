@@ -32,11 +32,18 @@ class RankError(RuntimeError):
 
 
 def _worker(rank: int, nproc: int, port: int, backend: str, fn: Callable[..., Any],
-            args: tuple, kwargs: dict, queue: Any) -> None:
+            args: tuple, kwargs: dict, queue: Any, forked: bool = False) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                        "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch
     import torch.distributed as dist
+
+    if forked:
+        # A forked child inherits OpenMP's thread-pool state but none of its threads: once
+        # the parent has run parallel CPU work (any sizeable tensor op), the child's first
+        # parallel region waits forever on the missing workers. One intra-op thread runs
+        # inline and never touches the pool (torchrun gives multi-process jobs one thread too).
+        torch.set_num_threads(1)
 
     try:
         if backend == "nccl":
@@ -88,7 +95,8 @@ def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: s
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, backend, fn, args, kwargs, results),
+    forked = start_method == "fork"
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, backend, fn, args, kwargs, results, forked),
                          daemon=True) for r in range(nproc)]
     for p in procs:
         p.start()
