@@ -295,3 +295,16 @@ def test_a_node_that_cannot_reach_the_master_says_why_in_time(hosts, case):
     expected = {"refused": "connection refused for 6 s, nothing listens there",
                 "unreachable": "unreachable (", "dns": "the name does not resolve"}[case]
     assert expected in line, line
+
+
+def test_doctor_on_a_node_whose_master_is_unreachable(hosts):
+    env = generic_env(hosts)(1, hosts[1])
+    env["MASTER_ADDR"] = hosts[0].addr.rsplit(".", 1)[0] + ".250"  # on the subnet, nobody there
+    out = subprocess.run(hosts[1].command([sys.executable, "-m", "meshrun", "doctor", "--json"], env),
+                         capture_output=True, text=True, timeout=120)
+    report = json.loads(out.stdout)
+    (port,) = [f for f in report["findings"] if f["check"] == "master port"]
+    assert out.returncode == 1 and port["status"] == "fail", report
+    assert "unreachable" in port["reason"] or "did not answer" in port["reason"]
+    (iface,) = [f for f in report["findings"] if f["check"] == "interface"]
+    assert iface["status"] == "ok" and iface["reason"].startswith(hosts[1].ifname)

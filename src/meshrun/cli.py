@@ -8,6 +8,8 @@
                                        and its ds_config.json / accelerate / train configs
   meshrun render TARGET -- COMMAND     a Slurm / SkyPilot / Kubernetes / Saturn Cloud job spec
                                        (or a DeepSpeed hostfile) that runs COMMAND via meshrun
+  meshrun doctor [--json]              check GPUs, versions, the master, interfaces, NCCL settings
+  meshrun bench comm|matmul|train      collectives' bus bandwidth, matmul TFLOP/s, training MFU
   meshrun export SNAPSHOT --to FILE    a snapshot's weights as one safetensors file
 
 Run ``meshrun COMMAND --help`` for each command's manual. Every option accepts dashes or
@@ -402,6 +404,8 @@ def make_parser() -> Parser:
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=cmd_launch)
 
+    from .bench_cli import add_bench_parser
+    from .doctor_cli import add_doctor_parser
     from .plan_cli import add_plan_parser
     from .render_cli import add_render_parser
     from .train_cli import add_train_parser
@@ -409,6 +413,8 @@ def make_parser() -> Parser:
     add_train_parser(sub)
     add_plan_parser(sub)
     add_render_parser(sub)
+    add_doctor_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,81 @@
+"""What a node looks like, read once (side effects live here; the checks are pure)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ..cluster.gpus import count_visible_gpus
+
+
+@dataclass(frozen=True)
+class Facts:
+    hostname: str
+    gpus_visible: int
+    torch: str | None = None
+    cuda: str | None = None
+    nccl: str | None = None
+    driver: str | None = None
+    gpu_names: tuple[str, ...] = ()
+    interfaces: Mapping[str, str] = field(default_factory=dict)  # name -> IPv4 ('' when none)
+    ib_devices: tuple[str, ...] = ()
+    topology: str | None = None  # `nvidia-smi topo -m`
+    gpu_health: tuple[Mapping[str, str], ...] = ()
+    disk_path: str = "."
+    disk_free: int = 0
+
+    def versions(self) -> dict[str, str | None]:
+        return {"torch": self.torch, "cuda": self.cuda, "nccl": self.nccl, "driver": self.driver}
+
+
+def _smi(*args: str) -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def interfaces() -> dict[str, str]:
+    from ..cluster.reach import _ipv4_of
+
+    return {name: _ipv4_of(name) or "" for _, name in socket.if_nameindex()}
+
+
+def gather(env: Mapping[str, str], disk_path: str = ".") -> Facts:
+    gpus = count_visible_gpus(env)
+    torch_v = cuda_v = nccl_v = None
+    try:
+        import torch
+
+        torch_v = torch.__version__
+        cuda_v = torch.version.cuda
+        if torch.cuda.is_available():
+            nccl = torch.cuda.nccl.version()
+            nccl_v = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except ImportError:
+        pass
+    names: tuple[str, ...] = ()
+    driver = None
+    health: list[dict[str, str]] = []
+    q = _smi("--query-gpu=name,driver_version,clocks_event_reasons.active,ecc.errors.uncorrected.volatile.total,"
+             "temperature.gpu", "--format=csv,noheader")
+    if q:
+        for line in q.strip().splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) >= 5:
+                names += (parts[0],)
+                driver = parts[1]
+                health.append({"name": parts[0], "throttle": parts[2], "ecc_uncorrected": parts[3],
+                               "temperature": parts[4]})
+    ib = tuple(sorted(os.listdir("/sys/class/infiniband"))) if os.path.isdir("/sys/class/infiniband") else ()
+    path = disk_path if os.path.isdir(disk_path) else os.path.dirname(os.path.abspath(disk_path)) or "."
+    free = shutil.disk_usage(path).free if os.path.isdir(path) else 0
+    return Facts(socket.gethostname(), gpus, torch_v, cuda_v, nccl_v, driver, names, interfaces(), ib,
+                 _smi("topo", "-m") if gpus else None, tuple(health), path, free)
