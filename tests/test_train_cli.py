@@ -72,6 +72,11 @@ ERRORS = [
     (["--steps", "0"], "--steps=0: must be at least 1"),
     (["--data", "wikipedia"], "--data='wikipedia': expected module:factory"),
     (["--strategy", "single"], "--strategy='single': runs one process, but the world has 2"),
+    (["--tp", "3"], "dp_replicate(1) * dp_shard(?) * tp(3) * pp(1) cannot equal WORLD_SIZE(2)"),
+    (["--tp", "0"], "--tp=0: must be at least 1"),
+    (["--tp", "2", "--strategy", "ddp"], "--strategy='ddp' with --tp=2: tensor parallelism composes with FSDP2"),
+    (["--tp", "3", "--nproc", "3", "--model-size", "gpt-tiny"],
+     "--tp=3: the model's 4 attention heads do not split over 3 ranks"),
 ]
 
 

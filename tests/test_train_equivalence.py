@@ -14,6 +14,8 @@ Adam's update divides by sqrt(v), which amplifies such differences over a few st
 shard) changes the loss at the first or second step by far more than 1e-2.
 """
 
+import os
+
 import pytest
 
 import meshrun
@@ -63,6 +65,42 @@ def close(a, b, rtol=2e-4):
 ], ids=["ddp", "fsdp-full", "fsdp-grad_op", "fsdp-no_shard"])
 def test_two_processes_match_one(reference, overrides):
     close(run(2, micro_batch=4, **overrides), reference)
+
+
+@pytest.mark.parametrize("nproc,micro,fsdp", [(2, 8, "full"), (4, 4, "full"), (4, 4, "grad_op")],
+                         ids=["tp2", "dp2xtp2-full", "dp2xtp2-grad_op"])
+def test_tensor_parallel_matches_one(reference, nproc, micro, fsdp):
+    """TP=2 alone (each TP pair reads the same micro-batch of 8) and FSDP2 x TP on a 2 x 2
+    mesh (2 data-parallel pairs, 4 each): the same global batch of 8 as the reference."""
+    close(run(nproc, micro_batch=micro, strategy="fsdp", fsdp=fsdp, tp=2), reference)
+
+
+def _train_steps(overrides):
+    """Like _train, but {step: loss} of the steps this run logged (after a resume: only those)."""
+    from meshrun.train.config import TrainConfig
+    from meshrun.train.data import RandomTokens
+    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.trainer import Trainer
+    import torch
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
+    cfg = TrainConfig(steps=STEPS, seq_len=16, lr=3e-3, warmup=2, log_every=1, precision="fp32", **overrides)
+    return {r["step"]: r["loss"] for r in Trainer(model, RandomTokens(512, 16, 64), None, cfg).fit()}
+
+
+def test_tensor_parallel_snapshot_resumes_on_another_layout(reference, tmp_path):
+    """Saved on a 2 x 2 (FSDP x TP) mesh at step 3, resumed with TP alone on 2 processes:
+    DCP reshards the DTensors; steps 4-6 continue the reference training."""
+    out = str(tmp_path / "run")
+    first = meshrun.run(_train_steps, {"strategy": "fsdp", "tp": 2, "micro_batch": 4, "out": out, "save_every": 3},
+                        nproc=4, timeout_s=300)
+    assert sorted(first) == list(range(1, STEPS + 1))
+    resumed = meshrun.run(_train_steps, {"strategy": "fsdp", "tp": 2, "micro_batch": 8, "out": out,
+                                         "resume": os.path.join(out, "checkpoints", "step-00000003")}, nproc=2, timeout_s=300)
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(reference[step - 1][0], rel=2e-4)
 
 
 def test_hybrid_shard_on_four_processes_matches_one(reference):
@@ -129,3 +167,30 @@ def test_iterable_dataset_is_sharded_and_trains():
     require("torch")
     first, last = meshrun.run(_train_iterable, nproc=2, timeout_s=300)
     assert last < first / 3  # it learns (13.1 -> 3.0 in 40 steps here)
+
+
+def _llama_tp_logits_match():
+    import torch
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshrun.train.parallelize import apply_tp
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    full = transformers.LlamaForCausalLM(cfg).eval()
+    sharded = transformers.LlamaForCausalLM(cfg).eval()
+    sharded.load_state_dict(full.state_dict())
+    apply_tp(sharded.model.layers, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = full(x).logits, sharded(x).logits
+    return float((a - b).abs().max()), float(a.abs().max())
+
+
+def test_llama_blocks_tensor_parallel_plan():
+    """HF Llama blocks under the TP plan compute the same logits as the unsharded model."""
+    require("transformers")
+    diff, scale = meshrun.run(_llama_tp_logits_match, nproc=2, timeout_s=300)
+    assert diff <= 1e-5 * max(1.0, scale), (diff, scale)

@@ -68,6 +68,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                     "parameters is small, else full)")
     add_option(g, "--fsdp-shard-size", type=int, metavar="N", default=None,
                help="hybrid: ranks per shard group (default: processes per node)")
+    add_option(g, "--tp", type=int, metavar="N", default=None,
+               help="tensor-parallel degree (DTensor, Megatron-style); FSDP2 shards over the remaining ranks")
     add_option(g, "--precision", metavar="P", default=None, help=f"{', '.join(PRECISIONS)} (default auto: bf16 on GPU)")
     add_option(g, "--compile", action="store_const", const=True, default=None, help="torch.compile (per block under FSDP)")
     add_option(g, "--activation-checkpointing", metavar="MODE", default=None, help=f"{', '.join(AC_MODES)}")
@@ -168,7 +170,12 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     topo, elastic = topology_from_args(ns, env, gpus)
     if elastic is not None:
         raise MeshrunError("--nnodes: meshrun train takes a fixed node count (hint: give N, not MIN:MAX)")
-    cfg.accumulation(topo.world_size)  # the batch arithmetic, checked before anything starts
+    dp = topo.world_size
+    if cfg.tp > 1:
+        from .train.dims import make_dims
+
+        dp = make_dims(topo.world_size, tp=cfg.tp, source=f"--tp {cfg.tp} on {topo.world_size} processes").dp
+    cfg.accumulation(dp)  # the batch arithmetic, checked before anything starts
     for name in ("model", "data"):
         value = getattr(cfg, name)
         if value and ":" in value:

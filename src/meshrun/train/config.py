@@ -39,6 +39,7 @@ class TrainConfig:
     strategy: str = "auto"
     fsdp: str = "auto"  # full (ZeRO-3) | grad_op (ZeRO-2) | hybrid (HSDP) | no_shard | auto
     fsdp_shard_size: int | None = None  # hybrid: ranks per shard group (default: processes per node)
+    tp: int = 1  # tensor-parallel degree (DTensor); data parallel takes the rest of the world
     steps: int = 200
     micro_batch: int | None = None  # default: 8 for gpt, 32 for toy
     global_batch: int | None = None  # default: micro_batch x data-parallel size (no accumulation)
@@ -132,7 +133,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             hint = "module:factory" + (f", or one of {', '.join(BUILTIN_DATA)}" if name == "data" else "")
             raise bad_value(cfg.source(name), value, "expected module:factory", f"write {hint}")
     positive = ("steps", "seq_len", "log_every", "eval_batches", "ddp_bucket_mb")
-    for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size"):
+    for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size", "tp"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise bad_value(cfg.source(name), value, "must be at least 1")

@@ -39,11 +39,12 @@ class Block(nn.Module):
         self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        b, t, _ = x.shape
+        # n_heads is this rank's share under tensor parallelism, hence the inferred widths.
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, -1).unbind(2)
         # (b, heads, t, head_dim) for SDPA; it picks flash/memory-efficient kernels on GPU.
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
 
 

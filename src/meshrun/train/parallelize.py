@@ -1,7 +1,9 @@
 """Parallelisms as plain functions, applied in one fixed order (torchtitan's):
 
-    activation checkpointing -> compile -> data-parallel wrap (DDP or FSDP2)
+    tensor parallel -> activation checkpointing -> compile -> data-parallel wrap (DDP or FSDP2)
 
+Tensor parallelism rewrites the blocks' Linear layers into DTensor shards first, on the raw
+modules (checkpoint wrappers would change their paths);
 Checkpointing wraps each block first so that compile sees (and FSDP shards) the wrapped
 blocks; compile comes before the FSDP wrap so each block compiles as a unit and FSDP's
 hooks stay outside the graph; DDP is compiled after wrapping so its bucketing is visible
@@ -52,6 +54,68 @@ def find_blocks(model: nn.Module, override: str | None = None) -> tuple[str, nn.
         _, name, m = max(lists, key=lambda t: t[0])
         return name, m
     return None
+
+
+class SplitQKV(nn.Module):
+    """A fused q/k/v projection split into three Linears with the same weights, so each can
+    be sharded by heads (a column shard of the fused (3h, h) weight would hand rank 0 all of
+    q and half of k). The forward returns the same concatenation as the fused layer."""
+
+    def __init__(self, fused: nn.Linear) -> None:
+        super().__init__()
+        h = fused.out_features // 3
+        self.q, self.k, self.v = (nn.Linear(fused.in_features, h, bias=fused.bias is not None,
+                                            device=fused.weight.device, dtype=fused.weight.dtype) for _ in range(3))
+        with torch.no_grad():
+            for i, lin in enumerate((self.q, self.k, self.v)):
+                lin.weight.copy_(fused.weight[i * h:(i + 1) * h])
+                if fused.bias is not None:
+                    lin.bias.copy_(fused.bias[i * h:(i + 1) * h])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+# Module paths inside one block -> sharding, per model family: column-wise into the block,
+# row-wise out of it, so each block costs one all-reduce in attention and one in the MLP.
+TP_PLANS = {
+    "meshrun-gpt": {"qkv.q": "col", "qkv.k": "col", "qkv.v": "col", "proj": "row", "up": "col", "down": "row"},
+    "llama": {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col",
+              "self_attn.o_proj": "row", "mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row"},
+}
+
+
+def tp_family(block: nn.Module) -> str | None:
+    if all(hasattr(block, n) for n in ("qkv", "proj", "up", "down", "n_heads")):
+        return "meshrun-gpt"
+    attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    if attn is not None and mlp is not None and hasattr(attn, "q_proj") and hasattr(mlp, "gate_proj"):
+        return "llama"
+    return None
+
+
+def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallelism with DTensor: q/k/v and MLP-in column-wise (each rank
+    its heads / its slice of the hidden layer), attention-out and MLP-out row-wise (partial
+    sums all-reduced). Norms and embeddings stay replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    for i, block in enumerate(blocks):
+        family = tp_family(block)
+        if family is None:
+            raise bad_value("--tp", tp, f"no tensor-parallel plan for block {type(block).__name__}",
+                            "meshrun's GPT and Llama-style blocks (q/k/v/o_proj, gate/up/down_proj) have one")
+        if family == "meshrun-gpt":
+            if block.n_heads % tp:
+                raise bad_value("--tp", tp, f"the model's {block.n_heads} attention heads do not split over {tp} ranks",
+                                f"a --tp that divides {block.n_heads}")
+            if isinstance(block.qkv, nn.Linear):
+                block.qkv = SplitQKV(block.qkv)
+            block.n_heads //= tp  # the heads this rank computes
+        plan = {path: ColwiseParallel() if kind == "col" else RowwiseParallel()
+                for path, kind in TP_PLANS[family].items()}
+        parallelize_module(block, tp_mesh, plan)
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:

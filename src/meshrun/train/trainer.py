@@ -26,10 +26,11 @@ from .config import TrainConfig, validate
 from . import checkpoint
 from .checkpoint import Position
 from .data import BatchStream, LoaderSpec, make_loader
+from .gradnorm import clip_grad_norm
 from .metrics import MetricsSink, mfu, peak_flops
 from .optim import build_optimizer, build_scheduler
 from .parallelize import (FSDPPlan, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp,
-                          choose_fsdp_flavour, choose_strategy, find_blocks, fsdp_mesh)
+                          apply_tp, choose_fsdp_flavour, choose_strategy, find_blocks, fsdp_mesh)
 from .runtime import Runtime, init_runtime
 
 
@@ -57,26 +58,50 @@ class Trainer:
         self.strategy, self.strategy_reason = choose_strategy(cfg.strategy, rt, self.n_params)
         self.ac = cfg.activation_checkpointing != "none"
         self.fsdp_flavour: str | None = None  # the planner's, for --strategy auto
-        if cfg.strategy == "auto" and rt.cuda:
+        self.mesh = None  # the 2-D (dp_shard, tp) mesh under tensor parallelism
+        self.dp_rank, self.dp_size = rt.rank, rt.world_size  # who reads which data
+        if cfg.tp > 1:
+            self._setup_tp()
+        elif cfg.strategy == "auto" and rt.cuda:
             self._plan_auto(model)
         self.model_takes_targets = _takes_targets(model)
         if cfg.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
             torch.use_deterministic_algorithms(True)
-        self.accum = cfg.accumulation(rt.world_size)
+        self.accum = cfg.accumulation(self.dp_size)
         self.model, self.ddp = self._parallelize(model.to(rt.device))
         self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay, rt.cuda)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
         self.train_data = train_data
-        self.loader_spec = LoaderSpec(cfg.micro, rt.rank, rt.world_size, cfg.seed, pin_memory=rt.cuda)
+        self.loader_spec = LoaderSpec(cfg.micro, self.dp_rank, self.dp_size, cfg.seed, pin_memory=rt.cuda)
         self.train_loader = make_loader(train_data, self.loader_spec)
-        self.val_loader = make_loader(val_data, LoaderSpec(cfg.micro, rt.rank, rt.world_size, cfg.seed,
+        self.val_loader = make_loader(val_data, LoaderSpec(cfg.micro, self.dp_rank, self.dp_size, cfg.seed,
                                                            rt.cuda, shuffle=False)) if val_data is not None else None
         if not isinstance(train_data, IterableDataset) and len(self.train_loader) == 0:
             raise MeshrunError(f"the training data has {len(train_data)} samples: too few for one micro-batch of "
-                               f"{cfg.micro} on each of {rt.world_size} ranks (hint: lower --micro-batch)")
+                               f"{cfg.micro} on each of {self.dp_size} data-parallel ranks (hint: lower --micro-batch)")
 
     # ---- setup --------------------------------------------------------------------------
+    def _setup_tp(self) -> None:
+        """Tensor parallelism: a (dp_shard, tp) mesh, TP innermost (neighbouring ranks, the
+        same node's NVLink); FSDP2 over the data-parallel dimension, which may be 1, so every
+        parameter is a DTensor of one mesh (what clipping and checkpoints need)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .dims import make_dims
+
+        cfg, rt = self.cfg, self.rt
+        if cfg.strategy in ("ddp", "single"):
+            raise MeshrunError(f"--strategy={cfg.strategy!r} with --tp={cfg.tp}: tensor parallelism composes with "
+                               "FSDP2 over the data-parallel ranks (hint: --strategy fsdp, or auto)")
+        if cfg.fsdp == "hybrid":
+            raise MeshrunError("--fsdp='hybrid' with --tp: not supported yet (hint: --fsdp full or grad_op)")
+        dims = make_dims(rt.world_size, tp=cfg.tp, source=f"--tp {cfg.tp} on {rt.world_size} processes")
+        self.mesh = init_device_mesh(rt.device.type, (dims.dp_shard, dims.tp), mesh_dim_names=("dp_shard", "tp"))
+        self.dp_rank, self.dp_size = self.mesh["dp_shard"].get_local_rank(), dims.dp_shard
+        self.strategy = "fsdp"
+        self.strategy_reason = f"tensor parallel {dims.tp} x FSDP2 over {dims.dp_shard} data-parallel rank(s)"
+
     def _plan_auto(self, model: nn.Module) -> None:
         """--strategy auto on GPUs: the planner's first fitting strategy (and activation
         checkpointing when it is needed to fit, unless the user set it)."""
@@ -94,14 +119,21 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         found = find_blocks(model, cfg.blocks)
         blocks = found[1] if found else None
+        if self.mesh is not None:
+            if blocks is None:
+                raise MeshrunError("--tp: no block list found in the model (hint: name it with --blocks)")
+            for t in model.state_dict().values():  # same initial weights everywhere before sharding
+                dist.broadcast(t, src=0)
+            apply_tp(blocks, self.mesh["tp"])
         if self.ac:
             if blocks is None:
                 raise MeshrunError("--activation-checkpointing: no block list found in the model "
                                    "(hint: name it with --blocks, e.g. model.layers)")
             apply_activation_checkpointing(blocks)
         if self.strategy == "fsdp":
-            for t in model.state_dict().values():  # same initial weights everywhere before sharding
-                dist.broadcast(t, src=0)
+            if self.mesh is None:  # (under TP this happened before the layers were sharded)
+                for t in model.state_dict().values():  # same initial weights everywhere before sharding
+                    dist.broadcast(t, src=0)
             if cfg.compile:
                 apply_compile(model, blocks, per_block=True)
             if self.fsdp_flavour:
@@ -110,7 +142,8 @@ class Trainer:
                 flavour, why = choose_fsdp_flavour(cfg.fsdp, rt, self.n_params)
                 self.strategy_reason += f"; fsdp {flavour}: {why}"
             plan = FSDPPlan(flavour, cfg.fsdp_shard_size or rt.local_world_size)
-            apply_fsdp(model, blocks, fsdp_mesh(rt, plan), plan, self.bf16, cfg.reduce_precision == "bf16")
+            mesh = self.mesh["dp_shard"] if self.mesh is not None else fsdp_mesh(rt, plan)
+            apply_fsdp(model, blocks, mesh, plan, self.bf16, cfg.reduce_precision == "bf16")
             return model, None
         if self.strategy == "ddp":
             ddp = apply_ddp(model, rt, cfg.ddp_bucket_mb, cfg.reduce_precision == "bf16")
@@ -165,8 +198,8 @@ class Trainer:
             loss_sum += loss.detach()
         # The global gradient norm (reduced across FSDP2's shards too); with clipping off, an
         # infinite threshold computes it without scaling anything.
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
-        total = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip or float("inf"))
+        total = norm
         if not torch.isfinite(total).item():  # one scalar sync per step, the price of never stepping on NaN
             raise MeshrunError(
                 f"non-finite loss or gradients (gradient norm {total.item()}) at step {self.step + 1}; stopped "
@@ -198,7 +231,7 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         return (f"meshrun train: strategy {self.strategy} ({self.strategy_reason}), {rt.world_size} process(es), "
                 f"{self.n_params / 1e6:.2f}M parameters, global batch {cfg.micro} x {self.accum} x "
-                f"{rt.world_size} = {cfg.micro * self.accum * rt.world_size}, "
+                f"{self.dp_size} = {cfg.micro * self.accum * self.dp_size}, "
                 f"{'bf16' if self.bf16 else 'fp32'}{', compiled' if cfg.compile else ''}")
 
     def _guarded_step(self, data: Iterator, first: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
@@ -219,7 +252,7 @@ class Trainer:
         whole global batch from every rank: one all-reduce per log line, not per step."""
         rt = self.rt
         dist.all_reduce(loss_sum)
-        per_gpu = tokens / elapsed
+        per_gpu = tokens / elapsed / (rt.world_size // self.dp_size)  # TP ranks share their tokens
         return {
             "step": step,
             "loss": loss_sum.item() / (rt.world_size * steps),  # .item() waits for the GPU
@@ -270,9 +303,9 @@ class Trainer:
                 print(f"meshrun train: resumed from {path} at step {position.step} (epoch {position.epoch}, "
                       f"{position.samples} samples into it; saved on {saved_world} rank(s))", flush=True)
         if position.samples and not hasattr(self.train_loader.sampler, "set_start"):  # iterable data
-            self.train_loader = make_loader(self.train_data, self.loader_spec, skip=position.samples // rt.world_size)
+            self.train_loader = make_loader(self.train_data, self.loader_spec, skip=position.samples // self.dp_size)
             position = Position(position.step, position.epoch, 0)
-        return BatchStream(self.train_loader, self.cfg.micro, rt.world_size, position.epoch, position.samples)
+        return BatchStream(self.train_loader, self.cfg.micro, self.dp_size, position.epoch, position.samples)
 
     _pending: checkpoint.PendingSave | None = None
     _async_group: Any = None

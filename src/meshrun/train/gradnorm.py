@@ -1,0 +1,45 @@
+"""Gradient clipping when parameters live on different device meshes.
+
+Under tensor parallelism the sharded layers' parameters are DTensors of the 2-D (dp, tp)
+mesh while norms and embeddings are DTensors of the data-parallel mesh only (or plain
+tensors); torch's clip_grad_norm_ stacks all per-tensor norms and refuses mixed meshes.
+Here the norm is taken per mesh (each a partial norm reduced over its mesh by
+``full_tensor``), the groups combined as the root of their sums of squares, and every
+gradient scaled by the same coefficient."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+def _mesh_key(t: torch.Tensor) -> object:
+    mesh = getattr(t, "device_mesh", None)
+    return None if mesh is None else (tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.flatten().tolist()))
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Total 2-norm of the gradients (a plain tensor); scaled to ``max_norm`` when above it
+    (``max_norm`` inf: measure only)."""
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(_mesh_key(g), []).append(g)
+    if len(groups) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # one mesh (or none): torch's own path
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    squares = []
+    for group in groups.values():
+        n = torch.nn.utils.get_total_norm(group, 2.0)
+        n = n.full_tensor() if hasattr(n, "full_tensor") else n
+        squares.append(n.float() ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    if max_norm != float("inf"):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0).item()
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return total
+
