@@ -74,10 +74,26 @@ ERRORS = [
     (["--strategy", "single"], "--strategy='single': runs one process, but the world has 2"),
     (["--tp", "3"], "dp_replicate(1) * dp_shard(?) * tp(3) * pp(1) cannot equal WORLD_SIZE(2)"),
     (["--tp", "0"], "--tp=0: must be at least 1"),
-    (["--tp", "2", "--strategy", "ddp"], "--strategy='ddp' with --tp=2: tensor parallelism composes with FSDP2"),
+    (["--tp", "2", "--strategy", "ddp"], "--strategy='ddp' with --tp=2: tensor and pipeline parallelism compose"),
     (["--tp", "3", "--nproc", "3", "--model-size", "gpt-tiny"],
      "--tp=3: the model's 4 attention heads do not split over 3 ranks"),
+    (["--pp", "3", "--micro-batch", "6"], "dp_replicate(1) * dp_shard(?) * tp(1) * pp(3) cannot equal WORLD_SIZE(2)"),
+    (["--pp", "2", "--micro-batch", "3"], "--micro-batch=3: does not split into 2 pipeline micro-batches"),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--model-size", "gpt-tiny"],
+     "--pp: the model has 2 blocks, fewer than the 4 pipeline stages"),
+    (["--pp", "2", "--pp-schedule", "zb"], "--pp-schedule='zb': unknown value"),
 ]
+
+
+def test_pipeline_and_tensor_parallel_jobs_from_the_cli(tmp_path):
+    """`meshrun train --pp 2` and `--tp 2` end to end: launched, trained, snapshot written."""
+    for flag in ("--pp", "--tp"):
+        out = meshrun("train", flag, "2", "--model-size", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4",
+                      "--steps", "4", "--log-every", "2", "--data", "random", "--out", str(tmp_path / flag),
+                      timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert ("pipeline 2 (1f1b)" if flag == "--pp" else "tensor parallel 2") in out.stdout
+        assert (tmp_path / flag / "checkpoints" / "step-00000004" / "COMMITTED.json").is_file()
 
 
 @pytest.mark.parametrize("args,message", ERRORS)

@@ -33,8 +33,10 @@ def _train(overrides):
     from meshrun.train.trainer import Trainer
     import torch
 
+    overrides = dict(overrides)
+    layers = overrides.pop("layers", 2)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
+    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=layers, n_heads=4))
     cfg = TrainConfig(steps=STEPS, seq_len=16, lr=3e-3, warmup=2, log_every=1, precision="fp32", **overrides)
     records = Trainer(model, RandomTokens(512, 16, 64), None, cfg).fit()
     return [(r["loss"], r["grad_norm"]) for r in records]
@@ -101,6 +103,34 @@ def test_tensor_parallel_snapshot_resumes_on_another_layout(reference, tmp_path)
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(reference[step - 1][0], rel=2e-4)
+
+
+@pytest.fixture(scope="module")
+def reference4():
+    require("torch")
+    return run(1, strategy="single", micro_batch=8, layers=4)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_pipeline_matches_one(reference4, schedule):
+    """Two stages (four with interleaved), the micro-batch of 8 cut into 2 (4) pieces."""
+    n = 4 if schedule == "interleaved" else 2
+    close(run(2, micro_batch=8, strategy="auto", pp=2, pp_schedule=schedule, pp_microbatches=n, layers=4),
+          reference4)
+
+
+@pytest.mark.parametrize("overrides", [{"pp": 2}, {"pp": 2, "tp": 2}], ids=["dp2xpp2", "pp2xtp2"])
+def test_pipeline_composes_with_fsdp_and_tp(reference4, overrides):
+    micro = 4 if "tp" not in overrides else 8  # dp2 x pp2: 2 data-parallel pipelines of 4 each
+    close(run(4, micro_batch=micro, strategy="fsdp", layers=4, **overrides), reference4)
+
+
+def test_pipeline_clips_on_the_whole_model_norm():
+    """The norm spans every stage, the tied embedding/head weight counted once: clipping at
+    0.05 then gives the single process's training (a per-stage norm would not)."""
+    one = run(1, strategy="single", micro_batch=8, grad_clip=0.05, layers=4)
+    close(run(2, strategy="auto", pp=2, micro_batch=8, grad_clip=0.05, layers=4), one)
+    assert all(norm > 0.05 * 5 for _, norm in one)
 
 
 def test_hybrid_shard_on_four_processes_matches_one(reference):

@@ -70,6 +70,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                help="hybrid: ranks per shard group (default: processes per node)")
     add_option(g, "--tp", type=int, metavar="N", default=None,
                help="tensor-parallel degree (DTensor, Megatron-style); FSDP2 shards over the remaining ranks")
+    add_option(g, "--pp", type=int, metavar="N", default=None,
+               help="pipeline stages (torch.distributed.pipelining; meshrun's GPT)")
+    add_option(g, "--pp-schedule", metavar="S", default=None, help="1f1b (default), gpipe, interleaved")
+    add_option(g, "--pp-microbatches", type=int, metavar="N", default=None,
+               help="pieces each micro-batch is cut into for the pipeline (default: --pp)")
     add_option(g, "--precision", metavar="P", default=None, help=f"{', '.join(PRECISIONS)} (default auto: bf16 on GPU)")
     add_option(g, "--compile", action="store_const", const=True, default=None, help="torch.compile (per block under FSDP)")
     add_option(g, "--activation-checkpointing", metavar="MODE", default=None, help=f"{', '.join(AC_MODES)}")
@@ -171,10 +176,11 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     if elastic is not None:
         raise MeshrunError("--nnodes: meshrun train takes a fixed node count (hint: give N, not MIN:MAX)")
     dp = topo.world_size
-    if cfg.tp > 1:
+    if cfg.tp > 1 or cfg.pp > 1:
         from .train.dims import make_dims
 
-        dp = make_dims(topo.world_size, tp=cfg.tp, source=f"--tp {cfg.tp} on {topo.world_size} processes").dp
+        dp = make_dims(topo.world_size, tp=cfg.tp, pp=cfg.pp,
+                       source=f"--tp {cfg.tp} --pp {cfg.pp} on {topo.world_size} processes").dp
     cfg.accumulation(dp)  # the batch arithmetic, checked before anything starts
     for name in ("model", "data"):
         value = getattr(cfg, name)

@@ -40,6 +40,9 @@ class TrainConfig:
     fsdp: str = "auto"  # full (ZeRO-3) | grad_op (ZeRO-2) | hybrid (HSDP) | no_shard | auto
     fsdp_shard_size: int | None = None  # hybrid: ranks per shard group (default: processes per node)
     tp: int = 1  # tensor-parallel degree (DTensor); data parallel takes the rest of the world
+    pp: int = 1  # pipeline stages (torch.distributed.pipelining), meshrun's GPT
+    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (two stages per rank)
+    pp_microbatches: int | None = None  # pieces each micro-batch is cut into (default: pp)
     steps: int = 200
     micro_batch: int | None = None  # default: 8 for gpt, 32 for toy
     global_batch: int | None = None  # default: micro_batch x data-parallel size (no accumulation)
@@ -124,6 +127,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_choice(cfg, "precision", PRECISIONS)
     _check_choice(cfg, "reduce_precision", REDUCE_PRECISIONS)
     _check_choice(cfg, "activation_checkpointing", AC_MODES)
+    _check_choice(cfg, "pp_schedule", ("1f1b", "gpipe", "interleaved"))
+    if cfg.pp > 1 and cfg.micro % (cfg.pp_microbatches or cfg.pp):
+        n = cfg.pp_microbatches or cfg.pp
+        raise bad_value(cfg.source("micro_batch"), cfg.micro, f"does not split into {n} pipeline micro-batches",
+                        f"a micro-batch that is a multiple of {n}, or set --pp-microbatches")
     if cfg.model is None and cfg.example == "gpt" and cfg.model_size not in GPT_PRESETS:
         raise bad_value(cfg.source("model_size"), cfg.model_size, "unknown GPT preset",
                         f"choose one of {', '.join(GPT_PRESETS)}")
@@ -133,7 +141,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             hint = "module:factory" + (f", or one of {', '.join(BUILTIN_DATA)}" if name == "data" else "")
             raise bad_value(cfg.source(name), value, "expected module:factory", f"write {hint}")
     positive = ("steps", "seq_len", "log_every", "eval_batches", "ddp_bucket_mb")
-    for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size", "tp"):
+    for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size", "tp", "pp", "pp_microbatches"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise bad_value(cfg.source(name), value, "must be at least 1")

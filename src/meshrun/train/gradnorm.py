@@ -19,15 +19,22 @@ def _mesh_key(t: torch.Tensor) -> object:
     return None if mesh is None else (tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.flatten().tolist()))
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, across: object = None,
+                   uncounted: tuple[torch.nn.Parameter, ...] = ()) -> torch.Tensor:
     """Total 2-norm of the gradients (a plain tensor); scaled to ``max_norm`` when above it
-    (``max_norm`` inf: measure only)."""
+    (``max_norm`` inf: measure only). ``across``: a process group holding the other parts
+    of the model (pipeline stages), whose squared norms are summed in; ``uncounted``: copies
+    of a parameter counted elsewhere (the tied head on the last stage), scaled but not counted."""
+    import torch.distributed as dist
+
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
+    skip = {id(p) for p in uncounted}
     groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(_mesh_key(g), []).append(g)
-    if len(groups) <= 1:
+    for p in params:
+        if id(p) not in skip:
+            groups.setdefault(_mesh_key(p.grad), []).append(p.grad)
+    if len(groups) <= 1 and across is None and not skip:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # one mesh (or none): torch's own path
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     squares = []
@@ -35,7 +42,11 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> tor
         n = torch.nn.utils.get_total_norm(group, 2.0)
         n = n.full_tensor() if hasattr(n, "full_tensor") else n
         squares.append(n.float() ** 2)
-    total = torch.stack(squares).sum().sqrt()
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    if across is not None:
+        dist.all_reduce(total, group=across)
+    total = total.sqrt()
     if max_norm != float("inf"):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0).item()
         if coef < 1.0:

@@ -58,10 +58,11 @@ class Trainer:
         self.strategy, self.strategy_reason = choose_strategy(cfg.strategy, rt, self.n_params)
         self.ac = cfg.activation_checkpointing != "none"
         self.fsdp_flavour: str | None = None  # the planner's, for --strategy auto
-        self.mesh = None  # the 2-D (dp_shard, tp) mesh under tensor parallelism
+        self.mesh = None  # the (pp, dp_shard, tp) mesh under tensor or pipeline parallelism
+        self.pipe = None  # the Pipeline under --pp
         self.dp_rank, self.dp_size = rt.rank, rt.world_size  # who reads which data
-        if cfg.tp > 1:
-            self._setup_tp()
+        if cfg.tp > 1 or cfg.pp > 1:
+            self._setup_mesh()
         elif cfg.strategy == "auto" and rt.cuda:
             self._plan_auto(model)
         self.model_takes_targets = _takes_targets(model)
@@ -82,25 +83,33 @@ class Trainer:
                                f"{cfg.micro} on each of {self.dp_size} data-parallel ranks (hint: lower --micro-batch)")
 
     # ---- setup --------------------------------------------------------------------------
-    def _setup_tp(self) -> None:
-        """Tensor parallelism: a (dp_shard, tp) mesh, TP innermost (neighbouring ranks, the
-        same node's NVLink); FSDP2 over the data-parallel dimension, which may be 1, so every
-        parameter is a DTensor of one mesh (what clipping and checkpoints need)."""
+    def _setup_mesh(self) -> None:
+        """Tensor and pipeline parallelism: a (pp, dp_shard, tp) mesh, TP innermost (the
+        same node's NVLink neighbours), PP outermost. Under TP, FSDP2 runs over the
+        data-parallel dimension even when it is 1, so every parameter is a DTensor of one
+        mesh (what clipping and snapshots need); under PP alone with one data-parallel rank,
+        the stages are plain modules."""
         from torch.distributed.device_mesh import init_device_mesh
 
         from .dims import make_dims
 
         cfg, rt = self.cfg, self.rt
+        what = " and ".join(f"--{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp)) if v > 1)
         if cfg.strategy in ("ddp", "single"):
-            raise MeshrunError(f"--strategy={cfg.strategy!r} with --tp={cfg.tp}: tensor parallelism composes with "
-                               "FSDP2 over the data-parallel ranks (hint: --strategy fsdp, or auto)")
+            raise MeshrunError(f"--strategy={cfg.strategy!r} with {what}: tensor and pipeline parallelism compose "
+                               "with FSDP2 over the data-parallel ranks (hint: --strategy fsdp, or auto)")
         if cfg.fsdp == "hybrid":
-            raise MeshrunError("--fsdp='hybrid' with --tp: not supported yet (hint: --fsdp full or grad_op)")
-        dims = make_dims(rt.world_size, tp=cfg.tp, source=f"--tp {cfg.tp} on {rt.world_size} processes")
-        self.mesh = init_device_mesh(rt.device.type, (dims.dp_shard, dims.tp), mesh_dim_names=("dp_shard", "tp"))
+            raise MeshrunError(f"--fsdp='hybrid' with {what}: not supported yet (hint: --fsdp full or grad_op)")
+        dims = make_dims(rt.world_size, tp=cfg.tp, pp=cfg.pp, source=f"{what} on {rt.world_size} processes")
+        self.mesh = init_device_mesh(rt.device.type, (dims.pp, dims.dp_shard, dims.tp),
+                                     mesh_dim_names=("pp", "dp_shard", "tp"))
         self.dp_rank, self.dp_size = self.mesh["dp_shard"].get_local_rank(), dims.dp_shard
-        self.strategy = "fsdp"
-        self.strategy_reason = f"tensor parallel {dims.tp} x FSDP2 over {dims.dp_shard} data-parallel rank(s)"
+        sharded = dims.tp > 1 or dims.dp_shard > 1
+        self.strategy = "fsdp" if sharded else "pipeline"
+        parts = [f"tensor parallel {dims.tp}"] if dims.tp > 1 else []
+        parts += [f"pipeline {dims.pp} ({cfg.pp_schedule})"] if dims.pp > 1 else []
+        parts += [f"FSDP2 over {dims.dp_shard} data-parallel rank(s)"] if sharded else []
+        self.strategy_reason = " x ".join(parts)
 
     def _plan_auto(self, model: nn.Module) -> None:
         """--strategy auto on GPUs: the planner's first fitting strategy (and activation
@@ -121,10 +130,13 @@ class Trainer:
         blocks = found[1] if found else None
         if self.mesh is not None:
             if blocks is None:
-                raise MeshrunError("--tp: no block list found in the model (hint: name it with --blocks)")
+                raise MeshrunError("--tp/--pp: no block list found in the model (hint: name it with --blocks)")
             for t in model.state_dict().values():  # same initial weights everywhere before sharding
                 dist.broadcast(t, src=0)
-            apply_tp(blocks, self.mesh["tp"])
+            if cfg.tp > 1:
+                apply_tp(blocks, self.mesh["tp"])
+        if cfg.pp > 1:
+            return self._pipeline(model, blocks), None
         if self.ac:
             if blocks is None:
                 raise MeshrunError("--activation-checkpointing: no block list found in the model "
@@ -154,18 +166,38 @@ class Trainer:
             apply_compile(model, None, per_block=False)
         return model, None
 
+    def _pipeline(self, model: nn.Module, blocks: nn.ModuleList) -> nn.Module:
+        """Cut the (tensor-parallel) model into this rank's stages; checkpoint, compile and
+        shard each stage's blocks, then each stage; build the schedule."""
+        from .pipeline import Pipeline
+
+        cfg, rt = self.cfg, self.rt
+        if self.ac:
+            apply_activation_checkpointing(blocks)
+        if cfg.compile:
+            apply_compile(model, blocks, per_block=True)
+        self.pipe = Pipeline(model, self.mesh, cfg.pp_schedule, cfg.pp_microbatches or cfg.pp, self.accum, rt.device)
+        if self.strategy == "fsdp":
+            flavour = cfg.fsdp if cfg.fsdp != "auto" else "full"
+            plan = FSDPPlan(flavour, self.dp_size)
+            for stage in self.pipe.stages:
+                apply_fsdp(stage, nn.ModuleList(stage.blocks.values()), self.mesh["dp_shard"], plan, self.bf16,
+                           cfg.reduce_precision == "bf16")
+        return self.pipe.union
+
     def _grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce / reduce-scatter on micro-steps before the last."""
         if self.ddp is not None and not sync:
             return self.ddp.no_sync()
         if self.strategy == "fsdp":
-            self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+            for module in (self.pipe.stages if self.pipe is not None else [self.model]):
+                module.set_requires_gradient_sync(sync)  # type: ignore[operator]
         return contextlib.nullcontext()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # DDP and single keep fp32 master weights and run matmuls in bf16 under autocast;
         # FSDP2 casts parameters itself (MixedPrecisionPolicy), so no autocast there.
-        if self.bf16 and self.strategy != "fsdp":
+        if self.bf16 and self.strategy != "fsdp":  # (single, ddp, pipeline)
             return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -193,12 +225,21 @@ class Trainer:
             x, y = self._to_device(next(data))
             tokens += x.numel() if not x.is_floating_point() else x.shape[0]
             with self._grad_sync(micro == self.accum - 1), self._autocast():
+                if self.pipe is not None:
+                    loss_sum += self.pipe.step(x, y)  # forward and backward, micro-batch by micro-batch
+                    continue
                 loss = self._loss(x, y) / self.accum
                 loss.backward()
             loss_sum += loss.detach()
-        # The global gradient norm (reduced across FSDP2's shards too); with clipping off, an
-        # infinite threshold computes it without scaling anything.
-        norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip or float("inf"))
+        uncounted: tuple = ()
+        if self.pipe is not None:
+            self.pipe.sync_tied_grads()
+            if self.pipe.tied_group is not None and self.pipe.last and not self.pipe.first:
+                uncounted = (self.pipe.union.head.weight,)  # the first stage counts the tied weight
+        # The global gradient norm (reduced across FSDP2's shards and pipeline stages too);
+        # with clipping off, an infinite threshold computes it without scaling anything.
+        norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip or float("inf"),
+                              across=self.pipe.group if self.pipe is not None else None, uncounted=uncounted)
         total = norm
         if not torch.isfinite(total).item():  # one scalar sync per step, the price of never stepping on NaN
             raise MeshrunError(
@@ -221,6 +262,11 @@ class Trainer:
                 break
             x, y = self._to_device(batch)
             with self._autocast():
+                if self.pipe is not None:
+                    loss = self.pipe.evaluate(x, y)  # on the last stage; None on the others
+                    if loss is not None:
+                        total += torch.stack([loss.float(), torch.ones((), device=self.rt.device)])
+                    continue
                 total += torch.stack([self._loss(x, y).float(), torch.ones((), device=self.rt.device)])
         self.model.train()
         dist.all_reduce(total)
@@ -255,7 +301,8 @@ class Trainer:
         per_gpu = tokens / elapsed / (rt.world_size // self.dp_size)  # TP ranks share their tokens
         return {
             "step": step,
-            "loss": loss_sum.item() / (rt.world_size * steps),  # .item() waits for the GPU
+            # every rank but the non-last pipeline stages holds the loss: .item() waits for the GPU
+            "loss": loss_sum.item() / (rt.world_size // self.cfg.pp * steps),
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": None if norm is None else float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),
             "step_time_s": elapsed / steps,
