@@ -133,6 +133,32 @@ def test_pipeline_clips_on_the_whole_model_norm():
     assert all(norm > 0.05 * 5 for _, norm in one)
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_deepspeed_zero_matches_one(reference, zero):
+    """DeepSpeed's engine with meshrun's AdamW: its flat fp32 partitions, its all-reduce or
+    reduce-scatter, its clipping; the same training."""
+    require("deepspeed")
+    close(run(2, micro_batch=4, strategy="deepspeed", zero=zero), reference)
+
+
+def test_deepspeed_offload_and_snapshot_resume(reference, tmp_path):
+    """ZeRO-3 with the optimizer on the CPU trains the same; its snapshot (DeepSpeed's files
+    inside meshrun's committed, hashed directory) resumes at step 3 into the same steps 4-6."""
+    require("deepspeed")
+    close(run(2, micro_batch=4, strategy="deepspeed", zero=3, offload="optimizer"), reference)
+    out = str(tmp_path / "ds")
+    first = meshrun.run(_train_steps, {"strategy": "deepspeed", "zero": 2, "micro_batch": 4, "out": out,
+                                       "save_every": 3}, nproc=2, timeout_s=300)
+    assert sorted(first) == list(range(1, STEPS + 1))
+    snap = os.path.join(out, "checkpoints", "step-00000003")
+    assert os.path.isfile(os.path.join(snap, "COMMITTED.json")) and os.path.isdir(os.path.join(snap, "deepspeed"))
+    resumed = meshrun.run(_train_steps, {"strategy": "deepspeed", "zero": 2, "micro_batch": 4, "out": out,
+                                         "resume": snap}, nproc=2, timeout_s=300)
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(reference[step - 1][0], rel=2e-4)
+
+
 def test_hybrid_shard_on_four_processes_matches_one(reference):
     close(run(4, micro_batch=2, strategy="fsdp", fsdp="hybrid", fsdp_shard_size=2), reference)
 

@@ -32,6 +32,7 @@ strategies (applied in this order: activation checkpointing -> compile -> data p
   fsdp     FSDP2 fully_shard per block, then the root; --fsdp picks the flavour:
            full (ZeRO-3), grad_op (ZeRO-2), hybrid (shard in a node, replicate across), no_shard,
            auto (grad_op when a bf16 copy of the parameters is small, else full)
+  deepspeed  DeepSpeed ZeRO (--zero 1|2|3, --offload optimizer|all), config from meshrun plan's generator
   auto     (the default) on GPUs, `meshrun plan`'s pick: the first of ddp, fsdp grad_op, fsdp
            full, then the same with activation checkpointing (turned on for you unless you
            set --activation-checkpointing), whose predicted memory fits; single for one
@@ -75,6 +76,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--pp-schedule", metavar="S", default=None, help="1f1b (default), gpipe, interleaved")
     add_option(g, "--pp-microbatches", type=int, metavar="N", default=None,
                help="pieces each micro-batch is cut into for the pipeline (default: --pp)")
+    add_option(g, "--zero", type=int, metavar="S", default=None, help="--strategy deepspeed: ZeRO stage 1, 2 (default), 3")
+    add_option(g, "--offload", metavar="WHAT", default=None,
+               help="--strategy deepspeed: none (default), optimizer, all (optimizer and parameters; ZeRO-3)")
     add_option(g, "--precision", metavar="P", default=None, help=f"{', '.join(PRECISIONS)} (default auto: bf16 on GPU)")
     add_option(g, "--compile", action="store_const", const=True, default=None, help="torch.compile (per block under FSDP)")
     add_option(g, "--activation-checkpointing", metavar="MODE", default=None, help=f"{', '.join(AC_MODES)}")

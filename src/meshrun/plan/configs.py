@@ -16,13 +16,11 @@ def zero_stage(c: Candidate) -> int:
     return ZERO_STAGE.get(c.strategy.name, 1)  # TP x PP: Megatron's distributed optimizer is ZeRO-1
 
 
-def ds_config(plan: Plan, c: Candidate, lr: float = 3e-4) -> dict[str, Any]:
-    """The seed's ZeRO configs. DeepSpeed's "auto" values are what its HF integration would
-    put there: reduce bucket h², prefetch 0.9·h², persistence threshold 10·h."""
-    m, t, s = plan.model, plan.train, c.strategy
-    b = c.batch
-    stage = zero_stage(c)
-    h2 = m.hidden * m.hidden
+def zero_section(stage: int, hidden: int, offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, Any]:
+    """The seed's ``zero_optimization`` block for a stage. DeepSpeed's "auto" values are
+    what its HF integration would put there: reduce bucket h², prefetch 0.9·h², persistence
+    threshold 10·h."""
+    h2 = hidden * hidden
     zero: dict[str, Any] = {"stage": stage}
     if stage in (1, 2):
         zero.update(allgather_partitions=True, allgather_bucket_size=int(5e8), overlap_comm=True,
@@ -30,18 +28,25 @@ def ds_config(plan: Plan, c: Candidate, lr: float = 3e-4) -> dict[str, Any]:
     if stage == 3:
         zero.update(overlap_comm=True, contiguous_gradients=True, sub_group_size=int(1e9),
                     reduce_bucket_size=h2, stage3_prefetch_bucket_size=int(0.9 * h2),
-                    stage3_param_persistence_threshold=10 * m.hidden, stage3_max_live_parameters=int(1e9),
+                    stage3_param_persistence_threshold=10 * hidden, stage3_max_live_parameters=int(1e9),
                     stage3_max_reuse_distance=int(1e9), stage3_gather_16bit_weights_on_model_save=True)
-    if s.offload_optimizer:
+    if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if s.offload_params:
+    if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return zero
+
+
+def ds_config(plan: Plan, c: Candidate, lr: float = 3e-4) -> dict[str, Any]:
+    """A complete ds_config.json for a candidate: batch sizes solved, the stage's ZeRO block."""
+    m, t, s = plan.model, plan.train, c.strategy
+    b = c.batch
     cfg: dict[str, Any] = {
         "train_batch_size": b.global_batch if b else None,
         "train_micro_batch_size_per_gpu": b.micro if b else None,
         "gradient_accumulation_steps": b.accum if b else None,
         "bf16": {"enabled": t.precision == "bf16"},
-        "zero_optimization": zero,
+        "zero_optimization": zero_section(zero_stage(c), m.hidden, s.offload_optimizer, s.offload_params),
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
         "gradient_clipping": 1.0,
         "steps_per_print": 100,

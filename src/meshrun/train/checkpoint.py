@@ -162,9 +162,14 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt's leftovers
         os.makedirs(tmp)
     dist.barrier()
+    _write_json(os.path.join(tmp, f"rng-rank{rank}.json"), rng_state())
+    if hasattr(model, "save_checkpoint"):  # a DeepSpeed engine: its format, inside this commit protocol
+        model.save_checkpoint(tmp, tag=DS_DIR, save_latest=False)
+        dist.barrier()  # every rank's DeepSpeed files are written before rank 0 hashes them
+        _hash_own_files(tmp, rank)
+        return pending
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    _write_json(os.path.join(tmp, f"rng-rank{rank}.json"), rng_state())
     writer = dcp.FileSystemWriter(tmp, thread_count=io_threads())
     if async_group is None:
         dcp.save(state, storage_writer=writer)
@@ -181,9 +186,26 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
     return pending
 
 
+DS_DIR = "deepspeed"  # a DeepSpeed engine's own checkpoint files, inside the snapshot
+
+
+def _listing(path: str) -> list[str]:
+    """Files of a snapshot directory, those of its DeepSpeed subdirectory as ``deepspeed/NAME``."""
+    names = [n for n in os.listdir(path) if n != DS_DIR]
+    sub = os.path.join(path, DS_DIR)
+    if os.path.isdir(sub):
+        names += [f"{DS_DIR}/{n}" for n in os.listdir(sub)]
+    return names
+
+
 def _own_files(tmp: str, rank: int) -> list[str]:
-    """The files this rank wrote: its DCP shards (``__<rank>_<i>.distcp``) and RNG state."""
-    return sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") or n == f"rng-rank{rank}.json")
+    """The files this rank wrote: its DCP shards (``__<rank>_<i>.distcp``) and RNG state;
+    rank 0 also takes a DeepSpeed engine's files (their names follow DeepSpeed's rules)."""
+    own = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") or n == f"rng-rank{rank}.json"]
+    if rank == 0 and os.path.isdir(os.path.join(tmp, DS_DIR)):
+        # DeepSpeed's files, and the recovery scripts it copies beside them (zero_to_fp32.py)
+        own += [n for n in _listing(tmp) if n.startswith(DS_DIR + "/") or n.endswith(".py")]
+    return sorted(own)
 
 
 def io_threads() -> int:
@@ -230,9 +252,10 @@ def commit(p: PendingSave) -> str:
                 with open(os.path.join(p.tmp, name)) as f:
                     files.update(json.load(f))
                 os.unlink(os.path.join(p.tmp, name))
-        for name in (".metadata", "state.json"):  # rank 0's own
-            _fsync_file(os.path.join(p.tmp, name))
-            files[name] = _sha256(os.path.join(p.tmp, name))
+        for name in (".metadata", "state.json"):  # rank 0's own (no .metadata in a DeepSpeed snapshot)
+            if os.path.exists(os.path.join(p.tmp, name)):
+                _fsync_file(os.path.join(p.tmp, name))
+                files[name] = _sha256(os.path.join(p.tmp, name))
         _write_json(os.path.join(p.tmp, MARKER), {"format": FORMAT, "step": p.position.step,
                                                    "world_size": dist.get_world_size(), "files": files})
         _fsync_dir(p.tmp)
@@ -328,7 +351,7 @@ def verify(path: str, part: int = 0, parts: int = 1) -> dict[str, Any]:
         raise MeshrunError(f"{marker_path} is not a valid snapshot marker (truncated or edited)") from None
     if marker.get("format") != FORMAT:
         raise MeshrunError(f"{marker_path}: snapshot format {marker.get('format')!r}, this meshrun reads {FORMAT}")
-    on_disk = set(os.listdir(path)) - {MARKER}
+    on_disk = set(_listing(path)) - {MARKER}
     if on_disk != set(files):
         extra, missing = sorted(on_disk - set(files)), sorted(set(files) - on_disk)
         raise MeshrunError(f"{path}: files differ from its marker (missing {missing}, unexpected {extra})")
@@ -342,8 +365,9 @@ def verify(path: str, part: int = 0, parts: int = 1) -> dict[str, Any]:
             raise MeshrunError(f"{os.path.join(path, name)} does not match the checksum in its marker: "
                                "truncated or altered; refusing to load it")
     try:
-        with open(os.path.join(path, ".metadata"), "rb") as f:
-            _AllowListUnpickler(f).load()
+        if os.path.exists(os.path.join(path, ".metadata")):  # (a DeepSpeed snapshot has its own format)
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                _AllowListUnpickler(f).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
         raise MeshrunError(f"{os.path.join(path, '.metadata')}: refused ({exc})") from None
     with open(os.path.join(path, "state.json")) as f:
@@ -363,11 +387,21 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     for outcome in outcomes:
         if isinstance(outcome, str):
             raise MeshrunError(outcome[len("error: "):])
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=path, planner=SafeLoadPlanner())
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     saved_world = int(state["world_size"])
+    if hasattr(model, "load_checkpoint"):  # a DeepSpeed engine
+        if not os.path.isdir(os.path.join(path, DS_DIR)):
+            raise MeshrunError(f"{path}: not a DeepSpeed snapshot (hint: resume it with the strategy that wrote it)")
+        if saved_world != world:
+            raise MeshrunError(f"{path}: a DeepSpeed snapshot of {saved_world} ranks cannot be resumed on {world} "
+                               "(ZeRO partitions are per rank; hint: resume on the same world size)")
+        model.load_checkpoint(path, tag=DS_DIR, load_optimizer_states=True, load_lr_scheduler_states=False)
+    else:
+        if os.path.isdir(os.path.join(path, DS_DIR)):
+            raise MeshrunError(f"{path}: a DeepSpeed snapshot (hint: resume it with --strategy deepspeed)")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sd = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sd, checkpoint_id=path, planner=SafeLoadPlanner())
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     rng_path = os.path.join(path, f"rng-rank{rank}.json")
     if saved_world == dist.get_world_size() and os.path.isfile(rng_path):
         with open(rng_path) as f:

@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from ..errors import MeshrunError, bad_value
 
-STRATEGIES = ("auto", "single", "ddp", "fsdp")
+STRATEGIES = ("auto", "single", "ddp", "fsdp", "deepspeed")
+OFFLOAD = ("none", "optimizer", "all")
 FSDP_FLAVOURS = ("auto", "full", "grad_op", "hybrid", "no_shard")
 PRECISIONS = ("auto", "bf16", "fp32")
 REDUCE_PRECISIONS = ("fp32", "bf16")
@@ -43,6 +44,8 @@ class TrainConfig:
     pp: int = 1  # pipeline stages (torch.distributed.pipelining), meshrun's GPT
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (two stages per rank)
     pp_microbatches: int | None = None  # pieces each micro-batch is cut into (default: pp)
+    zero: int = 2  # --strategy deepspeed: ZeRO stage 1, 2 or 3
+    offload: str = "none"  # --strategy deepspeed: none | optimizer | all (optimizer and parameters, ZeRO-3)
     steps: int = 200
     micro_batch: int | None = None  # default: 8 for gpt, 32 for toy
     global_batch: int | None = None  # default: micro_batch x data-parallel size (no accumulation)
@@ -128,6 +131,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_choice(cfg, "reduce_precision", REDUCE_PRECISIONS)
     _check_choice(cfg, "activation_checkpointing", AC_MODES)
     _check_choice(cfg, "pp_schedule", ("1f1b", "gpipe", "interleaved"))
+    _check_choice(cfg, "offload", OFFLOAD)
+    if cfg.zero not in (1, 2, 3):
+        raise bad_value(cfg.source("zero"), cfg.zero, "is not a ZeRO stage", "1, 2 or 3")
+    if cfg.offload == "all" and cfg.zero != 3:
+        raise bad_value(cfg.source("offload"), cfg.offload, f"parameter offload needs ZeRO-3, not ZeRO-{cfg.zero}",
+                        "--zero 3, or --offload optimizer")
+    if cfg.strategy == "deepspeed" and (cfg.tp > 1 or cfg.pp > 1):
+        raise bad_value(cfg.source("strategy"), cfg.strategy, "does not combine with --tp/--pp here",
+                        "use --strategy fsdp with --tp/--pp, or DeepSpeed alone")
     if cfg.pp > 1 and cfg.micro % (cfg.pp_microbatches or cfg.pp):
         n = cfg.pp_microbatches or cfg.pp
         raise bad_value(cfg.source("micro_batch"), cfg.micro, f"does not split into {n} pipeline micro-batches",

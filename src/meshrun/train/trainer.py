@@ -70,8 +70,10 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
             torch.use_deterministic_algorithms(True)
         self.accum = cfg.accumulation(self.dp_size)
+        self.engine = None  # the DeepSpeed engine under --strategy deepspeed
         self.model, self.ddp = self._parallelize(model.to(rt.device))
-        self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay, rt.cuda)
+        if self.engine is None:
+            self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay, rt.cuda)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
         self.train_data = train_data
         self.loader_spec = LoaderSpec(cfg.micro, self.dp_rank, self.dp_size, cfg.seed, pin_memory=rt.cuda)
@@ -137,6 +139,8 @@ class Trainer:
                 apply_tp(blocks, self.mesh["tp"])
         if cfg.pp > 1:
             return self._pipeline(model, blocks), None
+        if self.strategy == "deepspeed":
+            return self._deepspeed(model, blocks), None
         if self.ac:
             if blocks is None:
                 raise MeshrunError("--activation-checkpointing: no block list found in the model "
@@ -185,6 +189,41 @@ class Trainer:
                            cfg.reduce_precision == "bf16")
         return self.pipe.union
 
+    def _deepspeed(self, model: nn.Module, blocks: nn.ModuleList | None) -> nn.Module:
+        """DeepSpeed ZeRO as a strategy: the planner's ZeRO block, meshrun's AdamW (param
+        groups as elsewhere), DeepSpeed's own accumulation and clipping."""
+        import deepspeed
+
+        from ..plan.configs import zero_section
+
+        cfg, rt = self.cfg, self.rt
+        if self.ac:
+            if blocks is None:
+                raise MeshrunError("--activation-checkpointing: no block list found in the model "
+                                   "(hint: name it with --blocks, e.g. model.layers)")
+            apply_activation_checkpointing(blocks)
+        hidden = getattr(getattr(model, "cfg", None), "d_model", 1024)
+        ds = {
+            "train_batch_size": cfg.micro * self.accum * self.dp_size,
+            "train_micro_batch_size_per_gpu": cfg.micro,
+            "gradient_accumulation_steps": self.accum,
+            "bf16": {"enabled": self.bf16},
+            "zero_optimization": zero_section(cfg.zero, hidden, cfg.offload != "none", cfg.offload == "all"),
+            "gradient_clipping": cfg.grad_clip,
+            "steps_per_print": 10**9,
+            # meshrun's AdamW also when the optimizer is offloaded (DeepSpeed's CPU Adam needs
+            # a compiled extension; torch's runs everywhere, more slowly)
+            "zero_force_ds_cpu_optimizer": False,
+        }
+        optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, rt.cuda)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds,
+                                                    dist_init_required=False)
+        # The schedule drives the wrapped AdamW's param groups, which DeepSpeed's optimizer shares.
+        self.optimizer = optimizer
+        self.strategy_reason = f"DeepSpeed ZeRO-{cfg.zero}" + (f", {cfg.offload} offloaded" if cfg.offload != "none"
+                                                               else "")
+        return self.engine
+
     def _grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce / reduce-scatter on micro-steps before the last."""
         if self.ddp is not None and not sync:
@@ -197,7 +236,7 @@ class Trainer:
     def _autocast(self) -> contextlib.AbstractContextManager:
         # DDP and single keep fp32 master weights and run matmuls in bf16 under autocast;
         # FSDP2 casts parameters itself (MixedPrecisionPolicy), so no autocast there.
-        if self.bf16 and self.strategy != "fsdp":  # (single, ddp, pipeline)
+        if self.bf16 and self.strategy not in ("fsdp", "deepspeed"):  # (single, ddp, pipeline)
             return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -224,6 +263,12 @@ class Trainer:
         for micro in range(self.accum):
             x, y = self._to_device(next(data))
             tokens += x.numel() if not x.is_floating_point() else x.shape[0]
+            if self.engine is not None:  # DeepSpeed accumulates, clips and steps at the boundary
+                loss = self._loss(x, y)
+                self.engine.backward(loss)
+                self.engine.step()
+                loss_sum += loss.detach() / self.accum
+                continue
             with self._grad_sync(micro == self.accum - 1), self._autocast():
                 if self.pipe is not None:
                     loss_sum += self.pipe.step(x, y)  # forward and backward, micro-batch by micro-batch
@@ -231,6 +276,8 @@ class Trainer:
                 loss = self._loss(x, y) / self.accum
                 loss.backward()
             loss_sum += loss.detach()
+        if self.engine is not None:
+            return self._deepspeed_done(loss_sum, tokens)
         uncounted: tuple = ()
         if self.pipe is not None:
             self.pipe.sync_tied_grads()
@@ -250,6 +297,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return loss_sum, (norm if self.cfg.grad_clip > 0 else None), tokens
+
+    def _deepspeed_done(self, loss_sum: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """DeepSpeed stepped already; its global norm is the pre-clip one. A non-finite one
+        stops the run (DeepSpeed's step has been taken: the last committed snapshot is the
+        clean state to go back to)."""
+        norm = self.engine.get_global_grad_norm()
+        norm_t = torch.tensor(float(norm) if norm is not None else 0.0)
+        if not torch.isfinite(norm_t) or not torch.isfinite(loss_sum).item():
+            raise MeshrunError(f"non-finite loss or gradients (gradient norm {float(norm_t)}) at step {self.step + 1} "
+                               "(hint: lower --lr, check the data; resume from the last snapshot)")
+        self.scheduler.step()
+        self.step += 1
+        return loss_sum, (norm_t if self.cfg.grad_clip > 0 else None), tokens
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
