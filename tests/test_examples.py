@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import example, meshrun, require
+from helpers import example, lines, meshrun, require
 
 pytestmark = pytest.mark.framework
 
@@ -46,3 +46,15 @@ def test_trainer_in_a_user_script_runs_three_ways(how):
     assert len(final) == 1  # only rank 0 reports
     loss, val = float(final[0].split()[2].rstrip(",")), float(final[0].split()[-1])
     assert loss < 0.1 and val < 0.1
+
+
+def test_seed_model_parallel_example_learns():
+    require("torch")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, example("model_parallel.py"), "3"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = lines(out.stdout, "MODELPARALLEL")
+    assert float(row["last"]) < 0.05 * float(row["first"])
