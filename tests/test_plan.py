@@ -338,3 +338,23 @@ def test_plan_options_come_from_the_environment_too():
     d = json.loads(meshrun("plan", "--model", "gpt-124m", "--json", env=env).stdout)
     assert d["train"]["precision"] == "fp32" and d["cluster"]["gpu_mem_bytes"] == 40 * GiB
     assert d["cluster"]["gpus_per_node"] == 2
+
+
+@pytest.mark.parametrize("name", ["zero3-offload+ac", "tp2-pp2-dp2+ac"])
+def test_train_config_for_deepspeed_and_model_parallel_candidates(name):
+    """Every candidate meshrun train runs becomes a valid train config."""
+    from meshrun.plan.configs import train_config
+    from meshrun.train.config import build_config
+
+    p = make_plan(PRESETS["gpt-1.3b"], ClusterSpec(1, 8, 10 * GiB), TrainSpec(1024, 1, None, compile=False),
+                  framework="any")
+    cands = {x.strategy.label: x for x in p.candidates}
+    if name not in cands:  # model-parallel rows appear only when nothing data-parallel fits
+        p = make_plan(PRESETS["llama-70b"], ClusterSpec(1, 8, 80 * GiB), TrainSpec(4096, 1, None, compile=False),
+                      framework="any")
+        cands = {x.strategy.label: x for x in p.candidates}
+    cfg = build_config(train_config(p, cands[name], p.model), {})
+    if name.startswith("zero"):
+        assert (cfg.strategy, cfg.zero, cfg.offload, cfg.activation_checkpointing) == ("deepspeed", 3, "optimizer", "full")
+    else:
+        assert (cfg.strategy, cfg.tp, cfg.pp) == ("fsdp", 2, 2)

@@ -90,19 +90,28 @@ def accelerate_config(plan: Plan, c: Candidate, ds_config_file: str = "ds_config
 
 
 def train_config(plan: Plan, c: Candidate, m: ModelSpec) -> dict[str, Any]:
-    """A `meshrun train --config` file for the torch strategies meshrun's trainer runs."""
+    """A `meshrun train --config` file for the candidate: the trainer runs DDP, the FSDP2
+    flavours, DeepSpeed ZeRO (with offload) and TP x PP (with FSDP2 over the rest)."""
     s, b = c.strategy, c.batch
-    strategy, fsdp = {"single": ("single", None), "ddp": ("ddp", None), "fsdp-grad-op": ("fsdp", "grad_op"),
-                      "fsdp-full": ("fsdp", "full"), "fsdp-hybrid": ("fsdp", "hybrid")}.get(s.name, (None, None))
     out: dict[str, Any] = {}
     from ..train.config import GPT_PRESETS
 
     if m.name in GPT_PRESETS:
         out["model_size"] = m.name
-    if strategy is not None:
+    torch_map = {"single": ("single", None), "ddp": ("ddp", None), "fsdp-grad-op": ("fsdp", "grad_op"),
+                 "fsdp-full": ("fsdp", "full"), "fsdp-hybrid": ("fsdp", "hybrid")}
+    if s.name in torch_map:
+        strategy, fsdp = torch_map[s.name]
         out["strategy"] = strategy
-    if fsdp is not None:
-        out["fsdp"] = fsdp
+        if fsdp:
+            out["fsdp"] = fsdp
+    elif s.engine == "deepspeed":
+        out.update(strategy="deepspeed", zero=zero_stage(c),
+                   offload="all" if s.offload_params else "optimizer" if s.offload_optimizer else "none")
+    else:  # TP x PP x DP; each sample of the micro-batch is one pipeline micro-batch
+        out.update(strategy="fsdp", tp=s.tp, pp=s.pp)
+        if s.pp > 1 and b is not None:
+            out["pp_microbatches"] = b.micro
     out.update(activation_checkpointing="full" if s.ac else "none", seq_len=plan.train.seq_len,
                precision=plan.train.precision, compile=plan.train.compile)
     if b is not None:
@@ -130,11 +139,10 @@ def write_all(plan: Plan, out_dir: str) -> list[str]:
     with open(acc, "w") as f:
         yaml.safe_dump(accelerate_config(plan, c, ds), f, sort_keys=False)
     paths.append(acc)
-    if c.strategy.engine == "torch":
-        tr = os.path.join(out_dir, "train.yaml")
-        with open(tr, "w") as f:
-            yaml.safe_dump(train_config(plan, c, plan.model), f, sort_keys=False)
-        paths.append(tr)
+    tr = os.path.join(out_dir, "train.yaml")
+    with open(tr, "w") as f:
+        yaml.safe_dump(train_config(plan, c, plan.model), f, sort_keys=False)
+    paths.append(tr)
     return paths
 
 
