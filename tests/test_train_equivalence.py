@@ -85,8 +85,10 @@ def _train_steps(overrides):
     from meshrun.train.trainer import Trainer
     import torch
 
+    overrides = dict(overrides)
+    layers = overrides.pop("layers", 2)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
+    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=layers, n_heads=4))
     cfg = TrainConfig(steps=STEPS, seq_len=16, lr=3e-3, warmup=2, log_every=1, precision="fp32", **overrides)
     return {r["step"]: r["loss"] for r in Trainer(model, RandomTokens(512, 16, 64), None, cfg).fit()}
 
@@ -123,6 +125,21 @@ def test_pipeline_matches_one(reference4, schedule):
 def test_pipeline_composes_with_fsdp_and_tp(reference4, overrides):
     micro = 4 if "tp" not in overrides else 8  # dp2 x pp2: 2 data-parallel pipelines of 4 each
     close(run(4, micro_batch=micro, strategy="fsdp", layers=4, **overrides), reference4)
+
+
+def test_pipeline_snapshot_resumes_on_another_layout(reference4, tmp_path):
+    """Stages keep the unsplit model's parameter names: a snapshot of FSDP2 x PP on 4
+    processes resumes as a plain 2-stage pipeline; steps 4-6 continue the reference."""
+    out = str(tmp_path / "pp")
+    first = meshrun.run(_train_steps, {"strategy": "fsdp", "pp": 2, "micro_batch": 4, "out": out, "save_every": 3,
+                                       "layers": 4}, nproc=4, timeout_s=300)
+    assert sorted(first) == list(range(1, STEPS + 1))
+    resumed = meshrun.run(_train_steps, {"strategy": "auto", "pp": 2, "micro_batch": 8, "out": out, "layers": 4,
+                                         "resume": os.path.join(out, "checkpoints", "step-00000003")},
+                          nproc=2, timeout_s=300)
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(reference4[step - 1][0], rel=2e-4)
 
 
 def test_pipeline_clips_on_the_whole_model_norm():

@@ -398,10 +398,17 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     else:
         if os.path.isdir(os.path.join(path, DS_DIR)):
             raise MeshrunError(f"{path}: a DeepSpeed snapshot (hint: resume it with --strategy deepspeed)")
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd}
         dcp.load(sd, checkpoint_id=path, planner=SafeLoadPlanner())
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        # Under pipeline parallelism (torch 2.13) the groups come back without the
+        # hyperparameters DCP keys by parameter name (lr, betas, eps, weight decay): they
+        # are the config's anyway, and the lr schedule is recomputed from the step.
+        for group, before in zip(optimizer.param_groups, hyper):
+            for key, value in before.items():
+                group.setdefault(key, value)
     rng_path = os.path.join(path, f"rng-rank{rank}.json")
     if saved_world == dist.get_world_size() and os.path.isfile(rng_path):
         with open(rng_path) as f:
