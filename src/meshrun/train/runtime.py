@@ -66,3 +66,27 @@ def teardown() -> None:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def teardown_at_exit() -> None:
+    """For a Trainer in the user's own script, which never calls teardown: do it when the
+    interpreter exits, before Python tears down the modules under gloo's threads (the abort
+    above, seen under plain torchrun). The barrier is bounded, so a rank whose peer died does
+    not wait at exit forever."""
+    import atexit
+
+    def bounded() -> None:
+        gc.collect()
+        if not dist.is_initialized():
+            return
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=60))
+            else:
+                dist.barrier()
+        except Exception:  # a peer is gone: nothing to wait for
+            pass
+        finally:
+            dist.destroy_process_group()
+
+    atexit.register(bounded)

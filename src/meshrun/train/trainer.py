@@ -47,7 +47,12 @@ class Trainer:
     def __init__(self, model: nn.Module, train_data: Dataset, val_data: Dataset | None = None,
                  config: TrainConfig | None = None, runtime: Runtime | None = None) -> None:
         self.cfg = validate(config or TrainConfig())
-        self.rt = runtime or init_runtime()
+        if runtime is None:
+            from .runtime import teardown_at_exit
+
+            runtime = init_runtime()
+            teardown_at_exit()  # this Trainer made the process group: it also ends it cleanly
+        self.rt = runtime
         cfg, rt = self.cfg, self.rt
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and rt.cuda and torch.cuda.is_bf16_supported())
         if cfg.precision == "bf16" and not rt.cuda:
