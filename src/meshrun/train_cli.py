@@ -76,6 +76,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--pp-schedule", metavar="S", default=None, help="1f1b (default), gpipe, interleaved")
     add_option(g, "--pp-microbatches", type=int, metavar="N", default=None,
                help="pieces each micro-batch is cut into for the pipeline (default: --pp)")
+    add_option(g, "--cp", type=int, metavar="N", default=None,
+               help="context parallel: each sequence sharded over N ranks (zig-zag, all-gathered K/V; meshrun's GPT)")
     add_option(g, "--zero", type=int, metavar="S", default=None, help="--strategy deepspeed: ZeRO stage 1, 2 (default), 3")
     add_option(g, "--offload", metavar="WHAT", default=None,
                help="--strategy deepspeed: none (default), optimizer, all (optimizer and parameters; ZeRO-3)")
@@ -180,11 +182,11 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     if elastic is not None:
         raise MeshrunError("--nnodes: meshrun train takes a fixed node count (hint: give N, not MIN:MAX)")
     dp = topo.world_size
-    if cfg.tp > 1 or cfg.pp > 1:
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:
         from .train.dims import make_dims
 
-        dp = make_dims(topo.world_size, tp=cfg.tp, pp=cfg.pp,
-                       source=f"--tp {cfg.tp} --pp {cfg.pp} on {topo.world_size} processes").dp
+        dp = make_dims(topo.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
+                       source=f"--tp {cfg.tp} --pp {cfg.pp} --cp {cfg.cp} on {topo.world_size} processes").dp
     cfg.accumulation(dp)  # the batch arithmetic, checked before anything starts
     for name in ("model", "data"):
         value = getattr(cfg, name)

@@ -44,6 +44,7 @@ class TrainConfig:
     pp: int = 1  # pipeline stages (torch.distributed.pipelining), meshrun's GPT
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (two stages per rank)
     pp_microbatches: int | None = None  # pieces each micro-batch is cut into (default: pp)
+    cp: int = 1  # context-parallel degree: each sequence sharded over cp ranks (meshrun's GPT)
     zero: int = 2  # --strategy deepspeed: ZeRO stage 1, 2 or 3
     offload: str = "none"  # --strategy deepspeed: none | optimizer | all (optimizer and parameters, ZeRO-3)
     steps: int = 200
@@ -137,9 +138,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.offload == "all" and cfg.zero != 3:
         raise bad_value(cfg.source("offload"), cfg.offload, f"parameter offload needs ZeRO-3, not ZeRO-{cfg.zero}",
                         "--zero 3, or --offload optimizer")
-    if cfg.strategy == "deepspeed" and (cfg.tp > 1 or cfg.pp > 1):
-        raise bad_value(cfg.source("strategy"), cfg.strategy, "does not combine with --tp/--pp here",
-                        "use --strategy fsdp with --tp/--pp, or DeepSpeed alone")
+    if cfg.cp > 1 and (cfg.tp > 1 or cfg.pp > 1):
+        raise bad_value(cfg.source("cp"), cfg.cp, "does not combine with --tp/--pp yet", "context parallel with FSDP2")
+    if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
+        raise bad_value(cfg.source("seq_len"), cfg.seq_len, f"context parallelism over {cfg.cp} ranks cuts sequences "
+                        f"into {2 * cfg.cp} equal chunks", f"a multiple of {2 * cfg.cp}")
+    if cfg.strategy == "deepspeed" and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1):
+        raise bad_value(cfg.source("strategy"), cfg.strategy, "does not combine with --tp/--pp/--cp here",
+                        "use --strategy fsdp with them, or DeepSpeed alone")
     if cfg.pp > 1 and cfg.micro % (cfg.pp_microbatches or cfg.pp):
         n = cfg.pp_microbatches or cfg.pp
         raise bad_value(cfg.source("micro_batch"), cfg.micro, f"does not split into {n} pipeline micro-batches",
@@ -153,7 +159,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             hint = "module:factory" + (f", or one of {', '.join(BUILTIN_DATA)}" if name == "data" else "")
             raise bad_value(cfg.source(name), value, "expected module:factory", f"write {hint}")
     positive = ("steps", "seq_len", "log_every", "eval_batches", "ddp_bucket_mb")
-    for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size", "tp", "pp", "pp_microbatches"):
+    for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size", "tp", "pp", "pp_microbatches", "cp"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise bad_value(cfg.source(name), value, "must be at least 1")

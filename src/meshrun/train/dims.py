@@ -19,13 +19,15 @@ class ParallelDims:
     tp: int
     pp: int
     world: int
+    cp: int = 1
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     def sizes(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                "tp": self.tp}
 
     def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The device mesh's shape and names, degree-1 dimensions left out (a 1-D mesh for
@@ -37,8 +39,10 @@ class ParallelDims:
 
 
 def make_dims(world: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1,
-              source: str = "flags") -> ParallelDims:
+              source: str = "flags", cp: int = 1) -> ParallelDims:
     values = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
+    if cp != 1:
+        values["cp"] = cp
     for name, v in values.items():
         if v == 0 or v < -1:
             raise MeshrunError(f"--{name.replace('_', '-')}={v}: must be >= 1, or -1 to infer it ({source})")
@@ -54,11 +58,12 @@ def make_dims(world: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1
             raise MeshrunError(f"{_product(values)} cannot equal WORLD_SIZE({world}): {world} is not divisible by "
                                f"{known} (hint: choose degrees whose product divides {world})")
         values[unknown[0]] = world // known
-    total = values["dp_replicate"] * values["dp_shard"] * values["tp"] * values["pp"]
+    total = values["dp_replicate"] * values["dp_shard"] * values["tp"] * values["pp"] * values.get("cp", 1)
     if total != world:
         raise MeshrunError(f"{_product(values)} = {total} != WORLD_SIZE({world}) "
                            "(hint: the degrees must multiply to the number of processes)")
-    return ParallelDims(values["dp_replicate"], values["dp_shard"], values["tp"], values["pp"], world)
+    return ParallelDims(values["dp_replicate"], values["dp_shard"], values["tp"], values["pp"], world,
+                        values.get("cp", 1))
 
 
 def _product(values: dict[str, int]) -> str:

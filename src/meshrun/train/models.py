@@ -38,12 +38,15 @@ class Block(nn.Module):
         self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
+    # (b, heads, t, head_dim) for SDPA, which picks flash/memory-efficient kernels on GPU.
+    # Context parallelism replaces this on the instance (train/context.py).
+    attend = staticmethod(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # n_heads is this rank's share under tensor parallelism, hence the inferred widths.
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, -1).unbind(2)
-        # (b, heads, t, head_dim) for SDPA; it picks flash/memory-efficient kernels on GPU.
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
 
@@ -64,6 +67,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.head.weight = self.tok.weight
+        self.positions: torch.Tensor | None = None  # set under context parallelism
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith(("proj.weight", "down.weight")):  # GPT-2's scaled residual init
@@ -80,7 +84,9 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        # Under context parallelism this rank holds a shard of the sequence: its positions.
+        positions = self.positions if self.positions is not None else torch.arange(t, device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))

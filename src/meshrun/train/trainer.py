@@ -66,7 +66,10 @@ class Trainer:
         self.mesh = None  # the (pp, dp_shard, tp) mesh under tensor or pipeline parallelism
         self.pipe = None  # the Pipeline under --pp
         self.dp_rank, self.dp_size = rt.rank, rt.world_size  # who reads which data
-        if cfg.tp > 1 or cfg.pp > 1:
+        self.cp_size, self.cp_index, self.cp_group, self.fsdp_mesh = 1, None, None, None
+        if cfg.cp > 1:
+            self._setup_cp()
+        elif cfg.tp > 1 or cfg.pp > 1:
             self._setup_mesh()
         elif cfg.strategy == "auto" and rt.cuda:
             self._plan_auto(model)
@@ -90,6 +93,25 @@ class Trainer:
                                f"{cfg.micro} on each of {self.dp_size} data-parallel ranks (hint: lower --micro-batch)")
 
     # ---- setup --------------------------------------------------------------------------
+    def _setup_cp(self) -> None:
+        """Context parallelism: a (dp_shard, cp) mesh for the groups; FSDP2 over all ranks
+        (data and context parallel alike average their gradients)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .dims import make_dims
+
+        cfg, rt = self.cfg, self.rt
+        if cfg.strategy in ("ddp", "single"):
+            raise MeshrunError(f"--strategy={cfg.strategy!r} with --cp={cfg.cp}: context parallelism composes with "
+                               "FSDP2 (hint: --strategy fsdp, or auto)")
+        dims = make_dims(rt.world_size, cp=cfg.cp, source=f"--cp {cfg.cp} on {rt.world_size} processes")
+        mesh = init_device_mesh(rt.device.type, (dims.dp_shard, cfg.cp), mesh_dim_names=("dp_shard", "cp"))
+        self.cp_group, self.cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
+        self.dp_rank, self.dp_size, self.cp_size = mesh["dp_shard"].get_local_rank(), dims.dp_shard, cfg.cp
+        self.fsdp_mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("dp_cp",))
+        self.strategy = "fsdp"
+        self.strategy_reason = f"context parallel {cfg.cp} (zig-zag shards) x FSDP2 over all {rt.world_size} ranks"
+
     def _setup_mesh(self) -> None:
         """Tensor and pipeline parallelism: a (pp, dp_shard, tp) mesh, TP innermost (the
         same node's NVLink neighbours), PP outermost. Under TP, FSDP2 runs over the
@@ -144,6 +166,12 @@ class Trainer:
                 apply_tp(blocks, self.mesh["tp"])
         if cfg.pp > 1:
             return self._pipeline(model, blocks), None
+        if self.cp_group is not None:
+            from .context import apply_cp
+
+            for t in model.state_dict().values():  # same initial weights everywhere before sharding
+                dist.broadcast(t, src=0)
+            self.cp_index = apply_cp(model, blocks, self.cp_group, self.cp_size, self.cp_rank, cfg.seq_len, rt.device)
         if self.strategy == "deepspeed":
             return self._deepspeed(model, blocks), None
         if self.ac:
@@ -152,7 +180,7 @@ class Trainer:
                                    "(hint: name it with --blocks, e.g. model.layers)")
             apply_activation_checkpointing(blocks)
         if self.strategy == "fsdp":
-            if self.mesh is None:  # (under TP this happened before the layers were sharded)
+            if self.mesh is None and self.cp_group is None:  # (under TP/CP it happened above)
                 for t in model.state_dict().values():  # same initial weights everywhere before sharding
                     dist.broadcast(t, src=0)
             if cfg.compile:
@@ -163,7 +191,8 @@ class Trainer:
                 flavour, why = choose_fsdp_flavour(cfg.fsdp, rt, self.n_params)
                 self.strategy_reason += f"; fsdp {flavour}: {why}"
             plan = FSDPPlan(flavour, cfg.fsdp_shard_size or rt.local_world_size)
-            mesh = self.mesh["dp_shard"] if self.mesh is not None else fsdp_mesh(rt, plan)
+            mesh = (self.mesh["dp_shard"] if self.mesh is not None else self.fsdp_mesh if self.fsdp_mesh is not None
+                    else fsdp_mesh(rt, plan))
             apply_fsdp(model, blocks, mesh, plan, self.bf16, cfg.reduce_precision == "bf16")
             return model, None
         if self.strategy == "ddp":
@@ -256,7 +285,10 @@ class Trainer:
 
     def _to_device(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch
-        return x.to(self.rt.device, non_blocking=True), y.to(self.rt.device, non_blocking=True)
+        x, y = x.to(self.rt.device, non_blocking=True), y.to(self.rt.device, non_blocking=True)
+        if self.cp_index is not None:  # this rank's shard of every sequence
+            x, y = x[:, self.cp_index], y[:, self.cp_index]
+        return x, y
 
     step = 0  # optimizer steps done
 
@@ -363,7 +395,8 @@ class Trainer:
         whole global batch from every rank: one all-reduce per log line, not per step."""
         rt = self.rt
         dist.all_reduce(loss_sum)
-        per_gpu = tokens / elapsed / (rt.world_size // self.dp_size)  # TP ranks share their tokens
+        # TP and PP ranks share their tokens (CP ranks count only their own shard already)
+        per_gpu = tokens / elapsed / (rt.world_size // (self.dp_size * self.cp_size))
         return {
             "step": step,
             # every rank but the non-last pipeline stages holds the loss: .item() waits for the GPU
