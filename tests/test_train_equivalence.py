@@ -35,8 +35,9 @@ def _train(overrides):
 
     overrides = dict(overrides)
     layers = overrides.pop("layers", 2)
+    experts = overrides.pop("n_experts", 0)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=layers, n_heads=4))
+    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=layers, n_heads=4, n_experts=experts))
     cfg = TrainConfig(steps=STEPS, seq_len=16, lr=3e-3, warmup=2, log_every=1, precision="fp32", **overrides)
     records = Trainer(model, RandomTokens(512, 16, 64), None, cfg).fit()
     return [(r["loss"], r["grad_norm"]) for r in records]
@@ -180,6 +181,20 @@ def test_deepspeed_offload_and_snapshot_resume(reference, tmp_path):
 def test_context_parallel_matches_one(reference, nproc, micro):
     """Each sequence of 16 tokens cut into 4 zig-zag chunks over 2 ranks; the same training."""
     close(run(nproc, micro_batch=micro, strategy="fsdp", cp=2), reference)
+
+
+@pytest.fixture(scope="module")
+def reference_moe():
+    require("torch")
+    return run(1, strategy="single", micro_batch=8, n_experts=4)
+
+
+@pytest.mark.parametrize("nproc,overrides", [(2, {"strategy": "ddp"}), (2, {"ep": 2}), (4, {"ep": 2}),
+                                             (4, {"ep": 4})], ids=["ddp", "ep2", "dp2xep2", "ep4"])
+def test_mixture_of_experts_matches_one(reference_moe, nproc, overrides):
+    """4 experts, top-2, load balancing over the global batch: replicated experts (DDP) and
+    experts sharded over 2 or 4 ranks train exactly like one process."""
+    close(run(nproc, micro_batch=8 // nproc, n_experts=4, **overrides), reference_moe)
 
 
 def test_hybrid_shard_on_four_processes_matches_one(reference):

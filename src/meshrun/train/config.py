@@ -44,6 +44,8 @@ class TrainConfig:
     pp: int = 1  # pipeline stages (torch.distributed.pipelining), meshrun's GPT
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (two stages per rank)
     pp_microbatches: int | None = None  # pieces each micro-batch is cut into (default: pp)
+    experts: int = 0  # built-in GPT: a mixture of this many experts (top-2) in every block
+    ep: int = 1  # expert-parallel degree: each rank of an ep group holds experts/ep experts
     cp: int = 1  # context-parallel degree: each sequence sharded over cp ranks (meshrun's GPT)
     zero: int = 2  # --strategy deepspeed: ZeRO stage 1, 2 or 3
     offload: str = "none"  # --strategy deepspeed: none | optimizer | all (optimizer and parameters, ZeRO-3)
@@ -138,6 +140,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.offload == "all" and cfg.zero != 3:
         raise bad_value(cfg.source("offload"), cfg.offload, f"parameter offload needs ZeRO-3, not ZeRO-{cfg.zero}",
                         "--zero 3, or --offload optimizer")
+    if cfg.experts < 0:
+        raise bad_value(cfg.source("experts"), cfg.experts, "must be >= 0")
+    if cfg.ep > 1 and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.strategy in ("fsdp", "deepspeed", "single")):
+        raise bad_value(cfg.source("ep"), cfg.ep, "runs with plain data parallelism so far",
+                        "--strategy auto or ddp, without --tp/--pp/--cp")
     if cfg.cp > 1 and (cfg.tp > 1 or cfg.pp > 1):
         raise bad_value(cfg.source("cp"), cfg.cp, "does not combine with --tp/--pp yet", "context parallel with FSDP2")
     if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
@@ -159,7 +166,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             hint = "module:factory" + (f", or one of {', '.join(BUILTIN_DATA)}" if name == "data" else "")
             raise bad_value(cfg.source(name), value, "expected module:factory", f"write {hint}")
     positive = ("steps", "seq_len", "log_every", "eval_batches", "ddp_bucket_mb")
-    for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size", "tp", "pp", "pp_microbatches", "cp"):
+    for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size", "tp", "pp", "pp_microbatches", "cp", "ep"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise bad_value(cfg.source(name), value, "must be at least 1")

@@ -54,3 +54,26 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, across
                 g.mul_(coef)
     return total
 
+
+
+def clip_grad_norm_sharded(params: Iterable[tuple[str, torch.nn.Parameter]], is_sharded, group: object,
+                           max_norm: float) -> torch.Tensor:
+    """The norm when some parameters are split over ``group`` (each rank holds different
+    ones: experts under expert parallelism) and the rest are replicated: squares of the split
+    part summed over the group, the replicated part counted once."""
+    import torch.distributed as dist
+
+    named = [(n, p) for n, p in params if p.grad is not None]
+    split = [p.grad for n, p in named if is_sharded(n)]
+    same = [p.grad for n, p in named if not is_sharded(n)]
+    zero = torch.zeros((), device=named[0][1].device if named else "cpu")
+    s2 = torch.nn.utils.get_total_norm(split, 2.0).float() ** 2 if split else zero
+    dist.all_reduce(s2, group=group)
+    r2 = torch.nn.utils.get_total_norm(same, 2.0).float() ** 2 if same else zero
+    total = (s2 + r2).sqrt()
+    if max_norm != float("inf"):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0).item()
+        if coef < 1.0:
+            for _, p in named:
+                p.grad.mul_(coef)
+    return total

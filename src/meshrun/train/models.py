@@ -19,6 +19,9 @@ class GPTConfig:
     d_model: int = 768
     n_layers: int = 12
     n_heads: int = 12
+    n_experts: int = 0  # > 0: a mixture-of-experts MLP in every block (train/moe.py)
+    top_k: int = 2
+    aux_coef: float = 0.01  # weight of the load-balancing loss
 
     @property
     def head_dim(self) -> int:
@@ -35,8 +38,13 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        if cfg.n_experts:
+            from .moe import MoE
+
+            self.moe = MoE(cfg.d_model, cfg.n_experts, cfg.top_k)
+        else:
+            self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+            self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
     # (b, heads, t, head_dim) for SDPA, which picks flash/memory-efficient kernels on GPU.
     # Context parallelism replaces this on the instance (train/context.py).
@@ -48,6 +56,8 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, -1).unbind(2)
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        if hasattr(self, "moe"):
+            return x + self.moe(self.ln2(x))
         return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
 
 
@@ -92,7 +102,10 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        if self.cfg.n_experts:
+            loss = loss + self.cfg.aux_coef * sum(b.moe.aux for b in self.blocks)
+        return loss
 
     def flops_per_token(self) -> float:
         """6N + 12·L·d·T: the forward+backward FLOPs per token (N = all parameters, tied
@@ -101,8 +114,8 @@ class GPT(nn.Module):
         return 6 * n + 12 * self.cfg.n_layers * self.cfg.d_model * self.cfg.seq_len
 
 
-def gpt(preset: str = "gpt-small", seq_len: int = 256, vocab: int = 50304) -> GPT:
-    return GPT(GPTConfig(vocab=vocab, seq_len=seq_len, **GPT_PRESETS[preset]))
+def gpt(preset: str = "gpt-small", seq_len: int = 256, vocab: int = 50304, n_experts: int = 0) -> GPT:
+    return GPT(GPTConfig(vocab=vocab, seq_len=seq_len, n_experts=n_experts, **GPT_PRESETS[preset]))
 
 
 class Toy(nn.Module):

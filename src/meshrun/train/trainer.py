@@ -26,7 +26,7 @@ from .config import TrainConfig, validate
 from . import checkpoint
 from .checkpoint import Position
 from .data import BatchStream, LoaderSpec, make_loader
-from .gradnorm import clip_grad_norm
+from .gradnorm import clip_grad_norm, clip_grad_norm_sharded
 from .metrics import MetricsSink, mfu, peak_flops
 from .optim import build_optimizer, build_scheduler
 from .parallelize import (FSDPPlan, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp,
@@ -41,6 +41,11 @@ def _takes_targets(module: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return len(params) >= 2 and params[1] in ("targets", "labels", "target", "y")
+
+
+def _is_expert(name: str) -> bool:
+    """An expert's weights (sharded under --ep), not the router's."""
+    return ".moe.w_" in name or ".moe.b_" in name
 
 
 class Trainer:
@@ -67,10 +72,18 @@ class Trainer:
         self.pipe = None  # the Pipeline under --pp
         self.dp_rank, self.dp_size = rt.rank, rt.world_size  # who reads which data
         self.cp_size, self.cp_index, self.cp_group, self.fsdp_mesh = 1, None, None, None
+        self.edp_group = None  # ranks holding the same experts, under --ep
         if cfg.cp > 1:
             self._setup_cp()
         elif cfg.tp > 1 or cfg.pp > 1:
             self._setup_mesh()
+        elif cfg.ep > 1:
+            self.strategy = "ep"
+            self.strategy_reason = f"expert parallel {cfg.ep}, data parallel over all {rt.world_size} ranks"
+        moes = [m for m in model.modules() if hasattr(m, "shard_experts")]
+        if moes and rt.world_size > 1:
+            for m in moes:  # load balancing over the global batch: any layout trains like one process
+                m.stats_group = dist.group.WORLD
         elif cfg.strategy == "auto" and rt.cuda:
             self._plan_auto(model)
         self.model_takes_targets = _takes_targets(model)
@@ -174,6 +187,8 @@ class Trainer:
             self.cp_index = apply_cp(model, blocks, self.cp_group, self.cp_size, self.cp_rank, cfg.seq_len, rt.device)
         if self.strategy == "deepspeed":
             return self._deepspeed(model, blocks), None
+        if self.strategy == "ep":
+            return self._expert_parallel(model, blocks), None
         if self.ac:
             if blocks is None:
                 raise MeshrunError("--activation-checkpointing: no block list found in the model "
@@ -258,6 +273,42 @@ class Trainer:
                                                                else "")
         return self.engine
 
+    def _expert_parallel(self, model: nn.Module, blocks: nn.ModuleList | None) -> nn.Module:
+        """Experts sharded over ep groups of consecutive ranks; every rank reads its own data.
+        No DDP wrapper: dense gradients are averaged over all ranks, expert gradients over the
+        ranks holding the same experts (``_sync_expert_grads``)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        cfg, rt = self.cfg, self.rt
+        moes = [m for m in model.modules() if hasattr(m, "shard_experts")]
+        if not moes:
+            raise MeshrunError(f"--ep={cfg.ep}: the model has no experts (hint: --experts E with meshrun's GPT)")
+        if rt.world_size % cfg.ep:
+            raise MeshrunError(f"--ep={cfg.ep}: does not divide the {rt.world_size} processes (hint: a divisor)")
+        for t in model.state_dict().values():  # same initial weights everywhere before sharding
+            dist.broadcast(t, src=0)
+        mesh = init_device_mesh(rt.device.type, (rt.world_size // cfg.ep, cfg.ep), mesh_dim_names=("edp", "ep"))
+        for m in moes:
+            m.shard_experts(mesh["ep"].get_group())
+        self.edp_group, self.ep_group = mesh["edp"].get_group(), mesh["ep"].get_group()
+        if self.ac:
+            apply_activation_checkpointing(blocks)
+        if cfg.compile:
+            apply_compile(model, blocks, per_block=True)
+        return model
+
+    def _sync_expert_grads(self) -> None:
+        """Sum over the ranks that hold each parameter, divide by the world: the gradient of
+        the mean loss over all ranks' tokens (an expert's rank already summed the gradients
+        of every token routed to it)."""
+        world = self.rt.world_size
+        for name, p in self.model.named_parameters():
+            if p.grad is None:  # an expert no token reached here: its peers still reduce
+                p.grad = torch.zeros_like(p)
+            expert = _is_expert(name)
+            dist.all_reduce(p.grad, group=self.edp_group if expert else None)
+            p.grad.div_(world)
+
     def _grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce / reduce-scatter on micro-steps before the last."""
         if self.ddp is not None and not sync:
@@ -315,6 +366,11 @@ class Trainer:
             loss_sum += loss.detach()
         if self.engine is not None:
             return self._deepspeed_done(loss_sum, tokens)
+        if self.strategy == "ep":
+            self._sync_expert_grads()
+            return self._finish_step(clip_grad_norm_sharded(
+                self.model.named_parameters(), _is_expert, self.ep_group, self.cfg.grad_clip or float("inf")),
+                loss_sum, tokens)
         uncounted: tuple = ()
         if self.pipe is not None:
             self.pipe.sync_tied_grads()
@@ -324,6 +380,10 @@ class Trainer:
         # with clipping off, an infinite threshold computes it without scaling anything.
         norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip or float("inf"),
                               across=self.pipe.group if self.pipe is not None else None, uncounted=uncounted)
+        return self._finish_step(norm, loss_sum, tokens)
+
+    def _finish_step(self, norm: torch.Tensor, loss_sum: torch.Tensor,
+                     tokens: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         total = norm
         if not torch.isfinite(total).item():  # one scalar sync per step, the price of never stepping on NaN
             raise MeshrunError(
