@@ -30,3 +30,5 @@ total = accelerator.reduce(torch.tensor([1.0], device=accelerator.device), reduc
 sys.stdout.write(f"ACCEL index={accelerator.process_index} num={accelerator.num_processes} "
                  f"type={accelerator.distributed_type} counted={total:.0f} checksum={checksum:.6f}\n")
 sys.stdout.flush()
+accelerator.wait_for_everyone()
+accelerator.end_training()  # destroys the process group before interpreter exit (gloo can abort otherwise)

@@ -46,3 +46,7 @@ if args.save_dir:
 sys.stdout.write(f"DSTRAIN rank={rank} world={torch.distributed.get_world_size()} stage={stage} "
                  f"first={losses[0]:.5f} last={losses[-1]:.5f} checksum={checksum:.6f}\n")
 sys.stdout.flush()
+# End the process group explicitly: left to interpreter exit, gloo's threads can abort a
+# finished process ("terminate called without an active exception").
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()

@@ -188,16 +188,18 @@ def test_still_out_of_memory_means_checkpointing_then_offload():
     assert any("nothing torch runs fits" in w for w in _pick("llama-70b", micro_batch=1, seq_len=4096)[0].warnings)
 
 
-def test_long_context_needs_tensor_parallelism(tmp_path):
-    """Activations that no data-parallel sharding divides: 32K tokens of a 70B model."""
+def test_long_context_needs_context_or_tensor_parallelism(tmp_path):
+    """Activations that no data-parallel sharding divides: 32K tokens of a 70B model. The
+    seed's table: very long sequences -> context parallel (TP x PP when CP is not there)."""
     cfg = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
            "num_hidden_layers": 80, "num_key_value_heads": 8, "vocab_size": 128256, "hidden_act": "silu",
            "max_position_embeddings": 131072}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     m = from_hf_config(str(tmp_path / "config.json"))
     p, r = _pick(m, nodes=8, micro_batch=1, seq_len=32768, activation_checkpointing="full")
-    assert r is not None and r.strategy.engine == "megatron" and r.strategy.tp > 1, \
-        [(x.strategy.label, x.fits, x.memory.peak // GiB if x.memory else None) for x in p.candidates]
+    rows = [(x.strategy.label, x.fits, x.memory.peak // GiB if x.memory else None) for x in p.candidates]
+    assert r is not None and r.strategy.cp > 1, rows
+    assert any(x.fits and x.strategy.engine == "megatron" and x.strategy.tp > 1 for x in p.candidates), rows
 
 
 def test_largest_micro_batch_that_fits_divides_the_global_batch():
@@ -358,3 +360,16 @@ def test_train_config_for_deepspeed_and_model_parallel_candidates(name):
         assert (cfg.strategy, cfg.zero, cfg.offload, cfg.activation_checkpointing) == ("deepspeed", 3, "optimizer", "full")
     else:
         assert (cfg.strategy, cfg.tp, cfg.pp) == ("fsdp", 2, 2)
+
+
+def test_mixture_of_experts_plans_expert_parallelism():
+    """The seed's table: MoE -> expert parallel. Experts over 4 ranks fit where a replica does
+    not, and rank before FSDP; the train config carries --ep."""
+    from meshrun.plan.configs import train_config
+
+    p, r = _pick("gpt-moe-8x1.3b", micro_batch=4)
+    ddp = next(x for x in p.candidates if x.strategy.label == "ddp")
+    assert not ddp.fits and r.strategy.ep > 1
+    ep2, ep4 = (next(x for x in p.candidates if x.strategy.label == f"ddp-ep{e}") for e in (2, 4))
+    assert ep4.memory.breakdown["optimizer"] < ep2.memory.breakdown["optimizer"]  # experts split further
+    assert train_config(p, r, p.model)["ep"] == r.strategy.ep

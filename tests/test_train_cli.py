@@ -63,7 +63,7 @@ def test_dry_run_launches_the_worker_through_torchrun():
 
 
 ERRORS = [
-    (["--strategy", "zero4"], "--strategy='zero4': unknown value (hint: choose one of auto, single, ddp, fsdp)"),
+    (["--strategy", "zero4"], "--strategy='zero4': unknown value (hint: choose one of auto, single, ddp, fsdp, deepspeed)"),
     (["--global-batch", "100", "--micro-batch", "8"],
      "--global-batch=100: is not a multiple of micro-batch 8 x data-parallel size 2 = 16 (hint: use a multiple of 16, e.g. 96 or 112)"),
     (["--model", "nosuchpkg.models:build"], "--model='nosuchpkg.models:build': cannot import module 'nosuchpkg.models'"),
@@ -82,6 +82,11 @@ ERRORS = [
     (["--pp", "2", "--pp-schedule", "interleaved", "--model-size", "gpt-tiny"],
      "--pp: the model has 2 blocks, fewer than the 4 pipeline stages"),
     (["--pp", "2", "--pp-schedule", "zb"], "--pp-schedule='zb': unknown value"),
+    (["--cp", "2", "--seq-len", "30"], "--seq-len=30: context parallelism over 2 ranks cuts sequences into 4"),
+    (["--ep", "2"], "--ep=2: the model has no experts"),
+    (["--experts", "3", "--ep", "2", "--model-size", "gpt-tiny"], "--ep=2: 3 experts do not split over 2 ranks"),
+    (["--strategy", "deepspeed", "--zero", "4"], "--zero=4: is not a ZeRO stage"),
+    (["--strategy", "deepspeed", "--offload", "all"], "--offload='all': parameter offload needs ZeRO-3"),
 ]
 
 

@@ -100,7 +100,11 @@ def train_config(plan: Plan, c: Candidate, m: ModelSpec) -> dict[str, Any]:
         out["model_size"] = m.name
     torch_map = {"single": ("single", None), "ddp": ("ddp", None), "fsdp-grad-op": ("fsdp", "grad_op"),
                  "fsdp-full": ("fsdp", "full"), "fsdp-hybrid": ("fsdp", "hybrid")}
-    if s.name in torch_map:
+    if s.ep > 1:
+        out.update(strategy="ddp", ep=s.ep)
+    elif s.cp > 1:
+        out.update(strategy="fsdp", fsdp="full", cp=s.cp)
+    elif s.name in torch_map:
         strategy, fsdp = torch_map[s.name]
         out["strategy"] = strategy
         if fsdp:

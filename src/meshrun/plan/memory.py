@@ -50,6 +50,8 @@ class Strategy:
     offload_optimizer: bool = False
     offload_params: bool = False
     keep_gathered: bool = False  # FSDP2 reshard_after_forward=False: bf16 params live fwd -> bwd
+    cp: int = 1  # context parallel: each sequence over cp ranks (activations / cp, K/V gathered)
+    ep: int = 1  # expert parallel: experts over ep ranks
 
     @property
     def label(self) -> str:
@@ -98,6 +100,8 @@ def layer_activation_bytes(m: ModelSpec, precision: str, fp32_residual: bool = T
     norms = 2 * (r * h + a * h)
     attn = a * (h + 2 * kv) + (a * (h + kv) if m.gated_mlp else 0) + a * h + 4 * m.heads
     mlp = 4 * a * f if m.gated_mlp else 2 * a * f
+    if m.experts:  # each token through top_k experts, plus its dispatched and combined copies
+        mlp = mlp * m.top_k + 2 * a * h * m.top_k
     return norms + attn + mlp
 
 
@@ -107,9 +111,11 @@ def activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[in
     1F1B pipelining keeps pp micro-batches of L/pp layers on the first stage: L layers' worth."""
     mode = "compiled" if t.compile and s.engine == "torch" else "eager"
     per_layer = layer_activation_bytes(m, t.precision, autocast(t, s)) * calibration()["act_factor"][mode]
-    tokens = micro * t.seq_len
+    tokens = micro * t.seq_len / s.cp  # context parallel: this rank's shard of each sequence
     layers = m.layers  # L/pp layers x pp in-flight micro-batches on the first stage
     one_layer = per_layer * tokens / s.tp
+    if s.cp > 1:  # the gathered keys and values of the whole sequence, one layer at a time
+        one_layer += 2 * 2 * m.kv_dim * micro * t.seq_len
     if s.ac:
         stored = (4 if autocast(t, s) or t.precision == "fp32" else 2) * m.hidden * tokens * layers / s.tp
         return int(stored), int(one_layer)
@@ -127,12 +133,12 @@ def logits_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
     and its gradient (eager: about 12 bytes per vocabulary entry per token at the start of
     backward); a compiled loss fuses most of it away. Vocabulary-parallel under TP."""
     mode = "compiled" if whole_model_compiled(t, s) else "eager"
-    return int(calibration()["logits_vocab_bytes"][mode] * m.vocab * micro * t.seq_len / s.tp)
+    return int(calibration()["logits_vocab_bytes"][mode] * m.vocab * micro * t.seq_len / (s.tp * s.cp))
 
 
 def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int], int, list[str]]:
     """(params, grads, optimizer, comm_buffers) bytes per GPU, CPU bytes per GPU, notes."""
-    p = m.params / (s.tp * s.pp)
+    p = (m.params - m.expert_params * (1 - 1 / s.ep)) / (s.tp * s.pp)
     block = m.block_params / s.tp
     n = s.shard_group
     k = t.optimizer_bytes

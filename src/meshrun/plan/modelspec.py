@@ -32,14 +32,23 @@ class ModelSpec:
     max_seq: int | None = None
     source: str = "preset"
     block_class: str | None = None  # the class FSDP wraps (accelerate's transformer_layer_cls_to_wrap)
+    experts: int = 0  # mixture of experts: experts per block (their parameters are in params)
+    top_k: int = 2
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters inside the experts (what expert parallelism splits)."""
+        return self.layers * self.experts * (2 * self.hidden * self.ffn + self.ffn + self.hidden) if self.experts else 0
 
     @property
     def kv_dim(self) -> int:
         return self.hidden // self.heads * self.kv_heads
 
     def flops_per_token(self, seq: int) -> float:
-        """6N + 12·L·h·s: forward + backward matmul FLOPs per token, attention included."""
-        return 6 * self.params + 12 * self.layers * self.hidden * seq
+        """6N + 12·L·h·s: forward + backward matmul FLOPs per token, attention included; for a
+        mixture of experts N counts the top-k experts a token visits, not all of them."""
+        active = self.params - self.expert_params * (1 - self.top_k / self.experts) if self.experts else self.params
+        return 6 * active + 12 * self.layers * self.hidden * seq
 
 
 def gpt_spec(name: str, hidden: int, layers: int, heads: int, vocab: int = 50304, seq: int = 1024,
@@ -66,6 +75,10 @@ _EXTRA_GPT = {"gpt-2.7b": (2560, 32, 32), "gpt-6.7b": (4096, 32, 32), "gpt-13b":
 PRESETS: dict[str, ModelSpec] = {
     **{n: gpt_spec(n, d["d_model"], d["n_layers"], d["n_heads"]) for n, d in GPT_PRESETS.items()},
     **{n: gpt_spec(n, *dims) for n, dims in _EXTRA_GPT.items()},
+    # 8 experts (top-2) in each of gpt-1.3b's 24 blocks: ~7B parameters, ~2.1B active per token
+    "gpt-moe-8x1.3b": replace(gpt_spec("gpt-moe-8x1.3b", 2048, 24, 16), experts=8,
+                              params=gpt_spec("x", 2048, 24, 16).params + 7 * 24 * (2 * 2048 * 8192 + 8192 + 2048),
+                              block_params=gpt_spec("x", 2048, 24, 16).block_params + 7 * (2 * 2048 * 8192 + 8192 + 2048)),
     "llama-7b": llama_spec("llama-7b", 4096, 32, 32, 32, 11008, 32000, seq=4096),
     "llama-13b": llama_spec("llama-13b", 5120, 40, 40, 40, 13824, 32000, seq=4096),
     "llama-70b": llama_spec("llama-70b", 8192, 80, 64, 8, 28672, 32000, seq=4096),

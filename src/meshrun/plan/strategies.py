@@ -62,15 +62,29 @@ def candidates(m: ModelSpec, c: ClusterSpec, t: TrainSpec) -> list[Strategy]:
     acs = [False, True] if t.activation_checkpointing is None else [t.activation_checkpointing == "full"]
     out: list[Strategy] = []
     for ac in acs:
-        out += _dp_family(c, ac, m)
+        # A mixture of experts: sharding the experts (all-to-all of activations) first; their
+        # weights are most of the model and FSDP would gather them all every step.
+        out += (expert_parallel(m, c, [ac]) if m.experts else []) + _dp_family(c, ac, m)
     out += [s for s in _offload(c) if t.activation_checkpointing is None or s.ac == acs[0]]
     return out
 
 
 def model_parallel(m: ModelSpec, c: ClusterSpec) -> list[Strategy]:
-    """TP x PP x DP combinations: the flowchart's last branch, planned only when no
-    data-parallel strategy fits on the GPUs."""
-    return _tp_pp(m, c)
+    """TP x PP x DP combinations and context parallelism (FSDP x CP, for sequences whose
+    activations no sharding of the states can make room for): the flowchart's last branch,
+    planned only when no data-parallel strategy fits on the GPUs."""
+    w = c.world
+    cps = [Strategy(f"fsdp-full-cp{cp}", "torch", "params", w // cp, w, ac=True, cp=cp)
+           for cp in (2, 4, 8, 16) if cp <= w and w % cp == 0]
+    return cps + _tp_pp(m, c)
+
+
+def expert_parallel(m: ModelSpec, c: ClusterSpec, acs: list[bool]) -> list[Strategy]:
+    """A mixture of experts: experts over ep ranks, everything else replicated (meshrun
+    train --ep); the fewest ep ranks first."""
+    w = c.world
+    return [Strategy(f"ddp-ep{ep}", "torch", "none", w, 1, ac=ac, ep=ep)
+            for ac in acs for ep in (2, 4, 8, 16, 32, 64) if ep <= w and w % ep == 0 and m.experts % ep == 0]
 
 
 def comm_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int, accum: int) -> tuple[float, float]:
@@ -96,6 +110,9 @@ def comm_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int, accum: int) 
         if s.name == "fsdp-hybrid" and s.dp > s.shard_group:
             reps = s.dp // s.shard_group
             return vol, 2 * (reps - 1) / reps * 4 * p / s.shard_group
-    if s.offload_optimizer:
-        vol += 0.0  # PCIe traffic is timed separately (step_time)
+    tokens = micro * t.seq_len * accum
+    if s.ep > 1:  # dispatch and combine, forward and backward, of each token's top-k copies
+        vol += 4 * (s.ep - 1) / s.ep * tokens * m.top_k * m.hidden * g * m.layers
+    if s.cp > 1:  # keys and values gathered in forward, their gradients reduced in backward
+        vol += 3 * (s.cp - 1) / s.cp * 2 * tokens * m.kv_dim * g * m.layers
     return vol, 0.0
