@@ -90,15 +90,18 @@ ERRORS = [
 ]
 
 
-def test_pipeline_and_tensor_parallel_jobs_from_the_cli(tmp_path):
-    """`meshrun train --pp 2` and `--tp 2` end to end: launched, trained, snapshot written."""
-    for flag in ("--pp", "--tp"):
-        out = meshrun("train", flag, "2", "--model-size", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4",
-                      "--steps", "4", "--log-every", "2", "--data", "random", "--out", str(tmp_path / flag),
-                      timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert ("pipeline 2 (1f1b)" if flag == "--pp" else "tensor parallel 2") in out.stdout
-        assert (tmp_path / flag / "checkpoints" / "step-00000004" / "COMMITTED.json").is_file()
+@pytest.mark.parametrize("flags,said", [(["--pp", "2"], "pipeline 2 (1f1b)"), (["--tp", "2"], "tensor parallel 2"),
+                                        (["--cp", "2"], "context parallel 2"),
+                                        (["--experts", "4", "--ep", "2"], "expert parallel 2"),
+                                        (["--strategy", "deepspeed", "--zero", "3"], "DeepSpeed ZeRO-3")],
+                         ids=["pp", "tp", "cp", "ep", "zero3"])
+def test_parallel_layouts_from_the_cli(tmp_path, flags, said):
+    """Each layout end to end through `meshrun train`: launched, trained, snapshot committed."""
+    out = meshrun("train", *flags, "--model-size", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4",
+                  "--steps", "4", "--log-every", "2", "--data", "random", "--out", str(tmp_path / "run"), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert said in out.stdout
+    assert (tmp_path / "run" / "checkpoints" / "step-00000004" / "COMMITTED.json").is_file()
 
 
 @pytest.mark.parametrize("args,message", ERRORS)
