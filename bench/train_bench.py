@@ -36,9 +36,9 @@ def random_batch(micro: int, seq: int, vocab: int, device: torch.device, step: i
     return t[:, :-1], t[:, 1:]
 
 
-def make_model(size: str, seq: int, vocab: int) -> GPT:
+def make_model(size: str, seq: int, vocab: int, experts: int = 0) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab=vocab, seq_len=seq, **GPT_PRESETS[size]))
+    return GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, **GPT_PRESETS[size]))
 
 
 def timed_loop(step_fn, warmup: int, steps: int, device: torch.device) -> float:
@@ -70,6 +70,11 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=100)
     ap.add_argument("--reduce-precision", default="fp32")
     ap.add_argument("--jsonl", default=None)
+    # meshrun's other layouts (issues 8 and 9)
+    for flag in ("--tp", "--pp", "--cp", "--ep", "--experts", "--zero"):
+        ap.add_argument(flag, type=int, default=None)
+    ap.add_argument("--pp-schedule", default="1f1b")
+    ap.add_argument("--offload", default="none")
     args = ap.parse_args()
 
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -78,7 +83,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     bf16 = cuda
-    model = make_model(args.size, args.seq, args.vocab)
+    model = make_model(args.size, args.seq, args.vocab, args.experts or 0)
     flops_per_token = model.flops_per_token()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     extra: dict = {}
@@ -89,10 +94,14 @@ def main() -> None:
 
         cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro, seq_len=args.seq, compile=args.compile,
                           steps=args.warmup + args.steps, lr=3e-4, log_every=10**9, grad_clip=1.0, fsdp=args.fsdp,
-                          ddp_bucket_mb=args.bucket_mb, reduce_precision=args.reduce_precision)
+                          ddp_bucket_mb=args.bucket_mb, reduce_precision=args.reduce_precision,
+                          **{k: v for k, v in dict(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
+                                                   pp_schedule=args.pp_schedule, offload=args.offload).items()
+                             if v is not None})
         trainer = Trainer(model, RandomTokens(1 << 20, args.seq, args.vocab), None, cfg)
-        data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)
-        extra.update(strategy=trainer.strategy, fsdp=args.fsdp, bucket_mb=args.bucket_mb,
+        data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.dp_size)
+        extra.update(layout=trainer.strategy_reason, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
+                     strategy=trainer.strategy, fsdp=args.fsdp, bucket_mb=args.bucket_mb,
                      reduce_precision=args.reduce_precision)
         step_fn = lambda i: trainer.train_step(data)  # noqa: E731
         rank, world = trainer.rt.rank, trainer.rt.world_size
@@ -169,7 +178,9 @@ def main() -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     elapsed = timed_loop(step_fn, args.warmup, args.steps, device)
-    tokens_per_gpu = args.micro * args.seq * args.steps / elapsed
+    # TP/PP/CP ranks share their micro-batch: per GPU, the tokens divide by those degrees
+    share = (world // trainer.dp_size) if args.mode == "meshrun" else 1
+    tokens_per_gpu = args.micro * args.seq * args.steps / elapsed / share
     peak = peak_flops(device)
     result = {
         "mode": args.mode, "size": args.size, "gpus": world, "micro": args.micro, "compile": args.compile, **extra,
