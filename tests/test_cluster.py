@@ -308,3 +308,18 @@ def test_doctor_on_a_node_whose_master_is_unreachable(hosts):
     assert "unreachable" in port["reason"] or "did not answer" in port["reason"]
     (iface,) = [f for f in report["findings"] if f["check"] == "interface"]
     assert iface["status"] == "ok" and iface["reason"].startswith(hosts[1].ifname)
+
+
+def test_doctor_across_every_rank_of_a_two_host_job(hosts):
+    """`meshrun launch -m meshrun doctor` on both hosts: one report from rank 0 with each
+    node's findings and the cross-node version check."""
+    require("torch")
+    results = on_hosts(hosts, meshrun_argv("launch", "--nproc", "1", "-m", "meshrun", "doctor", "--json"),
+                       generic_env(hosts), timeout=180)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    report = json.loads(results[0][1])
+    nodes = {f.get("node") for f in report["findings"]}
+    assert {0, 1} <= nodes
+    assert any(f["reason"] == "torch, CUDA, NCCL and driver agree on all 2 nodes" for f in report["findings"])
+    assert results[1][1].strip() == ""  # only rank 0 reports

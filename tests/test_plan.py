@@ -94,6 +94,45 @@ def test_activation_formula_matches_what_autograd_saves(precision):
     assert counted == pytest.approx(predicted, rel=0.02), (counted, predicted)
 
 
+def test_checkpointed_activations_are_the_block_inputs():
+    """With activation checkpointing autograd keeps only each block's input (fp32 here):
+    the planner's stored-activation term, 4 bytes x hidden per token per layer."""
+    require("torch")
+    import torch
+
+    from meshrun.plan import memory
+    from meshrun.train.models import Block, GPTConfig
+    from meshrun.train.parallelize import apply_activation_checkpointing
+
+    h, b, t, layers = 64, 2, 16, 3
+    blocks = torch.nn.ModuleList(Block(GPTConfig(vocab=32, seq_len=t, d_model=h, n_layers=layers, n_heads=4))
+                                 for _ in range(layers))
+    apply_activation_checkpointing(blocks)
+    params = {p.untyped_storage().data_ptr() for p in blocks.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(x):
+        st = x.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return x
+
+    x = torch.randn(b, t, h, requires_grad=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # keep OpenMP's pool unborn in the test process (later tests fork)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            y = x
+            for block in blocks:
+                y = block(y)
+    finally:
+        torch.set_num_threads(threads)
+    m = gpt_spec("x", h, layers, 4, 32, t)
+    stored, _ = memory.activations(m, TrainSpec(t, b, None, precision="fp32", compile=False, activation_checkpointing="full"),
+                                   memory.Strategy("single", "torch", "none", 1, 1, ac=True), b)
+    assert sum(seen.values()) == stored == 4 * h * b * t * layers
+
+
 def test_calibration_points_within_five_percent():
     """The allocated peaks measured on an H200 (bench/calibration) against the model."""
     path = os.path.join(os.path.dirname(USERPKG), "bench", "calibration", "h200-2026-11-26.jsonl")

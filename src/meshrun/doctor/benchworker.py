@@ -75,7 +75,7 @@ def comm(opts: dict, device: torch.device) -> dict:
             algbw = nbytes / t
             rows.append({"op": op, "bytes": nbytes, "time_us": t * 1e6, "algbw_gbps": algbw / 1e9,
                          "busbw_gbps": algbw * BUS_FACTOR[op](n) / 1e9})
-            del buf
+            buf = None  # free it before the next size allocates (a 1 GiB buffer)
     return {"kind": "comm", "world": n, "backend": dist.get_backend(), "dtype": str(dtype).replace("torch.", ""),
             "rows": rows}
 
