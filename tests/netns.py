@@ -1,5 +1,5 @@
-"""Two or more "hosts" on this machine: network namespaces joined by a bridge-less veth
-pair (two hosts) with addresses in a private /24 created here and nowhere else.
+"""Two or more "hosts" on this machine: network namespaces on one bridge (itself in a
+namespace of its own), with addresses in a private /24 created here and nowhere else.
 
 Names resolve per namespace: ``ip netns exec`` bind-mounts /etc/netns/NAME/hosts over
 /etc/hosts, so each host can resolve its peers' DNS names (Saturn Cloud's pod names) as a
@@ -36,27 +36,6 @@ def available() -> str | None:
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def create_pair(tag: str, subnet: int, names: dict[str, int]) -> list[Host]:
-    """Two hosts 10.231.SUBNET.1 and .2; ``names`` maps extra DNS names to host index."""
-    hosts = [Host(f"mr{tag}a", f"mv{tag}a", f"10.231.{subnet}.1"), Host(f"mr{tag}b", f"mv{tag}b", f"10.231.{subnet}.2")]
-    destroy(hosts)
-    for h in hosts:
-        _ip("netns", "add", h.netns)
-    _ip("link", "add", hosts[0].ifname, "type", "veth", "peer", "name", hosts[1].ifname)
-    for h in hosts:
-        _ip("link", "set", h.ifname, "netns", h.netns)
-        _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
-        _ip("-n", h.netns, "link", "set", h.ifname, "up")
-        _ip("-n", h.netns, "link", "set", "lo", "up")
-        etc = f"/etc/netns/{h.netns}"
-        os.makedirs(etc, exist_ok=True)
-        with open(f"{etc}/hosts", "w") as f:
-            f.write("127.0.0.1 localhost\n")
-            for name, index in names.items():
-                f.write(f"{hosts[index].addr} {name}\n")
-    return hosts
 
 
 def create_hosts(tag: str, subnet: int, n: int, names: dict[str, int]) -> list[Host]:

@@ -24,9 +24,9 @@ def hosts():
             pytest.fail(f"two-host tests {why} but MESHRUN_TEST_STRICT=1")
         pytest.skip(why)
     tag = str(os.getpid() % 10000)
-    pair = netns.create_pair(tag, subnet=os.getpid() % 200 + 20, names={NAMES[0]: 0, NAMES[1]: 1})
+    pair = netns.create_hosts(tag, subnet=os.getpid() % 200 + 20, n=2, names={NAMES[0]: 0, NAMES[1]: 1})
     yield pair
-    netns.destroy(pair)
+    netns.destroy(pair, f"mr{tag}sw")
 
 
 def run_on_hosts(hosts, argv, env_for, timeout):
