@@ -46,14 +46,17 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, across
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if across is not None:
         dist.all_reduce(total, group=across)
-    total = total.sqrt()
+    return _scale(grads, total.sqrt(), max_norm)
+
+
+def _scale(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale every gradient so the total norm is at most ``max_norm`` (inf: leave them)."""
     if max_norm != float("inf"):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0).item()
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
     return total
-
 
 
 def clip_grad_norm_sharded(params: Iterable[tuple[str, torch.nn.Parameter]], is_sharded, group: object,
@@ -70,10 +73,4 @@ def clip_grad_norm_sharded(params: Iterable[tuple[str, torch.nn.Parameter]], is_
     s2 = torch.nn.utils.get_total_norm(split, 2.0).float() ** 2 if split else zero
     dist.all_reduce(s2, group=group)
     r2 = torch.nn.utils.get_total_norm(same, 2.0).float() ** 2 if same else zero
-    total = (s2 + r2).sqrt()
-    if max_norm != float("inf"):
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0).item()
-        if coef < 1.0:
-            for _, p in named:
-                p.grad.mul_(coef)
-    return total
+    return _scale(split + same, (s2 + r2).sqrt(), max_norm)

@@ -43,6 +43,19 @@ def _takes_targets(module: nn.Module) -> bool:
     return len(params) >= 2 and params[1] in ("targets", "labels", "target", "y")
 
 
+def _same_initial_weights(model: nn.Module) -> None:
+    """Rank 0's initial weights everywhere, before anything is sharded or split."""
+    for t in model.state_dict().values():
+        dist.broadcast(t, src=0)
+
+
+def _checkpoint(blocks: nn.ModuleList | None) -> None:
+    if blocks is None:
+        raise MeshrunError("--activation-checkpointing: no block list found in the model "
+                           "(hint: name it with --blocks, e.g. model.layers)")
+    apply_activation_checkpointing(blocks)
+
+
 def _is_expert(name: str) -> bool:
     """An expert's weights (sharded under --ep), not the router's."""
     return ".moe.w_" in name or ".moe.b_" in name
@@ -80,12 +93,12 @@ class Trainer:
         elif cfg.ep > 1:
             self.strategy = "ep"
             self.strategy_reason = f"expert parallel {cfg.ep}, data parallel over all {rt.world_size} ranks"
-        moes = [m for m in model.modules() if hasattr(m, "shard_experts")]
-        if moes and rt.world_size > 1:
-            for m in moes:  # load balancing over the global batch: any layout trains like one process
-                m.stats_group = dist.group.WORLD
         elif cfg.strategy == "auto" and rt.cuda:
             self._plan_auto(model)
+        if rt.world_size > 1:
+            for m in model.modules():  # MoE load balancing over the global batch: any layout trains like one process
+                if hasattr(m, "shard_experts"):
+                    m.stats_group = dist.group.WORLD
         self.model_takes_targets = _takes_targets(model)
         if cfg.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
@@ -173,8 +186,7 @@ class Trainer:
         if self.mesh is not None:
             if blocks is None:
                 raise MeshrunError("--tp/--pp: no block list found in the model (hint: name it with --blocks)")
-            for t in model.state_dict().values():  # same initial weights everywhere before sharding
-                dist.broadcast(t, src=0)
+            _same_initial_weights(model)
             if cfg.tp > 1:
                 apply_tp(blocks, self.mesh["tp"])
         if cfg.pp > 1:
@@ -182,22 +194,17 @@ class Trainer:
         if self.cp_group is not None:
             from .context import apply_cp
 
-            for t in model.state_dict().values():  # same initial weights everywhere before sharding
-                dist.broadcast(t, src=0)
+            _same_initial_weights(model)
             self.cp_index = apply_cp(model, blocks, self.cp_group, self.cp_size, self.cp_rank, cfg.seq_len, rt.device)
         if self.strategy == "deepspeed":
             return self._deepspeed(model, blocks), None
         if self.strategy == "ep":
             return self._expert_parallel(model, blocks), None
         if self.ac:
-            if blocks is None:
-                raise MeshrunError("--activation-checkpointing: no block list found in the model "
-                                   "(hint: name it with --blocks, e.g. model.layers)")
-            apply_activation_checkpointing(blocks)
+            _checkpoint(blocks)
         if self.strategy == "fsdp":
             if self.mesh is None and self.cp_group is None:  # (under TP/CP it happened above)
-                for t in model.state_dict().values():  # same initial weights everywhere before sharding
-                    dist.broadcast(t, src=0)
+                _same_initial_weights(model)
             if cfg.compile:
                 apply_compile(model, blocks, per_block=True)
             if self.fsdp_flavour:
@@ -226,7 +233,7 @@ class Trainer:
 
         cfg, rt = self.cfg, self.rt
         if self.ac:
-            apply_activation_checkpointing(blocks)
+            _checkpoint(blocks)
         if cfg.compile:
             apply_compile(model, blocks, per_block=True)
         self.pipe = Pipeline(model, self.mesh, cfg.pp_schedule, cfg.pp_microbatches or cfg.pp, self.accum, rt.device)
@@ -247,10 +254,7 @@ class Trainer:
 
         cfg, rt = self.cfg, self.rt
         if self.ac:
-            if blocks is None:
-                raise MeshrunError("--activation-checkpointing: no block list found in the model "
-                                   "(hint: name it with --blocks, e.g. model.layers)")
-            apply_activation_checkpointing(blocks)
+            _checkpoint(blocks)
         hidden = getattr(getattr(model, "cfg", None), "d_model", 1024)
         ds = {
             "train_batch_size": cfg.micro * self.accum * self.dp_size,
@@ -285,14 +289,13 @@ class Trainer:
             raise MeshrunError(f"--ep={cfg.ep}: the model has no experts (hint: --experts E with meshrun's GPT)")
         if rt.world_size % cfg.ep:
             raise MeshrunError(f"--ep={cfg.ep}: does not divide the {rt.world_size} processes (hint: a divisor)")
-        for t in model.state_dict().values():  # same initial weights everywhere before sharding
-            dist.broadcast(t, src=0)
+        _same_initial_weights(model)
         mesh = init_device_mesh(rt.device.type, (rt.world_size // cfg.ep, cfg.ep), mesh_dim_names=("edp", "ep"))
         for m in moes:
             m.shard_experts(mesh["ep"].get_group())
         self.edp_group, self.ep_group = mesh["edp"].get_group(), mesh["ep"].get_group()
         if self.ac:
-            apply_activation_checkpointing(blocks)
+            _checkpoint(blocks)
         if cfg.compile:
             apply_compile(model, blocks, per_block=True)
         return model
