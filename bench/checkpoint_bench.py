@@ -28,6 +28,10 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def timed(fn) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -40,30 +44,9 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--size", default="gpt-1.3b")
-    ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--strategy", default="auto")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--save-every", type=int, default=20)
-    ap.add_argument("--dir", default="/tmp/meshrun-ckpt-bench")
-    args = ap.parse_args()
-    model = gpt(args.size, seq_len=args.seq, vocab=50304)
-    cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro, seq_len=args.seq, steps=10**6,
-                      log_every=10**9, keep_last=1)
-    t = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
-    data = BatchStream(t.train_loader, cfg.micro, t.rt.world_size)
-    rank = t.rt.rank
-    if rank == 0:
-        shutil.rmtree(args.dir, ignore_errors=True)
-    for _ in range(3):
-        t.train_step(data)
-    res: dict = {"size": args.size, "world": t.rt.world_size, "strategy": t.strategy,
-                 "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    root = os.path.join(args.dir, "meshrun")
-    pos = Position(t.step, data.epoch, data.samples)
+def sync_phases(args, t, data, root: str, pos, res: dict, rank: int) -> None:
+    """meshrun's synchronous save and verified load, then the seeds' recipe."""
+    cfg = t.cfg
     res["sync_save_s"] = timed(lambda: checkpoint.save(root, pos, t.model, t.optimizer, cfg.to_json(), 1))
     snap = checkpoint.latest(root)
     res["snapshot_gb"] = dir_bytes(snap) / 1e9
@@ -85,17 +68,59 @@ def main() -> None:
         res["torch_save_gb"] = os.path.getsize(os.path.join(args.dir, "full.pt")) / 1e9
         os.unlink(os.path.join(args.dir, "full.pt"))
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="gpt-1.3b")
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--save-every", type=int, default=20)
+    ap.add_argument("--dir", default="/tmp/meshrun-ckpt-bench")
+    ap.add_argument("--phases", choices=("all", "async"), default="all",
+                    help="async: only the training-with-async-snapshots phases (and their check)")
+    args = ap.parse_args()
+    model = gpt(args.size, seq_len=args.seq, vocab=50304)
+    cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro, seq_len=args.seq, steps=10**6,
+                      log_every=10**9, keep_last=1)
+    t = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
+    data = BatchStream(t.train_loader, cfg.micro, t.rt.world_size)
+    rank = t.rt.rank
+    if rank == 0:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    for _ in range(3):
+        t.train_step(data)
+    res: dict = {"size": args.size, "world": t.rt.world_size, "strategy": t.strategy,
+                 "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    root = os.path.join(args.dir, "meshrun")
+    pos = Position(t.step, data.epoch, data.samples)
+    if args.phases == "all":
+        sync_phases(args, t, data, root, pos, res, rank)
+
     def steps(n: int, save_async: bool) -> None:
         for i in range(n):
             t.train_step(data)
             if save_async and (i + 1) % args.save_every == 0:
                 t.cfg = t.cfg.replace(out=os.path.join(args.dir, "async"), async_save=True)
                 t.save(data)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def drain() -> None:  # the last snapshot's background write, which training did not wait for
         if t._pending is not None:
             checkpoint.commit(t._pending)
             t._pending = None
     res["steps_plain_s"] = timed(lambda: steps(args.steps, False))
     res["steps_async_s"] = timed(lambda: steps(args.steps, True))
+    res["async_drain_s"] = timed(drain)
+    # the last async snapshot was taken after the last step: loading it must change no weight
+    before = [_local(p).detach().clone() for p in t.model.parameters()]
+    checkpoint.load(checkpoint.latest(os.path.join(args.dir, "async", "checkpoints")), t.model, t.optimizer)
+    same = torch.tensor([float(all(torch.equal(a, _local(p)) for a, p in zip(before, t.model.parameters())))],
+                        device=t.rt.device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    res["async_snapshot_exact"] = bool(same.item())
     res["async_overhead"] = res["steps_async_s"] / res["steps_plain_s"] - 1
     res["async_saves"] = args.steps // args.save_every
     if rank == 0:

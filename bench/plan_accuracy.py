@@ -34,10 +34,13 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
 GiB = 2**30
+LEFTOVER_MAX_GIB = 0.25  # memory still allocated when a configuration starts: above this, its row is dropped
 
 # (model, micro-batches, seq) per grid; strategies and AC are crossed with them.
 GRIDS = {
     "cpu": [("gpt-tiny", (2,), 64)],  # exercises the code paths on a CPU box (no peaks to read)
+    # what fits one short GPU call: 124M and 1.3B, two micro-batches each, eager
+    "gpu": [("gpt-124m", (8, 32), 1024), ("gpt-1.3b", (4, 16), 1024)],
     "quick": [("gpt-124m", (8, 32), 1024), ("gpt-350m", (8,), 1024), ("gpt-1.3b", (4, 16), 1024)],
     "full": [("gpt-124m", (8, 32, 64), 1024), ("gpt-350m", (8, 32), 1024), ("gpt-1.3b", (4, 16, 32), 1024),
              ("gpt-2.7b", (4, 8), 1024)],
@@ -111,6 +114,15 @@ def _deepspeed_step_fn(conf: dict, rt):
     return step, engine
 
 
+def _live_trainers() -> int:
+    """Trainers (and DeepSpeed engines) still alive: any at the start of a configuration
+    would add its states to the measured peak."""
+    from meshrun.train.trainer import Trainer
+
+    names = {"DeepSpeedEngine"}
+    return sum(1 for o in gc.get_objects() if isinstance(o, Trainer) or type(o).__name__ in names)
+
+
 def measure(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -127,10 +139,24 @@ def measure(args: argparse.Namespace) -> None:
         pass
     confs = grid(args.grid, rt.world_size, has_ds, not args.eager)
     card = torch.cuda.get_device_name(rt.device) if rt.cuda else "cpu"
+    start = time.monotonic()
     for i, conf in enumerate(confs):
+        # every rank must stop at the same configuration: rank 0's clock decides
+        late = torch.tensor([float(args.budget_s is not None and time.monotonic() - start > args.budget_s)],
+                            device=rt.device)
+        dist.broadcast(late, 0)
+        if late.item():
+            if rt.is_main:
+                print(f"MEM budget of {args.budget_s} s spent: stopped after {i} of {len(confs)}", flush=True)
+            break
         row = dict(conf, gpus=rt.world_size, card=card, torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                    precision="bf16" if rt.cuda else "fp32")
-        obj = None
+        step = obj = None
+        row["live_trainers"] = _live_trainers()
+        if rt.cuda:  # what an earlier configuration left allocated would inflate this one's peak
+            left = torch.tensor([float(torch.cuda.memory_allocated(rt.device))], device=rt.device)
+            dist.all_reduce(left, op=dist.ReduceOp.MAX)
+            row["leftover_gib"] = round(left.item() / GiB, 3)
         try:
             make = _deepspeed_step_fn if conf["strategy"].startswith("zero") else _meshrun_step_fn
             step, obj = make(conf, rt)
@@ -151,7 +177,9 @@ def measure(args: argparse.Namespace) -> None:
         except torch.cuda.OutOfMemoryError:
             row.update(oom=True)
         finally:
-            del obj
+            # the step closure holds the trainer or engine too: drop both, then collect the cycles
+            # (a first version kept `step` alive, so every row carried its predecessor's states)
+            del step, obj
             gc.collect()
             if rt.cuda:
                 torch.cuda.empty_cache()
@@ -196,7 +224,9 @@ def load(paths: list[str]) -> list[dict]:
     for path in paths:
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if not r.get("oom")]
+    # rows measured on top of an earlier configuration's leftovers say nothing about the model
+    return [r for r in rows if not r.get("oom") and (r.get("leftover_gib") or 0) < LEFTOVER_MAX_GIB
+            and not r.get("live_trainers")]
 
 
 def errors(rows: list[dict]) -> list[tuple[dict, float, float, float]]:
@@ -258,6 +288,7 @@ def main() -> None:
     m.add_argument("--grid", choices=tuple(GRIDS), default="quick")
     m.add_argument("--out", default=None)
     m.add_argument("--eager", action="store_true", help="do not compile (default: compile, as meshrun train does)")
+    m.add_argument("--budget-s", type=float, default=None, help="start no configuration after this many seconds")
     for name in ("report", "fit"):
         p = sub.add_parser(name)
         p.add_argument("files", nargs="+")

@@ -59,7 +59,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", required=True, choices=["ddp", "ddp_compile", "accelerate", "fabric", "fsdp2", "meshrun"])
     ap.add_argument("--size", default="gpt-124m")
-    ap.add_argument("--micro", type=int, default=16)
+    ap.add_argument("--micro", type=int, default=16, help="0 (meshrun only): the planner chooses, for --global-tokens")
+    ap.add_argument("--global-tokens", type=int, default=None,
+                    help="meshrun: tokens per optimizer step over all ranks (global batch x seq)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--warmup", type=int, default=8)
@@ -92,7 +94,9 @@ def main() -> None:
         from meshrun.train.data import BatchStream, RandomTokens
         from meshrun.train.trainer import Trainer
 
-        cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro, seq_len=args.seq, compile=args.compile,
+        global_batch = args.global_tokens // args.seq if args.global_tokens else None
+        cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro or None, global_batch=global_batch,
+                          seq_len=args.seq, compile=args.compile,
                           steps=args.warmup + args.steps, lr=3e-4, log_every=10**9, grad_clip=1.0, fsdp=args.fsdp,
                           ddp_bucket_mb=args.bucket_mb, reduce_precision=args.reduce_precision,
                           **{k: v for k, v in dict(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
@@ -105,6 +109,8 @@ def main() -> None:
                      reduce_precision=args.reduce_precision)
         step_fn = lambda i: trainer.train_step(data)  # noqa: E731
         rank, world = trainer.rt.rank, trainer.rt.world_size
+        args.micro = trainer.cfg.micro  # the planner's choice under --micro 0
+        extra.update(accumulation=trainer.accum)
     else:
         dist.init_process_group("nccl" if cuda else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -180,7 +186,8 @@ def main() -> None:
     elapsed = timed_loop(step_fn, args.warmup, args.steps, device)
     # TP/PP/CP ranks share their micro-batch: per GPU, the tokens divide by those degrees
     share = (world // trainer.dp_size) if args.mode == "meshrun" else 1
-    tokens_per_gpu = args.micro * args.seq * args.steps / elapsed / share
+    accum = trainer.accum if args.mode == "meshrun" else 1
+    tokens_per_gpu = args.micro * accum * args.seq * args.steps / elapsed / share
     peak = peak_flops(device)
     result = {
         "mode": args.mode, "size": args.size, "gpus": world, "micro": args.micro, "compile": args.compile, **extra,

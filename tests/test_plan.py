@@ -148,6 +148,61 @@ def test_calibration_points_within_five_percent():
     assert len(errors) >= 7 and max(errors) <= 0.05, errors
 
 
+def test_step_time_follows_the_measured_layouts():
+    """The step-time estimate against the issue-8 benchmark (GPT 1.3B on 4 x H200, the same
+    run): every layout's tokens/s per GPU within 12%, and the layouts in the measured order."""
+    from meshrun.plan.batch import Batch
+    from meshrun.plan.recommend import step_time
+    from meshrun.plan.strategies import comm_bytes
+
+    path = os.path.join(os.path.dirname(USERPKG), "bench", "calibration", "h200-layouts-2026-11-26.jsonl")
+    m, c = PRESETS["gpt-1.3b"], ClusterSpec(1, 4, 141 * GiB)
+    measured, predicted = {}, {}
+    for line in open(path):
+        r = json.loads(line)
+        if r["size"] != "gpt-1.3b" or r.get("cp"):
+            continue
+        tp, pp = r.get("tp") or 1, r.get("pp") or 1
+        if r["strategy"] == "deepspeed":
+            s = Strategy(f"zero{r['zero']}", "deepspeed", {2: "grads", 3: "params"}[r["zero"]], 4, 4)
+        elif tp * pp > 1:
+            s = Strategy(f"tp{tp}-pp{pp}", "megatron", "optimizer", 4 // (tp * pp), 4 // (tp * pp), tp=tp, pp=pp)
+        else:
+            s = Strategy("fsdp-grad-op", "torch", "grads", 4, 4, keep_gathered=True)
+        t = TrainSpec(r.get("seq", 1024), r["micro"], None, compile=r["compile"], activation_checkpointing="none")
+        comm, _ = comm_bytes(m, t, s, r["micro"], 1)
+        seconds = step_time(m, c, t, s, Batch(r["micro"], 1, s.dp), comm)
+        predicted[s.name] = r["micro"] * 1024 / seconds / (s.tp * s.pp)
+        measured[s.name] = r["tokens_per_s_per_gpu"]
+    assert len(measured) == 6, measured
+    for name in measured:
+        assert abs(predicted[name] / measured[name] - 1) <= 0.12, (name, predicted[name], measured[name])
+    order = lambda d: [k for k, _ in sorted(d.items(), key=lambda kv: -kv[1])]  # noqa: E731
+    assert order(predicted)[-1] == order(measured)[-1] == "tp4-pp1"
+    assert set(order(predicted)[:2]) == set(order(measured)[:2]) == {"fsdp-grad-op", "zero2"}
+
+
+def test_accuracy_harness_measures_each_configuration_alone(tmp_path):
+    """bench/plan_accuracy.py measure runs a grid in one process group: no trainer of an
+    earlier configuration may still be alive when the next one is measured (a first version
+    kept each one alive through its step closure, inflating every later peak)."""
+    require("torch")
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.jsonl"
+    root = os.path.dirname(USERPKG)
+    env = clean_env()
+    env["PYTHONPATH"] = os.path.join(root, "src")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(root, "bench", "plan_accuracy.py"), "measure", "--grid", "cpu", "--eager",
+                           "--budget-s", "4", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) >= 3 and "budget of 4.0 s spent" in proc.stdout
+    assert [r["live_trainers"] for r in rows] == [0] * len(rows)
+
+
 # ---- model inputs --------------------------------------------------------------------------
 
 def test_presets_have_their_published_sizes():
@@ -371,6 +426,30 @@ def test_train_auto_asks_the_planner():
     said_none = build_config({}, {"activation_checkpointing": "none", "micro_batch": 16, "seq_len": 1024})
     kept = for_trainer(model, said_none, 1, 1, 40 * GiB, True)
     assert not kept.activation_checkpointing and not kept.fits and "nothing fits" in kept.reason
+
+
+def test_train_auto_chooses_the_micro_batch_for_a_global_batch():
+    """--global-batch without --micro-batch: the planner sizes the micro-batch, and a sharded
+    strategy that fits a larger one beats DDP (the measured ranking on H200s); activation
+    checkpointing is not bought for a bigger micro-batch when one without it fits."""
+    require("torch")
+    import torch
+
+    from meshrun.train.autoplan import MAX_MICRO_TOKENS, for_trainer
+    from meshrun.train.config import TrainConfig
+    from meshrun.train.models import gpt
+
+    def pick(size, world, mem, **kw):
+        with torch.device("meta"):
+            model = gpt(size, 1024)
+        d = for_trainer(model, TrainConfig(global_batch=512, seq_len=1024, compile=True, **kw), world, world, mem, True)
+        return d.strategy, d.fsdp, d.activation_checkpointing, d.micro
+
+    assert pick("gpt-124m", 4, 141 * GiB) == ("ddp", None, False, MAX_MICRO_TOKENS // 1024)
+    assert pick("gpt-1.3b", 4, 141 * GiB) == ("fsdp", "grad_op", False, 32)
+    assert pick("gpt-1.3b", 4, 80 * GiB) == ("fsdp", "grad_op", False, 16)
+    assert pick("gpt-1.3b", 1, 141 * GiB)[3] == 32  # accumulation makes up the rest: 32 x 16
+    assert pick("gpt-1.3b", 4, 141 * GiB, micro_batch=8)[3] is None  # the user's micro-batch stands
 
 
 def test_plan_options_come_from_the_environment_too():

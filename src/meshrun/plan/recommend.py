@@ -12,7 +12,8 @@ from .spec import ClusterSpec, TrainSpec, validate_cluster, validate_train
 from .strategies import ENGINES, candidates, comm_bytes, model_parallel
 from .units import fmt_bytes
 
-ASSUMED_MFU = 0.45  # compute efficiency for the step-time estimate (meshrun's measured 45-57%)
+ASSUMED_MFU = 0.50  # FSDP2's compute efficiency for the step-time estimate (meshrun measured 44-58%, 50.6% in
+# the layouts benchmark that layout_efficiency is relative to)
 PCIE_BW = 25e9  # host <-> GPU bytes/s per GPU, for offload
 CPU_ADAM_BW = 10e9  # bytes of optimizer state per second a CPU Adam streams per GPU
 
@@ -71,15 +72,34 @@ class Plan:
         }
 
 
+def layout_efficiency(s: Strategy) -> float:
+    """Measured throughput of a layout relative to FSDP2 on the same GPUs (calibration.json,
+    from the issue-8 benchmark: tensor parallelism's smaller matmuls and blocking all-reduces,
+    ZeRO-3's eager parameter fetches, pipeline losses beyond the bubble). Measured at GPT 1.3B:
+    a wider model loses less to TP; unmeasured layouts count as 1."""
+    from .memory import calibration
+
+    eff = calibration().get("layout_efficiency", {})
+    out = 1.0
+    if s.tp > 1:
+        out *= eff.get(f"tp{min(s.tp, 4)}", 1.0)
+    if s.pp > 1:
+        out *= eff.get("pp", 1.0)
+    if s.engine == "deepspeed" and not s.offload_optimizer:
+        out *= eff.get({"grads": "zero2", "params": "zero3"}.get(s.shard, ""), 1.0)
+    return out
+
+
 def step_time(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Batch, comm: float) -> float:
-    """Compute at ASSUMED_MFU (+1/3 recompute with AC, + the 1F1B bubble), plus the part of
-    the data-parallel traffic that backward cannot hide (assumed 80% overlap), plus TP's
-    traffic (on the critical path) and offload's PCIe and CPU-Adam time."""
+    """Compute at ASSUMED_MFU times the layout's measured efficiency (+1/3 recompute with AC,
+    + the 1F1B bubble), plus the part of the data-parallel and TP traffic that backward
+    cannot hide (assumed 80% overlap; TP's blocking all-reduces are in its measured
+    efficiency), plus offload's PCIe and CPU-Adam time."""
     tokens = b.micro * b.accum * t.seq_len  # per data-parallel replica
     flops = m.flops_per_token(t.seq_len) * tokens / (s.tp * s.pp) * (4 / 3 if s.ac else 1)
-    compute = flops / (c.gpu_flops * ASSUMED_MFU)
-    if s.pp > 1:
-        compute *= 1 + (s.pp - 1) / max(1, b.accum)
+    compute = flops / (c.gpu_flops * ASSUMED_MFU * layout_efficiency(s))
+    if s.pp > 1:  # the 1F1B bubble: meshrun cuts each micro-batch into pp pieces (--pp-microbatches)
+        compute *= 1 + (s.pp - 1) / (max(1, b.accum) * s.pp)
     group = s.shard_group if s.shard != "none" else s.dp
     bw = c.intra_bw if (c.nodes == 1 or group <= c.gpus_per_node) else min(c.intra_bw, c.inter_bw)
     exposed = max(0.0, comm / bw - 0.8 * compute * 2 / 3)
@@ -96,6 +116,8 @@ def _evaluate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, limit: fl
         micros = [t.micro_batch]
     else:
         micros = micro_choices(t.global_batch, s.dp)
+        if t.max_micro_batch is not None:  # the smallest stays, so a candidate always has one to try
+            micros = [x for x in micros if x <= t.max_micro_batch] or micros[-1:]
         if not micros:
             return Candidate(s, None, None, False, f"global batch {t.global_batch} does not split over dp {s.dp}")
     for micro in micros:

@@ -43,6 +43,7 @@ class TrainSpec:
     optimizer: str = "adamw"
     activation_checkpointing: str | None = None  # None: try both
     compile: bool = True  # meshrun train compiles on GPUs by default
+    max_micro_batch: int | None = None  # when the planner picks the micro-batch: no larger than this
 
     @property
     def optimizer_bytes(self) -> int:

@@ -95,6 +95,7 @@ class Trainer:
             self.strategy_reason = f"expert parallel {cfg.ep}, data parallel over all {rt.world_size} ranks"
         elif cfg.strategy == "auto" and rt.cuda:
             self._plan_auto(model)
+            cfg = self.cfg  # the planner may have chosen the micro-batch
         if rt.world_size > 1:
             for m in model.modules():  # MoE load balancing over the global batch: any layout trains like one process
                 if hasattr(m, "shard_experts"):
@@ -168,13 +169,16 @@ class Trainer:
 
     def _plan_auto(self, model: nn.Module) -> None:
         """--strategy auto on GPUs: the planner's first fitting strategy (and activation
-        checkpointing when it is needed to fit, unless the user set it)."""
+        checkpointing when it is needed to fit, unless the user set it); with --global-batch
+        and no --micro-batch, also the largest micro-batch that fits (autoplan.decide)."""
         from .autoplan import for_trainer
 
         rt = self.rt
         d = for_trainer(model, self.cfg, rt.world_size, rt.local_world_size,
                         torch.cuda.get_device_properties(rt.device).total_memory, self.bf16)
         self.strategy, self.strategy_reason = d.strategy, d.reason
+        if d.micro is not None:
+            self.cfg = self.cfg.replace(micro_batch=d.micro, sources={**self.cfg.sources, "micro_batch": "planner"})
         if d.fsdp and self.cfg.fsdp == "auto":
             self.fsdp_flavour = d.fsdp
         self.ac = self.ac or d.activation_checkpointing
