@@ -70,12 +70,56 @@ def test_two_processes_match_one(reference, overrides):
     close(run(2, micro_batch=4, **overrides), reference)
 
 
-@pytest.mark.parametrize("nproc,micro,fsdp", [(2, 8, "full"), (4, 4, "full"), (4, 4, "grad_op")],
-                         ids=["tp2", "dp2xtp2-full", "dp2xtp2-grad_op"])
-def test_tensor_parallel_matches_one(reference, nproc, micro, fsdp):
+@pytest.mark.parametrize("nproc,micro,fsdp,sp", [(2, 8, "full", True), (2, 8, "full", False), (4, 4, "full", True),
+                                                 (4, 4, "grad_op", True)],
+                         ids=["tp2", "tp2-no-sp", "dp2xtp2-full", "dp2xtp2-grad_op"])
+def test_tensor_parallel_matches_one(reference, nproc, micro, fsdp, sp):
     """TP=2 alone (each TP pair reads the same micro-batch of 8) and FSDP2 x TP on a 2 x 2
-    mesh (2 data-parallel pairs, 4 each): the same global batch of 8 as the reference."""
-    close(run(nproc, micro_batch=micro, strategy="fsdp", fsdp=fsdp, tp=2), reference)
+    mesh (2 data-parallel pairs, 4 each): the same global batch of 8 as the reference, with
+    sequence parallelism (the default) and without."""
+    close(run(nproc, micro_batch=micro, strategy="fsdp", fsdp=fsdp, tp=2, sequence_parallel=sp), reference)
+
+
+def _local_shape(t):
+    return tuple(t.to_local().shape) if hasattr(t, "to_local") else tuple(t.shape)
+
+
+def _sequence_parallel_shapes(sequence_parallel):
+    """What each LayerNorm gets under TP=2 (its local tensor), and the head's local logits."""
+    from meshrun.train.config import TrainConfig
+    from meshrun.train.data import BatchStream, RandomTokens
+    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.trainer import Trainer
+    import torch
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
+    seen = {"blocks": set(), "ln_f": set(), "logits": set()}
+    for block in model.blocks:
+        for ln in (block.ln1, block.ln2):
+            ln.register_forward_hook(lambda m, i, o: seen["blocks"].add(_local_shape(i[0])))
+    model.ln_f.register_forward_hook(lambda m, i, o: seen["ln_f"].add(_local_shape(i[0])))
+    model.head.register_forward_hook(lambda m, i, o: seen["logits"].add(_local_shape(o)))
+    cfg = TrainConfig(strategy="fsdp", tp=2, micro_batch=4, seq_len=16, steps=1, precision="fp32", log_every=1,
+                      sequence_parallel=sequence_parallel)
+    t = Trainer(model, RandomTokens(64, 16, 64), None, cfg)
+    t.train_step(BatchStream(t.train_loader, 4, t.dp_size))
+    shapes = {k: sorted(v) for k, v in seen.items()}
+    full = t.model(torch.zeros(2, 16, dtype=torch.long))  # logits asked for: gathered
+    return t.strategy_reason, shapes, tuple(full.shape)
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+def test_sequence_and_loss_parallel_shard_what_they_should(sp):
+    """TP=2 on meshrun's GPT: with sequence parallelism every LayerNorm gets half of the 16
+    tokens; with loss parallelism (both cases) the head writes half of the 64-entry
+    vocabulary per token, and logits asked for come back whole."""
+    require("torch")
+    reason, seen, full = meshrun.run(_sequence_parallel_shapes, sp, nproc=2, timeout_s=300)
+    assert ("sequence parallel" in reason) == sp and "loss parallel" in reason
+    tokens = 8 if sp else 16
+    assert seen["blocks"] == [(4, tokens, 32)] and seen["ln_f"] == [(4, tokens, 32)]
+    assert seen["logits"] == [(4, 16, 32)] and full == (2, 16, 64)
 
 
 def _train_steps(overrides):

@@ -39,7 +39,9 @@ strategies (applied in this order: activation checkpointing -> compile -> data p
            process; DDP on CPU
 
 batch arithmetic: global batch = micro-batch x accumulation x data-parallel size; give
---global-batch and meshrun derives the accumulation (or refuses with the nearest valid sizes).
+--global-batch and meshrun derives the accumulation (or refuses with the nearest valid sizes);
+on GPUs with --strategy auto, give --global-batch without --micro-batch and the planner picks
+the largest micro-batch that fits (and the strategy that fits the largest).
 
 examples:
   meshrun train                                    # the default job
@@ -71,6 +73,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                help="hybrid: ranks per shard group (default: processes per node)")
     add_option(g, "--tp", type=int, metavar="N", default=None,
                help="tensor-parallel degree (DTensor, Megatron-style); FSDP2 shards over the remaining ranks")
+    add_option(g, "--sequence-parallel", metavar="on|off", choices=("on", "off"), default=None,
+               help="with --tp: keep the residual stream sharded along the sequence between the "
+                    "tensor-parallel layers (meshrun's GPT, without --pp; default on)")
     add_option(g, "--pp", type=int, metavar="N", default=None,
                help="pipeline stages (torch.distributed.pipelining; meshrun's GPT)")
     add_option(g, "--pp-schedule", metavar="S", default=None, help="1f1b (default), gpipe, interleaved")

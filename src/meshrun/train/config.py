@@ -41,6 +41,7 @@ class TrainConfig:
     fsdp: str = "auto"  # full (ZeRO-3) | grad_op (ZeRO-2) | hybrid (HSDP) | no_shard | auto
     fsdp_shard_size: int | None = None  # hybrid: ranks per shard group (default: processes per node)
     tp: int = 1  # tensor-parallel degree (DTensor); data parallel takes the rest of the world
+    sequence_parallel: bool = True  # under --tp: norms on a sequence shard (meshrun's GPT, without --pp)
     pp: int = 1  # pipeline stages (torch.distributed.pipelining), meshrun's GPT
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved (two stages per rank)
     pp_microbatches: int | None = None  # pieces each micro-batch is cut into (default: pp)
@@ -153,6 +154,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.strategy == "deepspeed" and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1):
         raise bad_value(cfg.source("strategy"), cfg.strategy, "does not combine with --tp/--pp/--cp here",
                         "use --strategy fsdp with them, or DeepSpeed alone")
+    if cfg.tp > 1 and cfg.sequence_parallel and cfg.pp == 1 and cfg.seq_len % cfg.tp:
+        raise bad_value(cfg.source("seq_len"), cfg.seq_len, f"does not split over --tp {cfg.tp} for sequence parallelism",
+                        f"a multiple of {cfg.tp}, or --sequence-parallel off")
     if cfg.pp > 1 and cfg.micro % (cfg.pp_microbatches or cfg.pp):
         n = cfg.pp_microbatches or cfg.pp
         raise bad_value(cfg.source("micro_batch"), cfg.micro, f"does not split into {n} pipeline micro-batches",
@@ -239,9 +243,9 @@ def _coerce(name: str, value: Any, type_name: str, source: str) -> Any:
     try:
         if "bool" in type_name:
             if isinstance(value, str):
-                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                if value.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                     raise ValueError
-                return value.lower() in ("1", "true", "yes")
+                return value.lower() in ("1", "true", "yes", "on")
             return bool(value)
         if "int" in type_name:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):

@@ -51,9 +51,12 @@ class Block(nn.Module):
     attend = staticmethod(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # n_heads is this rank's share under tensor parallelism, hence the inferred widths.
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, -1).unbind(2)
+        # n_heads is this rank's share under tensor parallelism, hence the inferred widths; the
+        # length comes from qkv's output, which is the whole sequence also when sequence
+        # parallelism hands this block a shard of it.
+        qkv = self.qkv(self.ln1(x))
+        b, t = qkv.shape[:2]
+        q, k, v = qkv.view(b, t, 3, self.n_heads, -1).unbind(2)
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         if hasattr(self, "moe"):
@@ -100,9 +103,15 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
+        # Under loss parallelism (train/parallelize.py) the logits are a DTensor sharded over
+        # the vocabulary: the loss is reduced across tensor-parallel ranks inside torch's
+        # loss_parallel(), and logits asked for are gathered.
+        sharded = hasattr(logits, "full_tensor")
         if targets is None:
-            return logits
+            return logits.full_tensor() if sharded else logits
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        if sharded:
+            loss = loss.full_tensor()
         if self.cfg.n_experts:
             loss = loss + self.cfg.aux_coef * sum(b.moe.aux for b in self.blocks)
         return loss

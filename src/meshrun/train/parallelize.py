@@ -94,13 +94,27 @@ def tp_family(block: nn.Module) -> str | None:
     return None
 
 
-def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh) -> None:
+def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+             gather_output: bool = True) -> bool:
     """Megatron-style tensor parallelism with DTensor: q/k/v and MLP-in column-wise (each rank
-    its heads / its slice of the hidden layer), attention-out and MLP-out row-wise (partial
-    sums all-reduced). Norms and embeddings stay replicated."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    its heads / its slice of the hidden layer), attention-out and MLP-out row-wise. Embeddings
+    and the final norm and head stay replicated.
+
+    ``sequence_parallel`` (meshrun's GPT): between the attention and MLP the residual stream
+    stays sharded along the sequence, so LayerNorms run on 1/tp of the tokens and keep 1/tp of
+    the activations; each all-reduce becomes a reduce-scatter after the row-wise layer and an
+    all-gather before the column-wise ones (the same bytes). The block list takes the whole
+    sequence and returns it whole: the first block keeps its shard of the sequence (a slice, no
+    traffic), the last gathers it (unless ``gather_output`` is off: apply_loss_parallel's final
+    norm takes the shards). Returns whether sequence parallelism was applied (not for
+    Llama-style HF blocks, whose rotary embeddings come for the whole sequence)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
 
     tp = tp_mesh.size()
+    families = {tp_family(b) for b in blocks}
+    sp = sequence_parallel and families == {"meshrun-gpt"}
     for i, block in enumerate(blocks):
         family = tp_family(block)
         if family is None:
@@ -115,7 +129,52 @@ def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh) -> None:
             block.n_heads //= tp  # the heads this rank computes
         plan = {path: ColwiseParallel() if kind == "col" else RowwiseParallel()
                 for path, kind in TP_PLANS[family].items()}
+        if sp:
+            seq = Shard(1)
+            plan.update({
+                "ln1": SequenceParallel(), "ln2": SequenceParallel(),
+                # one all-gather of the normed tokens for q, k and v together
+                "qkv": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "proj": RowwiseParallel(output_layouts=seq), "down": RowwiseParallel(output_layouts=seq),
+                "up": ColwiseParallel(input_layouts=seq),
+            })
         parallelize_module(block, tp_mesh, plan)
+    if sp:
+        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+        if gather_output:
+            parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
+                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
+    return sp
+
+
+def can_loss_parallel(model: nn.Module) -> bool:
+    """meshrun's GPT: a token embedding tied to a bias-free head, a final norm."""
+    tok, head = getattr(model, "tok", None), getattr(model, "head", None)
+    return (isinstance(tok, nn.Embedding) and isinstance(head, nn.Linear) and head.bias is None
+            and head.weight is tok.weight and isinstance(getattr(model, "ln_f", None), nn.LayerNorm))
+
+
+def apply_loss_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Loss parallelism for meshrun's GPT: the tied embedding/head weight sharded over the
+    vocabulary (each TP rank holds vocab/tp rows), so the head writes vocab/tp logits per
+    token and the cross-entropy is reduced across ranks (torch's ``loss_parallel``) instead
+    of every rank holding all the logits, which at vocab 50304 are the largest activation.
+    The embedding lookup becomes a masked lookup plus an all-reduce. Forward and backward
+    must run inside ``loss_parallel()`` (the trainer does). With sequence parallelism the
+    final norm runs on the sequence shard and the head gathers it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    parallelize_module(model, tp_mesh, {"tok": RowwiseParallel(input_layouts=Replicate(),
+                                                               output_layouts=Replicate())})
+    model.head.weight = model.tok.weight  # re-tie: the head shares the now vocab-sharded rows
+    plan: dict = {"head": PrepareModuleInput(input_layouts=(Shard(1) if sequence_parallel else Replicate(),),
+                                             desired_input_layouts=(Replicate(),))}
+    if sequence_parallel:
+        plan["ln_f"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, plan)
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:

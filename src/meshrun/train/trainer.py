@@ -30,6 +30,7 @@ from .gradnorm import clip_grad_norm, clip_grad_norm_sharded
 from .metrics import MetricsSink, mfu, peak_flops
 from .optim import build_optimizer, build_scheduler
 from .parallelize import (FSDPPlan, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp,
+                          apply_loss_parallel, can_loss_parallel,
                           apply_tp, choose_fsdp_flavour, choose_strategy, find_blocks, fsdp_mesh)
 from .runtime import Runtime, init_runtime
 
@@ -192,7 +193,15 @@ class Trainer:
                 raise MeshrunError("--tp/--pp: no block list found in the model (hint: name it with --blocks)")
             _same_initial_weights(model)
             if cfg.tp > 1:
-                apply_tp(blocks, self.mesh["tp"])
+                # sequence parallel needs the whole block list in one piece, not cut into stages
+                sp = cfg.sequence_parallel and cfg.pp == 1
+                # loss parallel: the tied vocabulary rows sharded over TP (not cut into stages either)
+                self.loss_parallel = cfg.pp == 1 and can_loss_parallel(model)
+                if apply_tp(blocks, self.mesh["tp"], sequence_parallel=sp, gather_output=not self.loss_parallel):
+                    self.strategy_reason += " (sequence parallel)"
+                if self.loss_parallel:
+                    apply_loss_parallel(model, self.mesh["tp"], sp)
+                    self.strategy_reason += " (loss parallel)"
         if cfg.pp > 1:
             return self._pipeline(model, blocks), None
         if self.cp_group is not None:
@@ -332,6 +341,16 @@ class Trainer:
             return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    loss_parallel = False  # the loss reduced over vocabulary shards (TP of meshrun's GPT)
+
+    def _loss_context(self) -> Any:
+        """Forward and backward of a loss-parallel model run inside torch's loss_parallel()."""
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
     # ---- the step -----------------------------------------------------------------------
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.model_takes_targets:
@@ -364,7 +383,7 @@ class Trainer:
                 self.engine.step()
                 loss_sum += loss.detach() / self.accum
                 continue
-            with self._grad_sync(micro == self.accum - 1), self._autocast():
+            with self._grad_sync(micro == self.accum - 1), self._autocast(), self._loss_context():
                 if self.pipe is not None:
                     loss_sum += self.pipe.step(x, y)  # forward and backward, micro-batch by micro-batch
                     continue
@@ -431,7 +450,8 @@ class Trainer:
                     if loss is not None:
                         total += torch.stack([loss.float(), torch.ones((), device=self.rt.device)])
                     continue
-                total += torch.stack([self._loss(x, y).float(), torch.ones((), device=self.rt.device)])
+                with self._loss_context():
+                    total += torch.stack([self._loss(x, y).float(), torch.ones((), device=self.rt.device)])
         self.model.train()
         dist.all_reduce(total)
         return (total[0] / total[1]).item() if total[1] > 0 else None
