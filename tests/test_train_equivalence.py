@@ -307,7 +307,7 @@ def test_iterable_dataset_is_sharded_and_trains():
     assert last < first / 3  # it learns (13.1 -> 3.0 in 40 steps here)
 
 
-def _llama_tp_logits_match():
+def _llama_tp_logits_match(sequence_parallel):
     import torch
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
@@ -317,21 +317,29 @@ def _llama_tp_logits_match():
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    full = transformers.LlamaForCausalLM(cfg).eval()
-    sharded = transformers.LlamaForCausalLM(cfg).eval()
+    full = transformers.LlamaForCausalLM(cfg)
+    sharded = transformers.LlamaForCausalLM(cfg)
     sharded.load_state_dict(full.state_dict())
-    apply_tp(sharded.model.layers, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    sp = apply_tp(sharded.model.layers, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)),
+                  sequence_parallel=sequence_parallel)
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = full(x).logits, sharded(x).logits
-    return float((a - b).abs().max()), float(a.abs().max())
+    a, b = full(x).logits, sharded(x).logits
+    # backward through the shards too: the embedding's gradient (replicated) must agree
+    (a.square().mean()).backward()
+    (b.square().mean()).backward()
+    ga, gb = full.model.embed_tokens.weight.grad, sharded.model.embed_tokens.weight.grad
+    return sp, float((a - b).abs().max()), float(a.abs().max()), float((ga - gb).abs().max()), float(ga.abs().max())
 
 
-def test_llama_blocks_tensor_parallel_plan():
-    """HF Llama blocks under the TP plan compute the same logits as the unsharded model."""
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_llama_blocks_tensor_parallel_plan(sp):
+    """HF Llama blocks under the TP plan (with and without sequence parallelism) compute the
+    same logits and input gradients as the unsharded model."""
     require("transformers")
-    diff, scale = meshrun.run(_llama_tp_logits_match, nproc=2, timeout_s=300)
+    applied, diff, scale, gdiff, gscale = meshrun.run(_llama_tp_logits_match, sp, nproc=2, timeout_s=300)
+    assert applied == sp
     assert diff <= 1e-5 * max(1.0, scale), (diff, scale)
+    assert gdiff <= 1e-5 * max(1.0, gscale), (gdiff, gscale)
 
 
 def _cp_attention_matches():

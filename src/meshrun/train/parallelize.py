@@ -13,6 +13,7 @@ to the compiler (DDPOptimizer splits the graph at bucket boundaries to overlap a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -106,15 +107,15 @@ def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh, sequence_parallel: bool
     all-gather before the column-wise ones (the same bytes). The block list takes the whole
     sequence and returns it whole: the first block keeps its shard of the sequence (a slice, no
     traffic), the last gathers it (unless ``gather_output`` is off: apply_loss_parallel's final
-    norm takes the shards). Returns whether sequence parallelism was applied (not for
-    Llama-style HF blocks, whose rotary embeddings come for the whole sequence)."""
+    norm takes the shards). The same for Llama-style HF blocks (their two RMSNorms). Returns
+    whether sequence parallelism was applied (not for a mix of block kinds)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel, parallelize_module)
 
     tp = tp_mesh.size()
     families = {tp_family(b) for b in blocks}
-    sp = sequence_parallel and families == {"meshrun-gpt"}
+    sp = sequence_parallel and len(families) == 1 and None not in families
     for i, block in enumerate(blocks):
         family = tp_family(block)
         if family is None:
@@ -129,7 +130,9 @@ def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh, sequence_parallel: bool
             block.n_heads //= tp  # the heads this rank computes
         plan = {path: ColwiseParallel() if kind == "col" else RowwiseParallel()
                 for path, kind in TP_PLANS[family].items()}
-        if sp:
+        if sp and family == "llama":
+            _llama_sequence_parallel(block, tp_mesh, plan)
+        elif sp:
             seq = Shard(1)
             plan.update({
                 "ln1": SequenceParallel(), "ln2": SequenceParallel(),
@@ -139,13 +142,61 @@ def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh, sequence_parallel: bool
                 "up": ColwiseParallel(input_layouts=seq),
             })
         parallelize_module(block, tp_mesh, plan)
-    if sp:
+    if sp and families == {"llama"}:  # HF passes the hidden states positionally or by name: own hooks
+        _on_hidden_states(blocks[0], lambda t: _relayout(t, tp_mesh, Replicate(), Shard(1)))
+        if gather_output:
+            blocks[-1].register_forward_hook(lambda m, a, out: _map_first(out, lambda t: _relayout(
+                t, tp_mesh, Shard(1), Replicate())))
+    elif sp:
         parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
         if gather_output:
             parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
                 output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
     return sp
+
+
+def _relayout(t: torch.Tensor, mesh: DeviceMesh, src: Any, dst: Any) -> torch.Tensor:
+    """A plain tensor laid out as ``src`` over the TP ranks, returned as ``dst`` (slice,
+    all-gather), differentiably (the backward is the opposite collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t, mesh, [src], run_check=False).redistribute(mesh, [dst]).to_local()
+
+
+def _map_first(out: Any, fn: Any) -> Any:
+    """Apply ``fn`` to a module's output, or to the first element of a tuple output."""
+    if isinstance(out, tuple):
+        return (fn(out[0]), *out[1:])
+    return fn(out)
+
+
+def _on_hidden_states(module: nn.Module, fn: Any) -> None:
+    """Re-lay a module's hidden-states input, given first positionally or as ``hidden_states=``."""
+    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (fn(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        return args, kwargs
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _llama_sequence_parallel(block: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> None:
+    """Sequence parallelism for an HF Llama-style decoder layer: its two RMSNorms run on the
+    sequence shard; attention and MLP all-gather their input (the rotary embeddings and the
+    causal mask are for the whole sequence, so attention sees all of it) and reduce-scatter
+    their output back onto the shard, where the residual adds happen."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+    plan.update({"input_layernorm": SequenceParallel(use_local_output=True),
+                 "post_attention_layernorm": SequenceParallel(use_local_output=True),
+                 "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                 "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
+    gather = lambda t: _relayout(t, tp_mesh, Shard(1), Replicate())  # noqa: E731
+    _on_hidden_states(block.self_attn, gather)
+    _on_hidden_states(block.mlp, gather)
 
 
 def can_loss_parallel(model: nn.Module) -> bool:
