@@ -154,9 +154,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.strategy == "deepspeed" and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1):
         raise bad_value(cfg.source("strategy"), cfg.strategy, "does not combine with --tp/--pp/--cp here",
                         "use --strategy fsdp with them, or DeepSpeed alone")
-    if cfg.tp > 1 and cfg.sequence_parallel and cfg.pp == 1 and cfg.seq_len % cfg.tp:
-        raise bad_value(cfg.source("seq_len"), cfg.seq_len, f"does not split over --tp {cfg.tp} for sequence parallelism",
-                        f"a multiple of {cfg.tp}, or --sequence-parallel off")
     if cfg.pp > 1 and cfg.micro % (cfg.pp_microbatches or cfg.pp):
         n = cfg.pp_microbatches or cfg.pp
         raise bad_value(cfg.source("micro_batch"), cfg.micro, f"does not split into {n} pipeline micro-batches",

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset, IterableDataset
 
-from ..errors import MeshrunError
+from ..errors import MeshrunError, bad_value
 from .config import TrainConfig, validate
 from . import checkpoint
 from .checkpoint import Position
@@ -199,6 +199,9 @@ class Trainer:
                 self.loss_parallel = cfg.pp == 1 and can_loss_parallel(model)
                 if apply_tp(blocks, self.mesh["tp"], sequence_parallel=sp, gather_output=not self.loss_parallel):
                     self.strategy_reason += " (sequence parallel)"
+                    if cfg.seq_len % cfg.tp:  # (checked after the layout and the heads: those errors come first)
+                        raise bad_value(cfg.source("seq_len"), cfg.seq_len, f"does not split over --tp {cfg.tp} "
+                                        "for sequence parallelism", f"a multiple of {cfg.tp}, or --sequence-parallel off")
                 if self.loss_parallel:
                     apply_loss_parallel(model, self.mesh["tp"], sp)
                     self.strategy_reason += " (loss parallel)"
