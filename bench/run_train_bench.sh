@@ -37,17 +37,6 @@ if [ "$SET" = final ]; then  # meshrun's defaults after tuning, plus the CLI's d
   run 1 --mode meshrun --size gpt-1.3b --micro 32 --compile
   timeout 200 python3 -m meshrun train --steps 60 --log-every 20 --out "$OUT/default-job" 2>&1 | grep -E "^meshrun|^step|rror" | tail -5
 fi
-if [ "$SET" = layouts ]; then  # issue 8/9: the same 1.3B model laid out six ways, same call (4 GPUs)
-  run "$N" --mode meshrun --size gpt-1.3b --micro 16 --compile --strategy fsdp
-  run "$N" --mode meshrun --size gpt-1.3b --micro 16 --compile --strategy fsdp --tp 4
-  run "$N" --mode meshrun --size gpt-1.3b --micro 16 --strategy fsdp --pp 4 --pp-schedule 1f1b
-  run "$N" --mode meshrun --size gpt-1.3b --micro 16 --compile --strategy fsdp --tp 2
-  run "$N" --mode meshrun --size gpt-1.3b --micro 16 --strategy deepspeed --zero 2
-  run "$N" --mode meshrun --size gpt-1.3b --micro 16 --strategy deepspeed --zero 3
-  run "$N" --mode meshrun --size gpt-1.3b --micro 4 --seq 8192 --compile --strategy fsdp --cp 4
-  run "$N" --mode meshrun --size gpt-350m --micro 16 --experts 8 --ep 4
-  run "$N" --mode meshrun --size gpt-350m --micro 16 --experts 8 --strategy ddp
-fi
 if [ "$SET" = 1.3b ] || [ "$SET" = all ]; then
   run "$N" --mode fsdp2 --size gpt-1.3b --micro 16 --compile
   run "$N" --mode meshrun --size gpt-1.3b --micro 16 --compile

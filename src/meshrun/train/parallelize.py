@@ -110,8 +110,8 @@ def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh, sequence_parallel: bool
     norm takes the shards). The same for Llama-style HF blocks (their two RMSNorms). Returns
     whether sequence parallelism was applied (not for a mix of block kinds)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
     tp = tp_mesh.size()
     families = {tp_family(b) for b in blocks}
@@ -142,17 +142,11 @@ def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh, sequence_parallel: bool
                 "up": ColwiseParallel(input_layouts=seq),
             })
         parallelize_module(block, tp_mesh, plan)
-    if sp and families == {"llama"}:  # HF passes the hidden states positionally or by name: own hooks
+    if sp:  # hooks, not PrepareModuleInput: HF passes the hidden states positionally or by name
         _on_hidden_states(blocks[0], lambda t: _relayout(t, tp_mesh, Replicate(), Shard(1)))
         if gather_output:
             blocks[-1].register_forward_hook(lambda m, a, out: _map_first(out, lambda t: _relayout(
                 t, tp_mesh, Shard(1), Replicate())))
-    elif sp:
-        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
-        if gather_output:
-            parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
-                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
     return sp
 
 
