@@ -4,6 +4,7 @@
 #                                           1-GPU baselines and compiler knobs run side by side
 #   bash bench/gpu_session.sh systems OUT   issues 7, 4, 5: bench vs direct, snapshots, planner grid
 #   bash bench/gpu_session.sh layouts OUT   issues 8, 9: the 1.3B model laid out seven ways
+#   bash bench/gpu_session.sh seqlen  OUT   issue 9: the longest sequence, FSDP2 alone vs FSDP2 x CP4 (1.3B, AC)
 # Results: OUT/results.jsonl (train_bench rows), OUT/summary.txt (every other result line).
 # Every run has its own time limit, and a part starts nothing after its deadline (DEADLINE_S).
 set -uo pipefail
@@ -80,6 +81,16 @@ layouts)
   tb 70 4 --mode meshrun --size gpt-350m --micro 16 --warmup 4 --steps 10 --experts 8 --ep 4
   tb 70 4 --mode meshrun --size gpt-350m --micro 16 --warmup 4 --steps 10 --experts 8 --strategy ddp
   ;;
-*) echo "unknown part $PART (train | systems | layouts)"; exit 2 ;;
+seqlen)
+  # doubling until a length fails (out of memory, or over its time limit); 1 warm-up + 1 timed step
+  for mode in "--strategy fsdp" "--strategy fsdp --cp 4"; do
+    for T in 16384 32768 65536 131072 262144 524288; do
+      before=$(grep -c "^BENCH" "$S" 2>/dev/null || echo 0)
+      tb 150 4 --mode meshrun --size gpt-1.3b --micro 1 --seq $T --warmup 1 --steps 1 --ac $mode
+      [ "$(grep -c "^BENCH" "$S")" -gt "$before" ] || { grep -m1 -o "OutOfMemoryError[^.]*" "$OUT/last.log" | tee -a "$S"; break; }
+    done
+  done
+  ;;
+*) echo "unknown part $PART (train | systems | layouts | seqlen)"; exit 2 ;;
 esac
 echo "part $PART done in $((SECONDS - T0)) s" | tee -a "$S"

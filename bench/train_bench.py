@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--ac", action="store_true", help="meshrun: activation checkpointing of every block")
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--fsdp", default="auto")
     ap.add_argument("--bucket-mb", type=int, default=100)
@@ -99,12 +100,13 @@ def main() -> None:
                           seq_len=args.seq, compile=args.compile,
                           steps=args.warmup + args.steps, lr=3e-4, log_every=10**9, grad_clip=1.0, fsdp=args.fsdp,
                           ddp_bucket_mb=args.bucket_mb, reduce_precision=args.reduce_precision,
+                          activation_checkpointing="full" if args.ac else "none",
                           **{k: v for k, v in dict(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
                                                    pp_schedule=args.pp_schedule, offload=args.offload).items()
                              if v is not None})
         trainer = Trainer(model, RandomTokens(1 << 20, args.seq, args.vocab), None, cfg)
         data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.dp_size)
-        extra.update(layout=trainer.strategy_reason, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
+        extra.update(ac=args.ac, seq=args.seq, layout=trainer.strategy_reason, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
                      strategy=trainer.strategy, fsdp=args.fsdp, bucket_mb=args.bucket_mb,
                      reduce_precision=args.reduce_precision)
         step_fn = lambda i: trainer.train_step(data)  # noqa: E731
