@@ -132,8 +132,9 @@ def _train_steps(overrides):
 
     overrides = dict(overrides)
     layers = overrides.pop("layers", 2)
+    experts = overrides.pop("n_experts", 0)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=layers, n_heads=4))
+    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=layers, n_heads=4, n_experts=experts))
     cfg = TrainConfig(steps=STEPS, seq_len=16, lr=3e-3, warmup=2, log_every=1, precision="fp32", **overrides)
     return {r["step"]: r["loss"] for r in Trainer(model, RandomTokens(512, 16, 64), None, cfg).fit()}
 
@@ -239,6 +240,23 @@ def test_mixture_of_experts_matches_one(reference_moe, nproc, overrides):
     """4 experts, top-2, load balancing over the global batch: replicated experts (DDP) and
     experts sharded over 2 or 4 ranks train exactly like one process."""
     close(run(nproc, micro_batch=8 // nproc, n_experts=4, **overrides), reference_moe)
+
+
+@pytest.mark.parametrize("nproc,resume_with", [(2, {"ep": 2}), (2, {"strategy": "ddp"}), (4, {"ep": 4})],
+                         ids=["ep2", "replicated", "ep4"])
+def test_expert_parallel_snapshot_keeps_every_ranks_experts(reference_moe, tmp_path, nproc, resume_with):
+    """Saved under EP=2 on 2 processes at step 3 (each rank holds 2 of the 4 experts), resumed
+    under EP=2, with the experts replicated, and under EP=4: steps 4-6 continue the reference
+    training. (A first version saved rank 0's experts only: DCP took the parts for replicas.)"""
+    out = str(tmp_path / "run")
+    meshrun.run(_train_steps, {"ep": 2, "micro_batch": 4, "n_experts": 4, "out": out, "save_every": 3},
+                nproc=2, timeout_s=300)
+    resumed = meshrun.run(_train_steps, {**resume_with, "micro_batch": 8 // nproc, "n_experts": 4, "out": out,
+                                         "resume": os.path.join(out, "checkpoints", "step-00000003")},
+                          nproc=nproc, timeout_s=300)
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(reference_moe[step - 1][0], rel=2e-4)
 
 
 def test_hybrid_shard_on_four_processes_matches_one(reference):

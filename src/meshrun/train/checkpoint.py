@@ -150,10 +150,13 @@ class PendingSave:
 
 
 def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               config_json: str, keep_last: int, async_group: Any = None) -> PendingSave:
+               config_json: str, keep_last: int, async_group: Any = None, local_shards: Any = None) -> PendingSave:
     """Every rank writes its shards and RNG state into the temporary directory. With
     ``async_group`` (a gloo group), the tensors are staged to CPU memory now and written by
-    a background thread while training goes on."""
+    a background thread while training goes on. ``local_shards(fqn)`` gives (mesh,
+    placements) for plain parameters that hold only this rank's part of a larger tensor (the
+    experts under expert parallelism): without it DCP would take them for replicas and keep
+    one rank's part."""
     rank = dist.get_rank()
     tmp = os.path.join(root, TMP_PREFIX + f"{position.step:08d}")
     pending = PendingSave(root, tmp, os.path.join(root, snapshot_name(position.step)), position, config_json,
@@ -169,7 +172,7 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
         _hash_own_files(tmp, rank)
         return pending
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _shards_as_dtensors({"model": model_sd, "optim": optim_sd}, local_shards)
     writer = dcp.FileSystemWriter(tmp, thread_count=io_threads())
     if async_group is None:
         dcp.save(state, storage_writer=writer)
@@ -269,9 +272,43 @@ def commit(p: PendingSave) -> str:
 
 
 def save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         config_json: str, keep_last: int) -> str:
+         config_json: str, keep_last: int, local_shards: Any = None) -> str:
     """Write and commit a snapshot (collective); returns its path."""
-    return commit(begin_save(root, position, model, optimizer, config_json, keep_last))
+    return commit(begin_save(root, position, model, optimizer, config_json, keep_last, local_shards=local_shards))
+
+
+def _shards_as_dtensors(sd: dict[str, Any], local_shards: Any) -> dict[str, Any]:
+    """The model and optimizer entries of per-rank parts, wrapped (no copy) as DTensors of
+    their global tensor, so DCP saves every rank's part and can reshard them on load."""
+    if local_shards is None:
+        return sd
+    from torch.distributed.tensor import DTensor
+
+    def wrap(fqn: str, t: Any, param_shape: Any) -> Any:
+        spec = local_shards(fqn)
+        if spec is None or not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.shape != param_shape:
+            return t  # not a part, or a scalar optimizer entry (Adam's step)
+        mesh, placements = spec
+        d = DTensor.from_local(t, mesh, placements, run_check=False)
+        d._meshrun_part = True  # type: ignore[attr-defined]  # ours to unwrap after a load
+        return d
+
+    model_sd = {k: wrap(k, v, getattr(v, "shape", None)) for k, v in sd["model"].items()}
+    shapes = {k: getattr(v, "shape", None) for k, v in sd["model"].items()}
+    optim = dict(sd["optim"])
+    optim["state"] = {k: {n: wrap(k, v, shapes.get(k)) for n, v in st.items()} for k, st in optim["state"].items()}
+    return {**sd, "model": model_sd, "optim": optim}
+
+
+def _shards_as_local(sd: dict[str, Any]) -> dict[str, Any]:
+    """Undo ``_shards_as_dtensors`` after a load: the parts, now holding the snapshot's values."""
+    def unwrap(v: Any) -> Any:
+        return v.to_local() if getattr(v, "_meshrun_part", False) else v
+
+    optim = dict(sd["optim"])
+    optim["state"] = {k: {n: unwrap(v) for n, v in st.items()} for k, st in optim["state"].items()}
+    return {**sd, "model": {k: unwrap(v) for k, v in sd["model"].items()}, "optim": optim}
+
 
 
 def prune(root: str, keep_last: int) -> None:
@@ -374,9 +411,11 @@ def verify(path: str, part: int = 0, parts: int = 1) -> dict[str, Any]:
         return json.load(f)
 
 
-def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Position, int]:
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         local_shards: Any = None) -> tuple[Position, int]:
     """Load a snapshot collectively; returns the position and the world size it was saved
-    with. The ranks verify a share of the files each; any failure stops every rank."""
+    with. The ranks verify a share of the files each; any failure stops every rank.
+    ``local_shards`` as for ``begin_save``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         state: Any = verify(path, rank, world)
@@ -400,8 +439,9 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
             raise MeshrunError(f"{path}: a DeepSpeed snapshot (hint: resume it with --strategy deepspeed)")
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        sd = {"model": model_sd, "optim": optim_sd}
-        dcp.load(sd, checkpoint_id=path, planner=SafeLoadPlanner())
+        sd = _shards_as_dtensors({"model": model_sd, "optim": optim_sd}, local_shards)
+        dcp.load(sd, checkpoint_id=path, planner=SafeLoadPlanner())  # into the wrapped local tensors, in place
+        sd = _shards_as_local(sd)
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         # Under pipeline parallelism (torch 2.13) the groups come back without the
         # hyperparameters DCP keys by parameter name (lr, betas, eps, weight decay): they

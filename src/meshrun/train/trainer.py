@@ -310,11 +310,24 @@ class Trainer:
         for m in moes:
             m.shard_experts(mesh["ep"].get_group())
         self.edp_group, self.ep_group = mesh["edp"].get_group(), mesh["ep"].get_group()
+        self.ep_mesh = mesh
         if self.ac:
             _checkpoint(blocks)
         if cfg.compile:
             apply_compile(model, blocks, per_block=True)
         return model
+
+    ep_mesh: Any = None  # the (edp, ep) mesh under --ep
+
+    def _local_shards(self) -> Any:
+        """For snapshots: under --ep each rank holds E/ep experts of every expert tensor, the
+        same part as its edp peers: (Replicate over edp, Shard(0) over ep) of the whole."""
+        if self.ep_mesh is None:
+            return None
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh = self.ep_mesh
+        return lambda fqn: (mesh, [Replicate(), Shard(0)]) if _is_expert(fqn) else None
 
     def _sync_expert_grads(self) -> None:
         """Sum over the ranks that hold each parameter, divide by the world: the gradient of
@@ -530,7 +543,7 @@ class Trainer:
         dist.barrier()
         position = Position()
         if path:
-            position, saved_world = checkpoint.load(path, self.model, self.optimizer)
+            position, saved_world = checkpoint.load(path, self.model, self.optimizer, self._local_shards())
             self.step = position.step
             for _ in range(position.step):  # the schedule is a pure function of the step
                 self.scheduler.step()
@@ -560,7 +573,8 @@ class Trainer:
                 self._async_group = dist.new_group(backend="gloo")
             group = self._async_group
         pending = checkpoint.begin_save(root, Position(self.step, data.epoch, data.samples), self.model,
-                                        self.optimizer, self.cfg.to_json(), self.cfg.keep_last, group)
+                                        self.optimizer, self.cfg.to_json(), self.cfg.keep_last, group,
+                                        self._local_shards())
         if group is None:
             checkpoint.commit(pending)
         else:
