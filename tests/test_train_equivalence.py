@@ -235,21 +235,27 @@ def reference_moe():
 
 
 @pytest.mark.parametrize("nproc,overrides", [(2, {"strategy": "ddp"}), (2, {"ep": 2}), (4, {"ep": 2}),
-                                             (4, {"ep": 4})], ids=["ddp", "ep2", "dp2xep2", "ep4"])
+                                             (4, {"ep": 4}), (2, {"ep": 2, "strategy": "fsdp"}),
+                                             (4, {"ep": 2, "strategy": "fsdp", "fsdp": "grad_op"})],
+                         ids=["ddp", "ep2", "dp2xep2", "ep4", "ep2-fsdp", "dp2xep2-fsdp"])
 def test_mixture_of_experts_matches_one(reference_moe, nproc, overrides):
     """4 experts, top-2, load balancing over the global batch: replicated experts (DDP) and
-    experts sharded over 2 or 4 ranks train exactly like one process."""
+    experts sharded over 2 or 4 ranks, the rest replicated or sharded by FSDP2, train exactly
+    like one process."""
     close(run(nproc, micro_batch=8 // nproc, n_experts=4, **overrides), reference_moe)
 
 
-@pytest.mark.parametrize("nproc,resume_with", [(2, {"ep": 2}), (2, {"strategy": "ddp"}), (4, {"ep": 4})],
-                         ids=["ep2", "replicated", "ep4"])
-def test_expert_parallel_snapshot_keeps_every_ranks_experts(reference_moe, tmp_path, nproc, resume_with):
-    """Saved under EP=2 on 2 processes at step 3 (each rank holds 2 of the 4 experts), resumed
-    under EP=2, with the experts replicated, and under EP=4: steps 4-6 continue the reference
-    training. (A first version saved rank 0's experts only: DCP took the parts for replicas.)"""
+@pytest.mark.parametrize("saved_with,nproc,resume_with", [
+    ({}, 2, {"ep": 2}), ({}, 2, {"strategy": "ddp"}), ({}, 4, {"ep": 4}), ({}, 4, {"ep": 2, "strategy": "fsdp"}),
+    ({"strategy": "fsdp"}, 2, {"ep": 2}),
+], ids=["ep2", "replicated", "ep4", "dp2xep2-fsdp", "from-ep2-fsdp"])
+def test_expert_parallel_snapshot_keeps_every_ranks_experts(reference_moe, tmp_path, saved_with, nproc, resume_with):
+    """Saved under EP=2 on 2 processes at step 3 (each rank holds 2 of the 4 experts; the rest
+    replicated or sharded by FSDP2), resumed under EP=2, with the experts replicated, under
+    EP=4, and under EP=2 x FSDP2 on 4 processes: steps 4-6 continue the reference training.
+    (A first version saved rank 0's experts only: DCP took the parts for replicas.)"""
     out = str(tmp_path / "run")
-    meshrun.run(_train_steps, {"ep": 2, "micro_batch": 4, "n_experts": 4, "out": out, "save_every": 3},
+    meshrun.run(_train_steps, {"ep": 2, "micro_batch": 4, "n_experts": 4, "out": out, "save_every": 3, **saved_with},
                 nproc=2, timeout_s=300)
     resumed = meshrun.run(_train_steps, {**resume_with, "micro_batch": 8 // nproc, "n_experts": 4, "out": out,
                                          "resume": os.path.join(out, "checkpoints", "step-00000003")},

@@ -84,7 +84,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--experts", type=int, metavar="E", default=None,
                help="built-in GPT: a mixture of E experts (top-2, dropless) in every block")
     add_option(g, "--ep", type=int, metavar="N", default=None,
-               help="expert parallel: experts sharded over N ranks, tokens exchanged by all-to-all")
+               help="expert parallel: experts sharded over N ranks, tokens exchanged by all-to-all; the rest "
+                    "replicated, or sharded by FSDP2 with --strategy fsdp")
     add_option(g, "--cp", type=int, metavar="N", default=None,
                help="context parallel: each sequence sharded over N ranks (zig-zag, all-gathered K/V; meshrun's GPT)")
     add_option(g, "--zero", type=int, metavar="S", default=None, help="--strategy deepspeed: ZeRO stage 1, 2 (default), 3")

@@ -143,9 +143,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                         "--zero 3, or --offload optimizer")
     if cfg.experts < 0:
         raise bad_value(cfg.source("experts"), cfg.experts, "must be >= 0")
-    if cfg.ep > 1 and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.strategy in ("fsdp", "deepspeed", "single")):
-        raise bad_value(cfg.source("ep"), cfg.ep, "runs with plain data parallelism so far",
-                        "--strategy auto or ddp, without --tp/--pp/--cp")
+    if cfg.ep > 1 and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.strategy in ("deepspeed", "single")):
+        raise bad_value(cfg.source("ep"), cfg.ep, "runs with data parallelism (DDP-style or FSDP2) for the rest",
+                        "--strategy auto, ddp or fsdp, without --tp/--pp/--cp")
     if cfg.cp > 1 and (cfg.tp > 1 or cfg.pp > 1):
         raise bad_value(cfg.source("cp"), cfg.cp, "does not combine with --tp/--pp yet", "context parallel with FSDP2")
     if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):

@@ -73,4 +73,6 @@ def clip_grad_norm_sharded(params: Iterable[tuple[str, torch.nn.Parameter]], is_
     s2 = torch.nn.utils.get_total_norm(split, 2.0).float() ** 2 if split else zero
     dist.all_reduce(s2, group=group)
     r2 = torch.nn.utils.get_total_norm(same, 2.0).float() ** 2 if same else zero
+    if hasattr(r2, "full_tensor"):  # FSDP2's shards of the replicated part (--ep with --strategy fsdp)
+        r2 = r2.full_tensor()
     return _scale(split + same, (s2 + r2).sqrt(), max_norm)

@@ -78,8 +78,10 @@ class MoE(nn.Module):
         for j in range(self.w_up.shape[0]):
             sel = (ids == self.first_expert + j).nonzero(as_tuple=True)[0]
             if sel.numel():
-                h = F.gelu(x[sel] @ self.w_up[j] + self.b_up[j], approximate="tanh")
-                out = out.index_add(0, sel, h @ self.w_down[j] + self.b_down[j])
+                # the experts stay fp32 under FSDP2's bf16 (it leaves them alone): compute in x's dtype
+                w_up, b_up, w_down, b_down = (t[j].to(x.dtype) for t in (self.w_up, self.b_up, self.w_down, self.b_down))
+                h = F.gelu(x[sel] @ w_up + b_up, approximate="tanh")
+                out = out.index_add(0, sel, h @ w_down + b_down)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

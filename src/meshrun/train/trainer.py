@@ -93,7 +93,9 @@ class Trainer:
             self._setup_mesh()
         elif cfg.ep > 1:
             self.strategy = "ep"
-            self.strategy_reason = f"expert parallel {cfg.ep}, data parallel over all {rt.world_size} ranks"
+            self.ep_fsdp = cfg.strategy == "fsdp"  # the rest sharded by FSDP2 instead of replicated
+            rest = "FSDP2" if self.ep_fsdp else "data parallel"
+            self.strategy_reason = f"expert parallel {cfg.ep}, {rest} over all {rt.world_size} ranks for the rest"
         elif cfg.strategy == "auto" and rt.cuda:
             self._plan_auto(model)
             cfg = self.cfg  # the planner may have chosen the micro-batch
@@ -315,9 +317,17 @@ class Trainer:
             _checkpoint(blocks)
         if cfg.compile:
             apply_compile(model, blocks, per_block=True)
+        if self.ep_fsdp:  # every parameter but the experts (each rank's own) sharded over all ranks
+            flavour, why = choose_fsdp_flavour(cfg.fsdp, rt, self.n_params)
+            self.strategy_reason += f"; fsdp {flavour}: {why}"
+            plan = FSDPPlan(flavour, cfg.fsdp_shard_size or rt.local_world_size)
+            experts = {p for n, p in model.named_parameters() if _is_expert(n)}
+            apply_fsdp(model, blocks, fsdp_mesh(rt, plan), plan, self.bf16, cfg.reduce_precision == "bf16",
+                       ignored=experts)
         return model
 
     ep_mesh: Any = None  # the (edp, ep) mesh under --ep
+    ep_fsdp = False  # --ep with --strategy fsdp
 
     def _local_shards(self) -> Any:
         """For snapshots: under --ep each rank holds E/ep experts of every expert tensor, the
@@ -335,6 +345,8 @@ class Trainer:
         of every token routed to it)."""
         world = self.rt.world_size
         for name, p in self.model.named_parameters():
+            if hasattr(p, "device_mesh"):  # FSDP2's (--ep with --strategy fsdp): averaged already
+                continue
             if p.grad is None:  # an expert no token reached here: its peers still reduce
                 p.grad = torch.zeros_like(p)
             expert = _is_expert(name)
@@ -345,7 +357,7 @@ class Trainer:
         """Skip the gradient all-reduce / reduce-scatter on micro-steps before the last."""
         if self.ddp is not None and not sync:
             return self.ddp.no_sync()
-        if self.strategy == "fsdp":
+        if self.strategy == "fsdp" or self.ep_fsdp:
             for module in (self.pipe.stages if self.pipe is not None else [self.model]):
                 module.set_requires_gradient_sync(sync)  # type: ignore[operator]
         return contextlib.nullcontext()
