@@ -310,7 +310,6 @@ def _shards_as_local(sd: dict[str, Any]) -> dict[str, Any]:
     return {**sd, "model": {k: unwrap(v) for k, v in sd["model"].items()}, "optim": optim}
 
 
-
 def prune(root: str, keep_last: int) -> None:
     """Delete all but the ``keep_last`` newest committed snapshots (0 keeps all). Only
     committed ones are candidates, so a snapshot being written is never touched, and the
