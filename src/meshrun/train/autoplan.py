@@ -49,8 +49,8 @@ def decide(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Decision
     fitting = [x for x in ours if x.fits]
     pick = next(iter(fitting), None)
     if train.micro_batch is None and fitting:
-        best = min(seconds_per_token(x, train.seq_len) for x in fitting)
-        pick = next(x for x in fitting if seconds_per_token(x, train.seq_len) <= best * 1.01)
+        cost = [seconds_per_token(x, train.seq_len) for x in fitting]
+        pick = next(x for x, c in zip(fitting, cost) if c <= min(cost) * 1.01)
     fits = pick is not None
     if pick is None:
         pick = min(ours, key=lambda x: x.memory.peak)  # type: ignore[union-attr]
@@ -63,7 +63,6 @@ def decide(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> Decision
     if micro is not None:
         reason += f", micro-batch {micro} x {pick.batch.accum} accumulation"  # type: ignore[union-attr]
     return Decision(strategy, fsdp, pick.strategy.ac, reason, fits, micro)
-
 
 
 def seconds_per_token(c: Candidate, seq_len: int) -> float:

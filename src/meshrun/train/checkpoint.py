@@ -293,8 +293,8 @@ def _shards_as_dtensors(sd: dict[str, Any], local_shards: Any) -> dict[str, Any]
         d._meshrun_part = True  # type: ignore[attr-defined]  # ours to unwrap after a load
         return d
 
-    model_sd = {k: wrap(k, v, getattr(v, "shape", None)) for k, v in sd["model"].items()}
     shapes = {k: getattr(v, "shape", None) for k, v in sd["model"].items()}
+    model_sd = {k: wrap(k, v, shapes[k]) for k, v in sd["model"].items()}
     optim = dict(sd["optim"])
     optim["state"] = {k: {n: wrap(k, v, shapes.get(k)) for n, v in st.items()} for k, st in optim["state"].items()}
     return {**sd, "model": model_sd, "optim": optim}

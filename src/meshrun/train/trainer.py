@@ -225,15 +225,7 @@ class Trainer:
                 _same_initial_weights(model)
             if cfg.compile:
                 apply_compile(model, blocks, per_block=True)
-            if self.fsdp_flavour:
-                flavour = self.fsdp_flavour
-            else:
-                flavour, why = choose_fsdp_flavour(cfg.fsdp, rt, self.n_params)
-                self.strategy_reason += f"; fsdp {flavour}: {why}"
-            plan = FSDPPlan(flavour, cfg.fsdp_shard_size or rt.local_world_size)
-            mesh = (self.mesh["dp_shard"] if self.mesh is not None else self.fsdp_mesh if self.fsdp_mesh is not None
-                    else fsdp_mesh(rt, plan))
-            apply_fsdp(model, blocks, mesh, plan, self.bf16, cfg.reduce_precision == "bf16")
+            self._shard(model, blocks)
             return model, None
         if self.strategy == "ddp":
             ddp = apply_ddp(model, rt, cfg.ddp_bucket_mb, cfg.reduce_precision == "bf16")
@@ -318,13 +310,22 @@ class Trainer:
         if cfg.compile:
             apply_compile(model, blocks, per_block=True)
         if self.ep_fsdp:  # every parameter but the experts (each rank's own) sharded over all ranks
+            self._shard(model, blocks, ignored={p for n, p in model.named_parameters() if _is_expert(n)})
+        return model
+
+    def _shard(self, model: nn.Module, blocks: nn.ModuleList | None, ignored: set | None = None) -> None:
+        """FSDP2 in the planner's or the configured flavour, over the data-parallel mesh of
+        the layout (TP/PP's dp_shard, CP's all ranks) or one of its own."""
+        cfg, rt = self.cfg, self.rt
+        if self.fsdp_flavour:
+            flavour = self.fsdp_flavour
+        else:
             flavour, why = choose_fsdp_flavour(cfg.fsdp, rt, self.n_params)
             self.strategy_reason += f"; fsdp {flavour}: {why}"
-            plan = FSDPPlan(flavour, cfg.fsdp_shard_size or rt.local_world_size)
-            experts = {p for n, p in model.named_parameters() if _is_expert(n)}
-            apply_fsdp(model, blocks, fsdp_mesh(rt, plan), plan, self.bf16, cfg.reduce_precision == "bf16",
-                       ignored=experts)
-        return model
+        plan = FSDPPlan(flavour, cfg.fsdp_shard_size or rt.local_world_size)
+        mesh = (self.mesh["dp_shard"] if self.mesh is not None else self.fsdp_mesh if self.fsdp_mesh is not None
+                else fsdp_mesh(rt, plan))
+        apply_fsdp(model, blocks, mesh, plan, self.bf16, cfg.reduce_precision == "bf16", ignored=ignored)
 
     ep_mesh: Any = None  # the (edp, ep) mesh under --ep
     ep_fsdp = False  # --ep with --strategy fsdp
