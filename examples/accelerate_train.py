@@ -8,6 +8,7 @@ Accelerator API (no deepspeed.initialize, no FSDP wrapping: accelerate does thos
 launched with --deepspeed-config or --use-fsdp). Every rank prints its weight checksum,
 which must agree, and the process count it sees.
 """
+import gc
 import sys
 
 import torch
@@ -30,5 +31,12 @@ total = accelerator.reduce(torch.tensor([1.0], device=accelerator.device), reduc
 sys.stdout.write(f"ACCEL index={accelerator.process_index} num={accelerator.num_processes} "
                  f"type={accelerator.distributed_type} counted={total:.0f} checksum={checksum:.6f}\n")
 sys.stdout.flush()
+# The order of meshrun's own teardown (train/runtime.py): the DDP wrapper's reducer holds the
+# process group, so free it (Accelerate keeps references too) before the group is destroyed;
+# else gloo can abort a finished rank at exit ("terminate called without an active exception",
+# seen once in CI with end_training alone).
+del model, opt
+accelerator.free_memory()
+gc.collect()
 accelerator.wait_for_everyone()
-accelerator.end_training()  # destroys the process group before interpreter exit (gloo can abort otherwise)
+accelerator.end_training()  # destroys the process group before interpreter exit
