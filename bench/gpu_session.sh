@@ -2,7 +2,8 @@
 # One lent 4-GPU machine, one part per call (each part ends inside a 10-minute call):
 #   bash bench/gpu_session.sh train   OUT   issue 3: meshrun's auto settings vs the hand-tuned peers,
 #                                           1-GPU baselines and compiler knobs run side by side
-#   bash bench/gpu_session.sh systems OUT   issues 7, 4, 5: bench vs direct, snapshots, planner grid
+#   bash bench/gpu_session.sh snapshots OUT issue 4: sync/async snapshots against torch.save on rank 0
+#   bash bench/gpu_session.sh grid OUT      issue 5: the planner's memory predictions against measured peaks
 #   bash bench/gpu_session.sh layouts OUT   issues 8, 9: the 1.3B model laid out seven ways
 #   bash bench/gpu_session.sh seqlen  OUT   issue 9: the longest sequence, FSDP2 alone vs FSDP2 x CP4 (1.3B, AC)
 # Results: OUT/results.jsonl (train_bench rows), OUT/summary.txt (every other result line).
@@ -41,30 +42,41 @@ python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$S"
 case "$PART" in
 train)
   G=524288  # the issue's global batch: 512K tokens per optimizer step
-  # 1-GPU baselines (scaling) and compiler knobs, one card each, side by side
+  # 1-GPU baselines (scaling) and the residual stream's dtype, A/B side by side, one card each
   one 0 240 124m-1gpu -- --mode meshrun --size gpt-124m --micro 128 --compile
-  one 1 240 124m-1gpu-coord TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 -- --mode meshrun --size gpt-124m --micro 128 --compile
-  one 2 240 124m-1gpu-autotune TORCHINDUCTOR_MAX_AUTOTUNE=1 -- --mode meshrun --size gpt-124m --micro 128 --compile
-  one 3 240 1.3b-1gpu -- --mode meshrun --size gpt-1.3b --micro 32 --compile --warmup 6 --steps 12
+  one 1 240 124m-1gpu-fp32-residual -- --mode meshrun --size gpt-124m --micro 128 --compile --fp32-residual
+  one 2 240 1.3b-1gpu -- --mode meshrun --size gpt-1.3b --micro 32 --compile --warmup 4 --steps 10
+  one 3 240 1.3b-1gpu-fp32-residual -- --mode meshrun --size gpt-1.3b --micro 32 --compile --warmup 4 --steps 10 --fp32-residual
   wait
-  # 4 GPUs, one after another: meshrun's auto choices first, then the hand-tuned peers
+  # 4 GPUs, one after another: meshrun's auto choices, the hand-tuned peers, then the alternatives
   tb 150 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
+  tb 100 4 --mode ddp_compile --size gpt-124m --micro 64
   tb 170 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8
-  tb 120 4 --mode ddp_compile --size gpt-124m --micro 64
-  tb 150 4 --mode fsdp2 --size gpt-1.3b --micro 16 --compile
-  tb 100 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --bucket-mb 1000
+  tb 120 4 --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10
+  tb 150 4 --mode meshrun --size gpt-1.3b --micro 32 --global-tokens $G --compile --warmup 3 --steps 8 --strategy ddp
+  export TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1
+  tb 150 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
+  unset TORCHINDUCTOR_COORDINATE_DESCENT_TUNING
   ;;
-systems)
-  echo "== issue 7: meshrun bench vs direct" | tee -a "$S"
-  timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=4 bench/bench_vs_direct.py \
-    --size 1GiB --matmul-n 8192 2>&1 | grep -E "^RESULT|Error" | tee -a "$S"
-  echo "== issue 4: snapshots, GPT 1.3B, 4 ranks" | tee -a "$S"
-  timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node=4 bench/checkpoint_bench.py \
-    --size gpt-1.3b --micro 8 --steps 150 --save-every 50 --dir /tmp/ckb 2>&1 | grep -E "^CKPT|Error" | tee -a "$S"
-  echo "== issue 5: planner grid, 4 GPUs then 1 (eager)" | tee -a "$S"
-  rem=$((DEADLINE_S - (SECONDS - T0) - 90))
+snapshots)
+  echo "== issue 4: snapshots, GPT 1.3B, FSDP2 on 4 ranks, micro-batch 32 (0.5-s steps), async every 50 steps" | tee -a "$S"
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=4 bench/checkpoint_bench.py \
+    --size gpt-1.3b --micro 32 --strategy fsdp --steps 100 --save-every 50 --dir /tmp/ckb 2>&1 | grep -E "^CKPT|Error" | tee -a "$S"
+  echo "== issue 4: the same, steady state (the staging buffers allocated by a first save, reported apart)" | tee -a "$S"
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=4 bench/checkpoint_bench.py --phases async \
+    --prestage --size gpt-1.3b --micro 32 --strategy fsdp --steps 100 --save-every 50 --dir /tmp/ckb 2>&1 | grep -E "^CKPT|Error" | tee -a "$S"
+  ;;
+grid)
+  echo "== issue 5: planner grid, 4 GPUs then 1 (eager); DeepSpeed rows one per process" | tee -a "$S"
+  rem=$((DEADLINE_S - (SECONDS - T0) - 300))
   [ $rem -gt 30 ] && timeout $((rem + 60)) python3 -m torch.distributed.run --standalone --nproc_per_node=4 \
-    bench/plan_accuracy.py measure --grid gpu --eager --budget-s $rem --out "$OUT/plan4.jsonl" 2>&1 | grep -E "MEM budget|Error" | tee -a "$S"
+    bench/plan_accuracy.py measure --grid gpu --eager --engines torch --budget-s $rem --out "$OUT/plan4.jsonl" 2>&1 | grep -E "MEM budget|Error" | tee -a "$S"
+  # per ZeRO stage (8 rows each): 124M micro 8, 1.3B micro 4 and 16, activation checkpointing off
+  for i in 0 4 5 8 12 13 16 20 21; do
+    late $((DEADLINE_S - 120)) "deepspeed row $i" && break
+    timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node=4 bench/plan_accuracy.py measure \
+      --grid gpu --eager --engines deepspeed --select $i --out "$OUT/plan4.jsonl" 2>&1 | grep -E "Error" | tee -a "$S"
+  done
   rem=$((DEADLINE_S - (SECONDS - T0) - 20))
   [ $rem -gt 20 ] && CUDA_VISIBLE_DEVICES=0 timeout $((rem + 30)) python3 -m torch.distributed.run --standalone \
     --nproc_per_node=1 bench/plan_accuracy.py measure --grid gpu --eager --budget-s $rem --out "$OUT/plan1.jsonl" 2>&1 | grep -E "MEM budget|Error" | tee -a "$S"
@@ -82,15 +94,22 @@ layouts)
   tb 70 4 --mode meshrun --size gpt-350m --micro 16 --warmup 4 --steps 10 --experts 8 --strategy ddp
   ;;
 seqlen)
-  # doubling until a length fails (out of memory, or over its time limit); 1 warm-up + 1 timed step
-  for mode in "--strategy fsdp" "--strategy fsdp --cp 4"; do
-    for T in 16384 32768 65536 131072 262144 524288; do
-      before=$(grep -c "^BENCH" "$S" 2>/dev/null || echo 0)
-      tb 150 4 --mode meshrun --size gpt-1.3b --micro 1 --seq $T --warmup 1 --steps 1 --ac $mode
-      [ "$(grep -c "^BENCH" "$S")" -gt "$before" ] || { grep -m1 -o "OutOfMemoryError[^.]*" "$OUT/last.log" | tee -a "$S"; break; }
-    done
-  done
+  # The longest sequence GPT 1.3B (full activation checkpointing) trains, one step each (a
+  # step takes ~50 s at 128K tokens). From the memory model: FSDP alone holds every token's
+  # logits (bf16 + fp32 copy + fp32 log-softmax: ~0.5 MB per token), so 128K fits a 141 GB
+  # card and 256K does not; CP4 holds a quarter of them, so 512K should fit.
+  sl() {  # sl LIMIT_S SEQ ARGS... : one step at SEQ tokens; the outcome goes to the summary
+    local lim=$1 T=$2; shift 2
+    before=$(grep -c "^BENCH" "$S" 2>/dev/null || true)
+    tb "$lim" 4 --mode meshrun --size gpt-1.3b --micro 1 --seq "$T" --warmup 0 --steps 1 --ac "$@"
+    [ "$(grep -c "^BENCH" "$S")" -gt "$before" ] && return 0
+    { grep -m1 -o "OutOfMemoryError[^.]*" "$OUT/last.log" || echo "no step within ${lim} s"; } | sed "s/^/seq $T $*: /" | tee -a "$S"
+    return 1
+  }
+  sl 110 131072 --strategy fsdp || sl 60 65536 --strategy fsdp
+  sl 90 262144 --strategy fsdp
+  sl 100 262144 --strategy fsdp --cp 4 && sl 250 524288 --strategy fsdp --cp 4
   ;;
-*) echo "unknown part $PART (train | systems | layouts | seqlen)"; exit 2 ;;
+*) echo "unknown part $PART (train | snapshots | grid | layouts | seqlen)"; exit 2 ;;
 esac
 echo "part $PART done in $((SECONDS - T0)) s" | tee -a "$S"

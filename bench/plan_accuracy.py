@@ -47,12 +47,15 @@ GRIDS = {
 }
 
 
-def grid(name: str, world: int, deepspeed: bool, compile_: bool) -> list[dict]:
-    strategies = ["single"] if world == 1 else ["ddp", "fsdp-grad-op", "fsdp-full"]
-    if deepspeed and world > 1:
-        strategies += ["zero1", "zero2", "zero3"]
+def grid(name: str, world: int, deepspeed: bool, compile_: bool, engines: str = "all") -> list[dict]:
+    """The configurations, meshrun's trainer first, then DeepSpeed's. DeepSpeed engines are
+    never freed inside a process (DeepSpeed keeps references to them), so a DeepSpeed row is
+    clean only as the first of its process: measure them one per torchrun (``--select``)."""
+    torch_s = ["single"] if world == 1 else ["ddp", "fsdp-grad-op", "fsdp-full"]
+    ds_s = ["zero1", "zero2", "zero3"] if deepspeed and world > 1 else []
+    strategies = {"torch": torch_s, "deepspeed": ds_s, "all": torch_s + ds_s}[engines]
     out = []
-    for (model, micros, seq), strategy, ac in itertools.product(GRIDS[name], strategies, (False, True)):
+    for strategy, (model, micros, seq), ac in itertools.product(strategies, GRIDS[name], (False, True)):
         for micro in micros:
             comp = compile_ and not strategy.startswith("zero")
             out.append(dict(model=model, strategy=strategy, ac=ac, micro=micro, seq=seq, compile=comp))
@@ -137,7 +140,9 @@ def measure(args: argparse.Namespace) -> None:
         has_ds = True
     except ImportError:
         pass
-    confs = grid(args.grid, rt.world_size, has_ds, not args.eager)
+    confs = grid(args.grid, rt.world_size, has_ds, not args.eager, args.engines)
+    if args.select:
+        confs = [confs[int(i)] for i in args.select.split(",")]
     card = torch.cuda.get_device_name(rt.device) if rt.cuda else "cpu"
     start = time.monotonic()
     for i, conf in enumerate(confs):
@@ -150,7 +155,7 @@ def measure(args: argparse.Namespace) -> None:
                 print(f"MEM budget of {args.budget_s} s spent: stopped after {i} of {len(confs)}", flush=True)
             break
         row = dict(conf, gpus=rt.world_size, card=card, torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                   precision="bf16" if rt.cuda else "fp32")
+                   precision="bf16" if rt.cuda else "fp32", bf16_residual=True)  # meshrun's GPT since 2026-11-26
         step = obj = None
         row["live_trainers"] = _live_trainers()
         if rt.cuda:  # what an earlier configuration left allocated would inflate this one's peak
@@ -203,7 +208,11 @@ def predict(row: dict, cal: dict | None = None) -> tuple[float, float]:
 
     if cal is not None:
         _override(cal)
-    plan = make_plan(PRESETS[row["model"]], ClusterSpec(1, row["gpus"], 10**15),
+    from dataclasses import replace
+
+    # rows measured before the GPT kept its residual stream in bf16 under autocast lack the key
+    spec = replace(PRESETS[row["model"]], bf16_residual=row.get("bf16_residual", False))
+    plan = make_plan(spec, ClusterSpec(1, row["gpus"], 10**15),
                      TrainSpec(row["seq"], row["micro"], None, precision=row.get("precision", "bf16"),
                                compile=row["compile"], activation_checkpointing="full" if row["ac"] else "none"),
                      framework="any")
@@ -289,6 +298,9 @@ def main() -> None:
     m.add_argument("--out", default=None)
     m.add_argument("--eager", action="store_true", help="do not compile (default: compile, as meshrun train does)")
     m.add_argument("--budget-s", type=float, default=None, help="start no configuration after this many seconds")
+    m.add_argument("--engines", choices=("torch", "deepspeed", "all"), default="all",
+                   help="which rows of the grid: meshrun's trainer, DeepSpeed's engines, or both")
+    m.add_argument("--select", default=None, help="only these rows of the grid (comma-separated indices)")
     for name in ("report", "fit"):
         p = sub.add_parser(name)
         p.add_argument("files", nargs="+")

@@ -36,17 +36,23 @@ def random_batch(micro: int, seq: int, vocab: int, device: torch.device, step: i
     return t[:, :-1], t[:, 1:]
 
 
-def make_model(size: str, seq: int, vocab: int, experts: int = 0) -> GPT:
+def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual: bool = False) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, **GPT_PRESETS[size]))
+    return GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, low_precision_residual=not fp32_residual,
+                         **GPT_PRESETS[size]))
+
+
+WARMUP_S = [0.0]  # the warm-up steps' wall time (compilation included)
 
 
 def timed_loop(step_fn, warmup: int, steps: int, device: torch.device) -> float:
+    t0 = time.perf_counter()
     for i in range(warmup):
         step_fn(i)
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
+    WARMUP_S[0] = time.perf_counter() - t0
     start = time.perf_counter()
     for i in range(steps):
         step_fn(warmup + i)
@@ -68,6 +74,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--ac", action="store_true", help="meshrun: activation checkpointing of every block")
+    ap.add_argument("--fp32-residual", action="store_true",
+                    help="keep the GPT's residual stream fp32 under autocast (the model before 2026-11-26)")
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--fsdp", default="auto")
     ap.add_argument("--bucket-mb", type=int, default=100)
@@ -86,7 +94,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     bf16 = cuda
-    model = make_model(args.size, args.seq, args.vocab, args.experts or 0)
+    model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual)
     flops_per_token = model.flops_per_token()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     extra: dict = {}
@@ -196,6 +204,7 @@ def main() -> None:
         "tokens_per_s_per_gpu": round(tokens_per_gpu), "mfu": round(tokens_per_gpu * flops_per_token / peak, 4)
         if peak else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
         "card": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+        "warmup_s": round(WARMUP_S[0], 1), "fp32_residual": args.fp32_residual,
         "date": time.strftime("%Y-%m-%d"),
     }
     if rank == 0:

@@ -272,6 +272,121 @@ def test_async_save_writes_the_same_snapshots_and_resumes(tmp_path):
     assert res.returncode == 0 and "at step 12" in res.stdout
 
 
+def test_async_fsdp_snapshots_equal_sync_ones(tmp_path):
+    """FSDP2 on 2 ranks (DTensor shards): the snapshots written in the background from the
+    reused staging buffers hold the same weights as synchronous ones at every step."""
+    require("torch")
+    from safetensors.torch import load_file
+
+    args = ["--model-size", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4", "--steps", "9", "--save-every", "3",
+            "--deterministic", "--strategy", "fsdp", "--nproc", "2", "--log-every", "3", "--keep-last", "5"]
+    sync, asy = tmp_path / "sync", tmp_path / "async"
+    for out, extra in ((sync, []), (asy, ["--async-save"])):
+        res = run_cli("train", *args, *extra, "--out", str(out))
+        assert res.returncode == 0, res.stderr[-3000:]
+    for step in ("step-00000003", "step-00000006"):  # both written asynchronously, the second from reused buffers
+        weights = []
+        for out in (sync, asy):
+            target = tmp_path / f"{out.name}-{step}.safetensors"
+            assert run_cli("export", str(out / "checkpoints" / step), "--to", str(target)).returncode == 0
+            weights.append(load_file(str(target)))
+        assert weights[0].keys() == weights[1].keys()
+        assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
+
+
+def _stage_twice():
+    """Stage an FSDP2 model's state, change the weights, stage again: the second staging
+    reuses the first one's buffers, and a staged copy never follows later changes."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from meshrun.train.staging import Stager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    stager = Stager()
+    state = {"model": get_state_dict(model, opt)[0], "optim": get_state_dict(model, opt)[1]}
+    first = stager.stage(state)
+    w = first["model"]["0.weight"]
+    kept = (type(w).__name__, w._local_tensor.clone(), w._local_tensor.data_ptr(), str(w.placements))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    unchanged = torch.equal(first["model"]["0.weight"]._local_tensor, kept[1])
+    second = stager.stage({"model": get_state_dict(model, opt)[0], "optim": get_state_dict(model, opt)[1]})
+    w2 = second["model"]["0.weight"]
+    return (kept[0], kept[3], unchanged, w2._local_tensor.data_ptr() == kept[2],
+            torch.equal(w2._local_tensor, kept[1] + 1.0), w2._local_tensor.device.type)
+
+
+def test_staging_buffers_are_reused_and_hold_a_copy():
+    require("torch")
+    kind, placements, unchanged, reused, updated, device = meshrun.run(_stage_twice, nproc=2, timeout_s=120)
+    assert kind == "DTensor" and "Shard(dim=0)" in placements  # DCP plans the write from the same layout
+    assert unchanged and reused and updated and device == "cpu"
+
+
+def _train_with_a_failing_disk(out):
+    """Async snapshots on 2 ranks whose files may not exceed 64 KB (RLIMIT_FSIZE): the first
+    background write fails for real (EFBIG), and the next save must say so on every rank."""
+    import resource
+
+    import torch
+
+    from meshrun.errors import MeshrunError
+    from meshrun.train import checkpoint
+    from meshrun.train.config import TrainConfig
+    from meshrun.train.data import RandomTokens
+    from meshrun.train.models import gpt
+    from meshrun.train.trainer import Trainer
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails with EFBIG instead of killing
+    torch.manual_seed(0)
+    cfg = TrainConfig(model_size="gpt-tiny", seq_len=32, micro_batch=4, steps=4, save_every=2, async_save=True,
+                      out=out, precision="fp32", log_every=2, strategy="fsdp")
+    trainer = Trainer(gpt("gpt-tiny", 32, 256), RandomTokens(256, 32, 256), None, cfg)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
+    message = None
+    try:
+        trainer.fit()
+    except MeshrunError as exc:
+        message = str(exc)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    with open(os.path.join(out, f"result-{torch.distributed.get_rank()}.json"), "w") as f:
+        json.dump({"message": message, "committed": checkpoint.committed(os.path.join(out, "checkpoints"))}, f)
+
+
+def test_failed_background_write_is_reported_and_not_committed(tmp_path):
+    require("torch")
+    meshrun.run(_train_with_a_failing_disk, str(tmp_path), nproc=2, timeout_s=180)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"result-{rank}.json").read_text())
+        assert "background write failed" in (result["message"] or ""), result
+        assert "not committed" in result["message"] and result["committed"] == []
+        assert "\n" not in result["message"] and "File too large" in result["message"]
+
+
+def test_failed_synchronous_write_is_one_line_exit_2(tmp_path):
+    """`meshrun train` whose files may not exceed 64 KB (ulimit -f, SIGXFSZ ignored): the
+    first snapshot's write fails for real; one line naming it, exit 2, nothing committed."""
+    require("torch")
+    import subprocess
+    import sys
+
+    cmd = (f"ulimit -f 64; trap '' XFSZ; exec {sys.executable} -m meshrun train --model-size gpt-tiny "
+           f"--seq-len 32 --micro-batch 4 --steps 4 --save-every 2 --strategy fsdp --nproc 2 --out {tmp_path}")
+    res = subprocess.run(["bash", "-c", cmd], env=clean_env(), capture_output=True, text=True, timeout=300)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "the write failed (OSError: [Errno 27] File too large); it is not committed" in last, last
+    assert not any(n.startswith("step-") for n in os.listdir(tmp_path / "checkpoints"))
+
+
 def test_resume_path_and_no_resume(snapshot, tmp_path):
     res = run_cli("train", "--example", "toy", "--steps", "6", "--out", str(tmp_path / "other"),
                   "--resume", str(snapshot))

@@ -276,6 +276,46 @@ def test_accumulation_equals_a_larger_batch(reference, strategy):
     close(run(nproc, strategy=strategy, micro_batch=micro, global_batch=8), reference)
 
 
+def test_grad_op_accumulation_keeps_parameters_gathered(reference):
+    """FSDP2 grad_op over four micro-steps: the same training as one process, and the
+    parameters are all-gathered once per optimizer step, not once per micro-step (they are
+    kept gathered from one micro-step's backward to the next one's forward)."""
+    close(run(2, strategy="fsdp", fsdp="grad_op", micro_batch=1, global_batch=8), reference)
+    once, four = (meshrun.run(_all_gathers_in_a_step, g, nproc=2, timeout_s=300) for g in (2, 8))
+    assert once == four > 0, (once, four)
+
+
+def _all_gathers_in_a_step(global_batch):
+    """All-gather calls in the second optimizer step of FSDP2 grad_op, micro-batch 1 on 2
+    ranks (counted at torch.distributed, whichever all-gather this torch's FSDP2 calls)."""
+    import torch
+    import torch.distributed as dist
+
+    from meshrun.train.config import TrainConfig
+    from meshrun.train.data import BatchStream, RandomTokens
+    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
+    cfg = TrainConfig(strategy="fsdp", fsdp="grad_op", micro_batch=1, global_batch=global_batch, seq_len=16,
+                      steps=2, precision="fp32", log_every=1)
+    t = Trainer(model, RandomTokens(64, 16, 64), None, cfg)
+    data = BatchStream(t.train_loader, 1, t.dp_size)
+    t.train_step(data)
+    calls = []
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base") if hasattr(dist, n)]
+    real = {n: getattr(dist, n) for n in names}
+    for n in names:
+        setattr(dist, n, lambda *a, _f=real[n], **k: (calls.append(1), _f(*a, **k))[1])
+    try:
+        t.train_step(data)
+    finally:
+        for n in names:
+            setattr(dist, n, real[n])
+    return len(calls)
+
+
 def test_clipping_matches_single_process():
     require("torch")
     one = run(1, strategy="single", micro_batch=8, grad_clip=0.05)
@@ -391,8 +431,9 @@ def _cp_attention_matches():
     return float(worst)
 
 
-def test_context_parallel_attention_outputs_and_gradients():
-    """Zig-zag shards, gathered K/V, position masks: the same outputs and q/k/v gradients
-    as causal attention over the whole sequence (fp32)."""
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_context_parallel_attention_outputs_and_gradients(nproc):
+    """Zig-zag shards, gathered K/V, each chunk causal over its key prefix: the same outputs
+    and q/k/v gradients as causal attention over the whole sequence (fp32), on every rank."""
     require("torch")
-    assert meshrun.run(_cp_attention_matches, nproc=2, timeout_s=120) < 1e-5
+    assert meshrun.run(_cp_attention_matches, nproc=nproc, timeout_s=120) < 1e-5

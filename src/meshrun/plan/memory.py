@@ -9,8 +9,9 @@ FSDP2 with a MixedPrecisionPolicy) keeps fp32 parameters and fp32 gradients inst
 
 Activations per layer per token follow Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models", section 4.1), redone for what PyTorch's autograd
-actually saves with flash attention under bf16 autocast (no s² term; fp32 residual stream
-and LayerNorm inputs, since the parameters are fp32), then scaled by calibrated factors for
+actually saves with flash attention under bf16 autocast (no s² term; an fp32 residual stream
+and LayerNorm inputs when the parameters are fp32, unless the model casts its residual stream
+to bf16 as meshrun's GPT does), then scaled by calibrated factors for
 torch.compile (calibration.json, fitted on GPUs by bench/plan_accuracy.py).
 """
 
@@ -88,7 +89,8 @@ def layer_activation_bytes(m: ModelSpec, precision: str, fp32_residual: bool = T
     """Bytes autograd keeps per token per layer, eager, flash attention (checked against the
     tensors autograd saves on CPU: tests/test_plan.py).
 
-    bf16 autocast: the residual stream and LayerNorm inputs stay fp32 (r = 4); matmul inputs
+    bf16 autocast: the residual stream and LayerNorm inputs stay fp32 (r = 4) unless the model
+    casts them (meshrun's GPT: r = 2); matmul inputs
     and outputs are bf16 (a = 2). Saved: norm input (r·h) and its bf16 cast for the next
     matmul (a·h), twice (a model run in bf16 outright: r = 2); the q/k/v projection (a·(h + 2·kv)); with rotary embeddings the
     rotated q and k (a·(h + kv)); the attention output (a·h); the MLP's hidden (a·f for up and
@@ -110,14 +112,15 @@ def activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[in
     or recomputation). Tensor parallelism with sequence parallelism divides everything by tp;
     1F1B pipelining keeps pp micro-batches of L/pp layers on the first stage: L layers' worth."""
     mode = "compiled" if t.compile and s.engine == "torch" else "eager"
-    per_layer = layer_activation_bytes(m, t.precision, autocast(t, s)) * calibration()["act_factor"][mode]
+    fp32_residual = autocast(t, s) and not m.bf16_residual
+    per_layer = layer_activation_bytes(m, t.precision, fp32_residual) * calibration()["act_factor"][mode]
     tokens = micro * t.seq_len / s.cp  # context parallel: this rank's shard of each sequence
     layers = m.layers  # L/pp layers x pp in-flight micro-batches on the first stage
     one_layer = per_layer * tokens / s.tp
     if s.cp > 1:  # the gathered keys and values of the whole sequence, one layer at a time
         one_layer += 2 * 2 * m.kv_dim * micro * t.seq_len
     if s.ac:
-        stored = (4 if autocast(t, s) or t.precision == "fp32" else 2) * m.hidden * tokens * layers / s.tp
+        stored = (4 if fp32_residual or t.precision == "fp32" else 2) * m.hidden * tokens * layers / s.tp
         return int(stored), int(one_layer)
     return int(one_layer * layers), int(one_layer / 4)
 
@@ -151,7 +154,8 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
         params = pw * p / (n if s.shard == "params" else 1)
         grads = gw * p / (n if s.shard in ("grads", "params") else 1)
         opt = master * p / (n if s.shard != "none" else 1)
-        bucket = 2 * 5e8 if s.shard in ("optimizer", "grads") else 0  # reduce/allgather buckets (5e8 elements)
+        # reduce/allgather buckets (5e8 elements), never more than the gradients they hold
+        bucket = 2 * min(5e8, p) if s.shard in ("optimizer", "grads") else 0
         if s.shard == "params":
             bucket = 2 * (2 * 0.9 * m.hidden**2 + 1e9 / max(1, m.layers))  # prefetch buckets + live params
             bucket += 2 * m.outer_params  # embeddings/head gathered while in use

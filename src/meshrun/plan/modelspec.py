@@ -34,6 +34,9 @@ class ModelSpec:
     block_class: str | None = None  # the class FSDP wraps (accelerate's transformer_layer_cls_to_wrap)
     experts: int = 0  # mixture of experts: experts per block (their parameters are in params)
     top_k: int = 2
+    # meshrun's GPT casts its residual stream to the autocast dtype (train/models.py); other
+    # models under autocast keep it fp32 (type promotion from the fp32 embeddings).
+    bf16_residual: bool = False
 
     @property
     def expert_params(self) -> int:
@@ -57,7 +60,8 @@ def gpt_spec(name: str, hidden: int, layers: int, heads: int, vocab: int = 50304
     block = 12 * hidden * hidden + 13 * hidden
     outer = vocab * hidden + seq * hidden + 2 * hidden
     return ModelSpec(name, layers * block + outer, layers, hidden, heads, heads, 4 * hidden, vocab,
-                     block, outer, gated_mlp=False, tied=True, max_seq=max_seq, block_class="Block")
+                     block, outer, gated_mlp=False, tied=True, max_seq=max_seq, block_class="Block",
+                     bf16_residual=True)
 
 
 def llama_spec(name: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
@@ -140,7 +144,8 @@ def from_hf_config(path: str, where: str = "--model") -> ModelSpec:
     else:
         spec = gpt_spec(str(name), hidden, layers, heads, vocab, seq or 1024, seq)
         spec = replace(spec, ffn=ffn)
-    spec = replace(spec, source=f"config {path} (parameters counted from its shapes)", block_class=None)
+    spec = replace(spec, source=f"config {path} (parameters counted from its shapes)", block_class=None,
+                   bf16_residual=False)
     exact = _count_with_transformers(cfg)
     if exact is not None:
         total, block, cls = exact
@@ -199,7 +204,7 @@ def from_module(model, name: str, source: str) -> ModelSpec:
     cfg = getattr(model, "cfg", None)
     if all(hasattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "vocab", "seq_len")):
         spec = gpt_spec(name, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.vocab, cfg.seq_len)
-        return replace(spec, source=source)
+        return replace(spec, source=source, bf16_residual=bool(getattr(cfg, "low_precision_residual", False)))
     total, block, cls = _count(model)
     found = find_blocks(model)
     layers = len(found[1]) if found else 1

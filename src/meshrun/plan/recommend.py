@@ -16,6 +16,9 @@ ASSUMED_MFU = 0.50  # FSDP2's compute efficiency for the step-time estimate (mes
 # the layouts benchmark that layout_efficiency is relative to)
 PCIE_BW = 25e9  # host <-> GPU bytes/s per GPU, for offload
 CPU_ADAM_BW = 10e9  # bytes of optimizer state per second a CPU Adam streams per GPU
+# torch's fused AdamW on an H200: 2.5 ms for GPT 124M, 26 ms for GPT 1.3B (profiled, docs/benchmarks.md),
+# once per optimizer step over the parameters this GPU updates: what makes accumulation pay for DDP.
+OPTIMIZER_S_PER_PARAM = 2.0e-11
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ def layout_efficiency(s: Strategy) -> float:
 
     eff = calibration().get("layout_efficiency", {})
     out = 1.0
+    if s.engine == "torch" and s.shard == "none" and s.tp * s.pp == 1:
+        out *= eff.get("replicated", 1.0)
     if s.tp > 1:
         out *= eff.get(f"tp{min(s.tp, 4)}", 1.0)
     if s.pp > 1:
@@ -94,7 +99,8 @@ def step_time(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Batch,
     """Compute at ASSUMED_MFU times the layout's measured efficiency (+1/3 recompute with AC,
     + the 1F1B bubble), plus the part of the data-parallel and TP traffic that backward
     cannot hide (assumed 80% overlap; TP's blocking all-reduces are in its measured
-    efficiency), plus offload's PCIe and CPU-Adam time."""
+    efficiency), plus the optimizer step over this GPU's share of the parameters (or
+    offload's PCIe and CPU-Adam time)."""
     tokens = b.micro * b.accum * t.seq_len  # per data-parallel replica
     flops = m.flops_per_token(t.seq_len) * tokens / (s.tp * s.pp) * (4 / 3 if s.ac else 1)
     compute = flops / (c.gpu_flops * ASSUMED_MFU * layout_efficiency(s))
@@ -103,11 +109,13 @@ def step_time(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Batch,
     group = s.shard_group if s.shard != "none" else s.dp
     bw = c.intra_bw if (c.nodes == 1 or group <= c.gpus_per_node) else min(c.intra_bw, c.inter_bw)
     exposed = max(0.0, comm / bw - 0.8 * compute * 2 / 3)
-    offload = 0.0
+    offload = optimizer = 0.0
     if s.offload_optimizer:
         shard = m.params / s.shard_group
         offload = 4 * shard / PCIE_BW + 16 * shard / CPU_ADAM_BW
-    return compute + exposed + offload
+    else:
+        optimizer = OPTIMIZER_S_PER_PARAM * m.params / (s.tp * s.pp) / (s.shard_group if s.shard != "none" else 1)
+    return compute + exposed + offload + optimizer
 
 
 def _evaluate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, limit: float) -> Candidate:

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..errors import MeshrunError
+from .staging import Stager
 
 FORMAT = 1
 MARKER = "COMMITTED.json"
@@ -147,6 +148,7 @@ class PendingSave:
     config_json: str
     keep_last: int
     hasher: Any = None  # an asynchronous save's background thread: wait for the writes, hash them
+    error: str | None = None  # what stopped that thread, if anything
 
 
 def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -175,19 +177,44 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
     state = _shards_as_dtensors({"model": model_sd, "optim": optim_sd}, local_shards)
     writer = dcp.FileSystemWriter(tmp, thread_count=io_threads())
     if async_group is None:
-        dcp.save(state, storage_writer=writer)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            dcp.save(state, storage_writer=writer)  # DCP raises the same failure on every rank
+        except CheckpointException as exc:
+            raise MeshrunError(f"snapshot {tmp}: the write failed ({_describe(exc)}); it is not committed and the "
+                               "previous snapshot stays the newest (hint: check the disk under --out: free "
+                               "space, permissions)") from None
         _hash_own_files(tmp, rank)
         return pending
-    future = dcp.async_save(state, storage_writer=writer, process_group=async_group)  # stages to CPU, returns
+    staged = _STAGER.stage(state)  # into reused CPU buffers; training may change the weights after this
 
     def finish() -> None:
-        future.result()
-        _hash_own_files(tmp, rank)
+        try:
+            dcp.save(staged, storage_writer=writer, process_group=async_group)
+            _hash_own_files(tmp, rank)
+        # BaseException: DCP's CheckpointException is not an Exception. Reported to every rank
+        # by commit(), which then seals nothing.
+        except BaseException as exc:  # noqa: BLE001
+            pending.error = _describe(exc)
 
     pending.hasher = threading.Thread(target=finish, name="meshrun-snapshot", daemon=True)
     pending.hasher.start()
     return pending
 
+
+def _describe(exc: BaseException) -> str:
+    """One line for a failed write: DCP's CheckpointException carries each rank's exception
+    (and a traceback we do not want in an error line)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        wrapped = failures[min(failures)]
+        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+_STAGER = Stager()  # this process's staging buffers for asynchronous snapshots, reused by every save
 
 DS_DIR = "deepspeed"  # a DeepSpeed engine's own checkpoint files, inside the snapshot
 
@@ -241,6 +268,14 @@ def commit(p: PendingSave) -> str:
     marker, atomic rename) once every rank is done."""
     if p.hasher is not None:
         p.hasher.join()
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, p.error)  # every rank learns of a failed write, and none seals it
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            rank, why = failed[0]
+            raise MeshrunError(f"snapshot {p.tmp}: rank {rank}'s background write failed ({why}); it is not "
+                               "committed and the previous snapshot stays the newest (hint: check the disk "
+                               "under --out: free space, permissions)")
     pause = float(os.environ.get("MESHRUN_SAVE_PAUSE_S") or 0)
     if pause:  # a debugging aid: hold a save between its shards and its commit (crash tests)
         time.sleep(pause)

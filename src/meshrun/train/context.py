@@ -52,19 +52,34 @@ class _GatherSeq(torch.autograd.Function):
 
 
 class ContextAttention:
-    """The ``attend`` of a block under context parallelism."""
+    """The ``attend`` of a block under context parallelism.
+
+    Each of this rank's two chunks (positions [a, a + c)) attends to the keys [0, a + c): a
+    causal mask aligned to the lower right of that (c, a + c) block. torch's
+    ``causal_lower_right`` lets SDPA run it with its fused kernels; a dense boolean mask over
+    the whole sequence (the first version) forced the masked kernel, which read a
+    (seq/cp) x seq mask per layer and ran 3x slower per GPU than FSDP alone at 128K tokens
+    (docs/benchmarks.md)."""
 
     def __init__(self, group: Any, cp: int, rank: int, seq_len: int, device: torch.device) -> None:
         self.group, self.cp = group, cp
         self.local = zigzag_index(seq_len, cp, rank).to(device)  # this rank's positions
         order = torch.cat([zigzag_index(seq_len, cp, r) for r in range(cp)])
         self.unshuffle = torch.argsort(order).to(device)  # gathered order -> sequence order
-        self.mask = self.local[:, None] >= torch.arange(seq_len, device=device)[None, :]  # causal, by position
+        c = seq_len // (2 * cp)
+        self.chunk = c
+        self.ends = ((rank + 1) * c, (2 * cp - rank) * c)  # where each of the two chunks ends
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.bias import causal_lower_right
+
         k_all = _GatherSeq.apply(k, self.group)[:, :, self.unshuffle]
         v_all = _GatherSeq.apply(v, self.group)[:, :, self.unshuffle]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=self.mask)
+        c = self.chunk
+        out = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k_all[:, :, :end], v_all[:, :, :end],
+                                              attn_mask=causal_lower_right(c, end))
+               for i, end in enumerate(self.ends)]
+        return torch.cat(out, dim=2)
 
 
 def apply_cp(model: nn.Module, blocks: nn.ModuleList, group: Any, cp: int, rank: int, seq_len: int,

@@ -22,6 +22,8 @@ class GPTConfig:
     n_experts: int = 0  # > 0: a mixture-of-experts MLP in every block (train/moe.py)
     top_k: int = 2
     aux_coef: float = 0.01  # weight of the load-balancing loss
+    # Under autocast, keep the residual stream in the compute dtype (bf16) rather than fp32.
+    low_precision_residual: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -100,6 +102,13 @@ class GPT(nn.Module):
         # Under context parallelism this rank holds a shard of the sequence: its positions.
         positions = self.positions if self.positions is not None else torch.arange(t, device=idx.device)
         x = self.tok(idx) + self.pos(positions)
+        dev = x.device.type
+        if self.cfg.low_precision_residual and torch.is_autocast_enabled(dev):
+            # The residual stream in the compute dtype, as FSDP2's bf16 parameters keep it:
+            # otherwise type promotion keeps it fp32 (the embeddings are fp32 under autocast)
+            # and every norm and residual add moves twice the bytes. Norms still compute in
+            # fp32 (autocast upcasts layer_norm); the loss is taken in fp32 below.
+            x = x.to(torch.get_autocast_dtype(dev))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
