@@ -53,10 +53,9 @@ train)
   tb 100 4 --mode ddp_compile --size gpt-124m --micro 64
   tb 170 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8
   tb 120 4 --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10
-  tb 150 4 --mode meshrun --size gpt-1.3b --micro 32 --global-tokens $G --compile --warmup 3 --steps 8 --strategy ddp
-  export TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1
-  tb 150 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
-  unset TORCHINDUCTOR_COORDINATE_DESCENT_TUNING
+  tb 150 4 --mode meshrun --size gpt-1.3b --micro 32 --global-tokens $G --compile --warmup 3 --steps 8 --strategy fsdp
+  # next knob: fewer, larger DDP buckets (100 MB cuts 1.3B's compiled graph into ~52 pieces)
+  tb 150 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8 --bucket-mb 1000
   ;;
 snapshots)
   echo "== issue 4: snapshots, GPT 1.3B, FSDP2 on 4 ranks, micro-batch 32 (0.5-s steps), async every 50 steps" | tee -a "$S"

@@ -66,19 +66,21 @@ class ContextAttention:
         self.local = zigzag_index(seq_len, cp, rank).to(device)  # this rank's positions
         order = torch.cat([zigzag_index(seq_len, cp, r) for r in range(cp)])
         self.unshuffle = torch.argsort(order).to(device)  # gathered order -> sequence order
-        c = seq_len // (2 * cp)
-        self.chunk = c
-        self.ends = ((rank + 1) * c, (2 * cp - rank) * c)  # where each of the two chunks ends
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         from torch.nn.attention.bias import causal_lower_right
 
+        c = seq_len // (2 * cp)
+        self.chunk = c
+        ends = ((rank + 1) * c, (2 * cp - rank) * c)  # where each of the two chunks ends
+        # built here, not per call: torch.compile cannot trace their construction (a graph break)
+        self.masks = [(end, causal_lower_right(c, end)) for end in ends]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_all = _GatherSeq.apply(k, self.group)[:, :, self.unshuffle]
         v_all = _GatherSeq.apply(v, self.group)[:, :, self.unshuffle]
         c = self.chunk
         out = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k_all[:, :, :end], v_all[:, :, :end],
-                                              attn_mask=causal_lower_right(c, end))
-               for i, end in enumerate(self.ends)]
+                                              attn_mask=mask)
+               for i, (end, mask) in enumerate(self.masks)]
         return torch.cat(out, dim=2)
 
 
