@@ -182,9 +182,7 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
         try:
             dcp.save(state, storage_writer=writer)  # DCP raises the same failure on every rank
         except CheckpointException as exc:
-            raise MeshrunError(f"snapshot {tmp}: the write failed ({_describe(exc)}); it is not committed and the "
-                               "previous snapshot stays the newest (hint: check the disk under --out: free "
-                               "space, permissions)") from None
+            raise _write_failed(tmp, f"the write failed ({_describe(exc)})") from None
         _hash_own_files(tmp, rank)
         return pending
     staged = _STAGER.stage(state)  # into reused CPU buffers; training may change the weights after this
@@ -201,6 +199,11 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
     pending.hasher = threading.Thread(target=finish, name="meshrun-snapshot", daemon=True)
     pending.hasher.start()
     return pending
+
+
+def _write_failed(tmp: str, what: str) -> MeshrunError:
+    return MeshrunError(f"snapshot {tmp}: {what}; it is not committed and the previous snapshot stays the newest "
+                        "(hint: check the disk under --out: free space, permissions)")
 
 
 def _describe(exc: BaseException) -> str:
@@ -273,9 +276,7 @@ def commit(p: PendingSave) -> str:
         failed = [(r, e) for r, e in enumerate(errors) if e]
         if failed:
             rank, why = failed[0]
-            raise MeshrunError(f"snapshot {p.tmp}: rank {rank}'s background write failed ({why}); it is not "
-                               "committed and the previous snapshot stays the newest (hint: check the disk "
-                               "under --out: free space, permissions)")
+            raise _write_failed(p.tmp, f"rank {rank}'s background write failed ({why})")
     pause = float(os.environ.get("MESHRUN_SAVE_PAUSE_S") or 0)
     if pause:  # a debugging aid: hold a save between its shards and its commit (crash tests)
         time.sleep(pause)
