@@ -11,8 +11,9 @@ from .spec import ClusterSpec, TrainSpec
 
 # What each engine can run; meshrun train runs the torch ones.
 ENGINES = {"torch": ("torch", "megatron"), "deepspeed": ("deepspeed",), "any": ("torch", "deepspeed", "megatron")}
-# Measured (docs/benchmarks.md, GPT 1.3B on 4 x H200): from here FSDP2 keeping parameters
-# gathered beat DDP even when a replica fits, so it ranks first among torch strategies.
+# Measured (docs/benchmarks.md, GPT 1.3B on 4 x H200, no accumulation): from here FSDP2 keeping
+# parameters gathered beat DDP even when a replica fits, so it ranks first among torch
+# strategies; when both fit, the step-time estimate has the last word (recommend._faster_twin).
 FSDP_FIRST_FROM_PARAMS = 1_000_000_000
 
 
