@@ -54,9 +54,10 @@ def reasons_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidat
         out.append("CPU offload: the last resort the guide names; expect a 2-5x slower step")
     if s.tp * s.pp > 1:
         out.append(f"tensor x pipeline parallelism: TP={s.tp} within a node, PP={s.pp}, DP={s.dp}")
-    twin = next((x for x in cands if x.strategy.name in ("ddp", "fsdp-grad-op") and x.strategy.name != s.name
-                 and x.strategy.ac == s.ac and x.fits and x.batch == pick.batch), None)
-    if s.name in ("ddp", "fsdp-grad-op") and twin is not None:
+    from .recommend import fitting_twin
+
+    twin = fitting_twin(pick, cands)
+    if twin is not None:
         out.append(f"{s.label} over {twin.strategy.label}: about {pick.step_time_s:.3g} vs {twin.step_time_s:.3g} s "
                    "per step (FSDP2 shards the optimizer step; DDP's one graph runs no FSDP hooks and accumulation "
                    "spreads its optimizer step; docs/benchmarks.md)")

@@ -153,16 +153,23 @@ def _evaluate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, limit: fl
 TWINS = {"ddp": "fsdp-grad-op", "fsdp-grad-op": "ddp"}
 
 
+def fitting_twin(pick: Candidate, cands: list[Candidate]) -> Candidate | None:
+    """The other of DDP / FSDP2 grad_op, when it fits with the same batch and checkpointing."""
+    if pick.strategy.name not in TWINS:
+        return None
+    return next((x for x in cands if x.strategy.name == TWINS[pick.strategy.name]
+                 and x.strategy.ac == pick.strategy.ac and x.fits and x.batch == pick.batch), None)
+
+
 def _faster_twin(pick: Candidate | None, cands: list[Candidate]) -> Candidate | None:
     """DDP or FSDP2 grad_op, whichever the step-time estimate says is faster when both fit
     with the same batch: the guide leaves this choice to measurement, and the measurements
     go both ways (GPT 1.3B on 4 x H200: FSDP2 2.3% faster without accumulation, its
     optimizer step sharded; DDP 2.9% faster with 4-step accumulation, its one-graph model
     running no FSDP hooks). The flowchart's order stands on a near-tie (within 1%)."""
-    if pick is None or pick.strategy.name not in TWINS:
+    if pick is None:
         return pick
-    twin = next((x for x in cands if x.strategy.name == TWINS[pick.strategy.name]
-                 and x.strategy.ac == pick.strategy.ac and x.fits and x.batch == pick.batch), None)
+    twin = fitting_twin(pick, cands)
     if twin is not None and twin.step_time_s < 0.99 * pick.step_time_s:
         return twin
     return pick

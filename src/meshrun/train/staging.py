@@ -61,7 +61,6 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: Any = None
         self._signature: list[tuple] | None = None
-        self.pinned = False
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
@@ -71,7 +70,7 @@ class Stager:
         if self._buffers is None or sig != self._signature:  # first save, or the state changed shape
             self._buffers = None  # free the old buffers before allocating new ones
             self._buffers = _create_cpu_state_dict(state, pin_memory=cuda)
-            self._signature, self.pinned = sig, cuda
+            self._signature = sig
         staged = _copy_state_dict(state, self._buffers, non_blocking=cuda, type_check=False)
         if cuda:
             torch.cuda.synchronize()  # the copies are complete before training changes a weight
