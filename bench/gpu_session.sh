@@ -42,20 +42,37 @@ python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$S"
 case "$PART" in
 train)
   G=524288  # the issue's global batch: 512K tokens per optimizer step
-  # 1-GPU baselines (scaling) and the residual stream's dtype, A/B side by side, one card each
-  one 0 240 124m-1gpu -- --mode meshrun --size gpt-124m --micro 128 --compile
-  one 1 240 124m-1gpu-fp32-residual -- --mode meshrun --size gpt-124m --micro 128 --compile --fp32-residual
-  one 2 240 1.3b-1gpu -- --mode meshrun --size gpt-1.3b --micro 32 --compile --warmup 4 --steps 10
-  one 3 240 1.3b-1gpu-fp32-residual -- --mode meshrun --size gpt-1.3b --micro 32 --compile --warmup 4 --steps 10 --fp32-residual
+  M124="--mode meshrun --size gpt-124m --micro 128 --compile"
+  M13="--mode meshrun --size gpt-1.3b --micro 32 --compile --warmup 4 --steps 10"
+  # Round 1, side by side, one card each: the chunked linear + cross-entropy and the SDPA
+  # backends against the current default (124M, 1 GPU)
+  one 0 200 124m-plain -- $M124 --loss plain
+  one 1 200 124m-fused -- $M124 --loss fused
+  one 2 200 124m-plain-flash -- $M124 --loss plain --sdpa flash
+  one 3 200 124m-plain-cudnn -- $M124 --loss plain --sdpa cudnn
   wait
-  # 4 GPUs, one after another: meshrun's auto choices, the hand-tuned peers, then the alternatives
-  tb 150 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
-  tb 100 4 --mode ddp_compile --size gpt-124m --micro 64
-  tb 170 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8
-  tb 120 4 --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10
-  tb 150 4 --mode meshrun --size gpt-1.3b --micro 32 --global-tokens $G --compile --warmup 3 --steps 8 --strategy fsdp
-  # next knob: fewer, larger DDP buckets (100 MB cuts 1.3B's compiled graph into ~52 pieces)
-  tb 150 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8 --bucket-mb 1000
+  # the faster SDPA backend goes on (by round 1's tokens/s)
+  SDPA=$(python3 - "$S" <<'PY'
+import json, re, sys
+rows = {m.group(1): json.loads(m.group(2)) for m in re.finditer(r"^BENCH \[(124m-[a-z-]+)\] (.*)$", open(sys.argv[1]).read(), re.M)}
+tps = {b: rows.get(f"124m-plain-{b}", {}).get("tokens_per_s_per_gpu", 0) for b in ("flash", "cudnn")}
+print(max(tps, key=tps.get) if max(tps.values()) else "default")
+PY
+)
+  echo "round 2 uses --sdpa $SDPA" | tee -a "$S"
+  # Round 2, side by side: 1.3B plain vs fused; 124M fused with that backend, global 128K
+  # (the same per-GPU work as one rank of the 4-GPU run: weak scaling) and 512K (4 x accumulation)
+  one 0 200 1.3b-plain -- $M13 --loss plain --sdpa $SDPA
+  one 1 200 1.3b-fused -- $M13 --loss fused --sdpa $SDPA
+  one 2 200 124m-fused-g128k -- $M124 --loss fused --sdpa $SDPA --micro 0 --global-tokens 131072
+  one 3 200 124m-fused-g512k -- $M124 --loss fused --sdpa $SDPA --micro 0 --global-tokens $G
+  wait
+  # 4 GPUs, one after another: meshrun's auto choices with the fused loss, the hand-tuned peers
+  tb 130 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --loss fused --sdpa $SDPA
+  tb 100 4 --mode ddp_compile --size gpt-124m --micro 64 --loss plain --sdpa $SDPA
+  tb 160 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8 --loss fused --sdpa $SDPA
+  tb 150 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8 --bucket-mb 1000 --loss fused --sdpa $SDPA
+  tb 110 4 --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10 --loss plain --sdpa $SDPA
   ;;
 snapshots)
   echo "== issue 4: snapshots, GPT 1.3B, FSDP2 on 4 ranks, micro-batch 32 (0.5-s steps), async every 50 steps" | tee -a "$S"
@@ -105,9 +122,10 @@ seqlen)
     { grep -m1 -o "OutOfMemoryError[^.]*" "$OUT/last.log" || echo "no step within ${lim} s"; } | sed "s/^/seq $T $*: /" | tee -a "$S"
     return 1
   }
-  sl 110 131072 --strategy fsdp || sl 60 65536 --strategy fsdp
-  sl 90 262144 --strategy fsdp
-  sl 100 262144 --strategy fsdp --cp 4 && sl 250 524288 --strategy fsdp --cp 4
+  # With the chunked loss (train/losses.py) no token's logits are held: FSDP alone should
+  # pass 256K; CP4 (attention per zig-zag chunk over its key prefix) 512K.
+  sl 150 262144 --strategy fsdp --loss fused || sl 90 131072 --strategy fsdp --loss fused
+  sl 100 262144 --strategy fsdp --cp 4 --loss fused && sl 250 524288 --strategy fsdp --cp 4 --loss fused
   ;;
 *) echo "unknown part $PART (train | snapshots | grid | layouts | seqlen)"; exit 2 ;;
 esac

@@ -36,10 +36,22 @@ def random_batch(micro: int, seq: int, vocab: int, device: torch.device, step: i
     return t[:, :-1], t[:, 1:]
 
 
-def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual: bool = False) -> GPT:
+def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual: bool = False,
+               loss: str = "default") -> GPT:
     torch.manual_seed(0)
+    fused = GPTConfig.fused_loss if loss == "default" else loss == "fused"
     return GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, low_precision_residual=not fp32_residual,
-                         **GPT_PRESETS[size]))
+                         fused_loss=fused, **GPT_PRESETS[size]))
+
+
+def pick_sdpa(backend: str) -> None:
+    """Leave only one SDPA backend on (and math, the fallback), for every mode alike."""
+    if backend == "default":
+        return
+    b = torch.backends.cuda
+    b.enable_flash_sdp(backend == "flash")
+    b.enable_cudnn_sdp(backend == "cudnn")
+    b.enable_mem_efficient_sdp(backend == "efficient")
 
 
 WARMUP_S = [0.0]  # the warm-up steps' wall time (compilation included)
@@ -76,6 +88,9 @@ def main() -> None:
     ap.add_argument("--ac", action="store_true", help="meshrun: activation checkpointing of every block")
     ap.add_argument("--fp32-residual", action="store_true",
                     help="keep the GPT's residual stream fp32 under autocast (the model before 2026-11-26)")
+    ap.add_argument("--loss", default="default", choices=["default", "plain", "fused"],
+                    help="the GPT's loss: F.cross_entropy over full logits, or chunked (train/losses.py)")
+    ap.add_argument("--sdpa", default="default", choices=["default", "flash", "cudnn", "efficient"])
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--fsdp", default="auto")
     ap.add_argument("--bucket-mb", type=int, default=100)
@@ -94,7 +109,8 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     bf16 = cuda
-    model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual)
+    pick_sdpa(args.sdpa)
+    model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual, args.loss)
     flops_per_token = model.flops_per_token()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     extra: dict = {}
@@ -205,6 +221,7 @@ def main() -> None:
         if peak else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
         "card": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "warmup_s": round(WARMUP_S[0], 1), "fp32_residual": args.fp32_residual,
+        "fused_loss": model.cfg.fused_loss, "sdpa": args.sdpa,
         "date": time.strftime("%Y-%m-%d"),
     }
     if rank == 0:

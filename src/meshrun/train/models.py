@@ -24,6 +24,9 @@ class GPTConfig:
     aux_coef: float = 0.01  # weight of the load-balancing loss
     # Under autocast, keep the residual stream in the compute dtype (bf16) rather than fp32.
     low_precision_residual: bool = True
+    # The loss from the last hidden states in token chunks, the logits never held whole
+    # (train/losses.py); off: F.cross_entropy over the full fp32 logits.
+    fused_loss: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -111,7 +114,13 @@ class GPT(nn.Module):
             x = x.to(torch.get_autocast_dtype(dev))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
+        h = self.ln_f(x)
+        if targets is not None and self.cfg.fused_loss and not hasattr(self.head.weight, "full_tensor"):
+            from .losses import linear_cross_entropy
+
+            loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight, targets.reshape(-1))
+            return self._with_aux(loss)
+        logits = self.head(h)
         # Under loss parallelism (train/parallelize.py) the logits are a DTensor sharded over
         # the vocabulary: the loss is reduced across tensor-parallel ranks inside torch's
         # loss_parallel(), and logits asked for are gathered.
@@ -121,6 +130,9 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         if sharded:
             loss = loss.full_tensor()
+        return self._with_aux(loss)
+
+    def _with_aux(self, loss: torch.Tensor) -> torch.Tensor:
         if self.cfg.n_experts:
             loss = loss + self.cfg.aux_coef * sum(b.moe.aux for b in self.blocks)
         return loss
