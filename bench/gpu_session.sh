@@ -74,10 +74,24 @@ PY
   tb 150 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8 --bucket-mb 1000 --loss fused --sdpa $SDPA
   tb 110 4 --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10 --loss plain --sdpa $SDPA
   ;;
+confirm)
+  # meshrun's defaults after call G (cuDNN attention first on Hopper): 1 GPU side by side
+  # (global 128K = one rank's share of the 4-GPU run; 512K = 4 x accumulation), then 4 GPUs
+  G=524288
+  one 0 200 124m-g128k -- --mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile
+  one 1 200 124m-g512k -- --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
+  one 2 200 1.3b-g128k -- --mode meshrun --size gpt-1.3b --micro 0 --global-tokens 131072 --compile --warmup 3 --steps 8
+  wait
+  tb 130 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
+  tb 160 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8
+  [ "${SNAP:-0}" = 1 ] || exit 0
+  ;&
 snapshots)
+  [ "${SNAP_FULL:-1}" = 1 ] && {
   echo "== issue 4: snapshots, GPT 1.3B, FSDP2 on 4 ranks, micro-batch 32 (0.5-s steps), async every 50 steps" | tee -a "$S"
   timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=4 bench/checkpoint_bench.py \
     --size gpt-1.3b --micro 32 --strategy fsdp --steps 100 --save-every 50 --dir /tmp/ckb 2>&1 | grep -E "^CKPT|Error" | tee -a "$S"
+  }
   echo "== issue 4: the same, steady state (the staging buffers allocated by a first save, reported apart)" | tee -a "$S"
   timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=4 bench/checkpoint_bench.py --phases async \
     --prestage --size gpt-1.3b --micro 32 --strategy fsdp --steps 100 --save-every 50 --dir /tmp/ckb 2>&1 | grep -E "^CKPT|Error" | tee -a "$S"

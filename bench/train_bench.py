@@ -132,7 +132,7 @@ def main() -> None:
         data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.dp_size)
         extra.update(ac=args.ac, seq=args.seq, layout=trainer.strategy_reason, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
                      strategy=trainer.strategy, fsdp=args.fsdp, bucket_mb=args.bucket_mb,
-                     reduce_precision=args.reduce_precision)
+                     reduce_precision=args.reduce_precision, attention=cfg.attention)
         step_fn = lambda i: trainer.train_step(data)  # noqa: E731
         rank, world = trainer.rt.rank, trainer.rt.world_size
         args.micro = trainer.cfg.micro  # the planner's choice under --micro 0

@@ -97,6 +97,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--ddp-bucket-mb", type=int, metavar="MB", default=None, help="DDP gradient bucket size (default 100)")
     add_option(g, "--reduce-precision", metavar="P", default=None,
                help="gradient reduction across ranks: fp32 (default) or bf16 (half the bytes, less exact)")
+    add_option(g, "--fused-loss", action="store_const", const=True, default=None,
+               help="built-in GPT: the loss chunk by chunk, never holding all logits (for long sequences)")
+    add_option(g, "--attention", metavar="K", default=None,
+               help="attention kernel tried first: auto (cuDNN on H100 and newer: +2.8%% measured), torch, "
+                    "cudnn, flash, efficient, math")
     g = p.add_argument_group("schedule")
     add_option(g, "--steps", type=int, metavar="N", default=None, help="optimizer steps (default 200)")
     add_option(g, "--micro-batch", type=int, metavar="B", default=None, help="samples per process per micro-step")

@@ -136,7 +136,14 @@ def logits_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
     and its gradient (eager: about 12 bytes per vocabulary entry per token at the start of
     backward); a compiled loss fuses most of it away. Vocabulary-parallel under TP."""
     mode = "compiled" if whole_model_compiled(t, s) else "eager"
-    return int(calibration()["logits_vocab_bytes"][mode] * m.vocab * micro * t.seq_len / (s.tp * s.cp))
+    tokens = micro * t.seq_len / (s.tp * s.cp)
+    if m.fused_loss and s.tp == 1 and mode == "eager":
+        # one chunk at a time: its fp32 logits, their exponentials, the fp32 and bf16 gradient
+        from ..train.losses import CHUNK_TOKENS, MAX_CHUNKS
+
+        chunk = min(tokens, max(CHUNK_TOKENS, -(-tokens // MAX_CHUNKS)))
+        return int(14 * m.vocab * chunk)
+    return int(calibration()["logits_vocab_bytes"][mode] * m.vocab * tokens)
 
 
 def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int], int, list[str]]:

@@ -37,6 +37,8 @@ class ModelSpec:
     # meshrun's GPT casts its residual stream to the autocast dtype (train/models.py); other
     # models under autocast keep it fp32 (type promotion from the fp32 embeddings).
     bf16_residual: bool = False
+    # meshrun's GPT with fused_loss: the loss taken chunk by chunk (train/losses.py)
+    fused_loss: bool = False
 
     @property
     def expert_params(self) -> int:
@@ -204,7 +206,8 @@ def from_module(model, name: str, source: str) -> ModelSpec:
     cfg = getattr(model, "cfg", None)
     if all(hasattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "vocab", "seq_len")):
         spec = gpt_spec(name, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.vocab, cfg.seq_len)
-        return replace(spec, source=source, bf16_residual=bool(getattr(cfg, "low_precision_residual", False)))
+        return replace(spec, source=source, bf16_residual=bool(getattr(cfg, "low_precision_residual", False)),
+                       fused_loss=bool(getattr(cfg, "fused_loss", False)))
     total, block, cls = _count(model)
     found = find_blocks(model)
     layers = len(found[1]) if found else 1

@@ -376,6 +376,11 @@ class Trainer:
             return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _attention(self) -> contextlib.AbstractContextManager:
+        from .attention import attention_kernels
+
+        return attention_kernels(self.cfg.attention, self.rt.device, self.cfg.deterministic)
+
     loss_parallel = False  # the loss reduced over vocabulary shards (TP of meshrun's GPT)
 
     def _loss_context(self) -> Any:
@@ -413,12 +418,13 @@ class Trainer:
             x, y = self._to_device(next(data))
             tokens += x.numel() if not x.is_floating_point() else x.shape[0]
             if self.engine is not None:  # DeepSpeed accumulates, clips and steps at the boundary
-                loss = self._loss(x, y)
-                self.engine.backward(loss)
+                with self._attention():
+                    loss = self._loss(x, y)
+                    self.engine.backward(loss)
                 self.engine.step()
                 loss_sum += loss.detach() / self.accum
                 continue
-            with self._grad_sync(micro == self.accum - 1), self._autocast(), self._loss_context():
+            with self._grad_sync(micro == self.accum - 1), self._autocast(), self._loss_context(), self._attention():
                 if self.pipe is not None:
                     loss_sum += self.pipe.step(x, y)  # forward and backward, micro-batch by micro-batch
                     continue
@@ -479,7 +485,7 @@ class Trainer:
             if i >= self.cfg.eval_batches:
                 break
             x, y = self._to_device(batch)
-            with self._autocast():
+            with self._autocast(), self._attention():
                 if self.pipe is not None:
                     loss = self.pipe.evaluate(x, y)  # on the last stage; None on the others
                     if loss is not None:
