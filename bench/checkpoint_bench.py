@@ -112,8 +112,13 @@ def main() -> None:
             if save_async and (i + 1) % args.save_every == 0:
                 t.cfg = t.cfg.replace(out=os.path.join(args.dir, "async"), async_save=True)
                 start = time.perf_counter()
+                pending = t._pending
                 t.save(data)  # training waits for: the previous snapshot's commit, then staging this one
                 res["async_blocking_s"] = res.get("async_blocking_s", 0.0) + time.perf_counter() - start
+                if pending is not None:  # the commit t.save did first
+                    res["commit_s"] = res.get("commit_s", 0.0) + pending.commit_s
+                for k, v in t._pending.timings.items():  # this save's own parts
+                    res[k] = res.get(k, 0.0) + v
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 

@@ -29,7 +29,7 @@ import random
 import shutil
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -149,6 +149,9 @@ class PendingSave:
     keep_last: int
     hasher: Any = None  # an asynchronous save's background thread: wait for the writes, hash them
     error: str | None = None  # what stopped that thread, if anything
+    # where the training loop's time went (seconds), for benchmarks: state_dict_s, stage_s
+    timings: dict[str, float] = field(default_factory=dict)
+    commit_s: float = 0.0  # how long commit() took
 
 
 def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -173,8 +176,10 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
         dist.barrier()  # every rank's DeepSpeed files are written before rank 0 hashes them
         _hash_own_files(tmp, rank)
         return pending
+    t0 = time.perf_counter()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = _shards_as_dtensors({"model": model_sd, "optim": optim_sd}, local_shards)
+    pending.timings["state_dict_s"] = time.perf_counter() - t0
     writer = dcp.FileSystemWriter(tmp, thread_count=io_threads())
     if async_group is None:
         from torch.distributed.checkpoint.api import CheckpointException
@@ -185,7 +190,9 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
             raise _write_failed(tmp, f"the write failed ({_describe(exc)})") from None
         _hash_own_files(tmp, rank)
         return pending
+    t0 = time.perf_counter()
     staged = _STAGER.stage(state)  # into reused CPU buffers; training may change the weights after this
+    pending.timings["stage_s"] = time.perf_counter() - t0
 
     def finish() -> None:
         try:
@@ -269,6 +276,14 @@ def _hash_own_files(tmp: str, rank: int) -> None:
 def commit(p: PendingSave) -> str:
     """Collective: wait for this rank's writes, then rank 0 seals the snapshot (hashes,
     marker, atomic rename) once every rank is done."""
+    start = time.perf_counter()
+    try:
+        return _commit(p)
+    finally:
+        p.commit_s = time.perf_counter() - start
+
+
+def _commit(p: PendingSave) -> str:
     if p.hasher is not None:
         p.hasher.join()
         errors: list[Any] = [None] * dist.get_world_size()
