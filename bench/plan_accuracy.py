@@ -155,7 +155,8 @@ def measure(args: argparse.Namespace) -> None:
                 print(f"MEM budget of {args.budget_s} s spent: stopped after {i} of {len(confs)}", flush=True)
             break
         row = dict(conf, gpus=rt.world_size, card=card, torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                   precision="bf16" if rt.cuda else "fp32", bf16_residual=True)  # meshrun's GPT since 2026-11-26
+                   precision="bf16" if rt.cuda else "fp32", bf16_residual=True,  # meshrun's GPT since 2026-11-26
+                   attention="auto")  # TrainConfig's default: torch's SDPA order
         step = obj = None
         row["live_trainers"] = _live_trainers()
         if rt.cuda:  # what an earlier configuration left allocated would inflate this one's peak

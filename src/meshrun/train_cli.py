@@ -100,8 +100,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--fused-loss", action="store_const", const=True, default=None,
                help="built-in GPT: the loss chunk by chunk, never holding all logits (for long sequences)")
     add_option(g, "--attention", metavar="K", default=None,
-               help="attention kernel tried first: auto (cuDNN on H100 and newer: +2.8%% measured), torch, "
-                    "cudnn, flash, efficient, math")
+               help="attention kernel SDPA tries first: auto (torch's order), cudnn, flash, efficient, math "
+                    "(the others stay as fallbacks)")
     g = p.add_argument_group("schedule")
     add_option(g, "--steps", type=int, metavar="N", default=None, help="optimizer steps (default 200)")
     add_option(g, "--micro-batch", type=int, metavar="B", default=None, help="samples per process per micro-step")

@@ -183,11 +183,7 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
         return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
                 "comm_buffers": int(2 * 4 * block)}, 0, notes
     # FSDP2 shards the fp32 parameters in both flavours; grad_op only keeps the bf16 copy.
-    params = 4 * p / (n if s.shard in ("grads", "params") else 1)
-    if autocast(t, s):
-        # autocast's bf16 weight copies, saved by each matmul for its backward: alive from
-        # forward to backward (the input embedding lookup is not cast; a tied head is).
-        params += 2 * (p - (0 if m.tied else m.vocab * m.hidden))
+    params = 4 * p / (n if s.shard in ("grads", "params") else 1) + cast_copies(m, t, s)
     grads = 4 * p / (n if s.shard in ("grads", "params") else 1)
     opt = k * p / (n if s.shard != "none" else 1)
     buffers = 0.0
@@ -200,6 +196,17 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
         buffers = (2 if mixed else 4) * (m.outer_params + m.layers * block) + 4 * block
     return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
             "comm_buffers": int(buffers)}, int(cpu), notes
+
+
+def cast_copies(m: ModelSpec, t: TrainSpec, s: Strategy) -> float:
+    """autocast's bf16 weight copies, saved by each matmul for its backward: alive from
+    forward until that matmul's backward, so gone by the end of backward (the measured 1.3B
+    single-GPU row with activation checkpointing, whose peak is there: docs/benchmarks.md).
+    The input embedding lookup is not cast; a tied head is."""
+    if not autocast(t, s):
+        return 0.0
+    p = (m.params - m.expert_params * (1 - 1 / s.ep)) / (s.tp * s.pp)
+    return 2 * (p - (0 if m.tied else m.vocab * m.hidden))
 
 
 def persistent_grads(s: Strategy) -> bool:
@@ -220,7 +227,7 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
     fixed = states["params"] + states["optimizer"] + states["comm_buffers"] + cal["workspace_bytes"]
     grads_early = states["grads"] if persistent_grads(s) else 0
     start = fixed + grads_early + acts + spike
-    end = fixed + states["grads"] + transient
+    end = fixed - cast_copies(m, t, s) + states["grads"] + transient
     if start >= end:
         parts = {"grads": grads_early, "activations": acts, "logits": spike}
     else:

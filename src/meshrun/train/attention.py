@@ -1,10 +1,13 @@
-"""Which fused attention kernel torch's scaled_dot_product_attention runs.
+"""Which fused attention kernel torch's scaled_dot_product_attention tries first.
 
-Measured (docs/benchmarks.md, call G, 1 x H200, GPT 124M compiled, side by side): cuDNN's
-attention 546K tokens/s, torch 2.11's own choice 532K, flash 517K. On Hopper and newer,
-``auto`` therefore puts cuDNN first in SDPA's priority order; the others stay behind it as
-fallbacks for the inputs cuDNN does not take, so no model loses its attention. Elsewhere (and
-in deterministic mode) torch's order is kept.
+``auto`` keeps torch's own order (flash first on CUDA). Measured (docs/benchmarks.md, call G,
+1 x H200, GPT 124M compiled, side by side on four cards): cuDNN's attention 546K tokens/s,
+flash 517K, torch's order (= flash) 532K. The two flash runs differ by as much as cuDNN gains
+over their mean (card-to-card spread), and on 4 GPUs the cuDNN run (520K) did not beat the
+flash one of an earlier call (524K); torch also ranks cuDNN last on purpose (correctness
+reports on some shapes in earlier releases). So cuDNN is an option, not the default. A
+chosen kernel goes first; the others stay behind it as fallbacks for inputs it does not
+take, so no model loses its attention.
 """
 
 from __future__ import annotations
@@ -14,18 +17,14 @@ from typing import Any
 
 import torch
 
-CHOICES = ("auto", "torch", "cudnn", "flash", "efficient", "math")
+CHOICES = ("auto", "cudnn", "flash", "efficient", "math")
 
 
-def attention_kernels(choice: str, device: torch.device, deterministic: bool = False) -> contextlib.AbstractContextManager:
+def attention_kernels(choice: str, device: torch.device) -> contextlib.AbstractContextManager:
     """A context for forward and backward (recomputation under activation checkpointing
     must pick the kernel the forward picked) with ``choice`` first in SDPA's order."""
-    if choice == "torch" or device.type != "cuda":
+    if choice == "auto" or device.type != "cuda":
         return contextlib.nullcontext()
-    if choice == "auto":
-        if deterministic or torch.cuda.get_device_capability(device) < (9, 0):
-            return contextlib.nullcontext()
-        choice = "cudnn"
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     names: dict[str, Any] = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,

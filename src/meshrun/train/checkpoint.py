@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import random
@@ -152,6 +153,9 @@ class PendingSave:
     # where the training loop's time went (seconds), for benchmarks: state_dict_s, stage_s
     timings: dict[str, float] = field(default_factory=dict)
     commit_s: float = 0.0  # how long commit() took
+    wait_s: float = 0.0  # of which waiting for the background write to finish
+    started: float = 0.0  # perf_counter() when begin_save started, and when its background write ended
+    written: float = 0.0
 
 
 def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -165,7 +169,7 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
     rank = dist.get_rank()
     tmp = os.path.join(root, TMP_PREFIX + f"{position.step:08d}")
     pending = PendingSave(root, tmp, os.path.join(root, snapshot_name(position.step)), position, config_json,
-                          keep_last)
+                          keep_last, started=time.perf_counter())
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt's leftovers
         os.makedirs(tmp)
@@ -196,8 +200,12 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
 
     def finish() -> None:
         try:
+            delay = float(os.environ.get("MESHRUN_WRITE_DELAY_S") or 0)
+            if delay:  # a debugging aid: a slow disk (tests of the slow-writer advice)
+                time.sleep(delay)
             dcp.save(staged, storage_writer=writer, process_group=async_group)
             _hash_own_files(tmp, rank)
+            pending.written = time.perf_counter()
         # BaseException: DCP's CheckpointException is not an Exception. Reported to every rank
         # by commit(), which then seals nothing.
         except BaseException as exc:  # noqa: BLE001
@@ -248,6 +256,18 @@ def _own_files(tmp: str, rank: int) -> list[str]:
     return sorted(own)
 
 
+def slow_writer_advice(wait_s: float, write_s: float, interval_s: float, save_every: int) -> str | None:
+    """One line when training had to wait for the previous asynchronous snapshot: its write
+    (dominated by the disk: every shard is fsynced before the commit) took longer than the
+    steps between two saves. Names a --save-every that leaves the writer 20% headroom."""
+    if wait_s < 1.0 or interval_s <= 0 or save_every <= 0:
+        return None
+    steps = math.ceil(save_every * 1.2 * write_s / interval_s)
+    return (f"snapshots: training waited {wait_s:.1f} s for the previous snapshot's background write, which "
+            f"took {write_s:.1f} s while snapshots are {interval_s:.1f} s ({save_every} steps) apart "
+            f"(hint: --save-every {steps} or more, or a faster disk under --out)")
+
+
 def io_threads() -> int:
     """Writer and hasher threads per rank: DCP writes one file per thread, and hashlib and
     file I/O release the GIL, so a rank uses several cores. MESHRUN_SAVE_THREADS overrides."""
@@ -285,7 +305,9 @@ def commit(p: PendingSave) -> str:
 
 def _commit(p: PendingSave) -> str:
     if p.hasher is not None:
+        t0 = time.perf_counter()
         p.hasher.join()
+        p.wait_s = time.perf_counter() - t0
         errors: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, p.error)  # every rank learns of a failed write, and none seals it
         failed = [(r, e) for r, e in enumerate(errors) if e]

@@ -18,7 +18,7 @@ OFFLOAD = ("none", "optimizer", "all")
 FSDP_FLAVOURS = ("auto", "full", "grad_op", "hybrid", "no_shard")
 PRECISIONS = ("auto", "bf16", "fp32")
 REDUCE_PRECISIONS = ("fp32", "bf16")
-ATTENTION = ("auto", "torch", "cudnn", "flash", "efficient", "math")  # train/attention.py's CHOICES
+ATTENTION = ("auto", "cudnn", "flash", "efficient", "math")  # train/attention.py's CHOICES
 AC_MODES = ("none", "full")
 EXAMPLES = ("gpt", "toy")
 BUILTIN_DATA = ("stdlib", "random", "toy")
@@ -66,7 +66,7 @@ class TrainConfig:
     ddp_bucket_mb: int = 100  # measured: 100 MB buckets beat torch's 25 MB default by 6% (docs/benchmarks.md)
     reduce_precision: str = "fp32"  # gradients' data-parallel reduction: fp32, or bf16 (half the bytes)
     fused_loss: bool = False  # built-in GPT: the loss chunk by chunk, the logits never whole (long sequences)
-    attention: str = "auto"  # SDPA kernel first in line: auto (cuDNN on Hopper+), torch, cudnn, flash, ...
+    attention: str = "auto"  # SDPA kernel tried first: auto (torch's order), cudnn, flash, efficient, math
     blocks: str | None = None  # attribute path of the block list, e.g. "model.layers"
     out: str | None = None
     save_every: int = 100  # with --out: snapshot every N steps (and at the end); 0: only at the end

@@ -379,7 +379,7 @@ class Trainer:
     def _attention(self) -> contextlib.AbstractContextManager:
         from .attention import attention_kernels
 
-        return attention_kernels(self.cfg.attention, self.rt.device, self.cfg.deterministic)
+        return attention_kernels(self.cfg.attention, self.rt.device)
 
     loss_parallel = False  # the loss reduced over vocabulary shards (TP of meshrun's GPT)
 
@@ -590,8 +590,14 @@ class Trainer:
         if root is None:
             return
         if self._pending is not None:
-            checkpoint.commit(self._pending)
+            previous = self._pending
+            apart = time.perf_counter() - previous.started  # training time between the two saves
+            checkpoint.commit(previous)
             self._pending = None
+            advice = checkpoint.slow_writer_advice(previous.wait_s, previous.written - previous.started, apart,
+                                                   self.cfg.save_every)
+            if advice and self.rt.is_main:
+                print(advice, flush=True)
         group = None
         if self.cfg.async_save and not final:
             if self._async_group is None:  # the background writer coordinates over gloo
