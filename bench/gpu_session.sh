@@ -98,6 +98,12 @@ snapshots)
   ;;
 grid)
   echo "== issue 5: planner grid, 4 GPUs then 1 (eager); DeepSpeed rows one per process" | tee -a "$S"
+  # DeepSpeed is not on the GPU host: its wheels travel in .whl/ (run's carry); without them
+  # every DeepSpeed row fails (call H's did: the grid saw no deepspeed and had no rows to select)
+  if ! python3 -c "import deepspeed" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "no DeepSpeed: carry .whl/ (deepspeed and its pure-python deps as wheels, see docs/benchmarks.md)" | tee -a "$S"
+  fi
   rem=$((DEADLINE_S - (SECONDS - T0) - 300))
   [ $rem -gt 30 ] && timeout $((rem + 60)) python3 -m torch.distributed.run --standalone --nproc_per_node=4 \
     bench/plan_accuracy.py measure --grid gpu --eager --engines torch --budget-s $rem --out "$OUT/plan4.jsonl" 2>&1 | grep -E "MEM budget|Error" | tee -a "$S"

@@ -110,6 +110,29 @@ def test_sigkill_during_a_save_falls_back_to_the_previous_snapshot(tmp_path, uni
     assert sorted(os.listdir(ckpt)) == ["step-00000006", "step-00000012", "step-00000018"]
 
 
+def test_a_slow_disk_under_async_snapshots_gets_a_save_every_hint(tmp_path):
+    """When the background write of one snapshot outlasts the steps to the next, training
+    waits: rank 0 says so once per save with a --save-every that would leave the writer
+    headroom. The slow disk is a 3-s delay in the writer thread (MESHRUN_WRITE_DELAY_S)."""
+    require("torch")
+    res = run_cli("train", "--example", "toy", "--steps", "6", "--save-every", "2", "--async-save", "--nproc", "2",
+                  "--out", str(tmp_path), env=clean_env(MESHRUN_WRITE_DELAY_S="3"), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    hints = [line for line in res.stdout.splitlines() if line.startswith("snapshots: training waited")]
+    assert len(hints) == 2, res.stdout  # the saves at steps 4 and 6 waited for those at 2 and 4
+    steps = int(hints[0].split("--save-every ")[1].split()[0])
+    assert steps > 2 and "(2 steps) apart" in hints[0]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002", "step-00000004", "step-00000006"]
+
+
+def test_slow_writer_advice_only_when_training_waited():
+    from meshrun.train.checkpoint import slow_writer_advice
+
+    assert slow_writer_advice(0.2, 30.0, 26.0, 50) is None  # a short wait is not worth a line
+    line = slow_writer_advice(5.5, 32.0, 26.5, 50)
+    assert line is not None and "--save-every 73 or more" in line  # 50 x 1.2 x 32 / 26.5 = 72.5
+
+
 def test_keep_last_leaves_the_two_newest(tmp_path):
     require("torch")
     res = run_cli("train", "--example", "toy", "--steps", "10", "--save-every", "2", "--keep-last", "2",

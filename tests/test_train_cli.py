@@ -63,6 +63,7 @@ def test_dry_run_launches_the_worker_through_torchrun():
 
 
 ERRORS = [
+    (["--attention", "fast"], "--attention='fast': unknown value (hint: choose one of auto, cudnn, flash, efficient, math)"),
     (["--strategy", "zero4"], "--strategy='zero4': unknown value (hint: choose one of auto, single, ddp, fsdp, deepspeed)"),
     (["--global-batch", "100", "--micro-batch", "8"],
      "--global-batch=100: is not a multiple of micro-batch 8 x data-parallel size 2 = 16 (hint: use a multiple of 16, e.g. 96 or 112)"),

@@ -93,3 +93,24 @@ def test_config_sources_and_accumulation():
     assert cfg.source("steps") == "--steps (from config a.yaml)" and cfg.source("micro_batch") == "--micro-batch"
     assert TrainConfig().accumulation(8) == 1
     assert TrainConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_attention_choice_goes_first_and_the_order_comes_back():
+    """--attention puts one SDPA kernel first and keeps the others behind it (fallbacks for
+    inputs it does not take); leaving the context restores torch's order. auto and CPU runs
+    leave torch's order alone. (The order is process state; no GPU is needed to read it.)"""
+    from torch.nn.attention import SDPBackend
+
+    from meshrun.train.attention import attention_kernels
+
+    torchs = torch._C._get_sdp_priority_order()
+    gpu = torch.device("cuda", 0)
+    with attention_kernels("cudnn", gpu):
+        inside = torch._C._get_sdp_priority_order()
+        assert inside[0] == int(SDPBackend.CUDNN_ATTENTION)
+        assert sorted(inside) == sorted(torchs)
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch._C._get_sdp_priority_order() == torchs
+    for choice, device in (("auto", gpu), ("flash", torch.device("cpu"))):
+        with attention_kernels(choice, device):
+            assert torch._C._get_sdp_priority_order() == torchs

@@ -139,10 +139,9 @@ def logits_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
     tokens = micro * t.seq_len / (s.tp * s.cp)
     if m.fused_loss and s.tp == 1 and mode == "eager":
         # one chunk at a time: its fp32 logits, their exponentials, the fp32 and bf16 gradient
-        from ..train.losses import CHUNK_TOKENS, MAX_CHUNKS
+        from ..train.losses import CHUNK_TOKENS
 
-        chunk = min(tokens, max(CHUNK_TOKENS, -(-tokens // MAX_CHUNKS)))
-        return int(14 * m.vocab * chunk)
+        return int(14 * m.vocab * min(tokens, CHUNK_TOKENS))
     return int(calibration()["logits_vocab_bytes"][mode] * m.vocab * tokens)
 
 

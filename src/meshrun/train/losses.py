@@ -47,11 +47,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         xs = x.to(dtype)
         w = weight.to(dtype)
         counted = targets != ignore_index
-        count = counted.sum().clamp(min=1).to(torch.float32)
+        count = counted.sum().to(torch.float32)  # 0 when every token is ignored: a nan loss, as torch gives
         grad_x = torch.empty_like(xs)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
-        chunk = max(CHUNK_TOKENS, -(-n // MAX_CHUNKS))
+        # compiled, the loop is unrolled: fewer, larger chunks keep the graph small
+        chunk = max(CHUNK_TOKENS, -(-n // MAX_CHUNKS)) if torch.compiler.is_compiling() else CHUNK_TOKENS
         for s in range(0, n, chunk):
             xc, tc, keep = xs[s:s + chunk], targets[s:s + chunk], counted[s:s + chunk]
             logits = (xc @ w.t()).float()
