@@ -590,3 +590,20 @@ def test_mixture_of_experts_plans_expert_parallelism():
     ep2, ep4 = (next(x for x in p.candidates if x.strategy.label == f"ddp-ep{e}") for e in (2, 4))
     assert ep4.memory.breakdown["optimizer"] < ep2.memory.breakdown["optimizer"]  # experts split further
     assert train_config(p, r, p.model)["ep"] == r.strategy.ep
+
+
+def test_plan_says_when_a_chunked_loss_would_let_a_simpler_layout_fit():
+    """GPT 1.3B at 256K tokens on 4 x 141 GB, eager: the whole logits (~172 GiB) leave only
+    context parallelism; without them FSDP2 alone fits (measured at 128K: logits were what
+    stopped 256K, docs/benchmarks.md). Short sequences get no such line."""
+    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
+    from meshrun.plan.modelspec import PRESETS
+
+    long = make_plan(PRESETS["gpt-1.3b"], ClusterSpec(1, 4, 141 * 10**9),
+                     TrainSpec(262144, 1, None, precision="bf16", compile=False), framework="torch")
+    assert long.recommended.strategy.cp > 1
+    said = [w for w in long.warnings if "--fused-loss" in w]
+    assert len(said) == 1 and "would let fsdp-grad-op+ac fit" in said[0] and "172 GiB" in said[0], long.warnings
+    short = make_plan(PRESETS["gpt-124m"], ClusterSpec(1, 4, 80 * 10**9),
+                      TrainSpec(1024, 8, None, precision="bf16", compile=False), framework="torch")
+    assert not any("--fused-loss" in w for w in short.warnings)

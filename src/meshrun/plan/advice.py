@@ -85,6 +85,27 @@ def warnings_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candida
     return out
 
 
+def fused_loss_advice(m: ModelSpec, t: TrainSpec, pick: Candidate | None, fused: Candidate | None) -> list[str]:
+    """One line when a chunked linear + cross-entropy (the logits never whole) would make a
+    different, faster layout fit: at long sequences the loss's logits are most of the memory."""
+    if fused is None or fused.memory is None:
+        return []
+    if pick is not None and (pick.strategy.label == fused.strategy.label or pick.step_time_s < fused.step_time_s):
+        return []
+    from dataclasses import replace
+
+    from .memory import logits_bytes
+
+    micro = fused.batch.micro if fused.batch else (t.micro_batch or 1)
+    plain = logits_bytes(m, t, fused.strategy, micro)
+    chunk = logits_bytes(replace(m, fused_loss=True), t, fused.strategy, micro)
+    now = f"instead of {pick.strategy.label} (about {pick.step_time_s:.3g} s per step)" if pick else "where nothing fits now"
+    return [f"the loss's logits take {fmt_bytes(plain)} per GPU: a chunked linear + cross-entropy that never holds "
+            f"them whole (meshrun train --fused-loss for its GPT; Liger-Kernel's for Hugging Face models) would let "
+            f"{fused.strategy.label} fit ({_peak(fused)} per GPU, about {fused.step_time_s:.3g} s per step) {now}; "
+            f"the loss then holds {fmt_bytes(chunk)} (one chunk of tokens)"]
+
+
 def check_choice(name: str, cands: list[Candidate], pick: Candidate | None) -> list[str]:
     """Warnings for a strategy the user chose (``meshrun plan --strategy``)."""
     mine = next((x for x in cands if x.strategy.label == name), None)

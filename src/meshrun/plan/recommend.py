@@ -194,7 +194,12 @@ def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torc
         pick = next((x for x in cands if x.fits), None)
         if pick is not None:
             warnings.append(f"nothing {framework} runs fits; {pick.strategy.label} ({pick.strategy.engine}) does")
-    from .advice import reasons_for, warnings_for
+    from .advice import fused_loss_advice, reasons_for, warnings_for
 
+    if not m.fused_loss:  # what a chunked loss would change (modelled in eager mode only)
+        from dataclasses import replace
+
+        alt = make_plan(replace(m, fused_loss=True), c, t, framework, margin)
+        warnings += fused_loss_advice(m, t, pick, alt.recommended)
     return Plan(m, c, t, framework, margin, cands, pick, reasons_for(m, c, t, cands, pick, limit),
                 warnings + warnings_for(m, c, t, cands, pick))
