@@ -63,6 +63,8 @@ def test_dry_run_launches_the_worker_through_torchrun():
 
 
 ERRORS = [
+    (["--example", "toy", "--fused-loss"], "--fused-loss=True: is a loss of meshrun's built-in GPT"),
+    (["--fused-loss", "--tp", "2"], "--fused-loss=True: does not combine with --tp/--pp"),
     (["--attention", "fast"], "--attention='fast': unknown value (hint: choose one of auto, cudnn, flash, efficient, math)"),
     (["--strategy", "zero4"], "--strategy='zero4': unknown value (hint: choose one of auto, single, ddp, fsdp, deepspeed)"),
     (["--global-batch", "100", "--micro-batch", "8"],

@@ -162,6 +162,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         n = cfg.pp_microbatches or cfg.pp
         raise bad_value(cfg.source("micro_batch"), cfg.micro, f"does not split into {n} pipeline micro-batches",
                         f"a micro-batch that is a multiple of {n}, or set --pp-microbatches")
+    if cfg.fused_loss and (cfg.model is not None or cfg.example != "gpt"):
+        raise bad_value(cfg.source("fused_loss"), True, "is a loss of meshrun's built-in GPT",
+                        "drop it, or compute your model's loss in chunks (e.g. Liger-Kernel's fused linear cross-entropy)")
+    if cfg.fused_loss and (cfg.tp > 1 or cfg.pp > 1):
+        raise bad_value(cfg.source("fused_loss"), True, "does not combine with --tp/--pp (their loss is vocabulary-"
+                        "parallel or per stage)", "drop --fused-loss: under --tp each rank holds 1/tp of the logits")
     if cfg.model is None and cfg.example == "gpt" and cfg.model_size not in GPT_PRESETS:
         raise bad_value(cfg.source("model_size"), cfg.model_size, "unknown GPT preset",
                         f"choose one of {', '.join(GPT_PRESETS)}")
