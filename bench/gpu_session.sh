@@ -42,37 +42,20 @@ python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$S"
 case "$PART" in
 train)
   G=524288  # the issue's global batch: 512K tokens per optimizer step
-  M124="--mode meshrun --size gpt-124m --micro 128 --compile"
-  M13="--mode meshrun --size gpt-1.3b --micro 32 --compile --warmup 4 --steps 10"
-  # Round 1, side by side, one card each: the chunked linear + cross-entropy and the SDPA
-  # backends against the current default (124M, 1 GPU)
-  one 0 200 124m-plain -- $M124 --loss plain
-  one 1 200 124m-fused -- $M124 --loss fused
-  one 2 200 124m-plain-flash -- $M124 --loss plain --sdpa flash
-  one 3 200 124m-plain-cudnn -- $M124 --loss plain --sdpa cudnn
+  # 1 GPU, side by side: the weak-scaling baselines (global 128K = one rank's share of the
+  # 4-GPU run) for both sizes, and 124M at 512K (4 x accumulation)
+  one 0 200 124m-g128k -- --mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile
+  one 1 200 124m-g512k -- --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
+  one 2 200 1.3b-g128k -- --mode meshrun --size gpt-1.3b --micro 32 --global-tokens 131072 --compile --warmup 3 --steps 8
   wait
-  # the faster SDPA backend goes on (by round 1's tokens/s)
-  SDPA=$(python3 - "$S" <<'PY'
-import json, re, sys
-rows = {m.group(1): json.loads(m.group(2)) for m in re.finditer(r"^BENCH \[(124m-[a-z-]+)\] (.*)$", open(sys.argv[1]).read(), re.M)}
-tps = {b: rows.get(f"124m-plain-{b}", {}).get("tokens_per_s_per_gpu", 0) for b in ("flash", "cudnn")}
-print(max(tps, key=tps.get) if max(tps.values()) else "default")
-PY
-)
-  echo "round 2 uses --sdpa $SDPA" | tee -a "$S"
-  # Round 2, side by side: 1.3B plain vs fused; 124M fused with that backend, global 128K
-  # (the same per-GPU work as one rank of the 4-GPU run: weak scaling) and 512K (4 x accumulation)
-  one 0 200 1.3b-plain -- $M13 --loss plain --sdpa $SDPA
-  one 1 200 1.3b-fused -- $M13 --loss fused --sdpa $SDPA
-  one 2 200 124m-fused-g128k -- $M124 --loss fused --sdpa $SDPA --micro 0 --global-tokens 131072
-  one 3 200 124m-fused-g512k -- $M124 --loss fused --sdpa $SDPA --micro 0 --global-tokens $G
-  wait
-  # 4 GPUs, one after another: meshrun's auto choices with the fused loss, the hand-tuned peers
-  tb 130 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --loss fused --sdpa $SDPA
-  tb 100 4 --mode ddp_compile --size gpt-124m --micro 64 --loss plain --sdpa $SDPA
-  tb 160 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8 --loss fused --sdpa $SDPA
-  tb 150 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8 --bucket-mb 1000 --loss fused --sdpa $SDPA
-  tb 110 4 --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10 --loss plain --sdpa $SDPA
+  # 4 GPUs, one after another: meshrun auto, then with compiled autograd (DDP's reducer traced
+  # into one backward graph instead of the graph split at every bucket), the hand-tuned peers
+  tb 130 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
+  tb 150 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --compiled-autograd
+  tb 100 4 --mode ddp_compile --size gpt-124m --micro 64
+  tb 160 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8
+  tb 170 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8 --compiled-autograd
+  tb 110 4 --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10
   ;;
 confirm)
   # meshrun's defaults after call G (cuDNN attention first on Hopper): 1 GPU side by side

@@ -91,6 +91,9 @@ def main() -> None:
     ap.add_argument("--loss", default="default", choices=["default", "plain", "fused"],
                     help="the GPT's loss: F.cross_entropy over full logits, or chunked (train/losses.py)")
     ap.add_argument("--sdpa", default="default", choices=["default", "flash", "cudnn", "efficient"])
+    ap.add_argument("--compiled-autograd", action="store_true",
+                    help="DDP + compile: trace the backward with compiled autograd and DDP's reducer in Python "
+                         "(optimize_ddp='python_reducer'), so all-reduces live in one backward graph")
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--fsdp", default="auto")
     ap.add_argument("--bucket-mb", type=int, default=100)
@@ -110,6 +113,10 @@ def main() -> None:
         torch.cuda.set_device(device)
     bf16 = cuda
     pick_sdpa(args.sdpa)
+    if args.compiled_autograd:
+        import torch._dynamo as dynamo
+
+        dynamo.config.optimize_ddp = "python_reducer"
     model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual, args.loss)
     flops_per_token = model.flops_per_token()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
@@ -207,6 +214,15 @@ def main() -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
+    if args.compiled_autograd:  # every backward inside a step is traced and compiled
+        from torch._dynamo import compiled_autograd
+
+        enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+        plain_step = step_fn
+
+        def step_fn(i):
+            with enable(torch.compile(backend="inductor")):
+                plain_step(i)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     elapsed = timed_loop(step_fn, args.warmup, args.steps, device)
@@ -221,7 +237,7 @@ def main() -> None:
         if peak else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
         "card": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "warmup_s": round(WARMUP_S[0], 1), "fp32_residual": args.fp32_residual,
-        "fused_loss": model.cfg.fused_loss, "sdpa": args.sdpa,
+        "fused_loss": model.cfg.fused_loss, "sdpa": args.sdpa, "compiled_autograd": args.compiled_autograd,
         "date": time.strftime("%Y-%m-%d"),
     }
     if rank == 0:
