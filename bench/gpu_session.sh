@@ -90,6 +90,11 @@ grid)
   rem=$((DEADLINE_S - (SECONDS - T0) - 300))
   [ $rem -gt 30 ] && timeout $((rem + 60)) python3 -m torch.distributed.run --standalone --nproc_per_node=4 \
     bench/plan_accuracy.py measure --grid gpu --eager --engines torch --budget-s $rem --out "$OUT/plan4.jsonl" 2>&1 | grep -E "MEM budget|Error" | tee -a "$S"
+  # the 1.3B DDP rows again with segments that grow in place (call I: 5.5 GiB reserved beyond
+  # the allocated peak at micro-batch 4); their own file, as meshrun does not set this
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 120 python3 -m torch.distributed.run --standalone \
+    --nproc_per_node=4 bench/plan_accuracy.py measure --grid gpu --eager --engines torch --select 4,5 \
+    --out "$OUT/plan4-expandable.jsonl" 2>&1 | grep -E "Error" | tee -a "$S"
   # per ZeRO stage (8 rows each): 124M micro 8, 1.3B micro 4 and 16, activation checkpointing off
   for i in 0 4 5 8 12 13 16 20 21; do
     late $((DEADLINE_S - 120)) "deepspeed row $i" && break

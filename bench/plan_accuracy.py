@@ -156,7 +156,8 @@ def measure(args: argparse.Namespace) -> None:
             break
         row = dict(conf, gpus=rt.world_size, card=card, torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                    precision="bf16" if rt.cuda else "fp32", bf16_residual=True,  # meshrun's GPT since 2026-11-26
-                   attention="auto")  # TrainConfig's default: torch's SDPA order
+                   attention="auto",  # TrainConfig's default: torch's SDPA order
+                   alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None)  # the caching allocator's settings
         step = obj = None
         row["live_trainers"] = _live_trainers()
         if rt.cuda:  # what an earlier configuration left allocated would inflate this one's peak
