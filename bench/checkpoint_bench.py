@@ -73,6 +73,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="gpt-1.3b")
     ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--global-batch", type=int, default=None,
+                    help="samples per optimizer step over all ranks (a multiple of micro x ranks: accumulation)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--steps", type=int, default=40)
@@ -85,7 +87,8 @@ def main() -> None:
                          "(the first save's buffer allocation is reported apart)")
     args = ap.parse_args()
     model = gpt(args.size, seq_len=args.seq, vocab=50304)
-    cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro, seq_len=args.seq, steps=10**6,
+    cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro, global_batch=args.global_batch,
+                      seq_len=args.seq, steps=10**6,
                       log_every=10**9, keep_last=1)
     t = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(t.train_loader, cfg.micro, t.rt.world_size)
@@ -115,8 +118,9 @@ def main() -> None:
                 pending = t._pending
                 t.save(data)  # training waits for: the previous snapshot's commit, then staging this one
                 res["async_blocking_s"] = res.get("async_blocking_s", 0.0) + time.perf_counter() - start
-                if pending is not None:  # the commit t.save did first
+                if pending is not None:  # the commit t.save did first, and its wait for the writer
                     res["commit_s"] = res.get("commit_s", 0.0) + pending.commit_s
+                    res["commit_wait_s"] = res.get("commit_wait_s", 0.0) + pending.wait_s
                 for k, v in t._pending.timings.items():  # this save's own parts
                     res[k] = res.get(k, 0.0) + v
         if torch.cuda.is_available():

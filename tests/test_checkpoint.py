@@ -133,12 +133,36 @@ def test_slow_writer_advice_only_when_training_waited():
     assert line is not None and "--save-every 73 or more" in line  # 50 x 1.2 x 32 / 26.5 = 72.5
 
 
-def test_keep_last_leaves_the_two_newest(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
+def test_keep_last_leaves_the_two_newest(tmp_path, mode):
+    """Asynchronous saves delete pruned snapshots on a thread (renamed out of the way first):
+    by the end of the run nothing else is left either, no .trash-* directory included."""
     require("torch")
-    res = run_cli("train", "--example", "toy", "--steps", "10", "--save-every", "2", "--keep-last", "2",
+    res = run_cli("train", "--example", "toy", "--steps", "10", "--save-every", "2", "--keep-last", "2", *mode,
                   "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000008", "step-00000010"]
+
+
+def test_pruning_renames_first_so_no_listing_sees_a_half_deleted_snapshot(tmp_path):
+    """committed() refuses a step-* directory without its marker (damage). A pruned snapshot
+    leaves that name atomically before any of its files is deleted, and leftovers of a
+    deletion that was killed are cleared at the next start."""
+    require("torch")
+    from meshrun.train import checkpoint
+
+    for step in (2, 4, 6):
+        d = tmp_path / f"step-{step:08d}"
+        d.mkdir()
+        (d / "COMMITTED.json").write_text("{}")
+        (d / "__0_0.distcp").write_bytes(b"x" * 1000)
+    checkpoint.prune(str(tmp_path), 1, background=True)
+    assert [s for s, _ in checkpoint.committed(str(tmp_path))] == [6]  # at once, whatever the thread's progress
+    checkpoint.wait_pruned()
+    assert sorted(os.listdir(tmp_path)) == ["step-00000006"]
+    (tmp_path / ".trash-step-00000004").mkdir()  # a deletion killed halfway
+    checkpoint.clear_partial(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["step-00000006"]
 
 
 def test_non_finite_loss_stops_before_the_optimizer_step(tmp_path):

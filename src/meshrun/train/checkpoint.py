@@ -47,6 +47,7 @@ FORMAT = 1
 MARKER = "COMMITTED.json"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
+TRASH_PREFIX = ".trash-step-"  # pruned snapshots on their way out
 
 
 @dataclass(frozen=True)
@@ -339,7 +340,7 @@ def _commit(p: PendingSave) -> str:
             shutil.rmtree(p.final)
         os.replace(p.tmp, p.final)
         _fsync_dir(p.root)
-        prune(p.root, p.keep_last)
+        prune(p.root, p.keep_last, background=p.hasher is not None)  # async: off training's path
     dist.barrier()
     return p.final
 
@@ -383,21 +384,52 @@ def _shards_as_local(sd: dict[str, Any]) -> dict[str, Any]:
     return {**sd, "model": {k: unwrap(v) for k, v in sd["model"].items()}, "optim": optim}
 
 
-def prune(root: str, keep_last: int) -> None:
+def prune(root: str, keep_last: int, background: bool = False) -> None:
     """Delete all but the ``keep_last`` newest committed snapshots (0 keeps all). Only
     committed ones are candidates, so a snapshot being written is never touched, and the
-    newest committed one always stays."""
+    newest committed one always stays. Each goes out of ``committed()`` at once by an atomic
+    rename to ``.trash-*``; with ``background`` the files are deleted by a thread, so an
+    asynchronous save's commit does not hold training while a large snapshot is unlinked
+    (``wait_pruned`` joins it; a killed process's leftovers go with ``clear_partial``)."""
     if keep_last <= 0:
         return
+    doomed = []
     for _, path in committed(root)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+        trash = os.path.join(root, TRASH_PREFIX + os.path.basename(path)[len(PREFIX):])
+        if os.path.exists(trash):  # the same step pruned before (a restart redid it)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(path, trash)
+        doomed.append(trash)
+    if not doomed:
+        return
+
+    def delete() -> None:
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+
+    if background:
+        thread = threading.Thread(target=delete, name="meshrun-prune", daemon=True)
+        thread.start()
+        _PRUNING.append(thread)
+    else:
+        delete()
+
+
+_PRUNING: list[threading.Thread] = []  # background deletions of pruned snapshots
+
+
+def wait_pruned() -> None:
+    """Join the background deletions: at the end of a run no pruned snapshot is left behind."""
+    while _PRUNING:
+        _PRUNING.pop().join()
 
 
 def clear_partial(root: str) -> None:
-    """Remove ``.tmp-*`` directories left by a save that was killed."""
+    """Remove ``.tmp-*`` directories left by a save that was killed, and ``.trash-*`` ones
+    left by a deletion that was."""
     if os.path.isdir(root):
         for name in os.listdir(root):
-            if name.startswith(TMP_PREFIX):
+            if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 

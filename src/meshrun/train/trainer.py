@@ -641,4 +641,5 @@ class Trainer:
                 tokens, steps, start = 0, 0, time.perf_counter()
         finally:
             sink.close()
+            checkpoint.wait_pruned()
         return sink.records
