@@ -147,7 +147,7 @@ def logits_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
 
 def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int], int, list[str]]:
     """(params, grads, optimizer, comm_buffers) bytes per GPU, CPU bytes per GPU, notes."""
-    p = (m.params - m.expert_params * (1 - 1 / s.ep)) / (s.tp * s.pp)
+    p = params_per_gpu(m, s)
     block = m.block_params / s.tp
     n = s.shard_group
     k = t.optimizer_bytes
@@ -204,8 +204,12 @@ def cast_copies(m: ModelSpec, t: TrainSpec, s: Strategy) -> float:
     The input embedding lookup is not cast; a tied head is."""
     if not autocast(t, s):
         return 0.0
-    p = (m.params - m.expert_params * (1 - 1 / s.ep)) / (s.tp * s.pp)
-    return 2 * (p - (0 if m.tied else m.vocab * m.hidden))
+    return 2 * (params_per_gpu(m, s) - (0 if m.tied else m.vocab * m.hidden))
+
+
+def params_per_gpu(m: ModelSpec, s: Strategy) -> float:
+    """Parameters a GPU holds before sharding: a 1/(tp x pp) slice, and 1/ep of the experts."""
+    return (m.params - m.expert_params * (1 - 1 / s.ep)) / (s.tp * s.pp)
 
 
 def persistent_grads(s: Strategy) -> bool:

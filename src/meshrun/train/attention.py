@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-CHOICES = ("auto", "cudnn", "flash", "efficient", "math")
-
 
 def attention_kernels(choice: str, device: torch.device) -> contextlib.AbstractContextManager:
     """A context for forward and backward (recomputation under activation checkpointing
