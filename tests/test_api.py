@@ -88,3 +88,19 @@ def test_fork_after_the_parent_used_cpu_threads_does_not_hang():
                          timeout=120, env=clean_env())
     assert out.returncode == 0, out.stderr[-2000:]
     assert lines(out.stdout, "FORKRUN") == [{"result": "1024"}]
+
+
+def test_fork_after_the_parent_compiled_does_not_hang(tmp_path):
+    """torch resets Inductor's compile process pool in a forked child but not its thread pool:
+    a rank compiling after the parent did (each with a cold cache) waited forever on threads
+    that were not forked. meshrun gives the child a fresh pool."""
+    require("torch")
+    import subprocess
+    import sys
+
+    from helpers import clean_env, lines, script
+
+    out = subprocess.run([sys.executable, script("fork_after_compile.py")], capture_output=True, text=True,
+                         timeout=300, env=clean_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert lines(out.stdout, "FORKRUN") == [{"result": "64"}]

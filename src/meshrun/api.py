@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import time
 import traceback
 from typing import Any, Callable, Mapping
@@ -44,6 +45,13 @@ def _worker(rank: int, nproc: int, port: int, backend: str, fn: Callable[..., An
         # parallel region waits forever on the missing workers. One intra-op thread runs
         # inline and never touches the pool (torchrun gives multi-process jobs one thread too).
         torch.set_num_threads(1)
+        # Inductor's compile thread pool likewise: torch resets its process pool after a fork
+        # but not the thread pool, so a child compiling after the parent compiled (cold cache)
+        # queues work for threads that do not exist and hangs. A fresh pool on first use.
+        async_compile = sys.modules.get("torch._inductor.async_compile")
+        pool = getattr(getattr(async_compile, "AsyncCompile", None), "pool", None)
+        if hasattr(pool, "cache_clear"):
+            pool.cache_clear()
 
     try:
         if backend == "nccl":
