@@ -14,6 +14,11 @@ iteration. The backward only scales the two stored gradients by the incoming one
 matmul FLOPs as the plain recipe (one forward, two backward), but per token only the bf16
 logits and their bf16 gradient touch memory, and peak memory holds one chunk.
 
+Measured (docs/benchmarks.md, call G, H200): compiled at 1024 tokens the expected gain did
+not come: GPT 124M ran 1.9% slower than the plain recipe, which Inductor already fuses, and
+held more memory (the unrolled chunks). What it is for is the eager long-sequence case, where
+the whole logits would be most of the memory (``GPTConfig.fused_loss``, ``--fused-loss``).
+
 Numerics match the plain recipe under autocast: matmuls in the compute dtype with fp32
 accumulation, log-sum-exp and softmax in fp32, the logits' gradient rounded to the compute
 dtype before the weight-gradient matmul (as autocast's backward does), and the weight
