@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One lent 4-GPU machine, one part per call (each part ends inside a 10-minute call):
+# One lent multi-GPU machine (4 GPUs, or 2 where only 2 are lent: NG is the number of GPUs
+# found and every part scales its runs to it), one part per call (each ends inside a 10-minute call):
 #   bash bench/gpu_session.sh train   OUT   issue 3: meshrun's auto settings vs the hand-tuned peers,
 #                                           1-GPU baselines and compiler knobs run side by side
 #   bash bench/gpu_session.sh confirm OUT   issue 3: meshrun's defaults, 1-GPU baselines side by side, then 4 GPUs
@@ -16,6 +17,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 PART=$1; OUT=${2:-/tmp/meshrun-gpu}; mkdir -p "$OUT"
 DEADLINE_S=${DEADLINE_S:-540}
 T0=$SECONDS
+NG=$(nvidia-smi -L | wc -l)
 S="$OUT/summary.txt"
 late() { [ $((SECONDS - T0)) -gt "$1" ] && { echo "SKIPPED (deadline) $2" | tee -a "$S"; return 0; }; return 1; }
 tb() {  # tb LIMIT_S GPUS ARGS... : one bench/train_bench.py run on the first GPUS cards
@@ -43,21 +45,28 @@ python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$S"
 
 case "$PART" in
 train)
-  G=524288  # the issue's global batch: 512K tokens per optimizer step
+  # 128K tokens per rank per optimizer step: the issue's 512K global batch on 4 GPUs
+  G=$((NG * 131072))
   # 1 GPU, side by side: the weak-scaling baselines (global 128K = one rank's share of the
-  # 4-GPU run) for both sizes, and 124M at 512K (4 x accumulation)
+  # NG-GPU run) for both sizes, and (with a third card) 124M at the NG-GPU run's global batch
   one 0 200 124m-g128k -- --mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile
-  one 1 200 124m-g512k -- --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
-  one 2 200 1.3b-g128k -- --mode meshrun --size gpt-1.3b --micro 32 --global-tokens 131072 --compile --warmup 3 --steps 8
+  one 1 200 1.3b-g128k -- --mode meshrun --size gpt-1.3b --micro 32 --global-tokens 131072 --compile --warmup 3 --steps 8
+  [ "$NG" -ge 3 ] && one 2 200 124m-g$((G / 1024))k -- --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
   wait
-  # 4 GPUs, one after another: meshrun auto, then with compiled autograd (DDP's reducer traced
-  # into one backward graph instead of the graph split at every bucket), the hand-tuned peers
-  tb 130 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
-  tb 150 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --compiled-autograd
-  tb 100 4 --mode ddp_compile --size gpt-124m --micro 64
-  tb 160 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8
-  tb 170 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8 --compiled-autograd
-  tb 110 4 --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10
+  # NG GPUs, one after another: meshrun auto, then compiled autograd (DDP's reducer traced into
+  # one backward graph instead of the graph split at every bucket) against the same settings
+  # without it. Both with flash attention first: under compiled autograd the cuDNN attention
+  # backward (torch 2.11's first choice on H200) failed (.item() on an int; sixth session).
+  tb 130 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
+  tb 150 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --sdpa flash --compiled-autograd
+  tb 130 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --sdpa flash
+  tb 170 "$NG" --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8 --sdpa flash --compiled-autograd
+  tb 160 "$NG" --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8
+  # where a 124M step's time goes now (one card, device time per kernel)
+  late $((DEADLINE_S - 60)) "profile" || CUDA_VISIBLE_DEVICES=0 timeout 100 python3 bench/profile_step.py \
+    --size gpt-124m --micro 128 --compile --top 30 2>&1 | grep -E "^PROFILE|^  " | tee -a "$S"
+  tb 100 "$NG" --mode ddp_compile --size gpt-124m --micro 64
+  tb 110 "$NG" --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10
   ;;
 confirm)
   # meshrun's defaults after call G (cuDNN attention first on Hopper): 1 GPU side by side
@@ -67,11 +76,11 @@ confirm)
   one 1 200 124m-g512k -- --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
   one 2 200 1.3b-g128k -- --mode meshrun --size gpt-1.3b --micro 0 --global-tokens 131072 --compile --warmup 3 --steps 8
   wait
-  tb 130 4 --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
-  tb 160 4 --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8
+  tb 130 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
+  tb 160 "$NG" --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8
   ;;
 snapshots)
-  CK="python3 -m torch.distributed.run --standalone --nproc_per_node=4 bench/checkpoint_bench.py --size gpt-1.3b --strategy fsdp --dir /tmp/ckb"
+  CK="python3 -m torch.distributed.run --standalone --nproc_per_node=$NG bench/checkpoint_bench.py --size gpt-1.3b --strategy fsdp --dir /tmp/ckb"
   if [ "${SNAP_FULL:-0}" = 1 ]; then  # sync save, load, torch.save on rank 0, async at 0.53-s steps
     echo "== issue 4: snapshots, GPT 1.3B, FSDP2 on 4 ranks, micro-batch 32 (0.5-s steps), async every 50 steps" | tee -a "$S"
     timeout 240 $CK --micro 32 --steps 100 --save-every 50 2>&1 | grep -E "^CKPT|Error" | tee -a "$S"
@@ -80,31 +89,32 @@ snapshots)
     echo "== issue 4: steady state, micro-batch 32, no accumulation" | tee -a "$S"
     timeout 240 $CK --phases async --prestage --micro 32 --steps 100 --save-every 50 2>&1 | grep -E "^CKPT|Error" | tee -a "$S"
   fi
-  # the issue-3 benchmark's batch for 1.3B (512K tokens: 32 x 4 per rank, ~2-s steps)
-  echo "== issue 4: steady state, global batch 512 (32 x 4 accumulation per rank), async every 50 steps" | tee -a "$S"
-  timeout 520 $CK --phases async --prestage --micro 32 --global-batch 512 --steps 100 --save-every 50 2>&1 \
+  # the issue-3 benchmark's batch for 1.3B (512K tokens on 4 GPUs: 32 x 4 per rank, ~2-s steps;
+  # on 2 GPUs the same work per rank, each rank writing twice the bytes)
+  echo "== issue 4: steady state, global batch $((128 * NG)) (32 x 4 accumulation per rank, $NG ranks), async every 50 steps" | tee -a "$S"
+  timeout 520 $CK --phases async --prestage --micro 32 --global-batch $((128 * NG)) --steps 100 --save-every 50 2>&1 \
     | grep -E "^CKPT|Error" | tee -a "$S"
   ;;
 grid)
-  echo "== issue 5: planner grid, 4 GPUs then 1 (eager); DeepSpeed rows one per process" | tee -a "$S"
+  echo "== issue 5: planner grid, $NG GPUs then 1 (eager); DeepSpeed rows one per process" | tee -a "$S"
   # DeepSpeed is not on the GPU host: its wheels travel in .whl/ (run's carry); without them
   # every DeepSpeed row fails (call H's did: the grid saw no deepspeed and had no rows to select)
   if ! python3 -c "import deepspeed" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "no DeepSpeed: carry .whl/ (deepspeed and its pure-python deps as wheels, see docs/benchmarks.md)" | tee -a "$S"
   fi
-  rem=$((DEADLINE_S - (SECONDS - T0) - 300))
-  [ $rem -gt 30 ] && timeout $((rem + 60)) python3 -m torch.distributed.run --standalone --nproc_per_node=4 \
+  rem=$((DEADLINE_S - (SECONDS - T0) - 300)); [ -n "${GRID_TORCH_S:-}" ] && rem=$GRID_TORCH_S
+  [ $rem -gt 30 ] && timeout $((rem + 60)) python3 -m torch.distributed.run --standalone --nproc_per_node=$NG \
     bench/plan_accuracy.py measure --grid gpu --eager --engines torch --budget-s $rem --out "$OUT/plan4.jsonl" 2>&1 | grep -E "MEM budget|Error" | tee -a "$S"
   # the 1.3B DDP rows again with segments that grow in place (call I: 5.5 GiB reserved beyond
   # the allocated peak at micro-batch 4); their own file, as meshrun does not set this
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 120 python3 -m torch.distributed.run --standalone \
-    --nproc_per_node=4 bench/plan_accuracy.py measure --grid gpu --eager --engines torch --select 4,5 \
+    --nproc_per_node=$NG bench/plan_accuracy.py measure --grid gpu --eager --engines torch --select 4,5 \
     --out "$OUT/plan4-expandable.jsonl" 2>&1 | grep -E "Error" | tee -a "$S"
   # per ZeRO stage (8 rows each): 124M micro 8, 1.3B micro 4 and 16, activation checkpointing off
   for i in 0 4 5 8 12 13 16 20 21; do
     late $((DEADLINE_S - 120)) "deepspeed row $i" && break
-    timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node=4 bench/plan_accuracy.py measure \
+    timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG bench/plan_accuracy.py measure \
       --grid gpu --eager --engines deepspeed --select $i --out "$OUT/plan4.jsonl" 2>&1 | grep -E "Error" | tee -a "$S"
   done
   rem=$((DEADLINE_S - (SECONDS - T0) - 20))
@@ -131,7 +141,7 @@ seqlen)
   sl() {  # sl LIMIT_S SEQ ARGS... : one step at SEQ tokens; the outcome goes to the summary
     local lim=$1 T=$2; shift 2
     before=$(grep -c "^BENCH" "$S" 2>/dev/null || true)
-    tb "$lim" 4 --mode meshrun --size gpt-1.3b --micro 1 --seq "$T" --warmup 0 --steps 1 --ac "$@"
+    tb "$lim" "$NG" --mode meshrun --size gpt-1.3b --micro 1 --seq "$T" --warmup 0 --steps 1 --ac "$@"
     [ "$(grep -c "^BENCH" "$S")" -gt "$before" ] && return 0
     { grep -m1 -o "OutOfMemoryError[^.]*" "$OUT/last.log" || echo "no step within ${lim} s"; } | sed "s/^/seq $T $*: /" | tee -a "$S"
     return 1
@@ -139,7 +149,7 @@ seqlen)
   # With the chunked loss (train/losses.py) no token's logits are held: FSDP alone should
   # pass 256K; CP4 (attention per zig-zag chunk over its key prefix) 512K.
   sl 150 262144 --strategy fsdp --loss fused || sl 90 131072 --strategy fsdp --loss fused
-  sl 100 262144 --strategy fsdp --cp 4 --loss fused && sl 250 524288 --strategy fsdp --cp 4 --loss fused
+  sl 100 262144 --strategy fsdp --cp "$NG" --loss fused && sl 250 524288 --strategy fsdp --cp "$NG" --loss fused
   ;;
 *) echo "unknown part $PART (train | snapshots | grid | layouts | seqlen)"; exit 2 ;;
 esac

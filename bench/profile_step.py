@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=12, help="how many of the longest kernels to list")
     args = ap.parse_args()
     model = gpt(args.size, seq_len=args.seq, vocab=50304)
     cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9)
@@ -64,8 +65,8 @@ def main() -> None:
           f"{total / args.steps / 1e3:.1f} ms device time per step")
     for fam, t in sorted(by_family.items(), key=lambda kv: -kv[1]):
         print(f"  {fam:10s} {100 * t / total:5.1f}%")
-    for e in sorted(events, key=lambda e: -getattr(e, attr))[:12]:
-        print(f"  {100 * getattr(e, attr) / total:5.1f}%  {e.key[:110]}")
+    for e in sorted(events, key=lambda e: -getattr(e, attr))[:args.top]:
+        print(f"  {100 * getattr(e, attr) / total:5.1f}%  {e.count // args.steps:4d}/step  {e.key[:100]}")
     from meshrun.train.runtime import teardown
 
     teardown()

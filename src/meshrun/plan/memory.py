@@ -155,7 +155,8 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
     mixed = t.precision == "bf16"
     cpu = 0.0
     if s.engine == "deepspeed":
-        # bf16 weights and grads on the GPU, fp32 master copy + moments in the optimizer.
+        # bf16 weights and grads on the GPU, fp32 master copy + moments in the optimizer
+        # (the paper's accounting; what DeepSpeed adds at the peak is in estimate())
         pw, gw, master = (2, 2, 4 + k) if mixed else (4, 4, k)
         params = pw * p / (n if s.shard == "params" else 1)
         grads = gw * p / (n if s.shard in ("grads", "params") else 1)
@@ -213,10 +214,25 @@ def params_per_gpu(m: ModelSpec, s: Strategy) -> float:
 
 
 def persistent_grads(s: Strategy) -> bool:
-    """DDP's gradient buckets (gradient_as_bucket_view), DeepSpeed's and Megatron's gradient
-    buffers live through the whole step; single-device and FSDP2 gradients are freed by
-    ``zero_grad(set_to_none=True)`` and appear only during backward."""
+    """DDP's gradient buckets (gradient_as_bucket_view), ZeRO-3's gradient partitions and
+    Megatron's gradient buffers live through the whole step; single-device and FSDP2
+    gradients are freed by ``zero_grad(set_to_none=True)`` and appear only during backward,
+    and so do ZeRO-1/2's reduce buckets and gradient partitions (measured: those rows' peak
+    is the start of backward with neither, docs/benchmarks.md, sixth session)."""
+    if s.engine == "deepspeed":
+        return s.shard == "params"
     return s.engine != "torch" or (s.shard == "none" and s.dp > 1)
+
+
+def deepspeed_step_bytes(m: ModelSpec, t: TrainSpec, s: Strategy) -> float:
+    """Reserved beyond the allocated peak by DeepSpeed's optimizer step: the flat gradient
+    partition, its fp32 copy and the Adam step's temporaries are allocated after backward
+    freed the activations, in blocks too large for the activations' cached ones, so they
+    take new segments (calibrated bytes per parameter of this rank's partition; 0 when the
+    step runs on the CPU)."""
+    if s.engine != "deepspeed" or s.offload_optimizer:
+        return 0.0
+    return calibration()["deepspeed_step_bytes_per_param"] * params_per_gpu(m, s) / s.shard_group
 
 
 def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int) -> Memory:
@@ -224,21 +240,30 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
     alive) and the end of backward (all gradients alive, activations gone)."""
     cal = calibration()
     states, cpu_per_gpu, notes = model_states(m, t, s)
+    if s.engine == "deepspeed" and s.shard == "params" and t.precision == "bf16":
+        # DeepSpeed's ZeRO-3 accumulates the gradient partitions in fp32, not the paper's
+        # 2 bytes (measured: the 1.3B ZeRO-3 rows sit 1.5 GB above a bf16 partition,
+        # docs/benchmarks.md, sixth session)
+        states = dict(states, grads=int(4 * params_per_gpu(m, s) / s.shard_group))
     acts, transient = activations(m, t, s, micro)
     logits = logits_bytes(m, t, s, micro)
     spike = max(logits, transient)  # the loss spike and one layer's backward do not overlap
-    fixed = states["params"] + states["optimizer"] + states["comm_buffers"] + cal["workspace_bytes"]
+    # ZeRO-1/2's reduce buckets are allocated during backward, with the gradients
+    late_buffers = states["comm_buffers"] if s.engine == "deepspeed" and not persistent_grads(s) else 0
+    fixed = states["params"] + states["optimizer"] + states["comm_buffers"] - late_buffers + cal["workspace_bytes"]
     grads_early = states["grads"] if persistent_grads(s) else 0
     start = fixed + grads_early + acts + spike
-    end = fixed - cast_copies(m, t, s) + states["grads"] + transient
+    end = fixed - cast_copies(m, t, s) + states["grads"] + late_buffers + transient
     if start >= end:
-        parts = {"grads": grads_early, "activations": acts, "logits": spike}
+        parts = {"grads": grads_early, "activations": acts, "logits": spike,
+                 "comm_buffers": states["comm_buffers"] - late_buffers}
     else:
-        parts = {"grads": states["grads"], "activations": transient, "logits": 0}
+        parts = {"grads": states["grads"], "activations": transient, "logits": 0,
+                 "comm_buffers": states["comm_buffers"]}
     allocated = max(start, end)
-    frag = int(allocated * (cal["reserved_over_allocated"] - 1))
+    frag = int(allocated * (cal["reserved_over_allocated"] - 1) + deepspeed_step_bytes(m, t, s))
     breakdown = {"params": states["params"], "grads": parts["grads"], "optimizer": states["optimizer"],
                  "activations": parts["activations"], "logits": parts["logits"],
-                 "comm_buffers": states["comm_buffers"], "workspace": cal["workspace_bytes"],
+                 "comm_buffers": parts["comm_buffers"], "workspace": cal["workspace_bytes"],
                  "fragmentation": frag, "cuda_context": cal["cuda_context_bytes"]}
     return Memory(breakdown, cpu_per_gpu * c.gpus_per_node, tuple(notes))

@@ -1,13 +1,16 @@
 """Which fused attention kernel torch's scaled_dot_product_attention tries first.
 
-``auto`` keeps torch's own order (flash first on CUDA). Measured (docs/benchmarks.md, call G,
-1 x H200, GPT 124M compiled, side by side on four cards): cuDNN's attention 546K tokens/s,
-flash 517K, torch's order (= flash) 532K. The two flash runs differ by as much as cuDNN gains
-over their mean (card-to-card spread), and on 4 GPUs the cuDNN run (520K) did not beat the
-flash one of an earlier call (524K); torch also ranks cuDNN last on purpose (correctness
-reports on some shapes in earlier releases). So cuDNN is an option, not the default. A
-chosen kernel goes first; the others stay behind it as fallbacks for inputs it does not
-take, so no model loses its attention.
+``auto`` keeps torch's own order. That order is not fixed: torch 2.11 on an H200 (cuDNN 9)
+runs cuDNN's fused attention first, as the sixth session's profile showed (cuDNN's
+``sdpa_sm90_flash`` kernels under ``auto``; docs/benchmarks.md). Measured (call G, 1 x H200,
+GPT 124M compiled, side by side on four cards): cuDNN first 546K tokens/s, flash first 517K,
+torch's order 532K, which was cuDNN too, so the two cuDNN runs differ by 2.7% from card to
+card and flash is 3-5% behind. Where torch prefers flash (older cuDNN, other cards), auto
+follows it rather than forcing a kernel torch has reasons to rank lower. A chosen kernel goes
+first; the others stay behind it as fallbacks for inputs it does not take, so no model
+loses its attention. Under compiled autograd (bench/train_bench.py --compiled-autograd) the
+cuDNN backward failed on torch 2.11 (``.item()`` on an int while tracing): that path takes
+``--attention flash``.
 """
 
 from __future__ import annotations
