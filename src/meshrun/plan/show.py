@@ -73,7 +73,10 @@ def explanation(plan: Plan) -> str:
         f"(k = {t.optimizer_bytes} for {t.optimizer}); FSDP shards all three over n, grad_op keeps a bf16 copy 2P;",
         "    under bf16 autocast (single/DDP) matmuls keep bf16 weight copies for backward: +2P",
         "  DeepSpeed ZeRO (mixed): 2P bf16 params + 2P bf16 grads + (4 + k)·P master and moments;",
-        "    ZeRO-1 shards the last, ZeRO-2 also the grads, ZeRO-3 everything: 2P + 2P + (4+k)P/n ... (2+2+4+k)P/n",
+        "    ZeRO-1 shards the last, ZeRO-2 also the grads, ZeRO-3 everything: 2P + 2P + (4+k)P/n ... (2+2+4+k)P/n;",
+        "    as DeepSpeed runs it: ZeRO-1/2 grads and buckets arrive as backward frees activations, ZeRO-3 keeps",
+        f"    its grad partitions in fp32 (4P/n), and the step takes {cal['deepspeed_step_bytes_per_param']}P/n "
+        "of fresh segments (counted as fragmentation)",
         f"  activations per layer per token (eager, flash attention): {layer_activation_bytes(m, t.precision):.0f} B here =",
         "    2·(r·h + a·h) norms + a·(h + 2·kv) qkv [+ a·(h + kv) rotary] + a·h attention out + 2·a·f MLP "
         "(4·a·f gated) + 4·heads",
