@@ -40,8 +40,9 @@ def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual:
                loss: str = "default") -> GPT:
     torch.manual_seed(0)
     fused = GPTConfig.fused_loss if loss == "default" else loss == "fused"
+    triton = GPTConfig.triton_loss if loss == "default" else loss == "triton"
     return GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, low_precision_residual=not fp32_residual,
-                         fused_loss=fused, **GPT_PRESETS[size]))
+                         fused_loss=fused, triton_loss=triton, **GPT_PRESETS[size]))
 
 
 def pick_sdpa(backend: str) -> None:
@@ -88,8 +89,9 @@ def main() -> None:
     ap.add_argument("--ac", action="store_true", help="meshrun: activation checkpointing of every block")
     ap.add_argument("--fp32-residual", action="store_true",
                     help="keep the GPT's residual stream fp32 under autocast (the model before 2026-11-26)")
-    ap.add_argument("--loss", default="default", choices=["default", "plain", "fused"],
-                    help="the GPT's loss: F.cross_entropy over full logits, or chunked (train/losses.py)")
+    ap.add_argument("--loss", default="default", choices=["default", "plain", "fused", "triton"],
+                    help="the GPT's loss: F.cross_entropy over full logits, chunked (train/losses.py), "
+                         "or two Triton passes over full logits (train/ce_kernel.py)")
     ap.add_argument("--sdpa", default="default", choices=["default", "flash", "cudnn", "efficient"])
     ap.add_argument("--compiled-autograd", action="store_true",
                     help="DDP + compile: trace the backward with compiled autograd and DDP's reducer in Python "
@@ -237,7 +239,7 @@ def main() -> None:
         if peak else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
         "card": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "warmup_s": round(WARMUP_S[0], 1), "fp32_residual": args.fp32_residual,
-        "fused_loss": model.cfg.fused_loss, "sdpa": args.sdpa, "compiled_autograd": args.compiled_autograd,
+        "fused_loss": model.cfg.fused_loss, "triton_loss": model.cfg.triton_loss, "sdpa": args.sdpa, "compiled_autograd": args.compiled_autograd,
         "date": time.strftime("%Y-%m-%d"),
     }
     if rank == 0:

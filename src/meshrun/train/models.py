@@ -29,6 +29,10 @@ class GPTConfig:
     # default: compiled at 1024 tokens it measured 1.9% slower than F.cross_entropy over
     # the whole logits, which Inductor fuses well (docs/benchmarks.md, call G).
     fused_loss: bool = False
+    # The loss over the whole logits by two Triton passes (train/ce_kernel.py) instead of
+    # Inductor's fusion of F.cross_entropy: predicted ~4% at 124M compiled, not yet measured,
+    # so off by default. Where Triton cannot run (no GPU), it is F.cross_entropy.
+    triton_loss: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -81,6 +85,10 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        if cfg.triton_loss:  # registered before any compiled step traces the loss
+            from .ce_kernel import register
+
+            register()
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -129,6 +137,10 @@ class GPT(nn.Module):
         sharded = hasattr(logits, "full_tensor")
         if targets is None:
             return logits.full_tensor() if sharded else logits
+        if self.cfg.triton_loss and not sharded:
+            from .ce_kernel import cross_entropy
+
+            return self._with_aux(cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1)))
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         if sharded:
             loss = loss.full_tensor()

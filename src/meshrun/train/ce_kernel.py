@@ -1,0 +1,156 @@
+"""Cross-entropy over bf16 logits in two memory-bound Triton passes (opt-in, CUDA).
+
+Why: in the compiled GPT 124M step the loss takes 7.9% of the time (docs/benchmarks.md,
+sixth session's profile): Inductor's forward reduction reads the 13.2 GB of bf16 logits at
+1.4 TB/s, and its backward reads them again to recompute the softmax statistics. Here the
+forward is one online-softmax pass per row (one read; it keeps each row's log-sum-exp, 4
+bytes) and the backward one pass that reads the logits and writes their gradient,
+``(exp(x - lse) - onehot) * g`` in the logits' dtype: three passes over the logits in all,
+8.3 ms at 4.8 TB/s against the 17.9 ms measured. Predicted: ~4% of the 124M step, ~1% at
+1.3B; to be measured side by side (``bench/train_bench.py --loss triton``) before it is
+anyone's default.
+
+Numerics: as ``F.cross_entropy(logits.float(), targets)``: statistics and gradient in fp32,
+the gradient rounded once to the logits' dtype (what autocast's backward does); rows whose
+target is ``ignore_index`` count neither in the loss nor in the mean, and get a zero
+gradient.
+
+The kernels are registered as opaque custom ops (``torch.library.custom_op``), so
+torch.compile calls them from inside its graphs without a break. On a machine without Triton or without a
+GPU, :func:`cross_entropy` is ``F.cross_entropy`` itself. Tests run the kernels on the CPU
+through Triton's interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 4096  # vocabulary entries per loop step: 16 fp32 lanes per thread at 8 warps
+
+
+def register() -> dict[str, bool]:
+    """Register the ops (once) where Triton imports, and say on which device types they run:
+    a GPU, or the CPU under Triton's interpreter (how the tests run them). Called when a
+    model that uses them is built, so that a compiled first step finds them registered."""
+    if not _USABLE:
+        try:
+            import triton  # noqa: F401
+            from torch.library import custom_op  # noqa: F401  (torch >= 2.4)
+        except ImportError:
+            _USABLE.update(cuda=False, cpu=False)
+        else:
+            _register_ops()
+            _USABLE.update(cuda=torch.cuda.is_available(), cpu=os.environ.get("TRITON_INTERPRET") == "1")
+    return _USABLE
+
+
+_USABLE: dict[str, bool] = {}
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (tokens, vocab) against ``targets`` (tokens,),
+    equal to ``F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)``."""
+    if not torch.compiler.is_compiling():  # traced, the model's constructor has registered
+        if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+            raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: "
+                             "expected (tokens, vocab) and (tokens,)")
+        register()
+    if not _USABLE.get(logits.device.type, False) or logits.shape[0] == 0:
+        return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
+    rows, _ = torch.ops.meshrun.cross_entropy_rows(logits.contiguous(), targets.contiguous(), ignore_index)
+    counted = (targets != ignore_index).sum()
+    return rows.sum() / counted  # no counted token: 0 / 0 = nan, as torch gives
+
+
+@functools.lru_cache(maxsize=1)
+def _register_ops() -> None:
+    """Build the kernels and register the ops once, on first use (Triton imported only then)."""
+    import triton
+    import triton.language as tl
+    from torch.library import custom_op, register_autograd, register_fake
+
+    @triton.jit
+    def _forward_kernel(x_ptr, stride, t_ptr, rows_ptr, lse_ptr, V, ignore_index, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * stride
+        # Per-lane online softmax: each lane keeps its running max and its sum of exp(x - max).
+        m = tl.full((BLOCK,), float("-inf"), tl.float32)
+        d = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            keep = cols < V
+            x = tl.load(base + cols, mask=keep, other=float("-inf")).to(tl.float32)
+            new_m = tl.maximum(m, x)
+            # a lane that has seen only masked entries stays at (-inf, 0): no exp(-inf - -inf)
+            seen = new_m > float("-inf")
+            safe = tl.where(seen, new_m, 0.0)
+            d = tl.where(seen, d * tl.exp(m - safe) + tl.where(keep, tl.exp(x - safe), 0.0), 0.0)
+            m = new_m
+        top = tl.max(m, 0)
+        total = tl.sum(tl.where(m > float("-inf"), d * tl.exp(m - top), 0.0), 0)
+        lse = top + tl.log(total)
+        tl.store(lse_ptr + row, lse)
+        t = tl.load(t_ptr + row)
+        counted = t != ignore_index
+        picked = tl.load(base + tl.where(counted, t, 0)).to(tl.float32)
+        tl.store(rows_ptr + row, tl.where(counted, lse - picked, 0.0))
+
+    @triton.jit
+    def _backward_kernel(x_ptr, stride, g_ptr, g_stride, t_ptr, lse_ptr, dx_ptr, V, ignore_index,
+                         BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * stride
+        t = tl.load(t_ptr + row)
+        counted = t != ignore_index
+        scale = tl.where(counted, tl.load(g_ptr + row * g_stride).to(tl.float32), 0.0)
+        lse = tl.load(lse_ptr + row)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            keep = cols < V
+            x = tl.load(base + cols, mask=keep, other=0.0).to(tl.float32)
+            grad = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
+            tl.store(dx_ptr + row * stride + cols, grad.to(dx_ptr.dtype.element_ty), mask=keep)
+
+    # Opaque custom ops: compiled graphs call the kernels as they are (nothing to fuse into a
+    # memory-bound pass over the logits), and trace them through the shapes given below.
+    @custom_op("meshrun::cross_entropy_rows", mutates_args=())
+    def forward(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n, v = logits.shape
+        rows = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        _forward_kernel[(n,)](logits, logits.stride(0), targets, rows, lse, v, ignore_index, BLOCK=BLOCK, num_warps=8)
+        return rows, lse
+
+    @register_fake("meshrun::cross_entropy_rows")
+    def _forward_shapes(logits, targets, ignore_index):
+        n = logits.shape[0]
+        return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+    @custom_op("meshrun::cross_entropy_rows_backward", mutates_args=())
+    def backward(grad_rows: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                 ignore_index: int) -> torch.Tensor:
+        n, v = logits.shape
+        dx = torch.empty_like(logits)
+        grad_rows = grad_rows.contiguous()  # the mean's gradient arrives as an expanded scalar: N floats
+        _backward_kernel[(n,)](logits, logits.stride(0), grad_rows, grad_rows.stride(0), targets, lse, dx, v,
+                               ignore_index, BLOCK=BLOCK, num_warps=8)
+        return dx
+
+    @register_fake("meshrun::cross_entropy_rows_backward")
+    def _backward_shapes(grad_rows, logits, targets, lse, ignore_index):
+        return torch.empty_like(logits)
+
+    def setup_context(ctx, inputs, output) -> None:
+        logits, targets, ignore_index = inputs
+        ctx.save_for_backward(logits, targets, output[1])
+        ctx.ignore_index = ignore_index
+
+    def _backward(ctx, grad_rows, _grad_lse):
+        logits, targets, lse = ctx.saved_tensors
+        return backward(grad_rows, logits, targets, lse, ctx.ignore_index), None, None
+
+    register_autograd("meshrun::cross_entropy_rows", _backward, setup_context=setup_context)

@@ -1,0 +1,79 @@
+"""meshrun.train.ce_kernel against F.cross_entropy: run by tests/test_ce_kernel.py on the CPU
+under Triton's interpreter (TRITON_INTERPRET=1), and as it is on a GPU host. Prints ALL OK."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from meshrun.train import ce_kernel
+from meshrun.train.models import GPT, GPTConfig
+
+dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+usable = ce_kernel.register()
+if not usable.get(dev.type):
+    raise SystemExit(f"the kernels cannot run on {dev.type} here ({usable}): nothing would be tested")
+BLOCK = ce_kernel.BLOCK
+
+
+def pair(fn, n: int, v: int, dtype: torch.dtype, scale: float = 3.0, ignored: tuple[int, ...] = ()):
+    """(loss, gradient) of fn and of F.cross_entropy over the same logits; the loss is
+    halved before backward so that the incoming gradient is not 1."""
+    g = torch.Generator(device=dev).manual_seed(n * v)
+    x = (torch.randn(n, v, device=dev, generator=g) * scale).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), device=dev, generator=g)
+    for i in ignored:
+        t[i] = -100
+    out = []
+    for f in (fn, lambda a, b: F.cross_entropy(a.float(), b)):
+        loss = f(x, t)
+        (loss * 0.5).backward()
+        out.append((loss.detach(), x.grad.clone()))
+        x.grad = None
+    return out
+
+
+def close(case: str, ours, ref, dtype: torch.dtype) -> None:
+    (l1, g1), (l2, g2) = ours, ref
+    torch.testing.assert_close(l1, l2, rtol=1e-6, atol=1e-6, msg=lambda m: f"{case}: loss: {m}")
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
+    torch.testing.assert_close(g1.float(), g2.float(), **tol, msg=lambda m: f"{case}: gradient: {m}")
+    assert g1.dtype == dtype, (case, g1.dtype)
+    print("ok", case, flush=True)
+
+
+cases = [
+    ("vocabulary below one block", 6, 300, torch.float32, 3.0, ()),
+    ("exactly one block", 5, BLOCK, torch.float32, 3.0, ()),
+    ("two blocks and a tail, bf16, one token ignored", 6, BLOCK + 904, torch.bfloat16, 3.0, (1,)),
+    ("large logits", 4, 2 * BLOCK + 808, torch.float32, 50.0, (0, 3)),
+]
+for case, n, v, dtype, scale, ignored in cases:
+    close(case, *pair(ce_kernel.cross_entropy, n, v, dtype, scale, ignored), dtype)
+
+# every token ignored: torch's nan, and no gradient into the logits
+(l1, g1), (l2, _) = pair(ce_kernel.cross_entropy, 3, 100, torch.float32, ignored=(0, 1, 2))
+assert l1.isnan() and l2.isnan() and not g1.any(), (l1, l2)
+print("ok every token ignored", flush=True)
+
+# compiled by Inductor as one graph: the ops are called from inside it
+compiled = torch.compile(ce_kernel.cross_entropy, fullgraph=True)
+close("compiled, fullgraph", *pair(compiled, 5, 700, torch.float32, ignored=(2,)), torch.float32)
+
+# meshrun's GPT with the kernel loss against its plain loss, same weights
+torch.manual_seed(0)
+cfg = dict(vocab=512, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+plain = GPT(GPTConfig(**cfg)).to(dev)
+kernel = GPT(GPTConfig(**cfg, triton_loss=True)).to(dev)
+kernel.load_state_dict(plain.state_dict())
+idx = torch.randint(0, 512, (2, 17), device=dev)
+losses = []
+for model in (plain, kernel):
+    loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    losses.append(loss.detach())
+torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+for (name, p), q in zip(plain.named_parameters(), kernel.parameters()):
+    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"GPT {name}: {m}")
+print("ok GPT", flush=True)
+print("ALL OK")

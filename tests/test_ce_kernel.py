@@ -1,0 +1,55 @@
+"""The Triton cross-entropy (meshrun.train.ce_kernel) against torch's, on the CPU.
+
+Its kernels run here through Triton's interpreter (TRITON_INTERPRET=1, in a process of its
+own: the interpreter is chosen when a kernel is defined); CI installs Triton for this. On a
+GPU host the same script runs the compiled kernels (bench/gpu_session.sh train).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import clean_env, require
+
+HERE = os.path.dirname(__file__)
+SCRIPT = os.path.join(HERE, "scripts", "ce_kernel_check.py")
+
+
+def test_without_triton_it_is_torch_cross_entropy():
+    """Where the kernels cannot run (the CPU without the interpreter), the loss and its
+    gradient are F.cross_entropy's, bit for bit; a wrong shape is refused by name."""
+    from meshrun.train import ce_kernel
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process runs Triton's interpreter")
+    torch.manual_seed(0)
+    x = torch.randn(7, 33, requires_grad=True)
+    t = torch.randint(0, 33, (7,))
+    t[2] = -100
+    loss = ce_kernel.cross_entropy(x, t)
+    loss.backward()
+    g = x.grad.clone()
+    x.grad = None
+    ref = F.cross_entropy(x, t)
+    ref.backward()
+    assert torch.equal(loss, ref) and torch.equal(g, x.grad)
+    with pytest.raises(ValueError, match=r"logits \(7, 33\) and targets \(6,\)"):
+        ce_kernel.cross_entropy(x, t[:6])
+
+
+def test_kernels_match_torch_under_the_interpreter():
+    """Loss and gradient equal torch's (fp32 logits to 1e-6; bf16 gradients to one bf16
+    rounding) over vocabularies below, across and not a multiple of the kernel's block, with
+    ignored tokens, all tokens ignored (nan), large logits, compiled by Inductor in one graph,
+    and inside meshrun's GPT against its plain loss."""
+    require("triton")
+    env = clean_env(TRITON_INTERPRET="1", PYTHONPATH=os.path.join(os.path.dirname(HERE), "src"))
+    out = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=480)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "ALL OK" in out.stdout, out.stdout[-2000:]
