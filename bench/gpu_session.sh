@@ -3,6 +3,7 @@
 # found and every part scales its runs to it), one part per call (each ends inside a 10-minute call):
 #   bash bench/gpu_session.sh train   OUT   issue 3: meshrun's auto settings vs the hand-tuned peers,
 #                                           1-GPU baselines and compiler knobs run side by side
+#   bash bench/gpu_session.sh loss    OUT   issue 3: the Triton cross-entropy vs Inductor's, 1 GPU, side by side, swapped
 #   bash bench/gpu_session.sh confirm OUT   issue 3: meshrun's defaults, 1-GPU baselines side by side, then 4 GPUs
 #   bash bench/gpu_session.sh snapshots OUT issue 4: async snapshots' steady state at ~2-s steps (SNAP_FULL=1: sync
 #                                           save, load and torch.save on rank 0; SNAP_FAST=1: at 0.53-s steps)
@@ -67,6 +68,23 @@ train)
     --size gpt-124m --micro 128 --compile --top 30 2>&1 | grep -E "^PROFILE|^  " | tee -a "$S"
   tb 100 "$NG" --mode ddp_compile --size gpt-124m --micro 64
   tb 110 "$NG" --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10
+  ;;
+loss)
+  # issue 3: the Triton cross-entropy (train/ce_kernel.py) against Inductor's fused
+  # F.cross_entropy, 1 GPU each, side by side and then with the cards swapped (card-to-card
+  # spread is ~3%): first the kernels against torch on this GPU
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 tests/scripts/ce_kernel_check.py 2>&1 | tail -3 | tee -a "$S"
+  B="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
+  one 0 200 124m-plain-a -- $B --loss plain
+  one 1 200 124m-triton-a -- $B --loss triton
+  wait
+  one 0 200 124m-triton-b -- $B --loss triton
+  one 1 200 124m-plain-b -- $B --loss plain
+  wait
+  B="--mode meshrun --size gpt-1.3b --micro 32 --global-tokens 131072 --compile --warmup 3 --steps 8"
+  one 0 200 1.3b-plain -- $B --loss plain
+  one 1 200 1.3b-triton -- $B --loss triton
+  wait
   ;;
 confirm)
   # meshrun's defaults after call G (cuDNN attention first on Hopper): 1 GPU side by side
@@ -151,6 +169,6 @@ seqlen)
   sl 150 262144 --strategy fsdp --loss fused || sl 90 131072 --strategy fsdp --loss fused
   sl 100 262144 --strategy fsdp --cp "$NG" --loss fused && sl 250 524288 --strategy fsdp --cp "$NG" --loss fused
   ;;
-*) echo "unknown part $PART (train | snapshots | grid | layouts | seqlen)"; exit 2 ;;
+*) echo "unknown part $PART (train | loss | confirm | snapshots | grid | layouts | seqlen)"; exit 2 ;;
 esac
 echo "part $PART done in $((SECONDS - T0)) s" | tee -a "$S"
