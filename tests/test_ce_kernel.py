@@ -1,8 +1,9 @@
 """The Triton cross-entropy (meshrun.train.ce_kernel) against torch's, on the CPU.
 
 Its kernels run here through Triton's interpreter (TRITON_INTERPRET=1, in a process of its
-own: the interpreter is chosen when a kernel is defined); CI installs Triton for this. On a
-GPU host the same script runs the compiled kernels (bench/gpu_session.sh train).
+own: the interpreter is chosen when a kernel is defined), and through Triton's compiler down
+to an sm_90 binary; CI installs Triton for both. On a GPU host the same script runs the
+compiled kernels (bench/gpu_session.sh loss).
 """
 
 from __future__ import annotations
@@ -53,3 +54,24 @@ def test_kernels_match_torch_under_the_interpreter():
     out = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=480)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "ALL OK" in out.stdout, out.stdout[-2000:]
+
+
+def test_kernels_compile_for_hopper():
+    """The kernels through Triton's real compiler down to an sm_90 binary (no GPU needed):
+    catches what the interpreter lets through (types of loop-carried values, casts)."""
+    require("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from meshrun.train import ce_kernel, ce_triton
+
+    common = {"stride": "i64", "t_ptr": "*i64", "lse_ptr": "*fp32", "V": "i32", "ignore_index": "i64",
+              "BLOCK": "constexpr"}
+    for kernel, sig in ((ce_triton.forward_kernel, {"x_ptr": "*bf16", "rows_ptr": "*fp32", **common}),
+                        (ce_triton.backward_kernel, {"x_ptr": "*bf16", "g_ptr": "*fp32", "g_stride": "i64",
+                                                     "dx_ptr": "*bf16", **common})):
+        order = list(kernel.arg_names)
+        src = ASTSource(kernel, {k: sig[k] for k in order}, {"BLOCK": ce_kernel.BLOCK})
+        binary = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert binary.asm.get("cubin"), kernel

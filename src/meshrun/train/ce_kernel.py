@@ -18,7 +18,8 @@ gradient.
 The kernels are registered as opaque custom ops (``torch.library.custom_op``), so
 torch.compile calls them from inside its graphs without a break. On a machine without Triton or without a
 GPU, :func:`cross_entropy` is ``F.cross_entropy`` itself. Tests run the kernels on the CPU
-through Triton's interpreter (``TRITON_INTERPRET=1``).
+through Triton's interpreter (``TRITON_INTERPRET=1``) and compile them for sm_90. The kernels
+are in ``ce_triton.py``, imported only where Triton is.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-BLOCK = 4096  # vocabulary entries per loop step: 16 fp32 lanes per thread at 8 warps
+BLOCK = 4096  # vocabulary entries per loop step: 16 per thread at 8 warps
 
 
 def register() -> dict[str, bool]:
@@ -38,12 +39,10 @@ def register() -> dict[str, bool]:
     model that uses them is built, so that a compiled first step finds them registered."""
     if not _USABLE:
         try:
-            import triton  # noqa: F401
-            from torch.library import custom_op  # noqa: F401  (torch >= 2.4)
+            _register_ops()  # imports Triton
         except ImportError:
             _USABLE.update(cuda=False, cpu=False)
         else:
-            _register_ops()
             _USABLE.update(cuda=torch.cuda.is_available(), cpu=os.environ.get("TRITON_INTERPRET") == "1")
     return _USABLE
 
@@ -69,51 +68,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
 @functools.lru_cache(maxsize=1)
 def _register_ops() -> None:
     """Build the kernels and register the ops once, on first use (Triton imported only then)."""
-    import triton
-    import triton.language as tl
     from torch.library import custom_op, register_autograd, register_fake
 
-    @triton.jit
-    def _forward_kernel(x_ptr, stride, t_ptr, rows_ptr, lse_ptr, V, ignore_index, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride
-        # Per-lane online softmax: each lane keeps its running max and its sum of exp(x - max).
-        m = tl.full((BLOCK,), float("-inf"), tl.float32)
-        d = tl.zeros((BLOCK,), tl.float32)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            keep = cols < V
-            x = tl.load(base + cols, mask=keep, other=float("-inf")).to(tl.float32)
-            new_m = tl.maximum(m, x)
-            # a lane that has seen only masked entries stays at (-inf, 0): no exp(-inf - -inf)
-            seen = new_m > float("-inf")
-            safe = tl.where(seen, new_m, 0.0)
-            d = tl.where(seen, d * tl.exp(m - safe) + tl.where(keep, tl.exp(x - safe), 0.0), 0.0)
-            m = new_m
-        top = tl.max(m, 0)
-        total = tl.sum(tl.where(m > float("-inf"), d * tl.exp(m - top), 0.0), 0)
-        lse = top + tl.log(total)
-        tl.store(lse_ptr + row, lse)
-        t = tl.load(t_ptr + row)
-        counted = t != ignore_index
-        picked = tl.load(base + tl.where(counted, t, 0)).to(tl.float32)
-        tl.store(rows_ptr + row, tl.where(counted, lse - picked, 0.0))
-
-    @triton.jit
-    def _backward_kernel(x_ptr, stride, g_ptr, g_stride, t_ptr, lse_ptr, dx_ptr, V, ignore_index,
-                         BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride
-        t = tl.load(t_ptr + row)
-        counted = t != ignore_index
-        scale = tl.where(counted, tl.load(g_ptr + row * g_stride).to(tl.float32), 0.0)
-        lse = tl.load(lse_ptr + row)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            keep = cols < V
-            x = tl.load(base + cols, mask=keep, other=0.0).to(tl.float32)
-            grad = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
-            tl.store(dx_ptr + row * stride + cols, grad.to(dx_ptr.dtype.element_ty), mask=keep)
+    from .ce_triton import backward_kernel, forward_kernel
 
     # Opaque custom ops: compiled graphs call the kernels as they are (nothing to fuse into a
     # memory-bound pass over the logits), and trace them through the shapes given below.
@@ -122,7 +79,7 @@ def _register_ops() -> None:
         n, v = logits.shape
         rows = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        _forward_kernel[(n,)](logits, logits.stride(0), targets, rows, lse, v, ignore_index, BLOCK=BLOCK, num_warps=8)
+        forward_kernel[(n,)](logits, logits.stride(0), targets, rows, lse, v, ignore_index, BLOCK=BLOCK, num_warps=8)
         return rows, lse
 
     @register_fake("meshrun::cross_entropy_rows")
@@ -136,7 +93,7 @@ def _register_ops() -> None:
         n, v = logits.shape
         dx = torch.empty_like(logits)
         grad_rows = grad_rows.contiguous()  # the mean's gradient arrives as an expanded scalar: N floats
-        _backward_kernel[(n,)](logits, logits.stride(0), grad_rows, grad_rows.stride(0), targets, lse, dx, v,
+        backward_kernel[(n,)](logits, logits.stride(0), grad_rows, grad_rows.stride(0), targets, lse, dx, v,
                                ignore_index, BLOCK=BLOCK, num_warps=8)
         return dx
 

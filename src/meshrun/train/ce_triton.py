@@ -1,0 +1,49 @@
+"""The Triton kernels of meshrun's cross-entropy (train/ce_kernel.py registers them as ops).
+
+Imported only where Triton is installed. One program per token row, ``BLOCK`` vocabulary
+entries per loop step; fp32 statistics, the gradient written in the logits' dtype.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def forward_kernel(x_ptr, stride, t_ptr, rows_ptr, lse_ptr, V, ignore_index, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride
+    # Online softmax, block by block: the running max and the sum of exp(x - max), one
+    # exponential per entry (per-lane accumulators would need two). Both start as fp32
+    # scalars, as a loop-carried value must keep its type.
+    m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), 0)
+    d = tl.sum(tl.zeros((BLOCK,), tl.float32), 0)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, 0))
+        d = d * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
+        m = new_m
+    lse = m + tl.log(d)
+    tl.store(lse_ptr + row, lse)
+    t = tl.load(t_ptr + row)
+    counted = t != ignore_index
+    picked = tl.load(base + tl.where(counted, t, 0)).to(tl.float32)
+    tl.store(rows_ptr + row, tl.where(counted, lse - picked, 0.0))
+
+
+@triton.jit
+def backward_kernel(x_ptr, stride, g_ptr, g_stride, t_ptr, lse_ptr, dx_ptr, V, ignore_index,
+                    BLOCK: tl.constexpr):
+    # dx has the logits' (contiguous) layout: the same row stride
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride
+    t = tl.load(t_ptr + row)
+    counted = t != ignore_index
+    scale = tl.where(counted, tl.load(g_ptr + row * g_stride).to(tl.float32), 0.0)
+    lse = tl.load(lse_ptr + row)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < V
+        x = tl.load(base + cols, mask=keep, other=0.0).to(tl.float32)
+        grad = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
+        tl.store(dx_ptr + row * stride + cols, grad.to(dx_ptr.dtype.element_ty), mask=keep)
