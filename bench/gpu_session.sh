@@ -85,6 +85,14 @@ loss)
   one 0 200 1.3b-plain -- $B --loss plain
   one 1 200 1.3b-triton -- $B --loss triton
   wait
+  # the two losses' kernels in a 124M step, one card each, side by side
+  for l in plain triton; do
+    g=$([ $l = plain ] && echo 0 || echo 1)
+    CUDA_VISIBLE_DEVICES=$g timeout 100 python3 bench/profile_step.py --size gpt-124m --micro 128 --compile \
+      --loss $l --top 12 > "$OUT/profile-$l.log" 2>&1 &
+  done
+  wait
+  grep -hE "^PROFILE|^  " "$OUT"/profile-*.log | tee -a "$S"
   ;;
 confirm)
   # meshrun's defaults after call G (cuDNN attention first on Hopper): 1 GPU side by side

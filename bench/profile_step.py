@@ -41,8 +41,17 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12, help="how many of the longest kernels to list")
+    ap.add_argument("--loss", default="plain", choices=["plain", "triton"],
+                    help="the GPT's loss: F.cross_entropy, or the Triton kernels (train/ce_kernel.py)")
     args = ap.parse_args()
     model = gpt(args.size, seq_len=args.seq, vocab=50304)
+    if args.loss == "triton":  # the same weights, the loss through train/ce_kernel.py
+        from dataclasses import replace
+
+        from meshrun.train.ce_kernel import register
+
+        register()
+        model.cfg = replace(model.cfg, triton_loss=True)
     cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9)
     trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)
@@ -61,7 +70,7 @@ def main() -> None:
     by_family: dict[str, float] = defaultdict(float)
     for e in events:
         by_family[family(e.key)] += getattr(e, attr)
-    print(f"PROFILE {args.size} micro {args.micro} compile {args.compile}: "
+    print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss}: "
           f"{total / args.steps / 1e3:.1f} ms device time per step")
     for fam, t in sorted(by_family.items(), key=lambda kv: -kv[1]):
         print(f"  {fam:10s} {100 * t / total:5.1f}%")

@@ -68,8 +68,8 @@ def test_kernels_compile_for_hopper():
 
     common = {"stride": "i64", "t_ptr": "*i64", "lse_ptr": "*fp32", "V": "i32", "ignore_index": "i64",
               "BLOCK": "constexpr"}
-    for kernel, sig in ((ce_triton.forward_kernel, {"x_ptr": "*bf16", "rows_ptr": "*fp32", **common}),
-                        (ce_triton.backward_kernel, {"x_ptr": "*bf16", "g_ptr": "*fp32", "g_stride": "i64",
+    for kernel, sig in ((ce_triton.triton_ce_forward, {"x_ptr": "*bf16", "rows_ptr": "*fp32", **common}),
+                        (ce_triton.triton_ce_backward, {"x_ptr": "*bf16", "g_ptr": "*fp32", "g_stride": "i64",
                                                      "dx_ptr": "*bf16", **common})):
         order = list(kernel.arg_names)
         src = ASTSource(kernel, {k: sig[k] for k in order}, {"BLOCK": ce_kernel.BLOCK})

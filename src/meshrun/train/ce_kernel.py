@@ -70,7 +70,7 @@ def _register_ops() -> None:
     """Build the kernels and register the ops once, on first use (Triton imported only then)."""
     from torch.library import custom_op, register_autograd, register_fake
 
-    from .ce_triton import backward_kernel, forward_kernel
+    from .ce_triton import triton_ce_backward, triton_ce_forward
 
     # Opaque custom ops: compiled graphs call the kernels as they are (nothing to fuse into a
     # memory-bound pass over the logits), and trace them through the shapes given below.
@@ -79,7 +79,7 @@ def _register_ops() -> None:
         n, v = logits.shape
         rows = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        forward_kernel[(n,)](logits, logits.stride(0), targets, rows, lse, v, ignore_index, BLOCK=BLOCK, num_warps=8)
+        triton_ce_forward[(n,)](logits, logits.stride(0), targets, rows, lse, v, ignore_index, BLOCK=BLOCK, num_warps=8)
         return rows, lse
 
     @register_fake("meshrun::cross_entropy_rows")
@@ -93,7 +93,7 @@ def _register_ops() -> None:
         n, v = logits.shape
         dx = torch.empty_like(logits)
         grad_rows = grad_rows.contiguous()  # the mean's gradient arrives as an expanded scalar: N floats
-        backward_kernel[(n,)](logits, logits.stride(0), grad_rows, grad_rows.stride(0), targets, lse, dx, v,
+        triton_ce_backward[(n,)](logits, logits.stride(0), grad_rows, grad_rows.stride(0), targets, lse, dx, v,
                                ignore_index, BLOCK=BLOCK, num_warps=8)
         return dx
 

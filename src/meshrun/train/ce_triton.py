@@ -1,7 +1,8 @@
 """The Triton kernels of meshrun's cross-entropy (train/ce_kernel.py registers them as ops).
 
 Imported only where Triton is installed. One program per token row, ``BLOCK`` vocabulary
-entries per loop step; fp32 statistics, the gradient written in the logits' dtype.
+entries per loop step; fp32 statistics, the gradient written in the logits' dtype. Named
+``triton_*`` so that profiles (bench/profile_step.py) count them with Inductor's kernels.
 """
 
 import triton
@@ -9,7 +10,7 @@ import triton.language as tl
 
 
 @triton.jit
-def forward_kernel(x_ptr, stride, t_ptr, rows_ptr, lse_ptr, V, ignore_index, BLOCK: tl.constexpr):
+def triton_ce_forward(x_ptr, stride, t_ptr, rows_ptr, lse_ptr, V, ignore_index, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride
     # Online softmax, block by block: the running max and the sum of exp(x - max), one
@@ -32,7 +33,7 @@ def forward_kernel(x_ptr, stride, t_ptr, rows_ptr, lse_ptr, V, ignore_index, BLO
 
 
 @triton.jit
-def backward_kernel(x_ptr, stride, g_ptr, g_stride, t_ptr, lse_ptr, dx_ptr, V, ignore_index,
+def triton_ce_backward(x_ptr, stride, g_ptr, g_stride, t_ptr, lse_ptr, dx_ptr, V, ignore_index,
                     BLOCK: tl.constexpr):
     # dx has the logits' (contiguous) layout: the same row stride
     row = tl.program_id(0).to(tl.int64)
