@@ -34,7 +34,7 @@ def triton_ce_forward(x_ptr, stride, t_ptr, rows_ptr, lse_ptr, V, ignore_index, 
 
 @triton.jit
 def triton_ce_backward(x_ptr, stride, g_ptr, g_stride, t_ptr, lse_ptr, dx_ptr, V, ignore_index,
-                    BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr):
     # dx has the logits' (contiguous) layout: the same row stride
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride
