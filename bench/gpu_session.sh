@@ -4,7 +4,7 @@
 #   bash bench/gpu_session.sh train   OUT   issue 3: meshrun's auto settings vs the hand-tuned peers,
 #                                           1-GPU baselines and compiler knobs run side by side
 #   bash bench/gpu_session.sh loss    OUT   issue 3: the Triton cross-entropy vs Inductor's, 1 GPU, side by side, swapped
-#   bash bench/gpu_session.sh confirm OUT   issue 3: meshrun's defaults, 1-GPU baselines side by side, then 4 GPUs
+#   bash bench/gpu_session.sh confirm OUT   issue 3: meshrun's defaults, 1-GPU baselines side by side, then NG GPUs
 #   bash bench/gpu_session.sh snapshots OUT issue 4: async snapshots' steady state at ~2-s steps (SNAP_FULL=1: sync
 #                                           save, load and torch.save on rank 0; SNAP_FAST=1: at 0.53-s steps)
 #   bash bench/gpu_session.sh grid OUT      issue 5: the planner's memory predictions against measured peaks
@@ -86,21 +86,19 @@ loss)
   one 1 200 1.3b-triton -- $B --loss triton
   wait
   # the two losses' kernels in a 124M step, one card each, side by side
-  for l in plain triton; do
-    g=$([ $l = plain ] && echo 0 || echo 1)
-    CUDA_VISIBLE_DEVICES=$g timeout 100 python3 bench/profile_step.py --size gpt-124m --micro 128 --compile \
-      --loss $l --top 12 > "$OUT/profile-$l.log" 2>&1 &
-  done
+  P="bench/profile_step.py --size gpt-124m --micro 128 --compile --top 12"
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 $P --loss plain > "$OUT/profile-plain.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 100 python3 $P --loss triton > "$OUT/profile-triton.log" 2>&1 &
   wait
   grep -hE "^PROFILE|^  " "$OUT"/profile-*.log | tee -a "$S"
   ;;
 confirm)
-  # meshrun's defaults after call G (cuDNN attention first on Hopper): 1 GPU side by side
-  # (global 128K = one rank's share of the 4-GPU run; 512K = 4 x accumulation), then 4 GPUs
-  G=524288
+  # meshrun's defaults: 1 GPU side by side (global 128K = one rank's share of the NG-GPU run;
+  # with a third card, the NG-GPU run's global batch by accumulation), then NG GPUs
+  G=$((NG * 131072))
   one 0 200 124m-g128k -- --mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile
-  one 1 200 124m-g512k -- --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
-  one 2 200 1.3b-g128k -- --mode meshrun --size gpt-1.3b --micro 0 --global-tokens 131072 --compile --warmup 3 --steps 8
+  one 1 200 1.3b-g128k -- --mode meshrun --size gpt-1.3b --micro 0 --global-tokens 131072 --compile --warmup 3 --steps 8
+  [ "$NG" -ge 3 ] && one 2 200 124m-g$((G / 1024))k -- --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
   wait
   tb 130 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
   tb 160 "$NG" --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8

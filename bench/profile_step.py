@@ -44,14 +44,7 @@ def main() -> None:
     ap.add_argument("--loss", default="plain", choices=["plain", "triton"],
                     help="the GPT's loss: F.cross_entropy, or the Triton kernels (train/ce_kernel.py)")
     args = ap.parse_args()
-    model = gpt(args.size, seq_len=args.seq, vocab=50304)
-    if args.loss == "triton":  # the same weights, the loss through train/ce_kernel.py
-        from dataclasses import replace
-
-        from meshrun.train.ce_kernel import register
-
-        register()
-        model.cfg = replace(model.cfg, triton_loss=True)
+    model = gpt(args.size, seq_len=args.seq, vocab=50304, triton_loss=args.loss == "triton")
     cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9)
     trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)

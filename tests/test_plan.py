@@ -177,20 +177,29 @@ def test_calibration_points_within_five_percent():
     assert len(errors) >= 7 and max(errors) <= 0.05, errors
 
 
+CALIBRATION = os.path.join(os.path.dirname(USERPKG), "bench", "calibration")
+
+
+def _plan_accuracy():
+    """bench/plan_accuracy.py, the harness that compares measured peaks with the model."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(USERPKG), "bench", "plan_accuracy.py")
+    spec = importlib.util.spec_from_file_location("plan_accuracy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def test_predictions_meet_the_accuracy_target_on_the_measured_grid():
     """Issue 5's target on every clean row measured on H200s (the training benchmarks'
     allocated peaks and the planner grid's reserved peaks, bench/plan_accuracy.py): median
     absolute error <= 5%, worst <= 10%; rows measured on top of an earlier configuration's
     leftovers are dropped by the harness, and at least 20 remain."""
-    import importlib.util
     import statistics
 
-    root = os.path.dirname(USERPKG)
-    spec = importlib.util.spec_from_file_location("plan_accuracy", os.path.join(root, "bench", "plan_accuracy.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    files = [os.path.join(root, "bench", "calibration", f) for f in ("h200-2026-11-26.jsonl",
-                                                                    "h200-grid-2026-11-26.jsonl")]
+    bench = _plan_accuracy()
+    files = [os.path.join(CALIBRATION, f) for f in ("h200-2026-11-26.jsonl", "h200-grid-2026-11-26.jsonl")]
     errs = [abs(e) for *_, e in bench.errors(bench.load(files))]
     assert len(errs) >= 20, len(errs)
     assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10, (statistics.median(errs), max(errs))
@@ -201,13 +210,8 @@ def test_deepspeed_zero_rows_within_six_percent():
     sixth session): each row's reserved peak within 6%. Before this model (gradients and reduce
     buckets counted at the start of backward, no room for the optimizer step's fresh segments)
     the same rows were off by -3.6% to -28.3%."""
-    import importlib.util
-
-    root = os.path.dirname(USERPKG)
-    spec = importlib.util.spec_from_file_location("plan_accuracy", os.path.join(root, "bench", "plan_accuracy.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    rows = [r for r in bench.load([os.path.join(root, "bench", "calibration", "h200x2-grid3-2026-11-26.jsonl")])
+    bench = _plan_accuracy()
+    rows = [r for r in bench.load([os.path.join(CALIBRATION, "h200x2-grid3-2026-11-26.jsonl")])
             if r["strategy"].startswith("zero")]
     errs = {f"{r['model']} {r['strategy']} {r['micro']}": round(e, 3) for r, _, _, e in bench.errors(rows)}
     assert len(errs) == 9 and max(abs(e) for e in errs.values()) <= 0.06, errs

@@ -224,7 +224,7 @@ def persistent_grads(s: Strategy) -> bool:
     return s.engine != "torch" or (s.shard == "none" and s.dp > 1)
 
 
-def deepspeed_step_bytes(m: ModelSpec, t: TrainSpec, s: Strategy) -> float:
+def deepspeed_step_bytes(m: ModelSpec, s: Strategy) -> float:
     """Reserved beyond the allocated peak by DeepSpeed's optimizer step: the flat gradient
     partition, its fp32 copy and the Adam step's temporaries are allocated after backward
     freed the activations, in blocks too large for the activations' cached ones, so they
@@ -261,7 +261,7 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
         parts = {"grads": states["grads"], "activations": transient, "logits": 0,
                  "comm_buffers": states["comm_buffers"]}
     allocated = max(start, end)
-    frag = int(allocated * (cal["reserved_over_allocated"] - 1) + deepspeed_step_bytes(m, t, s))
+    frag = int(allocated * (cal["reserved_over_allocated"] - 1) + deepspeed_step_bytes(m, s))
     breakdown = {"params": states["params"], "grads": parts["grads"], "optimizer": states["optimizer"],
                  "activations": parts["activations"], "logits": parts["logits"],
                  "comm_buffers": parts["comm_buffers"], "workspace": cal["workspace_bytes"],

@@ -159,9 +159,9 @@ class GPT(nn.Module):
 
 
 def gpt(preset: str = "gpt-small", seq_len: int = 256, vocab: int = 50304, n_experts: int = 0,
-        fused_loss: bool = False) -> GPT:
+        fused_loss: bool = False, triton_loss: bool = False) -> GPT:
     return GPT(GPTConfig(vocab=vocab, seq_len=seq_len, n_experts=n_experts, fused_loss=fused_loss,
-                         **GPT_PRESETS[preset]))
+                         triton_loss=triton_loss, **GPT_PRESETS[preset]))
 
 
 class Toy(nn.Module):
