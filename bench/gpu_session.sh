@@ -4,6 +4,8 @@
 #   bash bench/gpu_session.sh train   OUT   issue 3: meshrun's auto settings vs the hand-tuned peers,
 #                                           1-GPU baselines and compiler knobs run side by side
 #   bash bench/gpu_session.sh loss    OUT   issue 3: the Triton cross-entropy vs Inductor's, 1 GPU, side by side, swapped
+#   bash bench/gpu_session.sh sync    OUT   issue 3: the step without a host sync vs with one (--host-sync), 1 GPU
+#                                           side by side and swapped, the GPU's wait profiled, then NG GPUs
 #   bash bench/gpu_session.sh confirm OUT   issue 3: meshrun's defaults, 1-GPU baselines side by side, then NG GPUs
 #   bash bench/gpu_session.sh snapshots OUT issue 4: async snapshots' steady state at ~2-s steps (SNAP_FULL=1: sync
 #                                           save, load and torch.save on rank 0; SNAP_FAST=1: at 0.53-s steps)
@@ -92,6 +94,32 @@ loss)
   wait
   grep -hE "^PROFILE|^  " "$OUT"/profile-*.log | tee -a "$S"
   ;;
+sync)
+  # issue 3: meshrun's step no longer waits on the host for each step's gradient norm (a
+  # non-finite step is skipped on the device by fused AdamW's found_inf); --host-sync puts
+  # the old wait back. 1 GPU each, side by side, then the cards swapped; 1.3B once.
+  B="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
+  one 0 200 124m-hostsync-a -- $B --host-sync
+  one 1 200 124m-nosync-a -- $B
+  wait
+  one 0 200 124m-nosync-b -- $B
+  one 1 200 124m-hostsync-b -- $B --host-sync
+  wait
+  B="--mode meshrun --size gpt-1.3b --micro 32 --global-tokens 131072 --compile --warmup 3 --steps 8"
+  one 0 200 1.3b-hostsync -- $B --host-sync
+  one 1 200 1.3b-nosync -- $B
+  wait
+  # the GPU's wait per step: wall-clock beside device time, with and without the host sync
+  P="bench/profile_step.py --size gpt-124m --micro 128 --compile --top 0"
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 $P --host-sync > "$OUT/profile-hostsync.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 100 python3 $P > "$OUT/profile-nosync.log" 2>&1 &
+  wait
+  grep -hE "^PROFILE" "$OUT"/profile-*.log | tee -a "$S"
+  # NG GPUs with the new step: weak scaling against the 1-GPU rows above
+  G=$((NG * 131072))
+  tb 130 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
+  tb 160 "$NG" --mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8
+  ;;
 confirm)
   # meshrun's defaults: 1 GPU side by side (global 128K = one rank's share of the NG-GPU run;
   # with a third card, the NG-GPU run's global batch by accumulation), then NG GPUs
@@ -175,6 +203,6 @@ seqlen)
   sl 150 262144 --strategy fsdp --loss fused || sl 90 131072 --strategy fsdp --loss fused
   sl 100 262144 --strategy fsdp --cp "$NG" --loss fused && sl 250 524288 --strategy fsdp --cp "$NG" --loss fused
   ;;
-*) echo "unknown part $PART (train | loss | confirm | snapshots | grid | layouts | seqlen)"; exit 2 ;;
+*) echo "unknown part $PART (train | loss | sync | confirm | snapshots | grid | layouts | seqlen)"; exit 2 ;;
 esac
 echo "part $PART done in $((SECONDS - T0)) s" | tee -a "$S"

@@ -2,13 +2,16 @@
 
     PYTHONPATH=src python3 bench/profile_step.py --size gpt-124m --micro 64 --compile
 
-Prints the share of device time per kernel family (matmuls, attention, Triton-fused
-elementwise/norm/loss kernels, optimizer, copies) and the top kernels.
+Prints the wall-clock time of a step (unprofiled) beside the device time its kernels take,
+the difference being the time the GPU waits for the host; then the share of device time per
+kernel family (matmuls, attention, Triton-fused elementwise/norm/loss kernels, optimizer,
+copies) and the top kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections import defaultdict
 
 import torch
@@ -43,18 +46,34 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="how many of the longest kernels to list")
     ap.add_argument("--loss", default="plain", choices=["plain", "triton"],
                     help="the GPT's loss: F.cross_entropy, or the Triton kernels (train/ce_kernel.py)")
+    ap.add_argument("--host-sync", action="store_true",
+                    help="wait on the host for every step's gradient norm (meshrun's step before the seventh session)")
     args = ap.parse_args()
     model = gpt(args.size, seq_len=args.seq, vocab=50304, triton_loss=args.loss == "triton")
-    cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9)
+    cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9, grad_clip=1.0)
     trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)
-    for _ in range(6):
-        trainer.train_step(data)
     cuda = torch.cuda.is_available()
+
+    def step() -> None:
+        _, norm, _ = trainer.train_step(data)
+        if args.host_sync:
+            torch.isfinite(norm).item()
+
+    for _ in range(6):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(2 * args.steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / (2 * args.steps) * 1e3
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         for _ in range(args.steps):
-            trainer.train_step(data)
+            step()
         if cuda:
             torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA" if cuda else True)]
@@ -63,8 +82,10 @@ def main() -> None:
     by_family: dict[str, float] = defaultdict(float)
     for e in events:
         by_family[family(e.key)] += getattr(e, attr)
-    print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss}: "
-          f"{total / args.steps / 1e3:.1f} ms device time per step")
+    device_ms = total / args.steps / 1e3
+    print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss} host_sync {args.host_sync}: "
+          f"{wall_ms:.1f} ms wall per step, {device_ms:.1f} ms device time "
+          f"(the GPU waits {max(0.0, wall_ms - device_ms):.1f} ms = {max(0.0, 1 - device_ms / wall_ms):.1%})")
     for fam, t in sorted(by_family.items(), key=lambda kv: -kv[1]):
         print(f"  {fam:10s} {100 * t / total:5.1f}%")
     for e in sorted(events, key=lambda e: -getattr(e, attr))[:args.top]:

@@ -96,6 +96,9 @@ def main() -> None:
     ap.add_argument("--compiled-autograd", action="store_true",
                     help="DDP + compile: trace the backward with compiled autograd and DDP's reducer in Python "
                          "(optimize_ddp='python_reducer'), so all-reduces live in one backward graph")
+    ap.add_argument("--host-sync", action="store_true",
+                    help="meshrun: the host waits for every step's gradient norm, as meshrun's step did before "
+                         "2026-11-26 (seventh session): the idle gap the device-side skip of non-finite steps removed")
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--fsdp", default="auto")
     ap.add_argument("--bucket-mb", type=int, default=100)
@@ -142,7 +145,12 @@ def main() -> None:
         extra.update(ac=args.ac, seq=args.seq, layout=trainer.strategy_reason, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
                      strategy=trainer.strategy, fsdp=args.fsdp, bucket_mb=args.bucket_mb,
                      reduce_precision=args.reduce_precision, attention=cfg.attention)
-        step_fn = lambda i: trainer.train_step(data)  # noqa: E731
+        if args.host_sync:
+            def step_fn(i):
+                _, norm, _ = trainer.train_step(data)
+                torch.isfinite(norm).item()  # the old check's wait (it sat just before the optimizer step)
+        else:
+            step_fn = lambda i: trainer.train_step(data)  # noqa: E731
         rank, world = trainer.rt.rank, trainer.rt.world_size
         args.micro = trainer.cfg.micro  # the planner's choice under --micro 0
         extra.update(accumulation=trainer.accum)
@@ -240,7 +248,7 @@ def main() -> None:
         "card": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "warmup_s": round(WARMUP_S[0], 1), "fp32_residual": args.fp32_residual,
         "fused_loss": model.cfg.fused_loss, "triton_loss": model.cfg.triton_loss, "sdpa": args.sdpa, "compiled_autograd": args.compiled_autograd,
-        "date": time.strftime("%Y-%m-%d"),
+        "host_sync": args.host_sync, "date": time.strftime("%Y-%m-%d"),
     }
     if rank == 0:
         line = json.dumps(result)

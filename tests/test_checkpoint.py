@@ -174,6 +174,56 @@ def test_non_finite_loss_stops_before_the_optimizer_step(tmp_path):
     assert not os.listdir(tmp_path / "checkpoints") if (tmp_path / "checkpoints").exists() else True
 
 
+def _nan_at_step_three(out, strategy):
+    """Six steps whose third loss is NaN (the model poisons its third forward), a snapshot
+    every 2 steps and a log line every 5: the bad step falls between two checks."""
+    import torch
+
+    from meshrun.errors import MeshrunError
+    from meshrun.train.config import TrainConfig
+    from meshrun.train.data import RandomTokens
+    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.trainer import Trainer
+
+    class Poisoned(GPT):
+        def forward(self, idx, targets=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            loss = super().forward(idx, targets)
+            return loss * float("nan") if self.calls == 3 else loss
+
+    torch.manual_seed(0)
+    model = Poisoned(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
+    cfg = TrainConfig(strategy=strategy, steps=6, seq_len=16, micro_batch=4, log_every=5, save_every=2, out=out,
+                      precision="fp32")
+    trainer = Trainer(model, RandomTokens(512, 16, 64), None, cfg)
+    try:
+        trainer.fit()
+        message = None
+    except MeshrunError as e:
+        message = str(e)
+    finite = all(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all().item()
+                 for p in trainer.model.parameters())
+    adam_steps = {float(s["step"]) for s in trainer.optimizer.state.values()}
+    return message, finite, adam_steps, trainer.optimizer.defaults["fused"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_non_finite_step_between_checks_is_skipped_on_the_device(tmp_path, strategy):
+    """The step does not wait for the GPU to learn whether its gradients are finite: fused
+    AdamW skips a non-finite update on the device (found_inf), and the trainer stops at the
+    next log line or snapshot, naming the bad step; the weights and every committed
+    snapshot are clean. Real processes, DTensor parameters under FSDP2."""
+    require("torch")
+    message, finite, adam_steps, fused = meshrun.run(_nan_at_step_three, str(tmp_path), strategy, nproc=2,
+                                                     timeout_s=180)
+    assert fused
+    assert message is not None and message.startswith("non-finite loss or gradients at step 3;"), message
+    assert "stopped at step 4" in message
+    assert finite
+    assert adam_steps == {3.0}  # steps 1, 2 and 4 updated; 3 was skipped on the device
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002"]
+
+
 # ---- resharding, export and tampering -----------------------------------------------------
 
 def _fsdp_state(out, steps, resume):
@@ -196,7 +246,8 @@ def _fsdp_state(out, steps, resume):
         trainer.restore()
     msd, osd = get_state_dict(trainer.model, trainer.optimizer,
                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {"model": msd, "optim": osd.get("state", {}), "step": trainer.step}  # full dicts: rank 0 only
+    return {"model": msd, "optim": osd.get("state", {}), "step": trainer.step,  # full dicts: rank 0 only
+            "fused": {g["fused"] for g in trainer.optimizer.param_groups}}
 
 
 def test_fsdp_snapshot_from_2_ranks_loads_on_1_and_3(tmp_path):
@@ -209,6 +260,7 @@ def test_fsdp_snapshot_from_2_ranks_loads_on_1_and_3(tmp_path):
     for nproc in (1, 3):
         loaded = meshrun.run(_fsdp_state, out, 4, "auto", nproc=nproc, timeout_s=300)
         assert loaded["step"] == 4
+        assert loaded["fused"] == {True}  # the resumed optimizer is still the fused one
         assert saved["model"].keys() == loaded["model"].keys()
         for key in saved["model"]:
             assert torch.equal(saved["model"][key], loaded["model"][key]), key

@@ -45,6 +45,7 @@ from .staging import Stager
 
 FORMAT = 1
 MARKER = "COMMITTED.json"
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # optimizer switches a resume keeps
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
 TRASH_PREFIX = ".trash-step-"  # pruned snapshots on their way out
@@ -549,10 +550,15 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         # Under pipeline parallelism (torch 2.13) the groups come back without the
         # hyperparameters DCP keys by parameter name (lr, betas, eps, weight decay): they
-        # are the config's anyway, and the lr schedule is recomputed from the step.
+        # are the config's anyway, and the lr schedule is recomputed from the step. The
+        # implementation switches are this run's, never the snapshot's: AdamW's
+        # __setstate__ fills a missing "fused" with None, which would resume unfused.
         for group, before in zip(optimizer.param_groups, hyper):
             for key, value in before.items():
-                group.setdefault(key, value)
+                if key in _IMPLEMENTATION:
+                    group[key] = value
+                else:
+                    group.setdefault(key, value)
     rng_path = os.path.join(path, f"rng-rank{rank}.json")
     if saved_world == dist.get_world_size() and os.path.isfile(rng_path):
         with open(rng_path) as f:

@@ -50,12 +50,16 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, across
 
 
 def _scale(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """Scale every gradient so the total norm is at most ``max_norm`` (inf: leave them)."""
-    if max_norm != float("inf"):
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0).item()
-        if coef < 1.0:
+    """Scale every gradient so the total norm is at most ``max_norm`` (inf: leave them).
+    The coefficient stays on the device (1 when below the threshold), as in torch's own
+    clipping: no step waits for the GPU to learn it."""
+    if max_norm != float("inf") and grads:
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        with implicit_replication():  # the plain coefficient beside DTensor gradients
             for g in grads:
-                g.mul_(coef)
+                g.mul_(coef.to(g.device))
     return total
 
 

@@ -8,14 +8,20 @@ import torch
 import torch.nn as nn
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float, cuda: bool) -> torch.optim.AdamW:
-    """Decay weights of 2-D+ tensors (matmuls, embeddings); not biases and norm gains."""
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, fused: bool = True) -> torch.optim.AdamW:
+    """Decay weights of 2-D+ tensors (matmuls, embeddings); not biases and norm gains.
+
+    Fused (CUDA and CPU): one kernel for the whole update instead of several per tensor, and
+    the only implementation that takes ``found_inf``, the device-side flag that skips a step
+    whose gradients are not finite without the host waiting for the GPU (Trainer)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # fused: one kernel for the whole update instead of several per tensor (CUDA only).
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=cuda)
+    # The fused kernel takes all tensors of a device and dtype in one call, and DTensor refuses
+    # plain tensors beside its own there (expert parallel's experts beside FSDP2's shards).
+    mixed = len({hasattr(p, "device_mesh") for p in params}) > 1
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused and not mixed)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

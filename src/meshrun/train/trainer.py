@@ -57,6 +57,14 @@ def _checkpoint(blocks: nn.ModuleList | None) -> None:
     apply_activation_checkpointing(blocks)
 
 
+def _replicate_plain_tensors() -> contextlib.AbstractContextManager:
+    """Lets the fused optimizer take the plain ``found_inf`` flag beside DTensor parameters
+    (FSDP2, TP): DTensor treats it as replicated, which it is (every rank holds the same)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
+
+
 def _is_expert(name: str) -> bool:
     """An expert's weights (sharded under --ep), not the router's."""
     return ".moe.w_" in name or ".moe.b_" in name
@@ -110,8 +118,9 @@ class Trainer:
         self.accum = cfg.accumulation(self.dp_size)
         self.engine = None  # the DeepSpeed engine under --strategy deepspeed
         self.model, self.ddp = self._parallelize(model.to(rt.device))
+        self._bad_step = torch.zeros((), dtype=torch.long, device=rt.device)
         if self.engine is None:
-            self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay, rt.cuda)
+            self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
         self.train_data = train_data
         self.loader_spec = LoaderSpec(cfg.micro, self.dp_rank, self.dp_size, cfg.seed, pin_memory=rt.cuda)
@@ -278,7 +287,7 @@ class Trainer:
             # a compiled extension; torch's runs everywhere, more slowly)
             "zero_force_ds_cpu_optimizer": False,
         }
-        optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, rt.cuda)
+        optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, fused=rt.cuda)  # DeepSpeed: as it was measured
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds,
                                                     dist_init_required=False)
         # The schedule drives the wrapped AdamW's param groups, which DeepSpeed's optimizer shares.
@@ -451,16 +460,39 @@ class Trainer:
 
     def _finish_step(self, norm: torch.Tensor, loss_sum: torch.Tensor,
                      tokens: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        total = norm
-        if not torch.isfinite(total).item():  # one scalar sync per step, the price of never stepping on NaN
-            raise MeshrunError(
-                f"non-finite loss or gradients (gradient norm {total.item()}) at step {self.step + 1}; stopped "
-                "before the optimizer step, so no snapshot holds poisoned weights (hint: lower --lr, check the data)")
-        self.optimizer.step()
+        if self.optimizer.defaults.get("fused"):
+            # No host sync in the step: fused AdamW skips the update on the device where the
+            # global norm is not finite, and the step is remembered for _check_finite (at the
+            # next log line or snapshot). The host runs ahead, so the next micro-batch loads
+            # and its kernels queue while the GPU still computes this step.
+            bad = ~torch.isfinite(norm)
+            self.optimizer.found_inf = bad.float()
+            self._bad_step = torch.where(bad & (self._bad_step == 0), self.step + 1, self._bad_step)
+            with _replicate_plain_tensors():
+                self.optimizer.step()
+        else:
+            if not torch.isfinite(norm).item():
+                raise MeshrunError(
+                    f"non-finite loss or gradients (gradient norm {norm.item()}) at step {self.step + 1}; stopped "
+                    "before the optimizer step, so no snapshot holds poisoned weights "
+                    "(hint: lower --lr, check the data)")
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return loss_sum, (norm if self.cfg.grad_clip > 0 else None), tokens
+
+    _bad_step: torch.Tensor  # the first step whose gradients were not finite (0: none yet)
+
+    def _check_finite(self) -> None:
+        """Stop if a step since the start had non-finite gradients: one host sync, at log
+        lines and before snapshots. Its update and any such later ones were skipped, so
+        neither the weights nor a snapshot hold them."""
+        bad = int(self._bad_step.item())
+        if bad:
+            raise MeshrunError(
+                f"non-finite loss or gradients at step {bad}; its update was skipped and training stopped at step "
+                f"{self.step}, so no snapshot holds poisoned weights (hint: lower --lr, check the data)")
 
     def _deepspeed_done(self, loss_sum: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """DeepSpeed stepped already; its global norm is the pre-clip one. A non-finite one
@@ -629,7 +661,11 @@ class Trainer:
                 loss_sum += loss
                 tokens, steps = tokens + n, steps + 1
                 last = step == cfg.steps
-                if (cfg.save_every and step % cfg.save_every == 0) or last:
+                snapshot = (cfg.save_every and step % cfg.save_every == 0) or last
+                if step % cfg.log_every and not last and not snapshot:
+                    continue
+                self._check_finite()
+                if snapshot:
                     self.save(data, final=last)
                 if step % cfg.log_every and not last:
                     continue
