@@ -35,6 +35,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 GiB = 2**30
 LEFTOVER_MAX_GIB = 0.25  # memory still allocated when a configuration starts: above this, its row is dropped
+# Below it, a row is still not what a job sees unless nothing at all was left: cuBLAS's two
+# 32 MiB workspaces, created by an earlier configuration and kept, pin the segments they sit
+# in, and the next configuration's large tensors need new ones. Measured (seventh session,
+# 2 x H200, GPT 1.3B DDP eager): 36.6 / 65.7 / 30.4 / 40.2 GiB reserved after other rows vs
+# 31.7 / 60.7 / 25.5 / 35.5 GiB first in a process (micro 4, 16, and 4, 16 with AC).
+# `measure` now frees those workspaces between configurations.
 
 # (model, micro-batches, seq) per grid; strategies and AC are crossed with them.
 GRIDS = {
@@ -189,6 +195,8 @@ def measure(args: argparse.Namespace) -> None:
             del step, obj
             gc.collect()
             if rt.cuda:
+                if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # see LEFTOVER_MAX_GIB
+                    torch._C._cuda_clearCublasWorkspaces()
                 torch.cuda.empty_cache()
             torch._dynamo.reset()
         if rt.is_main:
@@ -230,13 +238,16 @@ def _override(cal: dict) -> None:
     memory.calibration = lambda: cal  # type: ignore[assignment]
 
 
-def load(paths: list[str]) -> list[dict]:
+def load(paths: list[str], fresh_only: bool = False) -> list[dict]:
+    """The measured rows, less those measured on top of an earlier configuration's states;
+    ``fresh_only``: only rows that started from nothing allocated, as a job starts (rows
+    without the key come from one configuration per process: the training benchmarks)."""
     rows = []
     for path in paths:
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
-    # rows measured on top of an earlier configuration's leftovers say nothing about the model
-    return [r for r in rows if not r.get("oom") and (r.get("leftover_gib") or 0) < LEFTOVER_MAX_GIB
+    limit = 0.001 if fresh_only else LEFTOVER_MAX_GIB
+    return [r for r in rows if not r.get("oom") and (r.get("leftover_gib") or 0) < limit
             and not r.get("live_trainers")]
 
 
@@ -262,6 +273,10 @@ def report(args: argparse.Namespace) -> None:
     abs_err = [abs(e) for *_, e in res]
     if abs_err:
         print(f"\n{len(abs_err)} runs: median |error| {statistics.median(abs_err):.1%}, worst {max(abs_err):.1%}")
+    fresh = [abs(e) for *_, e in errors(load(args.files, fresh_only=True))]
+    if fresh and len(fresh) < len(abs_err):
+        print(f"{len(fresh)} of them started from an empty GPU, as a job does: median |error| "
+              f"{statistics.median(fresh):.1%}, worst {max(fresh):.1%}")
 
 
 def fit(args: argparse.Namespace) -> None:

@@ -205,6 +205,22 @@ def test_predictions_meet_the_accuracy_target_on_the_measured_grid():
     assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10, (statistics.median(errs), max(errs))
 
 
+def test_predictions_meet_the_target_on_every_row_measured_as_a_job_starts():
+    """Issue 5's target over every H200 row kept in bench/calibration that started from an
+    empty GPU (29 rows: 1, 2 and 4 GPUs; single, DDP, DeepSpeed ZeRO-1/2/3, and two
+    compiled FSDP2 rows; eager and compiled): median <= 5%, worst <= 10%. Rows measured after another configuration in
+    the same process carry its allocator state (cuBLAS workspaces pinning segments: up to 5
+    GiB more reserved for the same 1.3B DDP run, seventh session) and are left out here."""
+    import glob
+    import statistics
+
+    bench = _plan_accuracy()
+    files = sorted(f for f in glob.glob(os.path.join(CALIBRATION, "h200*.jsonl")) if "layouts" not in f)
+    errs = [abs(e) for *_, e in bench.errors(bench.load(files, fresh_only=True))]
+    assert len(errs) >= 29, len(errs)
+    assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10, (statistics.median(errs), max(errs))
+
+
 def test_deepspeed_zero_rows_within_six_percent():
     """DeepSpeed ZeRO-1/2/3 on 2 x H200 (bench/calibration/h200x2-grid3-2026-11-26.jsonl, the
     sixth session): each row's reserved peak within 6%. Before this model (gradients and reduce

@@ -114,3 +114,32 @@ def test_attention_choice_goes_first_and_the_order_comes_back():
     for choice, device in (("auto", gpu), ("flash", torch.device("cpu"))):
         with attention_kernels(choice, device):
             assert torch._C._get_sdp_priority_order() == torchs
+
+
+def _ddp_rebuild_release():
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from meshrun.train.parallelize import release_old_buckets
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    ddp = DDP(model, bucket_cap_mb=1)
+    release_old_buckets(ddp)
+    seen = []
+    for _ in range(3):
+        ddp(torch.randn(4, 8)).sum().backward()
+        seen.append((ddp._has_rebuilt_buckets, ddp.released_old_buckets, len(model._forward_pre_hooks)))
+    dist.barrier()
+    return seen
+
+
+def test_ddp_releases_its_first_buckets_once_right_after_the_rebuild():
+    """Real DDP on 2 gloo processes: the buckets are rebuilt at the second forward; the
+    release runs in that forward (after the rebuild, before the model's own forward) and
+    the hook is gone afterwards, so later steps pay nothing."""
+    import meshrun
+
+    seen = meshrun.run(_ddp_rebuild_release, nproc=2, timeout_s=120)
+    assert seen == [(False, False, 1), (True, True, 0), (True, True, 0)]

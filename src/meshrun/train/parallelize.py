@@ -251,7 +251,26 @@ def apply_ddp(model: nn.Module, rt: Runtime, bucket_mb: int, bf16_reduce: bool =
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
         ddp.register_comm_hook(None, bf16_compress_hook)
+    if rt.cuda:
+        release_old_buckets(ddp)
     return ddp
+
+
+def release_old_buckets(ddp: DDP) -> None:
+    """DDP allocates its gradient buckets again once, at the second forward, in the order the
+    gradients became ready, and frees the first ones: segments the size of one bucket
+    (100 MB), which the caching allocator keeps but cannot hand to any larger activation.
+    Once, right after that rebuild and before the forward's activations, the free segments go
+    back to the driver. Measured (issue 5, GPT 1.3B DDP, micro-batch 16, 2 x H200): 0.6 GiB
+    less reserved at the peak (60.7 vs 61.3 GiB)."""
+    def after_rebuild(module: nn.Module, args: Any) -> None:
+        if getattr(ddp, "_has_rebuilt_buckets", True):
+            torch.cuda.empty_cache()
+            ddp.released_old_buckets = True
+            handle.remove()
+
+    ddp.released_old_buckets = False
+    handle = ddp.module.register_forward_pre_hook(after_rebuild)
 
 
 def choose_fsdp_flavour(requested: str, rt: Runtime, n_params: int) -> tuple[str, str]:
