@@ -647,6 +647,29 @@ def test_mixture_of_experts_plans_expert_parallelism():
     assert train_config(p, r, p.model)["ep"] == r.strategy.ep
 
 
+@pytest.mark.parametrize("gpus,seq,label,tokens_per_s_per_gpu,within", [
+    (2, 262144, "fsdp-grad-op+ac", 4100, 0.05),  # seventh session, 2 x H200, chunked loss
+    (2, 262144, "fsdp-full-cp2+ac", 2524, 0.05),  # the same call: CP2 (grad_op ran; the same compute)
+    (4, 131072, "fsdp-grad-op+ac", 6770, 0.15),  # fourth session, 4 x H200, another machine
+    (4, 65536, "fsdp-grad-op+ac", 11526, 0.15),
+])
+def test_long_sequence_step_time_follows_causal_work(gpus, seq, label, tokens_per_s_per_gpu, within):
+    """GPT 1.3B, full activation checkpointing, one sequence per data-parallel rank, eager
+    (docs/benchmarks.md, issue 9). The estimate counts the work causal attention does (half
+    of MFU's 12·L·h·s) and splits it over the context-parallel ranks at CP's measured
+    efficiency; counting attention whole, it said 115 s for both 256K rows (measured 64 and
+    52 s) and could not tell CP from FSDP alone."""
+    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
+    from meshrun.plan.modelspec import PRESETS
+
+    plan = make_plan(PRESETS["gpt-1.3b"], ClusterSpec(1, gpus, 141 * 10**9),
+                     TrainSpec(seq, 1, None, precision="bf16", compile=False, activation_checkpointing="full"),
+                     framework="torch")
+    c = next(x for x in plan.candidates if x.strategy.label == label)
+    measured = c.batch.global_batch * seq / (tokens_per_s_per_gpu * gpus)
+    assert abs(c.step_time_s / measured - 1) <= within, (c.step_time_s, measured)
+
+
 def test_plan_says_when_a_chunked_loss_would_let_a_simpler_layout_fit():
     """GPT 1.3B at 256K tokens on 4 x 141 GB, eager: the whole logits (~172 GiB) leave only
     context parallelism; without them FSDP2 alone fits (measured at 128K: logits were what

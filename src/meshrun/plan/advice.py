@@ -85,12 +85,24 @@ def warnings_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candida
     return out
 
 
+def _per_sequence(c: Candidate) -> float:
+    return c.step_time_s / (c.batch.global_batch if c.batch else 1)
+
+
+def _pace(c: Candidate) -> str:
+    n = c.batch.global_batch if c.batch else 1
+    return f"about {c.step_time_s:.3g} s per step of {n} sequence{'s' if n != 1 else ''}"
+
+
 def fused_loss_advice(m: ModelSpec, t: TrainSpec, pick: Candidate | None, fused: Candidate | None) -> list[str]:
     """One line when a chunked linear + cross-entropy (the logits never whole) would make a
     different, faster layout fit: at long sequences the loss's logits are most of the memory."""
     if fused is None or fused.memory is None:
         return []
-    if pick is not None and (pick.strategy.label == fused.strategy.label or pick.step_time_s < fused.step_time_s):
+    # per sequence: with only a micro-batch given, a layout's global batch is micro x its
+    # data-parallel degree, so a context-parallel step trains fewer sequences than FSDP's
+    if pick is not None and (pick.strategy.label == fused.strategy.label
+                             or _per_sequence(pick) < _per_sequence(fused)):
         return []
     from dataclasses import replace
 
@@ -99,10 +111,10 @@ def fused_loss_advice(m: ModelSpec, t: TrainSpec, pick: Candidate | None, fused:
     micro = fused.batch.micro if fused.batch else (t.micro_batch or 1)
     plain = logits_bytes(m, t, fused.strategy, micro)
     chunk = logits_bytes(replace(m, fused_loss=True), t, fused.strategy, micro)
-    now = f"instead of {pick.strategy.label} (about {pick.step_time_s:.3g} s per step)" if pick else "where nothing fits now"
+    now = f"instead of {pick.strategy.label} ({_pace(pick)})" if pick else "where nothing fits now"
     return [f"the loss's logits take {fmt_bytes(plain)} per GPU: a chunked linear + cross-entropy that never holds "
             f"them whole (meshrun train --fused-loss for its GPT; Liger-Kernel's for Hugging Face models) would let "
-            f"{fused.strategy.label} fit ({_peak(fused)} per GPU, about {fused.step_time_s:.3g} s per step) {now}; "
+            f"{fused.strategy.label} fit ({_peak(fused)} per GPU, {_pace(fused)}) {now}; "
             f"the loss then holds {fmt_bytes(chunk)} (one chunk of tokens)"]
 
 

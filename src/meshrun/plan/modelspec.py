@@ -55,6 +55,13 @@ class ModelSpec:
         active = self.params - self.expert_params * (1 - self.top_k / self.experts) if self.experts else self.params
         return 6 * active + 12 * self.layers * self.hidden * seq
 
+    def work_flops_per_token(self, seq: int) -> float:
+        """What the kernels compute: 6N + 6·L·h·s. Causal attention needs half of the score
+        and value products, and fused attention kernels skip the masked blocks; the MFU
+        convention above counts them whole (the issue's formula, PaLM's). At 1024 tokens the
+        two differ by 3-7%; at 256K tokens by 1.9x (what a long-sequence step time follows)."""
+        return self.flops_per_token(seq) - 6 * self.layers * self.hidden * seq
+
 
 def gpt_spec(name: str, hidden: int, layers: int, heads: int, vocab: int = 50304, seq: int = 1024,
              max_seq: int | None = None) -> ModelSpec:

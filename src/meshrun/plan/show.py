@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .memory import BREAKDOWN_KEYS, calibration, layer_activation_bytes
-from .recommend import Plan
+from .recommend import Plan, work_efficiency
 from .units import fmt_bytes, fmt_count
 
 SHORT = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ", "logits": "logits",
@@ -89,7 +89,11 @@ def explanation(plan: Plan) -> str:
         f"fragmentation (reserved / allocated), + CUDA context {fmt_bytes(cal['cuda_context_bytes'])}",
         "  communication per step (ring): all-reduce 2(n-1)/n·B, all-gather / reduce-scatter (n-1)/n·B;",
         "    DDP fp32 grads; FSDP bf16 all-gathers (x2 for full shard) + fp32 reduce-scatter; TP 4 activation",
-        "    all-reduces per layer; step time = FLOPs / (peak x 45%) + comm not hidden (80% overlap) + offload",
+        "    all-reduces per layer",
+        "  step time = causal work (6N + 6·L·h·s per token: half of MFU's 12·L·h·s attention; / tp·pp·cp; x 4/3",
+        f"    with checkpointing) / (peak x {work_efficiency():.1%} x the layout's measured efficiency)",
+        "    + communication not hidden (80% overlap) + the optimizer step + offload; measured efficiencies: "
+        + ", ".join(f"{k} {v}" for k, v in cal.get("layout_efficiency", {}).items() if not k.endswith("about")),
     ]
     r = plan.recommended
     if r is not None and r.memory is not None:
