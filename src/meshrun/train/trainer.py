@@ -58,8 +58,10 @@ def _checkpoint(blocks: nn.ModuleList | None) -> None:
 
 
 def _replicate_plain_tensors() -> contextlib.AbstractContextManager:
-    """Lets the fused optimizer take the plain ``found_inf`` flag beside DTensor parameters
-    (FSDP2, TP): DTensor treats it as replicated, which it is (every rank holds the same)."""
+    """The plain ``found_inf`` flag beside DTensor parameters (FSDP2, TP) in the fused
+    optimizer: torch 2.13 takes it as it is, earlier DTensor dispatch refused plain tensors
+    mixed with its own (pytorch#126670, fused AdamW + GradScaler under FSDP2); replicated is
+    what it is (every rank holds the same)."""
     from torch.distributed.tensor.experimental import implicit_replication
 
     return implicit_replication()
