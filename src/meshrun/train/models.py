@@ -153,8 +153,14 @@ class GPT(nn.Module):
 
     def flops_per_token(self) -> float:
         """6N + 12·L·d·T: the forward+backward FLOPs per token (N = all parameters, tied
-        counted once), the formula of the benchmarks in ../shared/BASELINE.md."""
+        counted once), the formula of the benchmarks in ../shared/BASELINE.md. With experts,
+        N counts the top-k experts a token visits, not all of them (as the planner does)."""
         n = sum(p.numel() for p in self.parameters())
+        for block in self.blocks:
+            moe = getattr(block, "moe", None)
+            if moe is not None:  # held: all experts, or this rank's under --ep
+                held = sum(p.numel() for p in (moe.w_up, moe.b_up, moe.w_down, moe.b_down))
+                n -= held - held // len(moe.w_up) * moe.top_k
         return 6 * n + 12 * self.cfg.n_layers * self.cfg.d_model * self.cfg.seq_len
 
 
