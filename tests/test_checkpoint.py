@@ -174,9 +174,9 @@ def test_non_finite_loss_stops_before_the_optimizer_step(tmp_path):
     assert not os.listdir(tmp_path / "checkpoints") if (tmp_path / "checkpoints").exists() else True
 
 
-def _nan_at_step_three(out, strategy):
-    """Six steps whose third loss is NaN (the model poisons its third forward), a snapshot
-    every 2 steps and a log line every 5: the bad step falls between two checks."""
+def _nan_at_step_three(out, strategy, steps=6, log_every=5, save_every=2):
+    """Steps whose third loss is NaN (the model poisons its third forward); by default six,
+    a snapshot every 2 steps and a log line every 5: the bad step falls between two checks."""
     import torch
 
     from meshrun.errors import MeshrunError
@@ -193,8 +193,8 @@ def _nan_at_step_three(out, strategy):
 
     torch.manual_seed(0)
     model = Poisoned(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
-    cfg = TrainConfig(strategy=strategy, steps=6, seq_len=16, micro_batch=4, log_every=5, save_every=2, out=out,
-                      precision="fp32")
+    cfg = TrainConfig(strategy=strategy, steps=steps, seq_len=16, micro_batch=4, log_every=log_every,
+                      save_every=save_every, out=out, precision="fp32")
     trainer = Trainer(model, RandomTokens(512, 16, 64), None, cfg)
     try:
         trainer.fit()
@@ -222,6 +222,17 @@ def test_a_non_finite_step_between_checks_is_skipped_on_the_device(tmp_path, str
     assert finite
     assert adam_steps == {3.0}  # steps 1, 2 and 4 updated; 3 was skipped on the device
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002"]
+
+
+def test_a_non_finite_step_is_found_within_fifty_steps_without_log_lines(tmp_path):
+    """No log line and no snapshot before step 60: the device-side flag is still read every
+    50 steps (FINITE_CHECK_EVERY), so the run stops at step 50, not at its end."""
+    require("torch")
+    message, finite, adam_steps, _ = meshrun.run(_nan_at_step_three, str(tmp_path), "ddp", 60, 10**6, 0,
+                                                 nproc=2, timeout_s=180)
+    assert message is not None and message.startswith("non-finite loss or gradients at step 3;"), message
+    assert "stopped at step 50" in message
+    assert finite and adam_steps == {49.0}
 
 
 # ---- resharding, export and tampering -----------------------------------------------------
