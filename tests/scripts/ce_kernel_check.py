@@ -3,6 +3,8 @@ under Triton's interpreter (TRITON_INTERPRET=1), and as it is on a GPU host. Pri
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -60,6 +62,31 @@ print("ok every token ignored", flush=True)
 compiled = torch.compile(ce_kernel.cross_entropy, fullgraph=True)
 close("compiled, fullgraph", *pair(compiled, 5, 700, torch.float32, ignored=(2,)), torch.float32)
 
+# writing the gradient over the logits (an intermediate, as in the GPT): the same numbers
+close("over the logits", *pair(lambda a, b: ce_kernel.cross_entropy(a * 1, b, overwrite_logits=True), 6, BLOCK + 904,
+                               torch.bfloat16, ignored=(1,)), torch.bfloat16)
+
+# compiled with a head matmul in front: Inductor hands the in-place backward the saved logits'
+# own buffer, so the backward allocates nothing of the logits' size (the plain op's output would be)
+from torch._inductor.utils import run_and_get_code  # noqa: E402
+
+n, v, d = 8, 700, 16
+h = torch.randn(n, d, device=dev, requires_grad=True)
+w = torch.randn(v, d, device=dev, requires_grad=True)
+t = torch.randint(0, v, (n,), device=dev)
+head_loss = torch.compile(lambda a, b, c: ce_kernel.cross_entropy(a @ b.t(), c, overwrite_logits=True), fullgraph=True)
+_, codes = run_and_get_code(lambda: head_loss(h, w, t).backward())
+bwd = [c for c in codes if "cross_entropy_rows_backward_" in c]
+assert len(bwd) == 1, [c[:200] for c in codes]
+assert "cross_entropy_rows_backward_.default(" in bwd[0]
+assert not re.search(rf"empty_strided_\w+\(\({n}, {v}\)", bwd[0]), "the backward allocates a logits-sized buffer"
+hg, wg = h.grad.clone(), w.grad.clone()
+h.grad = w.grad = None
+F.cross_entropy(h @ w.t(), t).backward()
+torch.testing.assert_close(hg, h.grad, rtol=1e-5, atol=1e-6)
+torch.testing.assert_close(wg, w.grad, rtol=1e-5, atol=1e-6)
+print("ok compiled over the logits: no second logits buffer", flush=True)
+
 # meshrun's GPT with the kernel loss against its plain loss, same weights
 torch.manual_seed(0)
 cfg = dict(vocab=512, seq_len=16, d_model=32, n_layers=2, n_heads=2)
@@ -76,4 +103,16 @@ torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
 for (name, p), q in zip(plain.named_parameters(), kernel.parameters()):
     torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"GPT {name}: {m}")
 print("ok GPT", flush=True)
+
+# and both compiled as whole graphs (the in-place backward inside the GPT's compiled backward)
+outs = []
+for model in (plain, kernel):
+    model.zero_grad()
+    loss = torch.compile(model, fullgraph=True)(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    outs.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-6)
+for a, b in zip(outs[0][1], outs[1][1]):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+print("ok GPT compiled", flush=True)
 print("ALL OK")

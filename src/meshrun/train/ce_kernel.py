@@ -9,8 +9,12 @@ bytes) and the backward one pass that reads the logits and writes their gradient
 8.3 ms at 4.8 TB/s against the 17.9 ms measured. Predicted: ~4% of the 124M step, ~1% at
 1.3B. Measured (seventh session, 1 x H200 each, side by side and swapped): +2.9% at 124M and
 about even at 1.3B, but 12.2 GiB more peak memory at 124M: Inductor writes the plain loss's
-gradient into the dead logits' buffer, which an opaque op cannot let it do. So it stays
-opt-in (``--loss triton`` in the benchmark, ``GPTConfig.triton_loss``).
+gradient into the dead logits' buffer, which an opaque op cannot let it do. Since then,
+with ``overwrite_logits`` (meshrun's GPT, which owns its logits) the backward writes the
+gradient over the logits, dead by then, as Inductor does for its own loss: compiled, the
+saved logits' buffer is reused and no second one is allocated (a test reads Inductor's
+generated backward). Predicted: the same peak as the plain loss. It stays opt-in
+(``--loss triton`` in the benchmark, ``GPTConfig.triton_loss``) until that is measured.
 
 Numerics: as ``F.cross_entropy(logits.float(), targets)``: statistics and gradient in fp32,
 the gradient rounded once to the logits' dtype (what autocast's backward does); rows whose
@@ -52,9 +56,13 @@ def register() -> dict[str, bool]:
 _USABLE: dict[str, bool] = {}
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                  overwrite_logits: bool = False) -> torch.Tensor:
     """Mean cross-entropy of ``logits`` (tokens, vocab) against ``targets`` (tokens,),
-    equal to ``F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)``."""
+    equal to ``F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)``.
+    ``overwrite_logits``: the backward writes the gradient into the logits' memory instead of
+    a new tensor of the same size; only for a caller that keeps no other use of them, and
+    not with ``backward(retain_graph=True)`` (a second backward would read the gradient)."""
     if not torch.compiler.is_compiling():  # traced, the model's constructor has registered
         if logits.dim() != 2 or targets.shape != logits.shape[:1]:
             raise ValueError(f"cross_entropy: logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: "
@@ -62,7 +70,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
         register()
     if not _USABLE.get(logits.device.type, False) or logits.shape[0] == 0:
         return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index)
-    rows, _ = torch.ops.meshrun.cross_entropy_rows(logits.contiguous(), targets.contiguous(), ignore_index)
+    rows, _ = torch.ops.meshrun.cross_entropy_rows(logits.contiguous(), targets.contiguous(), ignore_index,
+                                                   overwrite_logits)
     counted = (targets != ignore_index).sum()
     return rows.sum() / counted  # no counted token: 0 / 0 = nan, as torch gives
 
@@ -77,7 +86,8 @@ def _register_ops() -> None:
     # Opaque custom ops: compiled graphs call the kernels as they are (nothing to fuse into a
     # memory-bound pass over the logits), and trace them through the shapes given below.
     @custom_op("meshrun::cross_entropy_rows", mutates_args=())
-    def forward(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                overwrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
         n, v = logits.shape
         rows = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -85,31 +95,46 @@ def _register_ops() -> None:
         return rows, lse
 
     @register_fake("meshrun::cross_entropy_rows")
-    def _forward_shapes(logits, targets, ignore_index):
+    def _forward_shapes(logits, targets, ignore_index, overwrite):
         n = logits.shape[0]
         return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
+
+    def _launch_backward(grad_rows: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                         ignore_index: int, dx: torch.Tensor) -> None:
+        # each program reads a row's entries before it writes the same entries: dx may be logits
+        grad_rows = grad_rows.contiguous()  # the mean's gradient arrives as an expanded scalar: N floats
+        n, v = logits.shape
+        triton_ce_backward[(n,)](logits, logits.stride(0), grad_rows, grad_rows.stride(0), targets, lse, dx, v,
+                               ignore_index, BLOCK=BLOCK, num_warps=8)
 
     @custom_op("meshrun::cross_entropy_rows_backward", mutates_args=())
     def backward(grad_rows: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                  ignore_index: int) -> torch.Tensor:
-        n, v = logits.shape
         dx = torch.empty_like(logits)
-        grad_rows = grad_rows.contiguous()  # the mean's gradient arrives as an expanded scalar: N floats
-        triton_ce_backward[(n,)](logits, logits.stride(0), grad_rows, grad_rows.stride(0), targets, lse, dx, v,
-                               ignore_index, BLOCK=BLOCK, num_warps=8)
+        _launch_backward(grad_rows, logits, targets, lse, ignore_index, dx)
         return dx
 
     @register_fake("meshrun::cross_entropy_rows_backward")
     def _backward_shapes(grad_rows, logits, targets, lse, ignore_index):
         return torch.empty_like(logits)
 
+    # The same, written over the logits. Declared as a mutation, so the compiler keeps the
+    # order (and, compiled, hands the op the saved logits' own buffer: no copy, no new one).
+    @custom_op("meshrun::cross_entropy_rows_backward_", mutates_args=("logits",))
+    def backward_in_place(grad_rows: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                          ignore_index: int) -> None:
+        _launch_backward(grad_rows, logits, targets, lse, ignore_index, logits)
+
     def setup_context(ctx, inputs, output) -> None:
-        logits, targets, ignore_index = inputs
+        logits, targets, ignore_index, overwrite = inputs
         ctx.save_for_backward(logits, targets, output[1])
-        ctx.ignore_index = ignore_index
+        ctx.ignore_index, ctx.overwrite = ignore_index, overwrite
 
     def _backward(ctx, grad_rows, _grad_lse):
         logits, targets, lse = ctx.saved_tensors
-        return backward(grad_rows, logits, targets, lse, ctx.ignore_index), None, None
+        if ctx.overwrite:
+            backward_in_place(grad_rows, logits, targets, lse, ctx.ignore_index)
+            return logits, None, None, None
+        return backward(grad_rows, logits, targets, lse, ctx.ignore_index), None, None, None
 
     register_autograd("meshrun::cross_entropy_rows", _backward, setup_context=setup_context)
