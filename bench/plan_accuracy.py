@@ -165,6 +165,7 @@ def measure(args: argparse.Namespace) -> None:
                    attention="auto",  # TrainConfig's default: torch's SDPA order
                    alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None)  # the caching allocator's settings
         step = obj = None
+        row["first_in_process"] = i == 0  # what a job sees; later rows start after another's allocator state
         row["live_trainers"] = _live_trainers()
         if rt.cuda:  # what an earlier configuration left allocated would inflate this one's peak
             left = torch.tensor([float(torch.cuda.memory_allocated(rt.device))], device=rt.device)

@@ -165,7 +165,7 @@ def test_pruning_renames_first_so_no_listing_sees_a_half_deleted_snapshot(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["step-00000006"]
 
 
-def test_non_finite_loss_stops_before_the_optimizer_step(tmp_path):
+def test_non_finite_loss_stops_the_run_in_one_line_and_saves_nothing(tmp_path):
     require("torch")
     res = run_cli("train", "--example", "toy", "--data", "userpkg.factories:nan_data", "--steps", "5",
                   "--out", str(tmp_path), env=clean_env(PYTHONPATH=HERE))

@@ -345,6 +345,7 @@ def test_accuracy_harness_measures_each_configuration_alone(tmp_path):
     stdout, rows = measure(tmp_path / "rows.jsonl", "--engines", "torch", "--budget-s", "10")
     assert len(rows) >= 3 and ("budget of 10.0 s spent" in stdout or len(rows) == 6)
     assert [r["live_trainers"] for r in rows] == [0] * len(rows)
+    assert [r["first_in_process"] for r in rows] == [True] + [False] * (len(rows) - 1)
     assert all(not r["strategy"].startswith("zero") for r in rows)
     if os.environ.get("MESHRUN_TEST_STRICT") == "1" or importlib.util.find_spec("deepspeed"):
         _, rows = measure(tmp_path / "ds.jsonl", "--engines", "deepspeed", "--select", "2")
