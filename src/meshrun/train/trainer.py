@@ -470,7 +470,7 @@ class Trainer:
         if self.optimizer.defaults.get("fused"):
             # No host sync in the step: fused AdamW skips the update on the device where the
             # global norm is not finite, and the step is remembered for _check_finite (at the
-            # next log line or snapshot). The host runs ahead, so the next micro-batch loads
+            # next log line or snapshot, or FINITE_CHECK_EVERY steps). The host runs ahead, so the next micro-batch loads
             # and its kernels queue while the GPU still computes this step.
             bad = ~torch.isfinite(norm)
             self.optimizer.found_inf = bad.float()
@@ -493,7 +493,7 @@ class Trainer:
 
     def _check_finite(self) -> None:
         """Stop if a step since the start had non-finite gradients: one host sync, at log
-        lines and before snapshots. Its update and any such later ones were skipped, so
+        lines, before snapshots and every FINITE_CHECK_EVERY steps. Its update and any such later ones were skipped, so
         neither the weights nor a snapshot hold them."""
         bad = int(self._bad_step.item())
         if bad:
@@ -669,12 +669,13 @@ class Trainer:
                 tokens, steps = tokens + n, steps + 1
                 last = step == cfg.steps
                 snapshot = (cfg.save_every and step % cfg.save_every == 0) or last
-                if step % cfg.log_every and not last and not snapshot and step % FINITE_CHECK_EVERY:
+                log = step % cfg.log_every == 0 or last
+                if not (log or snapshot or step % FINITE_CHECK_EVERY == 0):
                     continue
                 self._check_finite()
                 if snapshot:
                     self.save(data, final=last)
-                if step % cfg.log_every and not last:
+                if not log:
                     continue
                 record = self._record(step, loss_sum, steps, tokens, time.perf_counter() - start, norm)
                 if last or (cfg.eval_every and step % cfg.eval_every == 0):
