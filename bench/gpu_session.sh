@@ -10,8 +10,11 @@
 #   bash bench/gpu_session.sh snapshots OUT issue 4: async snapshots' steady state at ~2-s steps (SNAP_FULL=1: sync
 #                                           save, load and torch.save on rank 0; SNAP_FAST=1: at 0.53-s steps)
 #   bash bench/gpu_session.sh grid OUT      issue 5: the planner's memory predictions against measured peaks
+#   bash bench/gpu_session.sh gridfresh OUT issue 5: the torch rows in one process, then the 1.3B ones one per process
+#   bash bench/gpu_session.sh fragment OUT  issue 5: the allocator's reserved peak with and without the step's old host sync
 #   bash bench/gpu_session.sh layouts OUT   issues 8, 9: the 1.3B model laid out seven ways
-#   bash bench/gpu_session.sh seqlen  OUT   issue 9: the longest sequence, FSDP2 alone vs FSDP2 x CP4 (1.3B, AC)
+#   bash bench/gpu_session.sh seqlen  OUT   issue 9: the longest sequence, FSDP2 alone vs FSDP2 x CP4 (1.3B, AC);
+#                                           SEQ_NEXT=fsdp512k or cp1m: one step each past what trained
 # Results: OUT/results.jsonl (train_bench rows), OUT/summary.txt (every other result line).
 # Every run has its own time limit, and a part starts nothing after its deadline (DEADLINE_S).
 set -uo pipefail
@@ -173,6 +176,37 @@ grid)
   [ $rem -gt 20 ] && CUDA_VISIBLE_DEVICES=0 timeout $((rem + 30)) python3 -m torch.distributed.run --standalone \
     --nproc_per_node=1 bench/plan_accuracy.py measure --grid gpu --eager --budget-s $rem --out "$OUT/plan1.jsonl" 2>&1 | grep -E "MEM budget|Error" | tee -a "$S"
   ;;
+gridfresh)
+  # issue 5 on NG GPUs, torch rows only: the whole grid in one process (cuBLAS's workspaces
+  # freed between rows: leftover_gib says what the previous row left), then the 1.3B rows of
+  # DDP and both FSDP2 flavours (no AC) again, each first in its own process
+  echo "== issue 5: torch grid on $NG GPUs in one process, then 1.3B rows one per process (eager)" | tee -a "$S"
+  timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG bench/plan_accuracy.py measure \
+    --grid gpu --eager --engines torch --budget-s ${GRID_TORCH_S:-220} --out "$OUT/plan-one-process.jsonl" 2>&1 | grep -E "MEM budget|Error" | tee -a "$S"
+  for i in ${FRESH_ROWS:-4 5 12 13 20 21}; do
+    late $((DEADLINE_S - 45)) "fresh row $i" && break
+    timeout 80 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG bench/plan_accuracy.py measure \
+      --grid gpu --eager --engines torch --select $i --out "$OUT/plan-fresh.jsonl" 2>&1 | grep -E "Error" | tee -a "$S"
+  done
+  ;;
+fragment)
+  # issue 5: eager FSDP2 without AC reserved 1.33x its allocated peak at GPT 124M in the eighth
+  # session (37.5 vs 28.2 GiB, micro 32, first in its process) where the fourth session's grid
+  # had 1.11x (31.3 GiB) for the same allocated bytes. Suspect: the step without a host sync
+  # (the CPU runs ahead of the GPU). Each row first in its own process, without and with the
+  # old wait: 124M FSDP2 full and grad_op, DDP (micro 32), eager, then FSDP2 full compiled.
+  echo "== issue 5: reserved vs allocated, sync-free step vs --host-sync, one row per process" | tee -a "$S"
+  fr() {  # fr ROW ARGS... : one grid row in a fresh torchrun; its line to the summary
+    late $((DEADLINE_S - 60)) "row $*" && return
+    timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG bench/plan_accuracy.py measure \
+      --grid gpu --engines torch --select "$@" --out "$OUT/fragment.jsonl" > "$OUT/last.log" 2>&1
+    grep -ho '"model".*' "$OUT/last.log" | python3 -c "import json,sys; d=json.loads('{'+sys.stdin.read());
+print('FRAG', d['model'], d['strategy'], 'micro', d['micro'], 'compile', d['compile'], 'host_sync', d.get('host_sync', False),
+      'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'))" 2>&1 | tee -a "$S"
+  }
+  for row in 17 9 1; do fr $row --eager; fr $row --eager --host-sync; done
+  fr 17; fr 17 --host-sync
+  ;;
 layouts)
   B="--mode meshrun --size gpt-1.3b --micro 16 --warmup 4 --steps 10"
   tb 100 4 $B --compile --strategy fsdp
@@ -200,9 +234,16 @@ seqlen)
   }
   # With the chunked loss (train/losses.py) no token's logits are held: FSDP alone should
   # pass 256K; CP4 (attention per zig-zag chunk over its key prefix) 512K.
-  sl 150 262144 --strategy fsdp --loss fused || sl 90 131072 --strategy fsdp --loss fused
-  sl 100 262144 --strategy fsdp --cp "$NG" --loss fused && sl 250 524288 --strategy fsdp --cp "$NG" --loss fused
+  # SEQ_NEXT=fsdp512k / cp1m: one step past what trained on 4 GPUs (eighth session: FSDP2 alone
+  # 256K, CP4 512K), each alone in a call: ~240 s and ~375 s per step predicted
+  case "${SEQ_NEXT:-}" in
+  fsdp512k) sl 420 524288 --strategy fsdp --loss fused ;;
+  cp1m) sl 540 1048576 --strategy fsdp --cp "$NG" --loss fused ;;
+  *)
+    sl 150 262144 --strategy fsdp --loss fused || sl 90 131072 --strategy fsdp --loss fused
+    sl 100 262144 --strategy fsdp --cp "$NG" --loss fused && sl 250 524288 --strategy fsdp --cp "$NG" --loss fused ;;
+  esac
   ;;
-*) echo "unknown part $PART (train | loss | sync | confirm | snapshots | grid | layouts | seqlen)"; exit 2 ;;
+*) echo "unknown part $PART (train | loss | sync | confirm | snapshots | grid | gridfresh | fragment | layouts | seqlen)"; exit 2 ;;
 esac
 echo "part $PART done in $((SECONDS - T0)) s" | tee -a "$S"

@@ -39,6 +39,20 @@ class ModelSpec:
     bf16_residual: bool = False
     # meshrun's GPT with fused_loss: the loss taken chunk by chunk (train/losses.py)
     fused_loss: bool = False
+    # Rows of a learned position table that meshrun's GPT builds at the training sequence
+    # length (train/models.py), counted in params and outer_params; 0: none, or a table of
+    # fixed size (a Hugging Face config's n_positions). at_seq() resizes it.
+    learned_positions: int = 0
+
+    def at_seq(self, seq: int) -> ModelSpec:
+        """The model as meshrun's GPT builds it for ``seq`` tokens: at 512K tokens GPT 1.3B's
+        position table is 1.07B parameters, as many as the rest of the model (measured: the
+        planner left them out and under-predicted FSDP2 x CP4 by 17-18%, eighth session)."""
+        if not self.learned_positions or seq == self.learned_positions:
+            return self
+        extra = (seq - self.learned_positions) * self.hidden
+        return replace(self, params=self.params + extra, outer_params=self.outer_params + extra,
+                       learned_positions=seq)
 
     @property
     def expert_params(self) -> int:
@@ -53,6 +67,9 @@ class ModelSpec:
         """6N + 12·L·h·s: forward + backward matmul FLOPs per token, attention included; for a
         mixture of experts N counts the top-k experts a token visits, not all of them."""
         active = self.params - self.expert_params * (1 - self.top_k / self.experts) if self.experts else self.params
+        # a position table the sequence sizes is looked up, not multiplied: beyond the
+        # 1024-token table of the benchmarks' convention it adds no FLOPs
+        active -= max(self.learned_positions - 1024, 0) * self.hidden
         return 6 * active + 12 * self.layers * self.hidden * seq
 
     def work_flops_per_token(self, seq: int) -> float:
@@ -70,7 +87,7 @@ def gpt_spec(name: str, hidden: int, layers: int, heads: int, vocab: int = 50304
     outer = vocab * hidden + seq * hidden + 2 * hidden
     return ModelSpec(name, layers * block + outer, layers, hidden, heads, heads, 4 * hidden, vocab,
                      block, outer, gated_mlp=False, tied=True, max_seq=max_seq, block_class="Block",
-                     bf16_residual=True)
+                     bf16_residual=True, learned_positions=seq)
 
 
 def llama_spec(name: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
@@ -154,7 +171,7 @@ def from_hf_config(path: str, where: str = "--model") -> ModelSpec:
         spec = gpt_spec(str(name), hidden, layers, heads, vocab, seq or 1024, seq)
         spec = replace(spec, ffn=ffn)
     spec = replace(spec, source=f"config {path} (parameters counted from its shapes)", block_class=None,
-                   bf16_residual=False)
+                   bf16_residual=False, learned_positions=0)  # the config's table, whatever the sequence
     exact = _count_with_transformers(cfg)
     if exact is not None:
         total, block, cls = exact
@@ -214,7 +231,8 @@ def from_module(model, name: str, source: str) -> ModelSpec:
     if all(hasattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "vocab", "seq_len")):
         spec = gpt_spec(name, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.vocab, cfg.seq_len)
         return replace(spec, source=source, bf16_residual=bool(getattr(cfg, "low_precision_residual", False)),
-                       fused_loss=bool(getattr(cfg, "fused_loss", False)))
+                       fused_loss=bool(getattr(cfg, "fused_loss", False)),
+                       learned_positions=0)  # built: its table stays the size the factory gave it
     total, block, cls = _count(model)
     found = find_blocks(model)
     layers = len(found[1]) if found else 1

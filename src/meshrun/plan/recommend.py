@@ -190,6 +190,7 @@ def _faster_twin(pick: Candidate | None, cands: list[Candidate]) -> Candidate | 
 def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torch", margin: float = 0.1) -> Plan:
     validate_cluster(c)
     validate_train(t, m.max_seq)
+    m = m.at_seq(t.seq_len)
     limit = c.gpu_mem * (1 - margin)
     if t.global_batch is not None:  # refuse a batch no data-parallel layout can split
         if t.micro_batch is not None:
