@@ -202,7 +202,7 @@ fragment)
       --grid gpu --engines torch --select "$@" --out "$OUT/fragment.jsonl" > "$OUT/last.log" 2>&1
     grep -ho '"model".*' "$OUT/last.log" | python3 -c "import json,sys; d=json.loads('{'+sys.stdin.read());
 print('FRAG', d['model'], d['strategy'], 'micro', d['micro'], 'compile', d['compile'], 'host_sync', d.get('host_sync', False),
-      'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'))" 2>&1 | tee -a "$S"
+      'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'), 'segments by stream', d.get('segments'))" 2>&1 | tee -a "$S"
   }
   for row in 17 9 1; do fr $row --eager; fr $row --eager --host-sync; done
   fr 17; fr 17 --host-sync

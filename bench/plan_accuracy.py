@@ -129,6 +129,20 @@ def _deepspeed_step_fn(conf: dict, rt):
     return step, engine
 
 
+def segments_by_stream(snapshot: list[dict]) -> dict[str, list[float]]:
+    """Rank 0's cached segments after the measured steps (reserved memory only shrinks on
+    empty_cache, so these are the peak's), per CUDA stream: [segments, GiB reserved, GiB in
+    use now, largest free block in GiB]. The caching allocator gives a stream's freed blocks
+    only to that stream, so reserved bytes sitting on FSDP2's or NCCL's side streams show here."""
+    out: dict[str, list[float]] = {}
+    for seg in snapshot:
+        n, total, used, free = out.get(str(seg["stream"]), [0, 0.0, 0.0, 0.0])
+        largest = max((b["size"] for b in seg.get("blocks", []) if b.get("state") == "inactive"), default=0)
+        out[str(seg["stream"])] = [n + 1, total + seg["total_size"] / GiB, used + seg["allocated_size"] / GiB,
+                                   max(free, largest / GiB)]
+    return {k: [v[0]] + [round(x, 3) for x in v[1:]] for k, v in sorted(out.items())}
+
+
 def _live_trainers() -> int:
     """Trainers (and DeepSpeed engines) still alive: any at the start of a configuration
     would add its states to the measured peak."""
@@ -196,6 +210,8 @@ def measure(args: argparse.Namespace) -> None:
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
             row.update(reserved_gib=round(peaks[0].item() / GiB, 3) or None,
                        allocated_gib=round(peaks[1].item() / GiB, 3) or None)
+            if rt.cuda:
+                row["segments"] = segments_by_stream(torch.cuda.memory_snapshot())
         except torch.cuda.OutOfMemoryError:
             row.update(oom=True)
         finally:

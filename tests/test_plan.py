@@ -251,6 +251,18 @@ def test_eager_fsdp2_without_checkpointing_meets_the_target():
     assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10, errs
 
 
+def test_grid_rows_say_which_stream_holds_the_reserved_segments():
+    """The allocator's snapshot summarised per stream (segments, reserved, in use, largest
+    free block, GiB): what tells reserved bytes stranded on a side stream from fragmentation
+    on the compute stream."""
+    bench = _plan_accuracy()
+    snap = [{"stream": 0, "total_size": 2 * GiB, "allocated_size": GiB,
+             "blocks": [{"size": GiB, "state": "active_allocated"}, {"size": GiB, "state": "inactive"}]},
+            {"stream": 94, "total_size": GiB // 2, "allocated_size": 0, "blocks": [{"size": GiB // 2, "state": "inactive"}]},
+            {"stream": 0, "total_size": GiB, "allocated_size": GiB, "blocks": [{"size": GiB, "state": "active_allocated"}]}]
+    assert bench.segments_by_stream(snap) == {"0": [2, 3.0, 2.0, 1.0], "94": [1, 0.5, 0.0, 0.5]}
+
+
 def test_deepspeed_zero_rows_within_six_percent():
     """DeepSpeed ZeRO-1/2/3 on 2 x H200 (bench/calibration/h200x2-grid3-2026-11-26.jsonl, the
     sixth session): each row's reserved peak within 6%. Before this model (gradients and reduce
