@@ -201,10 +201,11 @@ fragment)
     timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG bench/plan_accuracy.py measure \
       --grid gpu --engines torch --select "$@" --out "$OUT/fragment.jsonl" > "$OUT/last.log" 2>&1
     grep -ho '"model".*' "$OUT/last.log" | python3 -c "import json,sys; d=json.loads('{'+sys.stdin.read());
-print('FRAG', d['model'], d['strategy'], 'micro', d['micro'], 'compile', d['compile'], 'host_sync', d.get('host_sync', False),
+print('FRAG', d['model'], d['strategy'], 'micro', d['micro'], 'compile', d['compile'], 'host_sync', d.get('host_sync', False), 'sync_lag', d.get('sync_lag', 0),
       'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'), 'segments by stream', d.get('segments'))" 2>&1 | tee -a "$S"
   }
   for row in 17 9 1; do fr $row --eager; fr $row --eager --host-sync; done
+  fr 17 --eager --sync-lag 1  # the host one step ahead at most: the sync-free step's overlap, bounded
   fr 17; fr 17 --host-sync
   ;;
 layouts)

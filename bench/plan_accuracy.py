@@ -92,6 +92,18 @@ def _meshrun_step_fn(conf: dict, rt):
             _, norm, _ = trainer.train_step(data)
             torch.isfinite(norm).item()  # the wait the step had before it went sync-free
         return step, trainer
+    if conf.get("sync_lag"):
+        # the host at most sync_lag steps ahead of the GPU: before a step starts, wait for
+        # the end of the one sync_lag steps back (the GPU still has that many queued)
+        ends: list = []
+
+        def lagged():
+            if len(ends) >= conf["sync_lag"]:
+                ends.pop(0).synchronize()
+            trainer.train_step(data)
+            ends.append(torch.cuda.Event())
+            ends[-1].record()
+        return lagged, trainer
     return (lambda: trainer.train_step(data)), trainer
 
 
@@ -171,6 +183,10 @@ def measure(args: argparse.Namespace) -> None:
         confs = [confs[int(i)] for i in args.select.split(",")]
     if args.host_sync:
         confs = [dict(c, host_sync=True) for c in confs]
+    if args.sync_lag:
+        if not rt.cuda:
+            raise SystemExit("plan_accuracy.py: --sync-lag bounds the host against a GPU; this run has none")
+        confs = [dict(c, sync_lag=args.sync_lag) for c in confs]
     card = torch.cuda.get_device_name(rt.device) if rt.cuda else "cpu"
     start = time.monotonic()
     for i, conf in enumerate(confs):
@@ -348,6 +364,9 @@ def main() -> None:
     m.add_argument("--host-sync", action="store_true",
                    help="wait for each step's gradient norm on the host, as meshrun's step did before it went "
                         "sync-free (an A/B for the allocator's reserved peak; meshrun rows only)")
+    m.add_argument("--sync-lag", type=int, default=0,
+                   help="let the host run at most this many steps ahead of the GPU (CUDA rows; 0: unbounded, "
+                        "as meshrun's step is)")
     for name in ("report", "fit"):
         p = sub.add_parser(name)
         p.add_argument("files", nargs="+")

@@ -10,6 +10,7 @@ checksums must agree (ZeRO keeps the replicas in sync). With ``--save_dir``, the
 own sharded checkpoint is written (each rank its optimizer shard), as the seed advises.
 """
 import argparse
+import gc
 import sys
 
 import deepspeed
@@ -46,7 +47,12 @@ if args.save_dir:
 sys.stdout.write(f"DSTRAIN rank={rank} world={torch.distributed.get_world_size()} stage={stage} "
                  f"first={losses[0]:.5f} last={losses[-1]:.5f} checksum={checksum:.6f}\n")
 sys.stdout.flush()
-# End the process group explicitly: left to interpreter exit, gloo's threads can abort a
-# finished process ("terminate called without an active exception").
+# End the process group explicitly, after the engine has let go of it: left to interpreter
+# exit, or destroyed while the engine still holds the group's work objects, gloo's threads
+# can abort a finished process ("terminate called without an active exception"; seen in CI
+# with the barrier and destroy alone). The order of meshrun's own teardown (train/runtime.py).
+engine.destroy()
+del engine, model
+gc.collect()
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
