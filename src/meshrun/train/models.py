@@ -30,9 +30,10 @@ class GPTConfig:
     # the whole logits, which Inductor fuses well (docs/benchmarks.md, call G).
     fused_loss: bool = False
     # The loss over the whole logits by two Triton passes (train/ce_kernel.py) instead of
-    # Inductor's fusion of F.cross_entropy: measured +2.9% at 124M compiled, even at 1.3B, and
-    # then 12 GiB more memory at 124M, which writing the gradient over the logits has since
-    # removed (unmeasured); off by default until measured. Without Triton or a GPU it is F.cross_entropy.
+    # Inductor's fusion of F.cross_entropy: +2.9% at 124M compiled with 12 GiB more memory
+    # (seventh session); writing the gradient over the logits took the memory down to +1 GiB,
+    # and then the step was 0.7% slower (eighth session): off by default. Without Triton or a
+    # GPU it is F.cross_entropy.
     triton_loss: bool = False
 
     @property
