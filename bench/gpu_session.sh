@@ -3,6 +3,8 @@
 # found and every part scales its runs to it), one part per call (each ends inside a 10-minute call):
 #   bash bench/gpu_session.sh train   OUT   issue 3: meshrun's auto settings vs the hand-tuned peers,
 #                                           1-GPU baselines and compiler knobs run side by side
+#   bash bench/gpu_session.sh scaling OUT   issue 3: where the 124M step loses ~4% from 1 to NG GPUs (profiles
+#                                           of both), then compiled autograd against the same settings without
 #   bash bench/gpu_session.sh loss    OUT   issue 3: the Triton cross-entropy vs Inductor's, 1 GPU, side by side, swapped
 #   bash bench/gpu_session.sh sync    OUT   issue 3: the step without a host sync vs with one (--host-sync), 1 GPU
 #                                           side by side and swapped, the GPU's wait profiled, then NG GPUs
@@ -12,6 +14,8 @@
 #   bash bench/gpu_session.sh grid OUT      issue 5: the planner's memory predictions against measured peaks
 #   bash bench/gpu_session.sh gridfresh OUT issue 5: the torch rows in one process, then the 1.3B ones one per process
 #   bash bench/gpu_session.sh fragment OUT  issue 5: the allocator's reserved peak with and without the step's old host sync
+#   bash bench/gpu_session.sh memhist OUT   issue 5: where FSDP2 without AC takes its extra segments (allocator history),
+#                                           and the same rows with segments that grow in place
 #   bash bench/gpu_session.sh layouts OUT   issues 8, 9: the 1.3B model laid out seven ways
 #   bash bench/gpu_session.sh seqlen  OUT   issue 9: the longest sequence, FSDP2 alone vs FSDP2 x CP4 (1.3B, AC);
 #                                           SEQ_NEXT=fsdp512k or cp1m: one step each past what trained
@@ -73,6 +77,19 @@ train)
     --size gpt-124m --micro 128 --compile --top 30 2>&1 | grep -E "^PROFILE|^  " | tee -a "$S"
   tb 100 "$NG" --mode ddp_compile --size gpt-124m --micro 64
   tb 110 "$NG" --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10
+  ;;
+scaling)
+  # issue 3: the 124M DDP step on NG GPUs runs ~4% slower per GPU than the same micro-batch on
+  # one (eighth session: 96.0%). Profiles of both, one after the other: summed compute-kernel
+  # time (slower kernels beside NCCL's: SM contention) against the time some compute kernel
+  # runs (exposed communication and waits). Then compiled autograd (flash first, see train).
+  P="bench/profile_step.py --size gpt-124m --micro 128 --compile --top 8"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 $P > "$OUT/profile-1.log" 2>&1
+  timeout 180 python3 -m torch.distributed.run --standalone --nproc_per_node="$NG" $P > "$OUT/profile-$NG.log" 2>&1
+  grep -hE "^PROFILE|^  " "$OUT/profile-1.log" "$OUT/profile-$NG.log" | tee -a "$S"
+  G=$((NG * 131072))
+  tb 150 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --sdpa flash --compiled-autograd
+  tb 130 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --sdpa flash
   ;;
 loss)
   # issue 3: the Triton cross-entropy (train/ce_kernel.py) against Inductor's fused
@@ -208,6 +225,26 @@ print('FRAG', d['model'], d['strategy'], 'micro', d['micro'], 'compile', d['comp
   fr 17 --eager --sync-lag 1  # the host one step ahead at most: the sync-free step's overlap, bounded
   fr 17; fr 17 --host-sync
   ;;
+memhist)
+  # issue 5: FSDP2 without AC reserved 1.15-1.34x its allocated peak, all of it on the compute
+  # stream, with or without the host waiting each step (ninth session, part fragment); at
+  # 124M the excess over DDP's is one fp32-logits-sized block (6.14 GiB at micro 32, 1.54 at 8).
+  # 1) the allocator's history: each new segment, the step it came in and the code that asked
+  # (rows 16, 17: 124M FSDP2 full micro 8, 32; row 0: DDP micro 8, for comparison);
+  # 2) the FSDP2 rows with expandable_segments:True (torchtitan's default), first in a process.
+  echo "== issue 5: new segments by step and caller; FSDP2 rows with expandable segments" | tee -a "$S"
+  mh() {  # mh ROW ARGS... : one eager grid row in a fresh torchrun; reserved, allocated, new segments
+    late $((DEADLINE_S - 60)) "row $*" && return
+    timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG bench/plan_accuracy.py measure \
+      --grid gpu --engines torch --eager --select "$@" --out "$OUT/memhist.jsonl" > "$OUT/last.log" 2>&1
+    grep -ho '"model".*' "$OUT/last.log" | python3 -c "import json,sys; d=json.loads('{'+sys.stdin.read())
+print('MEMH', d['model'], d['strategy'], 'micro', d['micro'], 'alloc_conf', d['alloc_conf'], 'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'))
+for a in d.get('segment_allocs', []):
+    if a['gib'] >= 0.05: print('  seg step', a['step'], a['gib'], 'GiB stream', a['stream'], ' <- '.join(a['where']))" 2>&1 | head -40 | tee -a "$S"
+  }
+  mh 16 --history; mh 0 --history; mh 17 --history
+  for row in 16 17 12 20; do PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True mh $row; done
+  ;;
 layouts)
   B="--mode meshrun --size gpt-1.3b --micro 16 --warmup 4 --steps 10"
   tb 100 4 $B --compile --strategy fsdp
@@ -245,6 +282,6 @@ seqlen)
     sl 100 262144 --strategy fsdp --cp "$NG" --loss fused && sl 250 524288 --strategy fsdp --cp "$NG" --loss fused ;;
   esac
   ;;
-*) echo "unknown part $PART (train | loss | sync | confirm | snapshots | grid | gridfresh | fragment | layouts | seqlen)"; exit 2 ;;
+*) echo "unknown part $PART (train | scaling | loss | sync | confirm | snapshots | grid | gridfresh | fragment | memhist | layouts | seqlen)"; exit 2 ;;
 esac
 echo "part $PART done in $((SECONDS - T0)) s" | tee -a "$S"

@@ -155,6 +155,24 @@ def segments_by_stream(snapshot: list[dict]) -> dict[str, list[float]]:
     return {k: [v[0]] + [round(x, 3) for x in v[1:]] for k, v in sorted(out.items())}
 
 
+def segment_allocs(traces: list[dict], marks: list[int], top: int = 3) -> list[dict]:
+    """Where the allocator took new segments from the driver: each ``segment_alloc`` of a
+    recorded allocator history (``torch.cuda.memory._snapshot()["device_traces"][dev]``) with
+    the step it happened in (``marks``: the trace's length after each step) and the innermost
+    frames of meshrun's, FSDP2's or torch.nn's code that asked for it (``file:line name``).
+    A segment taken after the first step is one the steady state could not find in its cache."""
+    keep = ("meshrun/", "fsdp", "torch/nn/", "autograd")
+    out = []
+    for i, entry in enumerate(traces):
+        if entry.get("action") != "segment_alloc":
+            continue
+        step = next((k for k, end in enumerate(marks) if i < end), len(marks))
+        frames = [f for f in entry.get("frames", []) if any(k in f.get("filename", "") for k in keep)]
+        where = [f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}" for f in frames[:top]]
+        out.append({"step": step, "gib": round(entry["size"] / GiB, 3), "stream": entry.get("stream", 0), "where": where})
+    return out
+
+
 def _live_trainers() -> int:
     """Trainers (and DeepSpeed engines) still alive: any at the start of a configuration
     would add its states to the measured peak."""
@@ -212,8 +230,14 @@ def measure(args: argparse.Namespace) -> None:
         try:
             make = _deepspeed_step_fn if conf["strategy"].startswith("zero") else _meshrun_step_fn
             step, obj = make(conf, rt)
+            marks: list[int] = []
+            if args.history and rt.cuda:
+                torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
             for _ in range(2):
                 step()
+                if args.history and rt.cuda:
+                    torch.cuda.synchronize()
+                    marks.append(len(torch.cuda.memory._snapshot()["device_traces"][rt.local_rank]))
             if rt.cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(rt.device)
@@ -228,6 +252,10 @@ def measure(args: argparse.Namespace) -> None:
                        allocated_gib=round(peaks[1].item() / GiB, 3) or None)
             if rt.cuda:
                 row["segments"] = segments_by_stream(torch.cuda.memory_snapshot())
+            if args.history and rt.cuda:
+                snap = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                row["segment_allocs"] = segment_allocs(snap["device_traces"][rt.local_rank], marks)
         except torch.cuda.OutOfMemoryError:
             row.update(oom=True)
         finally:
@@ -287,8 +315,9 @@ def load(paths: list[str], fresh_only: bool = False) -> list[dict]:
     for path in paths:
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
+    # host_sync / sync_lag rows are experiments with a step meshrun does not take (ninth session)
     kept = [r for r in rows if not r.get("oom") and (r.get("leftover_gib") or 0) < LEFTOVER_MAX_GIB
-            and not r.get("live_trainers")]
+            and not r.get("live_trainers") and not r.get("host_sync") and not r.get("sync_lag")]
     if fresh_only:  # rows without the key: one configuration per process (the training benchmarks)
         kept = [r for r in kept if r.get("first_in_process", True) and (r.get("leftover_gib") or 0) < 0.001]
     return kept
@@ -364,6 +393,8 @@ def main() -> None:
     m.add_argument("--host-sync", action="store_true",
                    help="wait for each step's gradient norm on the host, as meshrun's step did before it went "
                         "sync-free (an A/B for the allocator's reserved peak; meshrun rows only)")
+    m.add_argument("--history", action="store_true",
+                   help="record the allocator's history (CUDA): each row lists where it took new segments and at which step")
     m.add_argument("--sync-lag", type=int, default=0,
                    help="let the host run at most this many steps ahead of the GPU (CUDA rows; 0: unbounded, "
                         "as meshrun's step is)")

@@ -1,11 +1,16 @@
 """Where a training step's GPU time goes: meshrun's Trainer on one GPU under torch.profiler.
 
     PYTHONPATH=src python3 bench/profile_step.py --size gpt-124m --micro 64 --compile
+    PYTHONPATH=src torchrun --nproc_per_node=4 bench/profile_step.py --size gpt-124m --micro 128 --compile
 
 Prints the wall-clock time of a step (unprofiled) beside the device time its kernels take,
 the difference being the time the GPU waits for the host; then the share of device time per
 kernel family (matmuls, attention, Triton-fused elementwise/norm/loss kernels, optimizer,
-copies) and the top kernels.
+copies) and the top kernels. Under torchrun (DDP) rank 0 also prints the time some compute
+kernel ran (the union of their intervals: NCCL runs on its own stream, so summed device time
+counts overlapped communication twice) and, beside the wall clock, the communication and
+waiting left exposed; against a 1-GPU run of the same micro-batch this splits a
+data-parallel step's loss into slower kernels (SM contention) and exposed time.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ def family(name: str) -> str:
         if any(k in low for k in keys):
             return fam
     return "other"
+
+
+def by_family_total(events: list, attr: str, fam: str) -> float:
+    return sum(getattr(e, attr) for e in events if family(e.key) == fam)
 
 
 def main() -> None:
@@ -76,13 +85,33 @@ def main() -> None:
             step()
         if cuda:
             torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA" if cuda else True)]
+    # user annotations (DDP's "DistributedDataParallel.forward", "nccl:all_reduce") also show as
+    # device-side ranges: they span kernels and are not kernels (call Z counted them)
+    events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA" if cuda else True)
+              and not getattr(e, "is_user_annotation", False)]
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     total = sum(getattr(e, attr) for e in events) or 1
     by_family: dict[str, float] = defaultdict(float)
     for e in events:
         by_family[family(e.key)] += getattr(e, attr)
     device_ms = total / args.steps / 1e3
+    if trainer.rt.rank != 0:
+        from meshrun.train.runtime import teardown
+
+        teardown()
+        return
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if cuda and e.device_type.name == "CUDA" and family(e.key) != "nccl" and e.time_range.end > e.time_range.start
+                   and not getattr(e, "is_user_annotation", False))
+    busy, reach = 0.0, float("-inf")
+    for start_us, end_us in spans:  # the union of the compute kernels' intervals
+        busy += max(0.0, end_us - max(start_us, reach))
+        reach = max(reach, end_us)
+    if spans:
+        compute_ms = sum(getattr(e, attr) for e in events if family(e.key) != "nccl") / args.steps / 1e3
+        print(f"PROFILE compute {args.size} micro {args.micro} world {trainer.rt.world_size}: kernels {compute_ms:.1f} ms "
+              f"(summed), some compute kernel running {busy / args.steps / 1e3:.1f} ms of the {wall_ms:.1f} ms step; "
+              f"nccl {by_family_total(events, attr, 'nccl') / args.steps / 1e3:.1f} ms (own stream)")
     print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss} host_sync {args.host_sync}: "
           f"{wall_ms:.1f} ms wall per step, {device_ms:.1f} ms device time "
           f"(the GPU waits {max(0.0, wall_ms - device_ms):.1f} ms = {max(0.0, 1 - device_ms / wall_ms):.1%})")

@@ -212,43 +212,75 @@ def _fresh_rows(bench) -> list[dict]:
     return bench.load(files, fresh_only=True)
 
 
-def _eager_fsdp2_without_ac(row: dict) -> bool:
-    return row["strategy"].startswith("fsdp") and not row["compile"] and not row["ac"]
+def _fsdp2_without_ac_reserved(row: dict) -> bool:
+    """Grid rows (reserved peaks) of FSDP2 without activation checkpointing, eager or compiled
+    (the ninth session's compiled 124M row reserved as much as the eager one)."""
+    return row["strategy"].startswith("fsdp") and not row["ac"] and bool(row.get("reserved_gib"))
 
 
 def test_predictions_meet_the_target_on_every_row_measured_as_a_job_starts():
     """Issue 5's target over every H200 row kept in bench/calibration that came first in its
-    process, as a job starts (32 rows: 1, 2 and 4 GPUs; single, DDP, DeepSpeed ZeRO-1/2/3,
-    compiled FSDP2; eager and compiled): median <= 5%, worst <= 10%. Rows measured after
-    another configuration in the same process reserve up to 5 GiB more for the same
-    allocations (bench/plan_accuracy.py) and are left out. Eager FSDP2 without activation
-    checkpointing misses the target and is held apart (the next test)."""
+    process, as a job starts (33 rows: 1, 2 and 4 GPUs; single, DDP, DeepSpeed ZeRO-1/2/3,
+    FSDP2 with AC, compiled FSDP2's allocated peaks; eager and compiled): median <= 5%, worst
+    <= 10%. Rows measured after another configuration in the same process reserve up to 5
+    GiB more for the same allocations (bench/plan_accuracy.py) and are left out. The reserved
+    peaks of FSDP2 without activation checkpointing miss the target and are held apart (the
+    next test)."""
     import statistics
 
     bench = _plan_accuracy()
-    rows = [r for r in _fresh_rows(bench) if not _eager_fsdp2_without_ac(r)]
+    rows = [r for r in _fresh_rows(bench) if not _fsdp2_without_ac_reserved(r)]
     errs = [abs(e) for *_, e in bench.errors(rows)]
-    assert len(errs) >= 32, len(errs)
+    assert len(errs) >= 33, len(errs)
     assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10, (statistics.median(errs), max(errs))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 5, open: eager FSDP2 without activation checkpointing reserved "
-                   "1.15-1.33x its allocated peak on 4 x H200 (eighth session) against the model's 1.04; "
-                   "GPT 124M rows -15%")
-def test_eager_fsdp2_without_checkpointing_meets_the_target():
-    """The rows the previous test leaves out (6, first in their process, 4 x H200): GPT 124M
-    micro 8 and 32 and GPT 1.3B micro 4 and 16, FSDP2 full and grad_op, eager, no AC. The
-    allocated peaks are predicted within 10% (124M: +9%); the reserved ones are not (-4% to
-    -15%): the same 124M rows reserved 31.3 GiB for 28.2 allocated in the fourth session and
-    37.5 now. Strict: once the model or the trainer closes the gap, this fails until the
-    marker goes."""
+def test_the_rows_held_apart_are_the_fsdp2_rows_without_checkpointing():
+    """What the next (expected-to-fail) test measures is pinned here, outside its marker: nine
+    rows first in their process on 4 x H200 (eighth and ninth sessions), and the ninth
+    session's experiments with another step (--host-sync, --sync-lag) are not among them."""
+    bench = _plan_accuracy()
+    rows = [r for r in _fresh_rows(bench) if _fsdp2_without_ac_reserved(r)]
+    assert len(rows) == 9 and {r["gpus"] for r in rows} == {4}, len(rows)
+    assert not any(r.get("host_sync") or r.get("sync_lag") for r in _fresh_rows(bench))
+    assert sum(r["compile"] for r in rows) == 1
+
+
+@pytest.mark.xfail(strict=True, reason="issue 5, open: FSDP2 without activation checkpointing reserved "
+                   "1.15-1.34x its allocated peak on 4 x H200 (eighth and ninth sessions) against the "
+                   "model's 1.04; GPT 124M rows -14% to -15%")
+def test_fsdp2_without_checkpointing_meets_the_target():
+    """The rows the previous tests leave out (first in their process, 4 x H200): GPT 124M
+    micro 8 and 32 and GPT 1.3B micro 4 and 16, FSDP2 full and grad_op, no AC, eager, and
+    124M micro 32 compiled. The allocated peaks are predicted within 10% (124M: +9%); the
+    reserved ones are not (-4% to -15%). Not the step without a host sync: with the old wait
+    (--host-sync) or the host one step ahead at most (--sync-lag 1) the 124M rows reserved
+    the same 37.54 GiB (ninth session), all of it on the compute stream. Strict: once the
+    model or the trainer closes the gap, this fails until the marker goes."""
     import statistics
 
     bench = _plan_accuracy()
-    rows = [r for r in _fresh_rows(bench) if _eager_fsdp2_without_ac(r)]
-    assert len(rows) == 6, len(rows)
-    errs = [abs(e) for *_, e in bench.errors(rows)]
+    errs = [abs(e) for *_, e in bench.errors([r for r in _fresh_rows(bench) if _fsdp2_without_ac_reserved(r)])]
     assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10, errs
+
+
+def test_segment_allocs_say_where_and_when_the_allocator_grew():
+    """The allocator history's segment_alloc entries, by step (the trace's length after each
+    warm-up step), with the innermost frames of meshrun's, FSDP2's or torch.nn's code; plain
+    allocations and frames elsewhere are left out."""
+    bench = _plan_accuracy()
+    fr = [{"filename": "/x/torch/_tensor.py", "line": 1, "name": "float"},
+          {"filename": "/x/src/meshrun/train/models.py", "line": 148, "name": "forward"},
+          {"filename": "/x/torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "line": 9, "name": "alloc"}]
+    traces = [{"action": "alloc", "size": GiB, "frames": fr},
+              {"action": "segment_alloc", "size": 2 * GiB, "stream": 0, "frames": fr},
+              {"action": "free_completed", "size": GiB},
+              {"action": "segment_alloc", "size": GiB // 2, "stream": 7, "frames": fr[:1]},
+              {"action": "segment_alloc", "size": GiB, "stream": 0, "frames": fr[1:]}]
+    got = bench.segment_allocs(traces, marks=[3, 4], top=1)
+    assert got == [{"step": 0, "gib": 2.0, "stream": 0, "where": ["train/models.py:148 forward"]},
+                   {"step": 1, "gib": 0.5, "stream": 7, "where": []},
+                   {"step": 2, "gib": 1.0, "stream": 0, "where": ["train/models.py:148 forward"]}]
 
 
 def test_grid_rows_say_which_stream_holds_the_reserved_segments():
@@ -696,6 +728,8 @@ def test_mixture_of_experts_plans_expert_parallelism():
     (4, 262144, "fsdp-grad-op+ac", 4082, 0.05),  # eighth session, 4 x H200, chunked loss
     (4, 262144, "fsdp-full-cp4+ac", 2411, 0.08),  # the same call: CP4 (0.59x FSDP2 alone per GPU)
     (4, 524288, "fsdp-full-cp4+ac", 1305, 0.05),
+    (4, 524288, "fsdp-grad-op+ac", 2170, 0.05),  # ninth session, 4 x H200: one step each past the eighth's
+    (4, 1048576, "fsdp-full-cp4+ac", 680, 0.05),
     (4, 131072, "fsdp-grad-op+ac", 6770, 0.15),  # fourth session, 4 x H200, another machine
     (4, 65536, "fsdp-grad-op+ac", 11526, 0.15),
 ])
@@ -718,6 +752,7 @@ def test_long_sequence_step_time_follows_causal_work(gpus, seq, label, tokens_pe
 
 @pytest.mark.parametrize("gpus,seq,cp,allocated_gib", [
     (4, 262144, 4, 18.71), (4, 524288, 4, 33.47), (4, 262144, 1, 49.48),  # eighth session, 4 x H200
+    (4, 524288, 1, 95.0), (4, 1048576, 4, 62.99),  # ninth session, 4 x H200
     (2, 262144, 1, 51.2), (2, 262144, 2, 31.69), (2, 524288, 2, 58.2),  # seventh session, 2 x H200
 ])
 def test_long_sequence_memory_counts_the_position_table(gpus, seq, cp, allocated_gib):
