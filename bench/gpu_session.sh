@@ -242,6 +242,20 @@ print('MEMH', d['model'], d['strategy'], 'micro', d['micro'], 'alloc_conf', d['a
 for a in d.get('segment_allocs', []):
     if a['gib'] >= 0.05: print('  seg step', a['step'], a['gib'], 'GiB stream', a['stream'], ' <- '.join(a['where']))" 2>&1 | head -40 | tee -a "$S"
   }
+  # 0) BISECT="SHA ...": row 17 (124M FSDP2 full, micro 32, eager: 31.2 GiB reserved in the
+  # fourth session's grid, 37.5 since the eighth for the same 28.04 allocated) under each old
+  # tree (bench/bisect_trees.sh; run's carry: .bisect), each with its own harness, first in its process
+  for tree in ${BISECT:-}; do
+    d=".bisect/$tree"
+    [ -d "$d" ] || { echo "BISECT $tree: no $d (bash bench/bisect_trees.sh $tree, then carry .bisect)" | tee -a "$S"; continue; }
+    late $((DEADLINE_S - 60)) "bisect $tree" && break
+    PYTHONPATH="$PWD/$d/src" timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG \
+      "$d/bench/plan_accuracy.py" measure --grid ${MH_GRID:-gpu} --engines torch --eager --select ${MH_ROW:-17} \
+      --out "$OUT/bisect-$tree.jsonl" > "$OUT/last.log" 2>&1
+    grep -ho '"model".*' "$OUT/last.log" | python3 -c "import json,sys; d=json.loads('{'+sys.stdin.read())
+print('BISECT $tree', d['model'], d['strategy'], 'micro', d['micro'], 'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'))" 2>&1 | tail -1 | tee -a "$S"
+  done
+  [ -n "${MH_ONLY_BISECT:-}" ] && { echo "part $PART done in $((SECONDS - T0)) s" | tee -a "$S"; exit 0; }
   mh 16 --history; mh 0 --history; mh 17 --history
   for row in 16 17 12 20; do PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True mh $row; done
   ;;
