@@ -231,14 +231,15 @@ memhist)
   # 124M the excess over DDP's is one fp32-logits-sized block (6.14 GiB at micro 32, 1.54 at 8).
   # 1) the allocator's history: each new segment, the step it came in and the code that asked
   # (rows 16, 17: 124M FSDP2 full micro 8, 32; row 0: DDP micro 8, for comparison);
-  # 2) the FSDP2 rows with expandable_segments:True (torchtitan's default), first in a process.
+  # 2) the cache emptied after setup; 3) the FSDP2 rows with expandable_segments:True
+  # (torchtitan's default); each first in a process.
   echo "== issue 5: new segments by step and caller; FSDP2 rows with expandable segments" | tee -a "$S"
   mh() {  # mh ROW ARGS... : one eager grid row in a fresh torchrun; reserved, allocated, new segments
     late $((DEADLINE_S - 60)) "row $*" && return
     timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG bench/plan_accuracy.py measure \
       --grid gpu --engines torch --eager --select "$@" --out "$OUT/memhist.jsonl" > "$OUT/last.log" 2>&1
     grep -ho '"model".*' "$OUT/last.log" | python3 -c "import json,sys; d=json.loads('{'+sys.stdin.read())
-print('MEMH', d['model'], d['strategy'], 'micro', d['micro'], 'alloc_conf', d['alloc_conf'], 'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'))
+print('MEMH', d['model'], d['strategy'], 'micro', d['micro'], 'alloc_conf', d['alloc_conf'], 'setup_empty_cache', d.get('setup_empty_cache', False), 'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'))
 for a in d.get('segment_allocs', []):
     if a['gib'] >= 0.05: print('  seg step', a['step'], a['gib'], 'GiB stream', a['stream'], ' <- '.join(a['where']))" 2>&1 | head -40 | tee -a "$S"
   }
@@ -257,6 +258,10 @@ print('BISECT $tree', d['model'], d['strategy'], 'micro', d['micro'], 'reserved'
   done
   [ -n "${MH_ONLY_BISECT:-}" ] && { echo "part $PART done in $((SECONDS - T0)) s" | tee -a "$S"; exit 0; }
   mh 16 --history; mh 0 --history; mh 17 --history
+  # 2) the cache emptied once between setup and the first step (the model's build and sharding
+  # leave freed blocks that the first step's long-lived allocations, cuBLAS's workspace among
+  # them, would split and pin)
+  mh 17 --setup-empty-cache; mh 16 --setup-empty-cache
   for row in 16 17 12 20; do PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True mh $row; done
   ;;
 layouts)

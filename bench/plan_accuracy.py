@@ -230,6 +230,11 @@ def measure(args: argparse.Namespace) -> None:
         try:
             make = _deepspeed_step_fn if conf["strategy"].startswith("zero") else _meshrun_step_fn
             step, obj = make(conf, rt)
+            if args.setup_empty_cache and rt.cuda:
+                # what the trainer would do at the end of its setup: the freed temporaries of
+                # building and sharding the model go back to the driver before the first step
+                torch.cuda.empty_cache()
+                row["setup_empty_cache"] = True
             marks: list[int] = []
             if args.history and rt.cuda:
                 torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
@@ -393,6 +398,8 @@ def main() -> None:
     m.add_argument("--host-sync", action="store_true",
                    help="wait for each step's gradient norm on the host, as meshrun's step did before it went "
                         "sync-free (an A/B for the allocator's reserved peak; meshrun rows only)")
+    m.add_argument("--setup-empty-cache", action="store_true",
+                   help="empty the allocator's cache after the trainer is built, before its first step")
     m.add_argument("--history", action="store_true",
                    help="record the allocator's history (CUDA): each row lists where it took new segments and at which step")
     m.add_argument("--sync-lag", type=int, default=0,
