@@ -41,6 +41,16 @@ def family(name: str) -> str:
     return "other"
 
 
+def covered(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: the time some kernel of them ran,
+    overlaps (kernels on several streams) counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
+
+
 def by_family_total(events: list, attr: str, fam: str) -> float:
     return sum(getattr(e, attr) for e in events if family(e.key) == fam)
 
@@ -103,10 +113,7 @@ def main() -> None:
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if cuda and e.device_type.name == "CUDA" and family(e.key) != "nccl" and e.time_range.end > e.time_range.start
                    and not getattr(e, "is_user_annotation", False))
-    busy, reach = 0.0, float("-inf")
-    for start_us, end_us in spans:  # the union of the compute kernels' intervals
-        busy += max(0.0, end_us - max(start_us, reach))
-        reach = max(reach, end_us)
+    busy = covered(spans)
     if spans:
         compute_ms = sum(getattr(e, attr) for e in events if family(e.key) != "nccl") / args.steps / 1e3
         print(f"PROFILE compute {args.size} micro {args.micro} world {trainer.rt.world_size}: kernels {compute_ms:.1f} ms "

@@ -1,5 +1,7 @@
 """Pure pieces of the trainer: block discovery, schedule, MFU, data sharding, config."""
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -155,3 +157,25 @@ def test_mixture_of_experts_flops_count_the_experts_a_token_visits():
     mlp = d * f + f + f * d + d
     # top-2 experts instead of the one dense MLP, plus the router's d x E weights
     assert moe.flops_per_token() == dense + 6 * layers * (2 * mlp - mlp + d * 8)
+
+
+def _profile_step():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "profile_step.py")
+    spec = importlib.util.spec_from_file_location("profile_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_counts_overlapping_kernels_once():
+    """bench/profile_step.py under DDP: the time some compute kernel runs is the union of
+    their intervals (kernels of two streams overlapping count once, gaps not at all), and
+    NCCL's kernels are told from the compute ones by name."""
+    ps = _profile_step()
+    assert ps.covered([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert ps.covered([(20, 25), (0, 10)]) == 15 and ps.covered([]) == 0
+    assert ps.family("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "nccl"
+    assert ps.family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert ps.family("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN") == "gemm"
