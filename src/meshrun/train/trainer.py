@@ -29,8 +29,9 @@ from .data import BatchStream, LoaderSpec, make_loader
 from .gradnorm import clip_grad_norm, clip_grad_norm_sharded
 from .metrics import MetricsSink, mfu, peak_flops
 from .optim import build_optimizer, build_scheduler
-from .parallelize import (FSDPPlan, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp,
-                          apply_loss_parallel, can_loss_parallel,
+from .layouts import (Layout, checkpoint_blocks, context_parallel, deepspeed_engine, expert_groups, is_expert,
+                      same_initial_weights, tensor_pipeline)
+from .parallelize import (FSDPPlan, apply_compile, apply_ddp, apply_fsdp, apply_loss_parallel, can_loss_parallel,
                           apply_tp, choose_fsdp_flavour, choose_strategy, find_blocks, fsdp_mesh)
 from .runtime import Runtime, init_runtime
 
@@ -42,19 +43,6 @@ def _takes_targets(module: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return len(params) >= 2 and params[1] in ("targets", "labels", "target", "y")
-
-
-def _same_initial_weights(model: nn.Module) -> None:
-    """Rank 0's initial weights everywhere, before anything is sharded or split."""
-    for t in model.state_dict().values():
-        dist.broadcast(t, src=0)
-
-
-def _checkpoint(blocks: nn.ModuleList | None) -> None:
-    if blocks is None:
-        raise MeshrunError("--activation-checkpointing: no block list found in the model "
-                           "(hint: name it with --blocks, e.g. model.layers)")
-    apply_activation_checkpointing(blocks)
 
 
 # A non-finite step is found at the next log line or snapshot, and at least this often: one
@@ -71,10 +59,6 @@ def _replicate_plain_tensors() -> contextlib.AbstractContextManager:
 
     return implicit_replication()
 
-
-def _is_expert(name: str) -> bool:
-    """An expert's weights (sharded under --ep), not the router's."""
-    return ".moe.w_" in name or ".moe.b_" in name
 
 
 class Trainer:
@@ -100,12 +84,12 @@ class Trainer:
         self.mesh = None  # the (pp, dp_shard, tp) mesh under tensor or pipeline parallelism
         self.pipe = None  # the Pipeline under --pp
         self.dp_rank, self.dp_size = rt.rank, rt.world_size  # who reads which data
-        self.cp_size, self.cp_index, self.cp_group, self.fsdp_mesh = 1, None, None, None
+        self.cp_size, self.cp_rank, self.cp_index, self.cp_group, self.fsdp_mesh = 1, 0, None, None, None
         self.edp_group = None  # ranks holding the same experts, under --ep
         if cfg.cp > 1:
-            self._setup_cp()
+            self._adopt(context_parallel(cfg, rt))
         elif cfg.tp > 1 or cfg.pp > 1:
-            self._setup_mesh()
+            self._adopt(tensor_pipeline(cfg, rt))
         elif cfg.ep > 1:
             self.strategy = "ep"
             self.ep_fsdp = cfg.strategy == "fsdp"  # the rest sharded by FSDP2 instead of replicated
@@ -139,52 +123,12 @@ class Trainer:
                                f"{cfg.micro} on each of {self.dp_size} data-parallel ranks (hint: lower --micro-batch)")
 
     # ---- setup --------------------------------------------------------------------------
-    def _setup_cp(self) -> None:
-        """Context parallelism: a (dp_shard, cp) mesh for the groups; FSDP2 over all ranks
-        (data and context parallel alike average their gradients)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from .dims import make_dims
-
-        cfg, rt = self.cfg, self.rt
-        if cfg.strategy in ("ddp", "single"):
-            raise MeshrunError(f"--strategy={cfg.strategy!r} with --cp={cfg.cp}: context parallelism composes with "
-                               "FSDP2 (hint: --strategy fsdp, or auto)")
-        dims = make_dims(rt.world_size, cp=cfg.cp, source=f"--cp {cfg.cp} on {rt.world_size} processes")
-        mesh = init_device_mesh(rt.device.type, (dims.dp_shard, cfg.cp), mesh_dim_names=("dp_shard", "cp"))
-        self.cp_group, self.cp_rank = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
-        self.dp_rank, self.dp_size, self.cp_size = mesh["dp_shard"].get_local_rank(), dims.dp_shard, cfg.cp
-        self.fsdp_mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("dp_cp",))
-        self.strategy = "fsdp"
-        self.strategy_reason = f"context parallel {cfg.cp} (zig-zag shards) x FSDP2 over all {rt.world_size} ranks"
-
-    def _setup_mesh(self) -> None:
-        """Tensor and pipeline parallelism: a (pp, dp_shard, tp) mesh, TP innermost (the
-        same node's NVLink neighbours), PP outermost. Under TP, FSDP2 runs over the
-        data-parallel dimension even when it is 1, so every parameter is a DTensor of one
-        mesh (what clipping and snapshots need); under PP alone with one data-parallel rank,
-        the stages are plain modules."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from .dims import make_dims
-
-        cfg, rt = self.cfg, self.rt
-        what = " and ".join(f"--{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp)) if v > 1)
-        if cfg.strategy in ("ddp", "single"):
-            raise MeshrunError(f"--strategy={cfg.strategy!r} with {what}: tensor and pipeline parallelism compose "
-                               "with FSDP2 over the data-parallel ranks (hint: --strategy fsdp, or auto)")
-        if cfg.fsdp == "hybrid":
-            raise MeshrunError(f"--fsdp='hybrid' with {what}: not supported yet (hint: --fsdp full or grad_op)")
-        dims = make_dims(rt.world_size, tp=cfg.tp, pp=cfg.pp, source=f"{what} on {rt.world_size} processes")
-        self.mesh = init_device_mesh(rt.device.type, (dims.pp, dims.dp_shard, dims.tp),
-                                     mesh_dim_names=("pp", "dp_shard", "tp"))
-        self.dp_rank, self.dp_size = self.mesh["dp_shard"].get_local_rank(), dims.dp_shard
-        sharded = dims.tp > 1 or dims.dp_shard > 1
-        self.strategy = "fsdp" if sharded else "pipeline"
-        parts = [f"tensor parallel {dims.tp}"] if dims.tp > 1 else []
-        parts += [f"pipeline {dims.pp} ({cfg.pp_schedule})"] if dims.pp > 1 else []
-        parts += [f"FSDP2 over {dims.dp_shard} data-parallel rank(s)"] if sharded else []
-        self.strategy_reason = " x ".join(parts)
+    def _adopt(self, layout: Layout) -> None:
+        """The groups and data-parallel coordinates of a context, tensor or pipeline layout."""
+        self.strategy, self.strategy_reason = layout.strategy, layout.reason
+        self.dp_rank, self.dp_size, self.mesh = layout.dp_rank, layout.dp_size, layout.mesh
+        self.cp_size, self.cp_rank, self.cp_group, self.fsdp_mesh = (layout.cp_size, layout.cp_rank, layout.cp_group,
+                                                                     layout.fsdp_mesh)
 
     def _plan_auto(self, model: nn.Module) -> None:
         """--strategy auto on GPUs: the planner's first fitting strategy (and activation
@@ -209,7 +153,7 @@ class Trainer:
         if self.mesh is not None:
             if blocks is None:
                 raise MeshrunError("--tp/--pp: no block list found in the model (hint: name it with --blocks)")
-            _same_initial_weights(model)
+            same_initial_weights(model)
             if cfg.tp > 1:
                 # sequence parallel needs the whole block list in one piece, not cut into stages
                 sp = cfg.sequence_parallel and cfg.pp == 1
@@ -228,17 +172,17 @@ class Trainer:
         if self.cp_group is not None:
             from .context import apply_cp
 
-            _same_initial_weights(model)
+            same_initial_weights(model)
             self.cp_index = apply_cp(model, blocks, self.cp_group, self.cp_size, self.cp_rank, cfg.seq_len, rt.device)
         if self.strategy == "deepspeed":
             return self._deepspeed(model, blocks), None
         if self.strategy == "ep":
             return self._expert_parallel(model, blocks), None
         if self.ac:
-            _checkpoint(blocks)
+            checkpoint_blocks(blocks)
         if self.strategy == "fsdp":
             if self.mesh is None and self.cp_group is None:  # (under TP/CP it happened above)
-                _same_initial_weights(model)
+                same_initial_weights(model)
             if cfg.compile:
                 apply_compile(model, blocks, per_block=True)
             self._shard(model, blocks)
@@ -259,7 +203,7 @@ class Trainer:
 
         cfg, rt = self.cfg, self.rt
         if self.ac:
-            _checkpoint(blocks)
+            checkpoint_blocks(blocks)
         if cfg.compile:
             apply_compile(model, blocks, per_block=True)
         self.pipe = Pipeline(model, self.mesh, cfg.pp_schedule, cfg.pp_microbatches or cfg.pp, self.accum, rt.device)
@@ -272,61 +216,24 @@ class Trainer:
         return self.pipe.union
 
     def _deepspeed(self, model: nn.Module, blocks: nn.ModuleList | None) -> nn.Module:
-        """DeepSpeed ZeRO as a strategy: the planner's ZeRO block, meshrun's AdamW (param
-        groups as elsewhere), DeepSpeed's own accumulation and clipping."""
-        import deepspeed
-
-        from ..plan.configs import zero_section
-
-        cfg, rt = self.cfg, self.rt
         if self.ac:
-            _checkpoint(blocks)
-        hidden = getattr(getattr(model, "cfg", None), "d_model", 1024)
-        ds = {
-            "train_batch_size": cfg.micro * self.accum * self.dp_size,
-            "train_micro_batch_size_per_gpu": cfg.micro,
-            "gradient_accumulation_steps": self.accum,
-            "bf16": {"enabled": self.bf16},
-            "zero_optimization": zero_section(cfg.zero, hidden, cfg.offload != "none", cfg.offload == "all"),
-            "gradient_clipping": cfg.grad_clip,
-            "steps_per_print": 10**9,
-            # meshrun's AdamW also when the optimizer is offloaded (DeepSpeed's CPU Adam needs
-            # a compiled extension; torch's runs everywhere, more slowly)
-            "zero_force_ds_cpu_optimizer": False,
-        }
-        optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, fused=rt.cuda)  # DeepSpeed: as it was measured
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds,
-                                                    dist_init_required=False)
-        # The schedule drives the wrapped AdamW's param groups, which DeepSpeed's optimizer shares.
-        self.optimizer = optimizer
-        self.strategy_reason = f"DeepSpeed ZeRO-{cfg.zero}" + (f", {cfg.offload} offloaded" if cfg.offload != "none"
-                                                               else "")
+            checkpoint_blocks(blocks)
+        self.engine, self.optimizer, self.strategy_reason = deepspeed_engine(model, self.cfg, self.rt, self.dp_size,
+                                                                              self.accum, self.bf16)
         return self.engine
 
     def _expert_parallel(self, model: nn.Module, blocks: nn.ModuleList | None) -> nn.Module:
         """Experts sharded over ep groups of consecutive ranks; every rank reads its own data.
         No DDP wrapper: dense gradients are averaged over all ranks, expert gradients over the
         ranks holding the same experts (``_sync_expert_grads``)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        cfg, rt = self.cfg, self.rt
-        moes = [m for m in model.modules() if hasattr(m, "shard_experts")]
-        if not moes:
-            raise MeshrunError(f"--ep={cfg.ep}: the model has no experts (hint: --experts E with meshrun's GPT)")
-        if rt.world_size % cfg.ep:
-            raise MeshrunError(f"--ep={cfg.ep}: does not divide the {rt.world_size} processes (hint: a divisor)")
-        _same_initial_weights(model)
-        mesh = init_device_mesh(rt.device.type, (rt.world_size // cfg.ep, cfg.ep), mesh_dim_names=("edp", "ep"))
-        for m in moes:
-            m.shard_experts(mesh["ep"].get_group())
-        self.edp_group, self.ep_group = mesh["edp"].get_group(), mesh["ep"].get_group()
-        self.ep_mesh = mesh
+        mesh = expert_groups(model, self.cfg, self.rt)
+        self.edp_group, self.ep_group, self.ep_mesh = mesh["edp"].get_group(), mesh["ep"].get_group(), mesh
         if self.ac:
-            _checkpoint(blocks)
-        if cfg.compile:
+            checkpoint_blocks(blocks)
+        if self.cfg.compile:
             apply_compile(model, blocks, per_block=True)
         if self.ep_fsdp:  # every parameter but the experts (each rank's own) sharded over all ranks
-            self._shard(model, blocks, ignored={p for n, p in model.named_parameters() if _is_expert(n)})
+            self._shard(model, blocks, ignored={p for n, p in model.named_parameters() if is_expert(n)})
         return model
 
     def _shard(self, model: nn.Module, blocks: nn.ModuleList | None, ignored: set | None = None) -> None:
@@ -355,7 +262,7 @@ class Trainer:
         from torch.distributed.tensor import Replicate, Shard
 
         mesh = self.ep_mesh
-        return lambda fqn: (mesh, [Replicate(), Shard(0)]) if _is_expert(fqn) else None
+        return lambda fqn: (mesh, [Replicate(), Shard(0)]) if is_expert(fqn) else None
 
     def _sync_expert_grads(self) -> None:
         """Sum over the ranks that hold each parameter, divide by the world: the gradient of
@@ -367,7 +274,7 @@ class Trainer:
                 continue
             if p.grad is None:  # an expert no token reached here: its peers still reduce
                 p.grad = torch.zeros_like(p)
-            expert = _is_expert(name)
+            expert = is_expert(name)
             dist.all_reduce(p.grad, group=self.edp_group if expert else None)
             p.grad.div_(world)
 
@@ -452,7 +359,7 @@ class Trainer:
         if self.strategy == "ep":
             self._sync_expert_grads()
             return self._finish_step(clip_grad_norm_sharded(
-                self.model.named_parameters(), _is_expert, self.ep_group, self.cfg.grad_clip or float("inf")),
+                self.model.named_parameters(), is_expert, self.ep_group, self.cfg.grad_clip or float("inf")),
                 loss_sum, tokens)
         uncounted: tuple = ()
         if self.pipe is not None:
