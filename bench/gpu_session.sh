@@ -65,8 +65,8 @@ train)
   wait
   # NG GPUs, one after another: meshrun auto, then compiled autograd (DDP's reducer traced into
   # one backward graph instead of the graph split at every bucket) against the same settings
-  # without it. Both with flash attention first: under compiled autograd the cuDNN attention
-  # backward (torch 2.11's first choice on H200) failed (.item() on an int; sixth session).
+  # without it, both with flash attention first. Compiled autograd failed while tracing the
+  # backward (.item() on an int) with cuDNN first (sixth session) and flash first (ninth).
   tb 130 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile
   tb 150 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --sdpa flash --compiled-autograd
   tb 130 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --sdpa flash

@@ -8,9 +8,9 @@ torch's order 532K, which was cuDNN too, so the two cuDNN runs differ by 2.7% fr
 card and flash is 3-5% behind. Where torch prefers flash (older cuDNN, other cards), auto
 follows it rather than forcing a kernel torch has reasons to rank lower. A chosen kernel goes
 first; the others stay behind it as fallbacks for inputs it does not take, so no model
-loses its attention. Under compiled autograd (bench/train_bench.py --compiled-autograd) the
-cuDNN backward failed on torch 2.11 (``.item()`` on an int while tracing): that path takes
-``--attention flash``.
+loses its attention. (bench/train_bench.py --compiled-autograd failed on torch 2.11 with
+cuDNN first and, in the ninth session, with flash first too: ``.item()`` on an int while
+tracing the backward, so the attention kernel was not the cause.)
 """
 
 from __future__ import annotations
