@@ -50,6 +50,23 @@ one() {  # one GPU LIMIT_S TAG ENV... -- ARGS : a 1-GPU run in the background on
     grep -q "^BENCH" "$OUT/one-$gpu.log" || echo "FAILED [$tag] rc=$rc" >> "$S"
   } &
 }
+row() {  # row TAG HARNESS ARGS... : one plan_accuracy.py grid row (--grid ${MH_GRID:-gpu}, torch engines) first
+  # in its own torchrun; its line to the summary: reserved, allocated, the experiment's keys, the
+  # segments per stream and any new segments by step. HARNESS: bench/plan_accuracy.py or an old tree's
+  local tag=$1 harness=$2; shift 2
+  late $((DEADLINE_S - 60)) "$tag $*" && return
+  timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG "$harness" measure \
+    --grid "${MH_GRID:-gpu}" --engines torch "$@" --out "$OUT/$tag.jsonl" > "$OUT/last.log" 2>&1
+  local line; line=$(grep -ho '"model".*' "$OUT/last.log" | tail -1)
+  [ -n "$line" ] || { echo "$tag $*: no row ($(grep -m1 -oE '[A-Za-z]*Error[^,]{0,120}' "$OUT/last.log" || echo 'see last.log'))" | tee -a "$S"; return; }
+  echo "$line" | TAG="$tag" python3 -c "import json, os, sys
+d = json.loads('{' + sys.stdin.read())
+keys = ('compile', 'host_sync', 'sync_lag', 'alloc_conf', 'setup_empty_cache')
+print(os.environ['TAG'], d['model'], d['strategy'], 'micro', d['micro'], *(f'{k}={d[k]}' for k in keys if d.get(k)),
+      'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'), 'segments by stream', d.get('segments'))
+for a in d.get('segment_allocs', []):
+    if a['gib'] >= 0.05: print('  seg step', a['step'], a['gib'], 'GiB stream', a['stream'], ' <- '.join(a['where']))" 2>&1 | head -40 | tee -a "$S"
+}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sort | uniq -c | tee -a "$S"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$S"
 
@@ -213,17 +230,10 @@ fragment)
   # (the CPU runs ahead of the GPU). Each row first in its own process, without and with the
   # old wait: 124M FSDP2 full and grad_op, DDP (micro 32), eager, then FSDP2 full compiled.
   echo "== issue 5: reserved vs allocated, sync-free step vs --host-sync, one row per process" | tee -a "$S"
-  fr() {  # fr ROW ARGS... : one grid row in a fresh torchrun; its line to the summary
-    late $((DEADLINE_S - 60)) "row $*" && return
-    timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG bench/plan_accuracy.py measure \
-      --grid gpu --engines torch --select "$@" --out "$OUT/fragment.jsonl" > "$OUT/last.log" 2>&1
-    grep -ho '"model".*' "$OUT/last.log" | python3 -c "import json,sys; d=json.loads('{'+sys.stdin.read());
-print('FRAG', d['model'], d['strategy'], 'micro', d['micro'], 'compile', d['compile'], 'host_sync', d.get('host_sync', False), 'sync_lag', d.get('sync_lag', 0),
-      'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'), 'segments by stream', d.get('segments'))" 2>&1 | tee -a "$S"
-  }
-  for row in 17 9 1; do fr $row --eager; fr $row --eager --host-sync; done
-  fr 17 --eager --sync-lag 1  # the host one step ahead at most: the sync-free step's overlap, bounded
-  fr 17; fr 17 --host-sync
+  P=bench/plan_accuracy.py
+  for r in 17 9 1; do row FRAG $P --select $r --eager; row FRAG $P --select $r --eager --host-sync; done
+  row FRAG $P --select 17 --eager --sync-lag 1  # the host one step ahead at most: the sync-free step's overlap, bounded
+  row FRAG $P --select 17; row FRAG $P --select 17 --host-sync
   ;;
 memhist)
   # issue 5: FSDP2 without AC reserved 1.15-1.34x its allocated peak, all of it on the compute
@@ -234,35 +244,22 @@ memhist)
   # 2) the cache emptied after setup; 3) the FSDP2 rows with expandable_segments:True
   # (torchtitan's default); each first in a process.
   echo "== issue 5: new segments by step and caller; FSDP2 rows with expandable segments" | tee -a "$S"
-  mh() {  # mh ROW ARGS... : one eager grid row in a fresh torchrun; reserved, allocated, new segments
-    late $((DEADLINE_S - 60)) "row $*" && return
-    timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG bench/plan_accuracy.py measure \
-      --grid gpu --engines torch --eager --select "$@" --out "$OUT/memhist.jsonl" > "$OUT/last.log" 2>&1
-    grep -ho '"model".*' "$OUT/last.log" | python3 -c "import json,sys; d=json.loads('{'+sys.stdin.read())
-print('MEMH', d['model'], d['strategy'], 'micro', d['micro'], 'alloc_conf', d['alloc_conf'], 'setup_empty_cache', d.get('setup_empty_cache', False), 'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'))
-for a in d.get('segment_allocs', []):
-    if a['gib'] >= 0.05: print('  seg step', a['step'], a['gib'], 'GiB stream', a['stream'], ' <- '.join(a['where']))" 2>&1 | head -40 | tee -a "$S"
-  }
   # 0) BISECT="SHA ...": row 17 (124M FSDP2 full, micro 32, eager: 31.2 GiB reserved in the
   # fourth session's grid, 37.5 since the eighth for the same 28.04 allocated) under each old
   # tree (bench/bisect_trees.sh; run's carry: .bisect), each with its own harness, first in its process
   for tree in ${BISECT:-}; do
     d=".bisect/$tree"
     [ -d "$d" ] || { echo "BISECT $tree: no $d (bash bench/bisect_trees.sh $tree, then carry .bisect)" | tee -a "$S"; continue; }
-    late $((DEADLINE_S - 60)) "bisect $tree" && break
-    PYTHONPATH="$PWD/$d/src" timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=$NG \
-      "$d/bench/plan_accuracy.py" measure --grid ${MH_GRID:-gpu} --engines torch --eager --select ${MH_ROW:-17} \
-      --out "$OUT/bisect-$tree.jsonl" > "$OUT/last.log" 2>&1
-    grep -ho '"model".*' "$OUT/last.log" | python3 -c "import json,sys; d=json.loads('{'+sys.stdin.read())
-print('BISECT $tree', d['model'], d['strategy'], 'micro', d['micro'], 'reserved', d.get('reserved_gib'), 'allocated', d.get('allocated_gib'))" 2>&1 | tail -1 | tee -a "$S"
+    PYTHONPATH="$PWD/$d/src" row "BISECT-$tree" "$d/bench/plan_accuracy.py" --eager --select ${MH_ROW:-17}
   done
   [ -n "${MH_ONLY_BISECT:-}" ] && { echo "part $PART done in $((SECONDS - T0)) s" | tee -a "$S"; exit 0; }
-  mh 16 --history; mh 0 --history; mh 17 --history
+  P=bench/plan_accuracy.py
+  for r in 16 0 17; do row MEMH $P --eager --select $r --history; done
   # 2) the cache emptied once between setup and the first step (the model's build and sharding
   # leave freed blocks that the first step's long-lived allocations, cuBLAS's workspace among
   # them, would split and pin)
-  mh 17 --setup-empty-cache; mh 16 --setup-empty-cache
-  for row in 16 17 12 20; do PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True mh $row; done
+  for r in 17 16; do row MEMH $P --eager --select $r --setup-empty-cache; done
+  for r in 16 17 12 20; do PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True row MEMH $P --eager --select $r; done
   ;;
 layouts)
   B="--mode meshrun --size gpt-1.3b --micro 16 --warmup 4 --steps 10"

@@ -206,6 +206,7 @@ def measure(args: argparse.Namespace) -> None:
             raise SystemExit("plan_accuracy.py: --sync-lag bounds the host against a GPU; this run has none")
         confs = [dict(c, sync_lag=args.sync_lag) for c in confs]
     card = torch.cuda.get_device_name(rt.device) if rt.cuda else "cpu"
+    history = args.history and rt.cuda  # the allocator's history exists on CUDA only
     start = time.monotonic()
     for i, conf in enumerate(confs):
         # every rank must stop at the same configuration: rank 0's clock decides
@@ -236,11 +237,11 @@ def measure(args: argparse.Namespace) -> None:
                 torch.cuda.empty_cache()
                 row["setup_empty_cache"] = True
             marks: list[int] = []
-            if args.history and rt.cuda:
+            if history:
                 torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
             for _ in range(2):
                 step()
-                if args.history and rt.cuda:
+                if history:
                     torch.cuda.synchronize()
                     marks.append(len(torch.cuda.memory._snapshot()["device_traces"][rt.local_rank]))
             if rt.cuda:
@@ -256,14 +257,15 @@ def measure(args: argparse.Namespace) -> None:
             row.update(reserved_gib=round(peaks[0].item() / GiB, 3) or None,
                        allocated_gib=round(peaks[1].item() / GiB, 3) or None)
             if rt.cuda:
-                row["segments"] = segments_by_stream(torch.cuda.memory_snapshot())
-            if args.history and rt.cuda:
-                snap = torch.cuda.memory._snapshot()
-                torch.cuda.memory._record_memory_history(enabled=None)
-                row["segment_allocs"] = segment_allocs(snap["device_traces"][rt.local_rank], marks)
+                snap = torch.cuda.memory._snapshot()  # memory_snapshot()'s segments, and the history's traces
+                row["segments"] = segments_by_stream(snap["segments"])
+                if history:
+                    row["segment_allocs"] = segment_allocs(snap["device_traces"][rt.local_rank], marks)
         except torch.cuda.OutOfMemoryError:
             row.update(oom=True)
         finally:
+            if history:  # also after an OOM: the next configuration starts unrecorded
+                torch.cuda.memory._record_memory_history(enabled=None)
             # the step closure holds the trainer or engine too: drop both, then collect the cycles
             # (a first version kept `step` alive, so every row carried its predecessor's states)
             del step, obj

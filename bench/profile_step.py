@@ -51,8 +51,10 @@ def covered(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def by_family_total(events: list, attr: str, fam: str) -> float:
-    return sum(getattr(e, attr) for e in events if family(e.key) == fam)
+def is_kernel(e, cuda: bool) -> bool:
+    """A device event that is a kernel: user annotations (DDP's "DistributedDataParallel.forward",
+    "nccl:all_reduce") also show as device-side ranges, spanning kernels (call Z counted them)."""
+    return (e.device_type.name == "CUDA" if cuda else True) and not getattr(e, "is_user_annotation", False)
 
 
 def main() -> None:
@@ -95,30 +97,26 @@ def main() -> None:
             step()
         if cuda:
             torch.cuda.synchronize()
-    # user annotations (DDP's "DistributedDataParallel.forward", "nccl:all_reduce") also show as
-    # device-side ranges: they span kernels and are not kernels (call Z counted them)
-    events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA" if cuda else True)
-              and not getattr(e, "is_user_annotation", False)]
+    events = [e for e in prof.key_averages() if is_kernel(e, cuda)]
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     total = sum(getattr(e, attr) for e in events) or 1
     by_family: dict[str, float] = defaultdict(float)
     for e in events:
         by_family[family(e.key)] += getattr(e, attr)
     device_ms = total / args.steps / 1e3
-    if trainer.rt.rank != 0:
-        from meshrun.train.runtime import teardown
+    from meshrun.train.runtime import teardown
 
+    if trainer.rt.rank != 0:  # rank 0 speaks for all
         teardown()
         return
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if cuda and e.device_type.name == "CUDA" and family(e.key) != "nccl" and e.time_range.end > e.time_range.start
-                   and not getattr(e, "is_user_annotation", False))
-    busy = covered(spans)
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if cuda and is_kernel(e, cuda) and family(e.key) != "nccl" and e.time_range.end > e.time_range.start]
     if spans:
-        compute_ms = sum(getattr(e, attr) for e in events if family(e.key) != "nccl") / args.steps / 1e3
-        print(f"PROFILE compute {args.size} micro {args.micro} world {trainer.rt.world_size}: kernels {compute_ms:.1f} ms "
-              f"(summed), some compute kernel running {busy / args.steps / 1e3:.1f} ms of the {wall_ms:.1f} ms step; "
-              f"nccl {by_family_total(events, attr, 'nccl') / args.steps / 1e3:.1f} ms (own stream)")
+        per_step = 1 / args.steps / 1e3  # profiler microseconds -> milliseconds per step
+        nccl = by_family.get("nccl", 0.0)
+        print(f"PROFILE compute {args.size} micro {args.micro} world {trainer.rt.world_size}: kernels "
+              f"{(total - nccl) * per_step:.1f} ms (summed), some compute kernel running "
+              f"{covered(spans) * per_step:.1f} ms of the {wall_ms:.1f} ms step; nccl {nccl * per_step:.1f} ms (own stream)")
     print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss} host_sync {args.host_sync}: "
           f"{wall_ms:.1f} ms wall per step, {device_ms:.1f} ms device time "
           f"(the GPU waits {max(0.0, wall_ms - device_ms):.1f} ms = {max(0.0, 1 - device_ms / wall_ms):.1%})")
@@ -126,8 +124,6 @@ def main() -> None:
         print(f"  {fam:10s} {100 * t / total:5.1f}%")
     for e in sorted(events, key=lambda e: -getattr(e, attr))[:args.top]:
         print(f"  {100 * getattr(e, attr) / total:5.1f}%  {e.count // args.steps:4d}/step  {e.key[:100]}")
-    from meshrun.train.runtime import teardown
-
     teardown()
 
 
