@@ -16,6 +16,7 @@
 #   bash bench/gpu_session.sh fragment OUT  issue 5: the allocator's reserved peak with and without the step's old host sync
 #   bash bench/gpu_session.sh memhist OUT   issue 5: where FSDP2 without AC takes its extra segments (allocator history),
 #                                           and the same rows with segments that grow in place
+#   bash bench/gpu_session.sh memtrace OUT  issue 5: allocator traces with addresses; FSDP2 rows outside the fitted set
 #   bash bench/gpu_session.sh layouts OUT   issues 8, 9: the 1.3B model laid out seven ways
 #   bash bench/gpu_session.sh seqlen  OUT   issue 9: the longest sequence, FSDP2 alone vs FSDP2 x CP4 (1.3B, AC);
 #                                           SEQ_NEXT=fsdp512k or cp1m: one step each past what trained
@@ -260,6 +261,17 @@ memhist)
   # them, would split and pin)
   for r in 17 16; do row MEMH $P --eager --select $r --setup-empty-cache; done
   for r in 16 17 12 20; do PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True row MEMH $P --eager --select $r; done
+  ;;
+memtrace)
+  # issue 5: which block sits in the hole when FSDP2 without AC takes its extra logits-sized
+  # segment: rank 0's large-block history with addresses (OUT/traceROW.0.jsonl) for 124M
+  # micro 8, FSDP2 full without and with AC and DDP; then rows of the full grid never measured
+  # before (124M grad_op micro 64, 350M grad_op 8 and full 32, 1.3B full 32, all without AC;
+  # 350M full 32 with AC as a control), each first in its process, predictions written first
+  echo "== issue 5: allocator traces; FSDP2 rows outside the fitted set" | tee -a "$S"
+  P=bench/plan_accuracy.py
+  for r in 16 18 0; do row TRACE $P --eager --select $r --history --trace-out "$OUT/trace$r"; done
+  for r in ${MH_OOS:-22 26 47 49 52}; do MH_GRID=full row OOS $P --eager --select $r; done
   ;;
 layouts)
   B="--mode meshrun --size gpt-1.3b --micro 16 --warmup 4 --steps 10"

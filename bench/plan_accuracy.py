@@ -173,6 +173,26 @@ def segment_allocs(traces: list[dict], marks: list[int], top: int = 3) -> list[d
     return out
 
 
+def dump_traces(snap: dict, dev: int, marks: list[int], path: str, min_bytes: int = 8 << 20) -> None:
+    """The allocator's history of the large blocks (>= min_bytes) to a file, one event per
+    line with its step, address and innermost frames, and the segments at the end: enough
+    to replay which block sat in which hole when the allocator took a new segment."""
+    keep = ("meshrun/", "fsdp", "torch/nn/", "autograd", "optim")
+    with open(path, "w") as f:
+        for i, e in enumerate(snap["device_traces"][dev]):
+            if e.get("size", 0) < min_bytes:
+                continue
+            step = next((k for k, end in enumerate(marks) if i < end), len(marks))
+            frames = [f"{'/'.join(fr['filename'].split('/')[-2:])}:{fr['line']} {fr['name']}"
+                      for fr in e.get("frames", []) if any(k in fr.get("filename", "") for k in keep)][:3]
+            f.write(json.dumps({"i": i, "step": step, "action": e["action"], "addr": e.get("addr"),
+                                "size": e["size"], "stream": e.get("stream", 0), "where": frames}) + "\n")
+        for seg in snap["segments"]:
+            f.write(json.dumps({"segment": seg["address"], "size": seg["total_size"], "stream": seg["stream"],
+                                "blocks": [(b["size"], b["state"]) for b in seg.get("blocks", [])
+                                           if b["size"] >= min_bytes]}) + "\n")
+
+
 def _live_trainers() -> int:
     """Trainers (and DeepSpeed engines) still alive: any at the start of a configuration
     would add its states to the measured peak."""
@@ -261,6 +281,8 @@ def measure(args: argparse.Namespace) -> None:
                 row["segments"] = segments_by_stream(snap["segments"])
                 if history:
                     row["segment_allocs"] = segment_allocs(snap["device_traces"][rt.local_rank], marks)
+                    if args.trace_out and rt.is_main:
+                        dump_traces(snap, rt.local_rank, marks, f"{args.trace_out}.{i}.jsonl")
         except torch.cuda.OutOfMemoryError:
             row.update(oom=True)
         finally:
@@ -404,6 +426,8 @@ def main() -> None:
                    help="empty the allocator's cache after the trainer is built, before its first step")
     m.add_argument("--history", action="store_true",
                    help="record the allocator's history (CUDA): each row lists where it took new segments and at which step")
+    m.add_argument("--trace-out", default=None,
+                   help="with --history: write rank 0's allocator events of large blocks to PREFIX.ROW.jsonl")
     m.add_argument("--sync-lag", type=int, default=0,
                    help="let the host run at most this many steps ahead of the GPU (CUDA rows; 0: unbounded, "
                         "as meshrun's step is)")
