@@ -17,6 +17,7 @@
 #   bash bench/gpu_session.sh memhist OUT   issue 5: where FSDP2 without AC takes its extra segments (allocator history),
 #                                           and the same rows with segments that grow in place
 #   bash bench/gpu_session.sh memtrace OUT  issue 5: allocator traces with addresses; FSDP2 rows outside the fitted set
+#   bash bench/gpu_session.sh maxsplit OUT  issue 5: grid rows with the allocator's max_split_size_mb (MS_MB, MS_ROWS)
 #   bash bench/gpu_session.sh layouts OUT   issues 8, 9: the 1.3B model laid out seven ways
 #   bash bench/gpu_session.sh seqlen  OUT   issue 9: the longest sequence, FSDP2 alone vs FSDP2 x CP4 (1.3B, AC);
 #                                           SEQ_NEXT=fsdp512k or cp1m: one step each past what trained
@@ -272,6 +273,18 @@ memtrace)
   P=bench/plan_accuracy.py
   for r in 16 18 0; do row TRACE $P --eager --select $r --history --trace-out "$OUT/trace$r"; done
   for r in ${MH_OOS:-22 26 47 49 52}; do MH_GRID=full row OOS $P --eager --select $r; done
+  ;;
+maxsplit)
+  # issue 5: call AH's traces showed the cascade: the backward thread's 32-MiB cuBLAS workspace
+  # and other small long-lived blocks land in freed logits-sized blocks and split them, so a
+  # later logits-sized request takes a new segment. The allocator's max_split_size_mb keeps
+  # blocks above it whole for requests of about their own size; the grid rows with it, each
+  # first in its process (FSDP2 without AC first, then DDP and AC rows as controls)
+  echo "== issue 5: grid rows with max_split_size_mb:${MS_MB:-512}" | tee -a "$S"
+  P=bench/plan_accuracy.py
+  for r in ${MS_ROWS:-16 17 0 20 12 18 1 19 21 13 8 9 4 5 10 11}; do
+    PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:${MS_MB:-512} row MSPLIT $P --eager --select $r
+  done
   ;;
 layouts)
   B="--mode meshrun --size gpt-1.3b --micro 16 --warmup 4 --steps 10"
