@@ -283,6 +283,7 @@ maxsplit)
   echo "== issue 5: grid rows with max_split_size_mb:${MS_MB:-512}" | tee -a "$S"
   P=bench/plan_accuracy.py
   for r in ${MS_ROWS:-16 17 0 20 12 18 1 19 21 13 8 9 4 5 10 11}; do
+    [ -n "${MS_AB:-}" ] && row MSBASE $P --eager --select $r  # MS_AB=1: the row without it first, same machine
     PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:${MS_MB:-512} row MSPLIT $P --eager --select $r
   done
   ;;
