@@ -18,6 +18,7 @@
 #                                           and the same rows with segments that grow in place
 #   bash bench/gpu_session.sh memtrace OUT  issue 5: allocator traces with addresses; FSDP2 rows outside the fitted set
 #   bash bench/gpu_session.sh maxsplit OUT  issue 5: grid rows with the allocator's max_split_size_mb (MS_MB, MS_ROWS)
+#   bash bench/gpu_session.sh early OUT     issue 5: grid rows with the state and workspaces made at setup (EARLY_ROWS)
 #   bash bench/gpu_session.sh layouts OUT   issues 8, 9: the 1.3B model laid out seven ways
 #   bash bench/gpu_session.sh seqlen  OUT   issue 9: the longest sequence, FSDP2 alone vs FSDP2 x CP4 (1.3B, AC);
 #                                           SEQ_NEXT=fsdp512k or cp1m: one step each past what trained
@@ -286,6 +287,14 @@ maxsplit)
     [ -n "${MS_AB:-}" ] && row MSBASE $P --eager --select $r  # MS_AB=1: the row without it first, same machine
     PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:${MS_MB:-512} row MSPLIT $P --eager --select $r
   done
+  ;;
+early)
+  # issue 5: the Trainer now makes AdamW's state and cuBLAS's workspaces at setup (call AH's
+  # traces: made lazily they split the loss's freed blocks); the grid rows again, each first in
+  # its process, FSDP2 without AC first, then DDP and AC rows (predictions written before)
+  echo "== issue 5: grid rows, optimizer state and cuBLAS workspaces made at setup" | tee -a "$S"
+  P=bench/plan_accuracy.py
+  for r in ${EARLY_ROWS:-16 17 0 20 12 9 18 13 21 1 8 19 4 5}; do row EARLY $P --eager --select $r; done
   ;;
 layouts)
   B="--mode meshrun --size gpt-1.3b --micro 16 --warmup 4 --steps 10"

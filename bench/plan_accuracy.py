@@ -193,6 +193,12 @@ def dump_traces(snap: dict, dev: int, marks: list[int], path: str, min_bytes: in
                                            if b["size"] >= min_bytes]}) + "\n")
 
 
+def _early_state() -> bool:
+    import meshrun.train.runtime as runtime
+
+    return hasattr(runtime, "take_blas_workspaces")
+
+
 def _live_trainers() -> int:
     """Trainers (and DeepSpeed engines) still alive: any at the start of a configuration
     would add its states to the measured peak."""
@@ -243,6 +249,10 @@ def measure(args: argparse.Namespace) -> None:
                    alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None)  # the caching allocator's settings
         step = obj = None
         row["first_in_process"] = i == 0  # what a job sees; later rows start after another's allocator state
+        if not conf["strategy"].startswith("zero"):
+            # meshrun's Trainer makes the optimizer state and cuBLAS's workspaces at setup since the
+            # tenth session; rows without the key measured the trainer that made them in the first step
+            row["early_state"] = _early_state()
         row["live_trainers"] = _live_trainers()
         if rt.cuda:  # what an earlier configuration left allocated would inflate this one's peak
             left = torch.tensor([float(torch.cuda.memory_allocated(rt.device))], device=rt.device)

@@ -179,3 +179,38 @@ def test_profile_counts_overlapping_kernels_once():
     assert ps.family("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "nccl"
     assert ps.family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
     assert ps.family("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN") == "gemm"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_optimizer_state_made_before_the_first_step_changes_nothing(fused):
+    """create_state makes AdamW's moments at setup (so the caching allocator places them before
+    the first step's large blocks) without moving a parameter: after it, and after the same
+    real step, parameters and state equal those of an optimizer left to make its state lazily."""
+    import copy
+
+    import torch
+
+    from meshrun.train.optim import build_optimizer, create_state
+
+    torch.manual_seed(0)
+    a = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))
+    b = copy.deepcopy(a)
+    before = [p.detach().clone() for p in a.parameters()]
+    oa, ob = build_optimizer(a, 1e-2, 0.1, fused=fused), build_optimizer(b, 1e-2, 0.1, fused=fused)
+    create_state(oa)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
+    assert all(p.grad is None for p in a.parameters())
+    assert len(oa.state) == sum(1 for _ in a.parameters())
+    assert all(float(st["step"]) == 0 and not st["exp_avg"].any() for st in oa.state.values())
+    create_state(oa)  # a second call (a resumed run's optimizer already has state) keeps it
+    idx = torch.randint(0, 64, (4, 17))
+    for model, opt in ((a, oa), (b, ob)):
+        for _ in range(2):
+            model(idx[:, :-1], idx[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        sa, sb = oa.state[pa], ob.state[pb]
+        assert float(sa["step"]) == float(sb["step"]) == 2
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])

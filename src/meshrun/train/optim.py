@@ -35,3 +35,35 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 def build_scheduler(opt: torch.optim.Optimizer, warmup: int, total: int,
                     min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, total, min_ratio))
+
+
+def create_state(opt: torch.optim.Optimizer) -> None:
+    """Make the optimizer's per-parameter state now instead of at the first ``step()``.
+
+    Made lazily, AdamW's moments are the first long-lived tensors allocated after the first
+    backward, when the loss's freed logits-sized blocks are the free memory the caching
+    allocator has; it splits one for them, and every later step takes a new logits-sized
+    segment (GPT 124M, FSDP2 without checkpointing: 1.5 GiB more reserved at micro-batch 8;
+    docs/benchmarks.md, tenth session). One step with zero gradients and a zero learning
+    rate creates the state and changes no parameter (AdamW's decay multiplies by 1 - 0);
+    the step counts go back to zero so the first real step is still step 1."""
+    if opt.state:
+        return
+    lrs = [g["lr"] for g in opt.param_groups]
+    zeroed = []
+    for g in opt.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+        for p in g["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                zeroed.append(p)
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    for st in opt.state.values():
+        if torch.is_tensor(st.get("step")):
+            st["step"].zero_()
+        elif "step" in st:
+            st["step"] = 0
+    for p in zeroed:
+        p.grad = None

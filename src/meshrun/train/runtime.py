@@ -55,6 +55,25 @@ def init_runtime(timeout_s: float = 600) -> Runtime:
     return Runtime(rank, local_rank, world, local_world, device, backend)
 
 
+def take_blas_workspaces(device: torch.device) -> None:
+    """Have cuBLAS take its workspaces now, while nothing large is free. cuBLAS takes one
+    (32 MiB on Hopper) from the caching allocator the first time a thread multiplies on a
+    stream and keeps it for good; the backward runs on autograd's own thread, so its
+    workspace used to be taken at the first backward matmul, the head's, just after the
+    loss freed its logits-sized blocks, and it pinned one of them: the next steps then took
+    a new logits-sized segment (allocator traces, docs/benchmarks.md, tenth session). A
+    small product and its backward, in fp32 and under bf16 autocast (cuBLASLt's path), take
+    the forward thread's and autograd's workspaces on the current stream."""
+    if device.type != "cuda":
+        return
+    w = torch.zeros(64, 64, device=device, requires_grad=True)
+    b = torch.zeros(64, device=device, requires_grad=True)
+    x = torch.zeros(64, 64, device=device)
+    for low in (False, True):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=low):
+            torch.nn.functional.linear(x, w, b).sum().backward()
+
+
 def teardown() -> None:
     """Collect garbage, then barrier, then destroy. With gloo, destroying the group while a
     DDP reducer caught in a reference cycle still holds it, or while a peer is still inside

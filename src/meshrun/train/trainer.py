@@ -28,12 +28,12 @@ from .checkpoint import Position
 from .data import BatchStream, LoaderSpec, make_loader
 from .gradnorm import clip_grad_norm, clip_grad_norm_sharded
 from .metrics import MetricsSink, mfu, peak_flops
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, create_state
 from .layouts import (Layout, checkpoint_blocks, context_parallel, deepspeed_engine, expert_groups, is_expert,
                       same_initial_weights, tensor_pipeline)
 from .parallelize import (FSDPPlan, apply_compile, apply_ddp, apply_fsdp, apply_loss_parallel, can_loss_parallel,
                           apply_tp, choose_fsdp_flavour, choose_strategy, find_blocks, fsdp_mesh)
-from .runtime import Runtime, init_runtime
+from .runtime import Runtime, init_runtime, take_blas_workspaces
 
 
 def _takes_targets(module: nn.Module) -> bool:
@@ -112,6 +112,9 @@ class Trainer:
         self._bad_step = torch.zeros((), dtype=torch.long, device=rt.device)
         if self.engine is None:
             self.optimizer = build_optimizer(self.model, cfg.lr, cfg.weight_decay)
+            # long-lived allocations made before the first step, not between its large blocks
+            create_state(self.optimizer)
+            take_blas_workspaces(rt.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
         self.train_data = train_data
         self.loader_spec = LoaderSpec(cfg.micro, self.dp_rank, self.dp_size, cfg.seed, pin_memory=rt.cuda)
