@@ -294,7 +294,9 @@ early)
   # its process, FSDP2 without AC first, then DDP and AC rows (predictions written before)
   echo "== issue 5: grid rows, optimizer state and cuBLAS workspaces made at setup" | tee -a "$S"
   P=bench/plan_accuracy.py
-  for r in ${EARLY_ROWS:-16 17 0 20 12 9 18 13 21 1 8 19 4 5}; do row EARLY $P --eager --select $r; done
+  for r in ${EARLY_ROWS-16 17 0 20 12 9 18 13 21 1 8 19 4 5}; do row EARLY $P --eager --select $r; done
+  for r in ${EARLY_COMPILED:-}; do row EARLY $P --select $r; done  # compiled rows of the same grid
+  for r in ${EARLY_FULL:-}; do MH_GRID=full row EARLY $P --eager --select $r; done  # rows of the full grid
   ;;
 layouts)
   B="--mode meshrun --size gpt-1.3b --micro 16 --warmup 4 --steps 10"
