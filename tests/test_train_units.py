@@ -214,3 +214,34 @@ def test_optimizer_state_made_before_the_first_step_changes_nothing(fused):
         sa, sb = oa.state[pa], ob.state[pb]
         assert float(sa["step"]) == float(sb["step"]) == 2
         assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+
+
+def _state_at_setup():
+    import copy
+
+    import torch
+
+    from meshrun.train.config import TrainConfig
+    from meshrun.train.data import RandomTokens
+    from meshrun.train.models import gpt
+    from meshrun.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = gpt("gpt-tiny", 16, 64)
+    initial = copy.deepcopy(model).state_dict()
+    cfg = TrainConfig(model_size="gpt-tiny", seq_len=16, micro_batch=2, steps=1, precision="fp32", strategy="fsdp")
+    t = Trainer(model, RandomTokens(64, 16, 64), None, cfg)
+    states = [t.optimizer.state.get(p) for g in t.optimizer.param_groups for p in g["params"]]
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in t.model.state_dict().items()}
+    return (all(s is not None and float(s["step"]) == 0 and not s["exp_avg"].any() for s in states),
+            all(torch.equal(full[k], initial[k]) for k in initial),
+            all(p.grad is None for p in t.model.parameters()))
+
+
+def test_trainer_makes_the_optimizer_state_at_setup():
+    """Under FSDP2 on 2 gloo processes the Trainer has AdamW's state for every parameter before
+    its first step (step 0, zero moments), no gradient left behind and every parameter as built:
+    made in the first step it split the loss's freed blocks on a GPU (issue 5, tenth session)."""
+    import meshrun
+
+    assert meshrun.run(_state_at_setup, nproc=2, timeout_s=120) == (True, True, True)
