@@ -19,6 +19,7 @@
 #   bash bench/gpu_session.sh memtrace OUT  issue 5: allocator traces with addresses; FSDP2 rows outside the fitted set
 #   bash bench/gpu_session.sh maxsplit OUT  issue 5: grid rows with the allocator's max_split_size_mb (MS_MB, MS_ROWS)
 #   bash bench/gpu_session.sh early OUT     issue 5: grid rows with the state and workspaces made at setup (EARLY_ROWS)
+#   bash bench/gpu_session.sh autotune OUT  issue 3: GPT 124M, 1 GPU each: max-autotune GEMMs and coordinate-descent tuning
 #   bash bench/gpu_session.sh tune13 OUT    issue 3: GPT 1.3B, 4 GPUs: one DDP bucket and coordinate-descent tuning, apart and together
 #   bash bench/gpu_session.sh layouts OUT   issues 8, 9: the 1.3B model laid out seven ways
 #   bash bench/gpu_session.sh seqlen  OUT   issue 9: the longest sequence, FSDP2 alone vs FSDP2 x CP4 (1.3B, AC);
@@ -298,6 +299,19 @@ early)
   for r in ${EARLY_ROWS-16 17 0 20 12 9 18 13 21 1 8 19 4 5}; do row EARLY $P --eager --select $r; done
   for r in ${EARLY_COMPILED:-}; do row EARLY $P --select $r; done  # compiled rows of the same grid
   for r in ${EARLY_FULL:-}; do MH_GRID=full row EARLY $P --eager --select $r; done  # rows of the full grid
+  ;;
+autotune)
+  # issue 3 (124M, 1 GPU, side by side): Inductor's max-autotune GEMMs (Triton templates that can
+  # fuse the bias, GELU and residual adds into the matmul) never finished compiling within call
+  # E's 180 s; here 560 s. Card 0 the default, card 1 max-autotune GEMMs (no CUDA graphs), card 2
+  # coordinate-descent tuning (+1.8% in call E), card 3 both. Predicted: the Triton GEMMs run
+  # 5-10% below cuBLAS at K=768 and the fused epilogues save ~3%: -5% to +3%
+  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
+  one 0 560 124m-default -- $A
+  one 1 560 124m-autotune-gemm TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 -- $A
+  [ "$NG" -ge 3 ] && one 2 560 124m-coordinate TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 -- $A
+  [ "$NG" -ge 4 ] && one 3 560 124m-both TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 -- $A
+  wait
   ;;
 tune13)
   # issue 3: GPT 1.3B on 4 GPUs is at 59.2-59.8% MFU against the 60% target. Two knobs measured
