@@ -235,6 +235,15 @@ def deepspeed_step_bytes(m: ModelSpec, s: Strategy) -> float:
     return calibration()["deepspeed_step_bytes_per_param"] * params_per_gpu(m, s) / s.shard_group
 
 
+def side_stream_grads(s: Strategy, grads: float) -> float:
+    """Reserved, not allocated, at a peak reached with the activations: FSDP2 reduce-scatters
+    the gradients on its own stream, into blocks that stream's cache keeps once zero_grad frees
+    them, and the caching allocator never lends one stream's free blocks to another. The sharded
+    fp32 gradients' bytes (measured: GPT 1.3B on 4 x H200, 1.27 GiB on the reduce-scatter stream
+    against 1.21 GiB of gradient shards; docs/benchmarks.md, tenth session)."""
+    return grads if s.engine == "torch" and s.shard in ("grads", "params") else 0.0
+
+
 def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int) -> Memory:
     """The larger of two moments: the start of backward (all activations and the loss spike
     alive) and the end of backward (all gradients alive, activations gone)."""
@@ -261,7 +270,8 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
         parts = {"grads": states["grads"], "activations": transient, "logits": 0,
                  "comm_buffers": states["comm_buffers"]}
     allocated = max(start, end)
-    frag = int(allocated * (cal["reserved_over_allocated"] - 1) + deepspeed_step_bytes(m, s))
+    frag = int(allocated * (cal["reserved_over_allocated"] - 1) + deepspeed_step_bytes(m, s)
+               + (side_stream_grads(s, states["grads"]) if start >= end else 0))
     breakdown = {"params": states["params"], "grads": parts["grads"], "optimizer": states["optimizer"],
                  "activations": parts["activations"], "logits": parts["logits"],
                  "comm_buffers": parts["comm_buffers"], "workspace": cal["workspace_bytes"],

@@ -86,7 +86,9 @@ def explanation(plan: Plan) -> str:
         f"log-softmax and its gradient), {cal['logits_vocab_bytes']['compiled']} B compiled with the loss",
         "  peak = max(start of backward: states + activations + spike, end of backward: states + all grads)",
         f"  + workspace {fmt_bytes(cal['workspace_bytes'])}, x {cal['reserved_over_allocated']} allocator "
-        f"fragmentation (reserved / allocated), + CUDA context {fmt_bytes(cal['cuda_context_bytes'])}",
+        f"fragmentation (reserved / allocated), + CUDA context {fmt_bytes(cal['cuda_context_bytes'])};",
+        "    FSDP2 with its peak at the start of backward also reserves its gradient shards (4P/n) in the",
+        "    reduce-scatter stream's cache (one stream's free blocks never serve another)",
         "  communication per step (ring): all-reduce 2(n-1)/n·B, all-gather / reduce-scatter (n-1)/n·B;",
         "    DDP fp32 grads; FSDP bf16 all-gathers (x2 for full shard) + fp32 reduce-scatter; TP 4 activation",
         "    all-reduces per layer",
