@@ -40,13 +40,14 @@ def build_scheduler(opt: torch.optim.Optimizer, warmup: int, total: int,
 def create_state(opt: torch.optim.Optimizer) -> None:
     """Make the optimizer's per-parameter state now instead of at the first ``step()``.
 
-    Made lazily, AdamW's moments are the first long-lived tensors allocated after the first
-    backward, when the loss's freed logits-sized blocks are the free memory the caching
-    allocator has; it splits one for them, and every later step takes a new logits-sized
-    segment (GPT 124M, FSDP2 without checkpointing: 1.5 GiB more reserved at micro-batch 8;
-    docs/benchmarks.md, tenth session). One step with zero gradients and a zero learning
-    rate creates the state and changes no parameter (AdamW's decay multiplies by 1 - 0);
-    the step counts go back to zero so the first real step is still step 1."""
+    Made lazily, AdamW's moments are long-lived tensors allocated at the end of the first
+    step, into blocks the activations freed; the second step's activations then move into
+    the loss's freed blocks. With cuBLAS's backward workspace (runtime.take_blas_workspaces)
+    that cascade cost GPT 124M FSDP2 without checkpointing one more logits-sized segment
+    (1.5 GiB reserved at micro-batch 8, 6.1 at 32; docs/benchmarks.md, tenth session). One
+    step with zero gradients and a zero learning rate creates the state and changes no
+    parameter (AdamW's decay multiplies by 1 - 0); the step counts go back to zero, so the
+    first real step is still step 1."""
     if opt.state:
         return
     lrs = [g["lr"] for g in opt.param_groups]
