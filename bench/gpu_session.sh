@@ -364,6 +364,6 @@ seqlen)
     sl 100 262144 --strategy fsdp --cp "$NG" --loss fused && sl 250 524288 --strategy fsdp --cp "$NG" --loss fused ;;
   esac
   ;;
-*) echo "unknown part $PART (train | scaling | loss | sync | confirm | snapshots | grid | gridfresh | fragment | memhist | layouts | seqlen)"; exit 2 ;;
+*) echo "unknown part $PART (train | scaling | loss | sync | confirm | snapshots | grid | gridfresh | fragment | memhist | memtrace | maxsplit | early | autotune | tune13 | layouts | seqlen)"; exit 2 ;;
 esac
 echo "part $PART done in $((SECONDS - T0)) s" | tee -a "$S"

@@ -155,6 +155,17 @@ def segments_by_stream(snapshot: list[dict]) -> dict[str, list[float]]:
     return {k: [v[0]] + [round(x, 3) for x in v[1:]] for k, v in sorted(out.items())}
 
 
+def _step_of(i: int, marks: list[int]) -> int:
+    """The step a history entry belongs to (``marks``: the trace's length after each warm-up step)."""
+    return next((k for k, end in enumerate(marks) if i < end), len(marks))
+
+
+def _where(frames: list[dict], keep: tuple[str, ...], top: int) -> list[str]:
+    """The innermost ``top`` frames in files matching ``keep``, as ``dir/file.py:line name``."""
+    return [f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
+            for f in frames if any(k in f.get("filename", "") for k in keep)][:top]
+
+
 def segment_allocs(traces: list[dict], marks: list[int], top: int = 3) -> list[dict]:
     """Where the allocator took new segments from the driver: each ``segment_alloc`` of a
     recorded allocator history (``torch.cuda.memory._snapshot()["device_traces"][dev]``) with
@@ -162,41 +173,28 @@ def segment_allocs(traces: list[dict], marks: list[int], top: int = 3) -> list[d
     frames of meshrun's, FSDP2's or torch.nn's code that asked for it (``file:line name``).
     A segment taken after the first step is one the steady state could not find in its cache."""
     keep = ("meshrun/", "fsdp", "torch/nn/", "autograd")
-    out = []
-    for i, entry in enumerate(traces):
-        if entry.get("action") != "segment_alloc":
-            continue
-        step = next((k for k, end in enumerate(marks) if i < end), len(marks))
-        frames = [f for f in entry.get("frames", []) if any(k in f.get("filename", "") for k in keep)]
-        where = [f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}" for f in frames[:top]]
-        out.append({"step": step, "gib": round(entry["size"] / GiB, 3), "stream": entry.get("stream", 0), "where": where})
-    return out
+    return [{"step": _step_of(i, marks), "gib": round(e["size"] / GiB, 3), "stream": e.get("stream", 0),
+             "where": _where(e.get("frames", []), keep, top)}
+            for i, e in enumerate(traces) if e.get("action") == "segment_alloc"]
 
 
 def dump_traces(snap: dict, dev: int, marks: list[int], path: str, min_bytes: int = 8 << 20) -> None:
     """The allocator's history of the large blocks (>= min_bytes) to a file, one event per
     line with its step, address and innermost frames, and the segments at the end: enough
-    to replay which block sat in which hole when the allocator took a new segment."""
+    to replay which block sat in which hole when the allocator took a new segment
+    (bench/allocator_replay.py)."""
     keep = ("meshrun/", "fsdp", "torch/nn/", "autograd", "optim")
     with open(path, "w") as f:
         for i, e in enumerate(snap["device_traces"][dev]):
             if e.get("size", 0) < min_bytes:
                 continue
-            step = next((k for k, end in enumerate(marks) if i < end), len(marks))
-            frames = [f"{'/'.join(fr['filename'].split('/')[-2:])}:{fr['line']} {fr['name']}"
-                      for fr in e.get("frames", []) if any(k in fr.get("filename", "") for k in keep)][:3]
-            f.write(json.dumps({"i": i, "step": step, "action": e["action"], "addr": e.get("addr"),
-                                "size": e["size"], "stream": e.get("stream", 0), "where": frames}) + "\n")
+            f.write(json.dumps({"i": i, "step": _step_of(i, marks), "action": e["action"], "addr": e.get("addr"),
+                                "size": e["size"], "stream": e.get("stream", 0),
+                                "where": _where(e.get("frames", []), keep, 3)}) + "\n")
         for seg in snap["segments"]:
             f.write(json.dumps({"segment": seg["address"], "size": seg["total_size"], "stream": seg["stream"],
                                 "blocks": [(b["size"], b["state"]) for b in seg.get("blocks", [])
                                            if b["size"] >= min_bytes]}) + "\n")
-
-
-def _early_state() -> bool:
-    import meshrun.train.runtime as runtime
-
-    return hasattr(runtime, "take_blas_workspaces")
 
 
 def _live_trainers() -> int:
@@ -252,7 +250,7 @@ def measure(args: argparse.Namespace) -> None:
         if not conf["strategy"].startswith("zero"):
             # meshrun's Trainer makes the optimizer state and cuBLAS's workspaces at setup since the
             # tenth session; rows without the key measured the trainer that made them in the first step
-            row["early_state"] = _early_state()
+            row["early_state"] = True
         row["live_trainers"] = _live_trainers()
         if rt.cuda:  # what an earlier configuration left allocated would inflate this one's peak
             left = torch.tensor([float(torch.cuda.memory_allocated(rt.device))], device=rt.device)
@@ -346,10 +344,11 @@ def _override(cal: dict) -> None:
     memory.calibration = lambda: cal  # type: ignore[assignment]
 
 
-def load(paths: list[str], fresh_only: bool = False) -> list[dict]:
+def load(paths: list[str], fresh_only: bool = False, supersede: bool = True) -> list[dict]:
     """The measured rows, less those measured on top of an earlier configuration's states;
     ``fresh_only``: only rows measured first in their process, from nothing allocated, as a
-    job starts."""
+    job starts; ``supersede``: a configuration's rows from before it was measured again with
+    the early-state Trainer are dropped (False keeps both, to compare them)."""
     rows = []
     for path in paths:
         with open(path) as f:
@@ -361,7 +360,7 @@ def load(paths: list[str], fresh_only: bool = False) -> list[dict]:
         kept = [r for r in kept if r.get("first_in_process", True) and (r.get("leftover_gib") or 0) < 0.001]
     # A configuration measured again with the Trainer that makes its long-lived allocations at
     # setup (tenth session) is that row from then on; the rows before it measured other code.
-    again = {config_key(r) for r in kept if r.get("early_state")}
+    again = {config_key(r) for r in kept if r.get("early_state")} if supersede else set()
     return [r for r in kept if r.get("early_state") or config_key(r) not in again]
 
 
@@ -371,13 +370,17 @@ def config_key(row: dict) -> tuple:
                                       "alloc_conf", "setup_empty_cache"))
 
 
+def fsdp2_without_ac_reserved(row: dict) -> bool:
+    """A grid row (reserved peak) of FSDP2 without activation checkpointing, eager or compiled."""
+    return row["strategy"].startswith("fsdp") and not row["ac"] and bool(row.get("reserved_gib"))
+
+
 def before_early_state(row: dict) -> bool:
     """A reserved peak of FSDP2 without activation checkpointing measured before the Trainer made
     AdamW's state and cuBLAS's workspaces at setup: those made in the first step split a freed
     logits-sized block, and the rows reserved one more such block (call AH's allocator traces,
     docs/benchmarks.md); the fix removed it from every such row measured again (call AJ)."""
-    return (row["strategy"].startswith("fsdp") and not row["ac"] and bool(row.get("reserved_gib"))
-            and not row.get("early_state"))
+    return fsdp2_without_ac_reserved(row) and not row.get("early_state")
 
 
 def errors(rows: list[dict]) -> list[tuple[dict, float, float, float]]:

@@ -181,15 +181,21 @@ def test_calibration_points_within_five_percent():
 CALIBRATION = os.path.join(os.path.dirname(USERPKG), "bench", "calibration")
 
 
-def _plan_accuracy():
-    """bench/plan_accuracy.py, the harness that compares measured peaks with the model."""
+def _bench_module(name: str):
+    """A script of bench/ imported as a module (bench/ is not a package)."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(USERPKG), "bench", "plan_accuracy.py")
-    spec = importlib.util.spec_from_file_location("plan_accuracy", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    path = os.path.join(os.path.dirname(USERPKG), "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan_accuracy():
+    """bench/plan_accuracy.py, the harness that compares measured peaks with the model."""
+    return _bench_module("plan_accuracy")
 
 
 def test_predictions_meet_the_accuracy_target_on_the_measured_grid():
@@ -213,11 +219,6 @@ def _fresh_rows(bench) -> list[dict]:
     return bench.load(files, fresh_only=True)
 
 
-def _fsdp2_without_ac_reserved(row: dict) -> bool:
-    """Grid rows (reserved peaks) of FSDP2 without activation checkpointing, eager or compiled."""
-    return row["strategy"].startswith("fsdp") and not row["ac"] and bool(row.get("reserved_gib"))
-
-
 def test_predictions_meet_the_target_on_every_row_measured_as_a_job_starts():
     """Issue 5's target over every H200 row kept in bench/calibration that came first in its
     process, as a job starts, and measured the Trainer as it is (42 rows: 1, 2 and 4 GPUs;
@@ -236,14 +237,12 @@ def test_predictions_meet_the_target_on_every_row_measured_as_a_job_starts():
 
 
 def _raw_rows() -> list[dict]:
+    """The 4-GPU grid rows first in their process, before and after the early state, both kept."""
     import glob
 
-    rows = []
-    for path in sorted(glob.glob(os.path.join(CALIBRATION, "h200x4-*.jsonl"))):
-        with open(path) as f:
-            rows += [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if r.get("first_in_process") and r.get("reserved_gib") and not r.get("host_sync")
-            and not r.get("sync_lag") and not r.get("alloc_conf") and not r.get("setup_empty_cache")]
+    files = sorted(glob.glob(os.path.join(CALIBRATION, "h200x4-*.jsonl")))
+    rows = _plan_accuracy().load(files, fresh_only=True, supersede=False)
+    return [r for r in rows if r.get("reserved_gib") and not r.get("alloc_conf") and not r.get("setup_empty_cache")]
 
 
 def test_fsdp2_without_checkpointing_lost_its_extra_logits_block_with_the_early_state():
@@ -283,7 +282,7 @@ def test_fsdp2_without_checkpointing_meets_the_target():
     import statistics
 
     bench = _plan_accuracy()
-    rows = [r for r in _fresh_rows(bench) if _fsdp2_without_ac_reserved(r) and not bench.before_early_state(r)]
+    rows = [r for r in _fresh_rows(bench) if bench.fsdp2_without_ac_reserved(r) and not bench.before_early_state(r)]
     errs = [abs(e) for *_, e in bench.errors(rows)]
     assert len(errs) == 8 and all(r.get("early_state") for r in rows), len(errs)
     assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10, errs
@@ -296,13 +295,7 @@ def test_the_allocator_replay_finds_the_extra_segment_and_its_cause():
     best-fit model of the caching allocator takes one new fp32-logits-sized segment in the
     second step, as the GPU did, and none once the backward thread's cuBLAS workspace is taken
     before the first step (what call AJ then measured: 9.805 -> 8.484 GiB)."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(USERPKG), "bench", "allocator_replay.py")
-    spec = importlib.util.spec_from_file_location("allocator_replay", path)
-    replay = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = replay  # its dataclasses look their module up there
-    spec.loader.exec_module(replay)
+    replay = _bench_module("allocator_replay")
     events = replay.load(os.path.join(os.path.dirname(USERPKG), "bench", "results",
                                       "h200x4-alloc-trace-fsdp2-124m-micro8-2026-11-27.jsonl.gz"))
     block = replay.segment_size(4 * 50304 * 8 * 1024)
