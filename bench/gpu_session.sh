@@ -20,6 +20,9 @@
 #   bash bench/gpu_session.sh maxsplit OUT  issue 5: grid rows with the allocator's max_split_size_mb (MS_MB, MS_ROWS)
 #   bash bench/gpu_session.sh early OUT     issue 5: grid rows with the state and workspaces made at setup (EARLY_ROWS)
 #   bash bench/gpu_session.sh autotune OUT  issue 3: GPT 124M, 1 GPU each: max-autotune GEMMs and coordinate-descent tuning
+#   bash bench/gpu_session.sh autotune4 OUT issue 3: GPT 124M on NG GPUs with the settings the 1-GPU runs tuned (AT4_ENV, AT4_CACHE)
+#   bash bench/gpu_session.sh clocks OUT    issue 3: 1-GPU runs side by side with each card's SM clock and power sampled
+#   bash bench/gpu_session.sh tune13c OUT   issue 3: GPT 1.3B on NG GPUs with the kernels card 3 tuned in `clocks`
 #   bash bench/gpu_session.sh tune13 OUT    issue 3: GPT 1.3B, 4 GPUs: one DDP bucket and coordinate-descent tuning, apart and together
 #   bash bench/gpu_session.sh layouts OUT   issues 8, 9: the 1.3B model laid out seven ways
 #   bash bench/gpu_session.sh seqlen  OUT   issue 9: the longest sequence, FSDP2 alone vs FSDP2 x CP4 (1.3B, AC);
@@ -52,7 +55,8 @@ one() {  # one GPU LIMIT_S TAG ENV... -- ARGS : a 1-GPU run in the background on
       bench/train_bench.py "$@" > "$OUT/one-$gpu.log" 2>&1
     local rc=$?
     grep -h "^BENCH" "$OUT/one-$gpu.log" | sed "s/^BENCH /BENCH [$tag] /" >> "$S"
-    grep -q "^BENCH" "$OUT/one-$gpu.log" || echo "FAILED [$tag] rc=$rc" >> "$S"
+    grep -q "^BENCH" "$OUT/one-$gpu.log" || { echo "FAILED [$tag] rc=$rc" >> "$S"
+      grep -E "Error|error:" "$OUT/one-$gpu.log" | tail -2 | cut -c1-300 >> "$S"; }
   } &
 }
 row() {  # row TAG HARNESS ARGS... : one plan_accuracy.py grid row (--grid ${MH_GRID:-gpu}, torch engines) first
@@ -303,29 +307,79 @@ early)
 autotune)
   # issue 3 (124M, 1 GPU, side by side): Inductor's max-autotune GEMMs (Triton templates that can
   # fuse the bias, GELU and residual adds into the matmul) never finished compiling within call
-  # E's 180 s; here 560 s. Card 0 the default, card 1 max-autotune GEMMs (no CUDA graphs), card 2
+  # E's 180 s; here 500 s. Card 0 the default, card 1 max-autotune GEMMs (no CUDA graphs), card 2
   # coordinate-descent tuning (+1.8% in call E), card 3 both. Predicted: the Triton GEMMs run
   # 5-10% below cuBLAS at K=768 and the fused epilogues save ~3%: -5% to +3%
   A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
-  one 0 560 124m-default -- $A
-  one 1 560 124m-autotune-gemm TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 -- $A
-  [ "$NG" -ge 3 ] && one 2 560 124m-coordinate TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 -- $A
-  [ "$NG" -ge 4 ] && one 3 560 124m-both TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 -- $A
+  one 0 500 124m-default -- $A
+  one 1 500 124m-autotune-gemm TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 -- $A
+  [ "$NG" -ge 3 ] && one 2 500 124m-coordinate TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 -- $A
+  [ "$NG" -ge 4 ] && one 3 500 124m-both TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 -- $A
   wait
+  ;;
+clocks)
+  # issue 3: four 1-GPU runs side by side with nvidia-smi sampling each card's SM clock, power
+  # and clock-event reasons once a second: is the step's matmul rate held down by the power
+  # limit (call M: the loss kernels saved 6.7 ms and the matmuls took 4.9 ms more)? Card 0
+  # GPT 124M default, card 1 the in-place Triton loss, card 2 GPT 1.3B default, card 3 1.3B with
+  # coordinate-descent tuning (its cache, /tmp/inductor-3, serves tune13c on the same machine)
+  local_q=index,utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active
+  nvidia-smi --query-gpu=$local_q --format=csv -i 0 > /dev/null 2>&1 || local_q=${local_q/clocks_event/clocks_throttle}
+  nvidia-smi --query-gpu=$local_q --format=csv,noheader,nounits -lms 1000 > "$OUT/smi.csv" 2>&1 & SMI=$!
+  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
+  B="--mode meshrun --size gpt-1.3b --micro 0 --global-tokens 131072 --compile --warmup 3 --steps 8"
+  one 0 240 124m-default -- $A; J0=$!
+  one 1 240 124m-triton-loss -- $A --loss triton; J1=$!
+  [ "$NG" -ge 4 ] && { one 2 420 13b-default -- $B; J2=$!; one 3 420 13b-coordinate TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 -- $B; J3=$!; }
+  wait $J0 $J1 ${J2:-} ${J3:-}; kill $SMI
+  python3 bench/smi_summary.py "$OUT/smi.csv" | tee -a "$S"
+  ;;
+clocks4)
+  # issue 3: meshrun's defaults on NG GPUs (124M, then 1.3B) with every card's SM clock and power sampled
+  local_q=index,utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active
+  nvidia-smi --query-gpu=$local_q --format=csv -i 0 > /dev/null 2>&1 || local_q=${local_q/clocks_event/clocks_throttle}
+  G=$((NG * 131072))
+  for run in "gpt-124m --warmup 8 --steps 60" "gpt-1.3b --warmup 3 --steps 12"; do
+    size=${run%% *}
+    nvidia-smi --query-gpu=$local_q --format=csv,noheader,nounits -lms 1000 > "$OUT/smi-$size.csv" 2>&1 & SMI=$!
+    tb 170 "$NG" --mode meshrun --size $run --micro 0 --global-tokens $G --compile
+    kill $SMI; echo "clocks during $size on $NG GPUs:" | tee -a "$S"
+    python3 bench/smi_summary.py "$OUT/smi-$size.csv" | tee -a "$S"
+  done
+  ;;
+tune13c)
+  # issue 3, after `clocks` on the same warm machine: GPT 1.3B on NG GPUs with coordinate-descent
+  # tuning, the kernels tuned by card 3's 1-GPU run (same shapes per rank) taken from its cache
+  G=$((NG * 131072))
+  B="--mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8"
+  ( export TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-3
+    tb 300 "$NG" $B )
+  tb 160 "$NG" $B
   ;;
 tune13)
   # issue 3: GPT 1.3B on 4 GPUs is at 59.2-59.8% MFU against the 60% target. Two knobs measured
   # apart, never together: one DDP bucket (+1.0% at 1.3B, call AF) and Inductor's coordinate-
   # descent tuning of its Triton kernels (+1.8% at 124M on 1 GPU, call E; Triton is ~14.5% of
-  # the 1.3B step, so +0.5-1% predicted). Both: +1.5-2%, i.e. 60.1-60.4%. The default runs
-  # first and last (drift); tuning's compile is long, hence the limits
+  # the 1.3B step, so +0.5-1% predicted). Both: +1.5-2%, i.e. 60.1-60.4%. Tuning's compile is
+  # long, hence its limit; T13_LAST_DEFAULT=1 runs the default again at the end (drift). Since
+  # call AL the default is 1000-MB buckets (compiled, one host); --bucket-mb 100 is the old one
   G=$((NG * 131072))
   B="--mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8"
   tb 160 "$NG" $B
-  TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 tb 300 "$NG" $B --bucket-mb 1000
-  tb 160 "$NG" $B --bucket-mb 1000
   TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 tb 300 "$NG" $B
-  tb 160 "$NG" $B
+  tb 160 "$NG" $B --bucket-mb 100
+  [ -n "${T13_LAST_DEFAULT:-}" ] && tb 160 "$NG" $B
+  ;;
+autotune4)
+  # issue 3, after `autotune` on the same warm machine: GPT 124M on NG GPUs (DDP) with the
+  # Inductor settings AT4_ENV, reusing the cache of the card that tuned them in the 1-GPU run
+  # (AT4_CACHE: its GEMM choices and tuned kernels have the same shapes per rank, so the
+  # 4 ranks do not tune again); the default before and after
+  G=$((NG * 131072)); A="--mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile"
+  tb 150 "$NG" $A
+  ( export ${AT4_ENV:-TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1} TORCHINDUCTOR_CACHE_DIR="${AT4_CACHE:-/tmp/inductor-1}"
+    tb 240 "$NG" $A; tb 200 "$NG" $A --bucket-mb 100 )
+  tb 150 "$NG" $A
   ;;
 layouts)
   B="--mode meshrun --size gpt-1.3b --micro 16 --warmup 4 --steps 10"
@@ -364,6 +418,6 @@ seqlen)
     sl 100 262144 --strategy fsdp --cp "$NG" --loss fused && sl 250 524288 --strategy fsdp --cp "$NG" --loss fused ;;
   esac
   ;;
-*) echo "unknown part $PART (train | scaling | loss | sync | confirm | snapshots | grid | gridfresh | fragment | memhist | memtrace | maxsplit | early | autotune | tune13 | layouts | seqlen)"; exit 2 ;;
+*) echo "unknown part $PART (train | scaling | loss | sync | confirm | snapshots | grid | gridfresh | fragment | memhist | memtrace | maxsplit | early | autotune | autotune4 | clocks | clocks4 | tune13 | tune13c | layouts | seqlen)"; exit 2 ;;
 esac
 echo "part $PART done in $((SECONDS - T0)) s" | tee -a "$S"

@@ -379,7 +379,9 @@ def before_early_state(row: dict) -> bool:
     """A reserved peak of FSDP2 without activation checkpointing measured before the Trainer made
     AdamW's state and cuBLAS's workspaces at setup: those made in the first step split a freed
     logits-sized block, and the rows reserved one more such block (call AH's allocator traces,
-    docs/benchmarks.md); the fix removed it from every such row measured again (call AJ)."""
+    docs/benchmarks.md); the fix removed it from every 124M row that had it (calls AJ, AN).
+    Every such configuration has since been measured again (call AN), so the old rows are
+    superseded; this keeps them out of a report that reads older files alone."""
     return fsdp2_without_ac_reserved(row) and not row.get("early_state")
 
 

@@ -101,7 +101,7 @@ def main() -> None:
                          "2026-11-26 (seventh session): the idle gap the device-side skip of non-finite steps removed")
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--fsdp", default="auto")
-    ap.add_argument("--bucket-mb", type=int, default=100)
+    ap.add_argument("--bucket-mb", type=int, default=None, help="DDP buckets (default: the Trainer's choice)")
     ap.add_argument("--reduce-precision", default="fp32")
     ap.add_argument("--jsonl", default=None)
     # meshrun's other layouts (issues 8 and 9)
@@ -143,7 +143,8 @@ def main() -> None:
         trainer = Trainer(model, RandomTokens(1 << 20, args.seq, args.vocab), None, cfg)
         data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.dp_size)
         extra.update(ac=args.ac, seq=args.seq, layout=trainer.strategy_reason, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
-                     strategy=trainer.strategy, fsdp=args.fsdp, bucket_mb=args.bucket_mb,
+                     strategy=trainer.strategy, fsdp=args.fsdp,
+                     bucket_mb=trainer.ddp.bucket_bytes_cap // 2**20 if trainer.ddp is not None else args.bucket_mb,
                      reduce_precision=args.reduce_precision, attention=cfg.attention)
         if args.host_sync:
             def step_fn(i):

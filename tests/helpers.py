@@ -8,6 +8,7 @@ import sys
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
 # Variables of the machine running the tests that would change detection.
 _CLUSTER_PREFIXES = ("SLURM_", "SATURN_", "SKYPILOT_", "PET_", "OMPI_", "SM_", "TORCHELASTIC_", "MESHRUN_",
@@ -36,6 +37,17 @@ def script(name: str) -> str:
 
 def example(name: str) -> str:
     return os.path.join(EXAMPLES, name)
+
+
+def bench_module(name: str):
+    """A script of bench/ imported as a module (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def require(module: str) -> None:

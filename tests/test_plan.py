@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import replace
 
 import pytest
 
-from helpers import clean_env, example, lines, meshrun, require
+from helpers import bench_module, clean_env, example, lines, meshrun, require
 from meshrun.errors import MeshrunError
 from meshrun.plan import ClusterSpec, TrainSpec, make_plan
 from meshrun.plan.batch import solve
@@ -181,21 +180,9 @@ def test_calibration_points_within_five_percent():
 CALIBRATION = os.path.join(os.path.dirname(USERPKG), "bench", "calibration")
 
 
-def _bench_module(name: str):
-    """A script of bench/ imported as a module (bench/ is not a package)."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(USERPKG), "bench", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def _plan_accuracy():
     """bench/plan_accuracy.py, the harness that compares measured peaks with the model."""
-    return _bench_module("plan_accuracy")
+    return bench_module("plan_accuracy")
 
 
 def test_predictions_meet_the_accuracy_target_on_the_measured_grid():
@@ -221,7 +208,7 @@ def _fresh_rows(bench) -> list[dict]:
 
 def test_predictions_meet_the_target_on_every_row_measured_as_a_job_starts():
     """Issue 5's target over every H200 row kept in bench/calibration that came first in its
-    process, as a job starts, and measured the Trainer as it is (42 rows: 1, 2 and 4 GPUs;
+    process, as a job starts, and measured the Trainer as it is (47 rows: 1, 2 and 4 GPUs;
     single, DDP, DeepSpeed ZeRO-1/2/3, FSDP2 with and without AC, compiled FSDP2's allocated
     peaks; eager and compiled): median <= 5%, worst <= 10%. Rows measured after another
     configuration in the same process reserve up to 5 GiB more for the same allocations
@@ -232,7 +219,7 @@ def test_predictions_meet_the_target_on_every_row_measured_as_a_job_starts():
     bench = _plan_accuracy()
     rows = [r for r in _fresh_rows(bench) if not bench.before_early_state(r)]
     errs = [abs(e) for *_, e in bench.errors(rows)]
-    assert len(errs) >= 42, len(errs)
+    assert len(errs) >= 47, len(errs)
     assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10, (statistics.median(errs), max(errs))
 
 
@@ -249,9 +236,12 @@ def test_fsdp2_without_checkpointing_lost_its_extra_logits_block_with_the_early_
     """FSDP2 without AC reserved one logits-sized block more than it needed (1.15-1.34x its
     allocated peak) while AdamW's state and cuBLAS's backward workspace were made in the first
     step: call AH's allocator traces show the workspace splitting a freed fp32-logits block.
-    Measured again with both made at setup (call AJ, 4 x H200), each GPT 124M configuration
-    reserved 0.86-0.99 of one fp32 logits block (4 bytes x vocabulary x micro x 1024) less, for
-    the same allocated peak; the 1.3B ones less as well; DDP's within 2.5% of before."""
+    Measured again with both made at setup (calls AJ and AN, 4 x H200), each GPT 124M
+    configuration at micro-batch 8 and 32 (eager and compiled) reserved 0.86-0.99 of one fp32
+    logits block (4 bytes x vocabulary x micro x 1024) less, for the same allocated peak. Where
+    the old row had no such block (124M micro 64: 1.11x its allocated peak; 1.3B micro 32) or had
+    other excess (1.3B micro 4 and 16, 350M), less or the same, never more; DDP and AC rows
+    within 2.5% of before."""
     from meshrun.plan.modelspec import PRESETS
 
     rows = _raw_rows()
@@ -259,35 +249,36 @@ def test_fsdp2_without_checkpointing_lost_its_extra_logits_block_with_the_early_
     for r in rows:
         keyed.setdefault((r["model"], r["strategy"], r["ac"], r["micro"], r["compile"]), {})[bool(r.get("early_state"))] = r
     pairs = {k: v for k, v in keyed.items() if len(v) == 2}
-    assert len(pairs) >= 9, sorted(pairs)
+    assert len(pairs) >= 14, sorted(pairs)
     for (model, strategy, ac, micro, _), v in pairs.items():
-        drop = v[False]["reserved_gib"] - v[True]["reserved_gib"]
-        assert abs(v[False]["allocated_gib"] - v[True]["allocated_gib"]) < 0.01, (model, strategy, micro)
-        if strategy.startswith("fsdp") and not ac and model == "gpt-124m":
-            block = 4 * PRESETS[model].vocab * micro * 1024 / GiB
-            assert 0.8 * block <= drop <= 1.05 * block, (model, strategy, micro, drop, block)
-        elif strategy.startswith("fsdp") and not ac:
-            assert drop > 0, (model, strategy, micro, drop)
+        before = v[False]["reserved_gib"]
+        drop = before - v[True]["reserved_gib"]
+        assert abs(v[False]["allocated_gib"] - v[True]["allocated_gib"]) < 0.02, (model, strategy, micro)
+        if strategy.startswith("fsdp") and not ac:
+            assert drop >= -0.025 * before, (model, strategy, micro, drop)
+            if model == "gpt-124m" and micro <= 32:
+                block = 4 * PRESETS[model].vocab * micro * 1024 / GiB
+                assert 0.8 * block <= drop <= 1.05 * block, (model, strategy, micro, drop, block)
         else:
-            assert abs(drop) <= 0.025 * v[False]["reserved_gib"], (model, strategy, micro, drop)
+            assert abs(drop) <= 0.025 * before, (model, strategy, micro, drop)
 
 
 def test_fsdp2_without_checkpointing_meets_the_target():
     """The FSDP2-without-AC rows measured with the Trainer as it is (call AJ, 4 x H200, eager:
     GPT 124M micro 8 and 32, GPT 1.3B micro 4 and 16, full and grad_op): median <= 5%, worst
     <= 10% of the reserved peak (median 0.4%, worst 1.7% with the gradient shards the reduce-
-    scatter stream keeps cached counted; 2.2% / 8.2% without them). Five rows of the old
-    Trainer were not measured again (124M micro 32 compiled; 124M micro 64, 350M micro 8 and
-    32, 1.3B micro 32, call AH) and are left out by before_early_state."""
+    scatter stream keeps cached counted; 2.2% / 8.2% without them). Then the five rows of the
+    old Trainer not yet measured again (call AN: 124M micro 32 compiled; 124M micro 64, 350M
+    micro 8 and 32, 1.3B micro 32): +2.8%, +1.9%, -0.3%, +0.0%, -1.4%, predicted before the
+    call from the planner as it was; each supersedes its old row, so none is left out."""
     import statistics
 
     bench = _plan_accuracy()
     rows = [r for r in _fresh_rows(bench) if bench.fsdp2_without_ac_reserved(r) and not bench.before_early_state(r)]
     errs = [abs(e) for *_, e in bench.errors(rows)]
-    assert len(errs) == 8 and all(r.get("early_state") for r in rows), len(errs)
+    assert len(errs) == 13 and all(r.get("early_state") for r in rows), len(errs)
     assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10, errs
-    left = [r for r in _fresh_rows(bench) if bench.before_early_state(r)]
-    assert len(left) == 5, len(left)
+    assert not [r for r in _fresh_rows(bench) if bench.before_early_state(r)]
 
 
 def test_the_allocator_replay_finds_the_extra_segment_and_its_cause():
@@ -295,7 +286,7 @@ def test_the_allocator_replay_finds_the_extra_segment_and_its_cause():
     best-fit model of the caching allocator takes one new fp32-logits-sized segment in the
     second step, as the GPU did, and none once the backward thread's cuBLAS workspace is taken
     before the first step (what call AJ then measured: 9.805 -> 8.484 GiB)."""
-    replay = _bench_module("allocator_replay")
+    replay = bench_module("allocator_replay")
     events = replay.load(os.path.join(os.path.dirname(USERPKG), "bench", "results",
                                       "h200x4-alloc-trace-fsdp2-124m-micro8-2026-11-27.jsonl.gz"))
     block = replay.segment_size(4 * 50304 * 8 * 1024)

@@ -39,8 +39,12 @@ def _train(overrides):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=layers, n_heads=4, n_experts=experts))
     cfg = TrainConfig(steps=STEPS, seq_len=16, lr=3e-3, warmup=2, log_every=1, precision="fp32", **overrides)
-    records = Trainer(model, RandomTokens(512, 16, 64), None, cfg).fit()
-    return [(r["loss"], r["grad_norm"]) for r in records]
+    trainer = Trainer(model, RandomTokens(512, 16, 64), None, cfg)
+    records = trainer.fit()
+    out = [(r["loss"], r["grad_norm"]) for r in records]
+    if trainer.ddp is not None and trainer.rt.rank == 0:  # what DDP was given: checked beside the losses
+        out.append(("ddp_bucket_bytes", trainer.ddp.bucket_bytes_cap))
+    return out
 
 
 def run(nproc, **overrides):
@@ -54,6 +58,7 @@ def reference():
 
 
 def close(a, b, rtol=2e-4):
+    a = [r for r in a if r[0] != "ddp_bucket_bytes"]
     assert len(a) == len(b) == STEPS
     for (la, na), (lb, nb) in zip(a, b):
         assert la == pytest.approx(lb, rel=rtol)
@@ -343,6 +348,15 @@ def test_activation_checkpointing_recomputes_the_same_training(reference, nproc,
 def test_compiled_training_matches_eager(reference, nproc, overrides):
     # Inductor fuses and reorders fp32 arithmetic: allow 1e-3 (a wrong graph is off by >1e-2).
     close(run(nproc, compile=True, **overrides), reference, rtol=1e-3)
+
+
+def test_compiled_ddp_on_one_host_takes_large_buckets_and_trains_the_same(reference):
+    # Both ranks on this host and compiled: 1000-MB buckets (Dynamo's graph is not cut at 100 MB);
+    # eager: 100 MB, the overlap of the all-reduce with the backward kept
+    compiled = run(2, strategy="ddp", micro_batch=4, compile=True)
+    close(compiled, reference, rtol=1e-3)
+    assert ("ddp_bucket_bytes", 1000 * 2**20) in compiled
+    assert ("ddp_bucket_bytes", 100 * 2**20) in run(2, strategy="ddp", micro_batch=4)
 
 
 def _train_iterable():

@@ -13,6 +13,7 @@ from meshrun.train.metrics import mfu, peak_for_name  # noqa: E402
 from meshrun.train.models import GPT, GPTConfig  # noqa: E402
 from meshrun.train.optim import lr_factor  # noqa: E402
 from meshrun.train.parallelize import find_blocks  # noqa: E402
+from helpers import BENCH, bench_module  # noqa: E402
 
 nn = torch.nn
 
@@ -147,6 +148,23 @@ def test_ddp_releases_its_first_buckets_once_right_after_the_rebuild():
     assert seen == [(False, False, 1), (True, True, 0), (True, True, 0)]
 
 
+@pytest.mark.parametrize("requested,compiled,world,local,expected", [
+    (None, True, 4, 4, 1000),   # compiled, one host: Dynamo's cuts cost more than the overlap saves
+    (None, True, 8, 4, 100),    # two hosts: the network makes the overlap worth more
+    (None, False, 4, 4, 100),   # eager: no graph to cut, keep the overlap
+    (25, True, 4, 4, 25),       # the user's size wins
+], ids=["compiled-one-host", "compiled-two-hosts", "eager", "requested"])
+def test_ddp_bucket_size_follows_compile_and_hosts(requested, compiled, world, local, expected):
+    import torch
+
+    from meshrun.train.parallelize import ddp_bucket_mb
+    from meshrun.train.runtime import Runtime
+
+    rt = Runtime(rank=0, local_rank=0, world_size=world, local_world_size=local, device=torch.device("cpu"),
+                 backend="gloo")
+    assert ddp_bucket_mb(requested, compiled, rt) == expected
+
+
 def test_mixture_of_experts_flops_count_the_experts_a_token_visits():
     """MFU of an MoE GPT: a token runs its top-k experts' MLPs (and the router), not all of
     them; counting every expert made the third session's EP rows read 47% instead of ~16%."""
@@ -159,21 +177,25 @@ def test_mixture_of_experts_flops_count_the_experts_a_token_visits():
     assert moe.flops_per_token() == dense + 6 * layers * (2 * mlp - mlp + d * 8)
 
 
-def _profile_step():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "profile_step.py")
-    spec = importlib.util.spec_from_file_location("profile_step", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def test_power_limit_is_read_from_the_recorded_clock_samples():
+    """bench/smi_summary.py on call AM's nvidia-smi samples (4 x H200, four 1-GPU runs side by
+    side): the GPT 1.3B cards (2, 3) ran at their 700-W limit with the SM clock near 1500 MHz,
+    the 124M ones near 1650-1690; samples of idle or compiling cards do not count."""
+    smi = bench_module("smi_summary")
+    with open(os.path.join(BENCH, "results", "smi-2026-11-27", "call-AM.csv")) as fh:
+        samples = smi.parse(fh.read().splitlines())
+    assert {s.gpu for s in samples} == {0, 1, 2, 3} and any(s.util < 90 for s in samples)
+    lines = smi.summarize(samples)
+    assert len(lines) == 4 and all("sw-power-cap" in line and "of 700 W" in line for line in lines), lines
+    assert "median 1500 MHz" in lines[2] and "median 1508 MHz" in lines[3] and "median 1650 MHz" in lines[0], lines
+    assert smi.parse(["Field \"x\" is not a valid field to query.", "0, [N/A], 1980, 1980, 70, 700, 0x0"]) == []
 
 
 def test_profile_counts_overlapping_kernels_once():
     """bench/profile_step.py under DDP: the time some compute kernel runs is the union of
     their intervals (kernels of two streams overlapping count once, gaps not at all), and
     NCCL's kernels are told from the compute ones by name."""
-    ps = _profile_step()
+    ps = bench_module("profile_step")
     assert ps.covered([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
     assert ps.covered([(20, 25), (0, 10)]) == 15 and ps.covered([]) == 0
     assert ps.family("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "nccl"

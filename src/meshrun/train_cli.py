@@ -94,7 +94,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--precision", metavar="P", default=None, help=f"{', '.join(PRECISIONS)} (default auto: bf16 on GPU)")
     add_option(g, "--compile", action="store_const", const=True, default=None, help="torch.compile (per block under FSDP)")
     add_option(g, "--activation-checkpointing", metavar="MODE", default=None, help=f"{', '.join(AC_MODES)}")
-    add_option(g, "--ddp-bucket-mb", type=int, metavar="MB", default=None, help="DDP gradient bucket size (default 100)")
+    add_option(g, "--ddp-bucket-mb", type=int, metavar="MB", default=None, help="DDP gradient bucket size (default: 1000 compiled on one host, else 100)")
     add_option(g, "--reduce-precision", metavar="P", default=None,
                help="gradient reduction across ranks: fp32 (default) or bf16 (half the bytes, less exact)")
     add_option(g, "--fused-loss", action="store_const", const=True, default=None,

@@ -63,7 +63,8 @@ class TrainConfig:
     precision: str = "auto"  # bf16 on GPUs that have it, fp32 elsewhere
     compile: bool = False
     activation_checkpointing: str = "none"
-    ddp_bucket_mb: int = 100  # measured: 100 MB buckets beat torch's 25 MB default by 6% (docs/benchmarks.md)
+    # None: 1000 MB compiled on one host, else 100 MB (train/parallelize.py: ddp_bucket_mb)
+    ddp_bucket_mb: int | None = None
     reduce_precision: str = "fp32"  # gradients' data-parallel reduction: fp32, or bf16 (half the bytes)
     fused_loss: bool = False  # built-in GPT: the loss chunk by chunk, the logits never whole (long sequences)
     attention: str = "auto"  # SDPA kernel tried first: auto (torch's order), cudnn, flash, efficient, math

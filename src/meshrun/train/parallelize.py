@@ -240,6 +240,29 @@ def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, per_block: boo
         model.compile()
 
 
+DDP_BUCKET_MB = 100  # eager: 6% over torch's 25 MB (docs/benchmarks.md, call C)
+DDP_COMPILED_BUCKET_MB = 1000
+
+
+def ddp_bucket_mb(requested: int | None, compiled: bool, rt: Runtime) -> int:
+    """DDP's gradient bucket size: the user's; else 1000 MB when the model is compiled and every
+    rank is on one host; else 100 MB.
+
+    Why: compiled, Dynamo cuts DDP's graph at every bucket boundary so that a bucket's
+    all-reduce starts while the backward goes on; Inductor then cannot fuse across the cuts.
+    On one host the all-reduce of what the larger buckets leave exposed costs less than the
+    cuts: +0.7% to +1.4% in five measurements (GPT 124M and 1.3B, 4 x H200, calls E, G, AD, AF,
+    AL in docs/benchmarks.md). Across hosts the network is 10-100x slower than NVLink and the
+    overlap is worth more than the fusion, and eager DDP has no graph to cut. Capped at
+    1000 MB, the size measured: DDP allocates its buckets again at the second step, so a
+    bucket is also a transient allocation."""
+    if requested is not None:
+        return requested
+    if compiled and rt.local_world_size == rt.world_size:
+        return DDP_COMPILED_BUCKET_MB
+    return DDP_BUCKET_MB
+
+
 def apply_ddp(model: nn.Module, rt: Runtime, bucket_mb: int, bf16_reduce: bool = False) -> DDP:
     """``bf16_reduce`` all-reduces gradients in bf16 (half the bytes; the sum of N bf16 values
     loses precision, so it is opt-in)."""

@@ -32,7 +32,7 @@ from .optim import build_optimizer, build_scheduler, create_state
 from .layouts import (Layout, checkpoint_blocks, context_parallel, deepspeed_engine, expert_groups, is_expert,
                       same_initial_weights, tensor_pipeline)
 from .parallelize import (FSDPPlan, apply_compile, apply_ddp, apply_fsdp, apply_loss_parallel, can_loss_parallel,
-                          apply_tp, choose_fsdp_flavour, choose_strategy, find_blocks, fsdp_mesh)
+                          apply_tp, choose_fsdp_flavour, choose_strategy, ddp_bucket_mb, find_blocks, fsdp_mesh)
 from .runtime import Runtime, init_runtime, take_blas_workspaces
 
 
@@ -191,7 +191,7 @@ class Trainer:
             self._shard(model, blocks)
             return model, None
         if self.strategy == "ddp":
-            ddp = apply_ddp(model, rt, cfg.ddp_bucket_mb, cfg.reduce_precision == "bf16")
+            ddp = apply_ddp(model, rt, ddp_bucket_mb(cfg.ddp_bucket_mb, cfg.compile, rt), cfg.reduce_precision == "bf16")
             if cfg.compile:
                 apply_compile(ddp, None, per_block=False)
             return ddp, ddp
@@ -452,7 +452,8 @@ class Trainer:
         return (f"meshrun train: strategy {self.strategy} ({self.strategy_reason}), {rt.world_size} process(es), "
                 f"{self.n_params / 1e6:.2f}M parameters, global batch {cfg.micro} x {self.accum} x "
                 f"{self.dp_size} = {cfg.micro * self.accum * self.dp_size}, "
-                f"{'bf16' if self.bf16 else 'fp32'}{', compiled' if cfg.compile else ''}")
+                f"{'bf16' if self.bf16 else 'fp32'}{', compiled' if cfg.compile else ''}"
+                + (f", DDP buckets of {self.ddp.bucket_bytes_cap // 2**20} MB" if self.ddp is not None else ""))
 
     def _guarded_step(self, data: Iterator, first: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """A step; out of memory on the run's first step becomes advice, not a traceback."""
