@@ -20,8 +20,9 @@
 #   bash bench/gpu_session.sh maxsplit OUT  issue 5: grid rows with the allocator's max_split_size_mb (MS_MB, MS_ROWS)
 #   bash bench/gpu_session.sh early OUT     issue 5: grid rows with the state and workspaces made at setup (EARLY_ROWS)
 #   bash bench/gpu_session.sh autotune OUT  issue 3: GPT 124M, 1 GPU each: max-autotune GEMMs and coordinate-descent tuning
-#   bash bench/gpu_session.sh autotune4 OUT issue 3: GPT 124M on NG GPUs with the settings the 1-GPU runs tuned (AT4_ENV, AT4_CACHE)
+#   bash bench/gpu_session.sh autotune4 OUT issue 3: GPT 124M on NG GPUs with the kernels `autotune` tuned (AT4_ENV, AT4_CACHE)
 #   bash bench/gpu_session.sh clocks OUT    issue 3: 1-GPU runs side by side with each card's SM clock and power sampled
+#   bash bench/gpu_session.sh clocks4 OUT   issue 3: meshrun's defaults on NG GPUs (124M, 1.3B) with the clocks sampled
 #   bash bench/gpu_session.sh tune13c OUT   issue 3: GPT 1.3B on NG GPUs with the kernels card 3 tuned in `clocks`
 #   bash bench/gpu_session.sh tune13 OUT    issue 3: GPT 1.3B, 4 GPUs: one DDP bucket and coordinate-descent tuning, apart and together
 #   bash bench/gpu_session.sh layouts OUT   issues 8, 9: the 1.3B model laid out seven ways
@@ -327,7 +328,9 @@ clocks)
   nvidia-smi --query-gpu=$local_q --format=csv -i 0 > /dev/null 2>&1 || local_q=${local_q/clocks_event/clocks_throttle}
   nvidia-smi --query-gpu=$local_q --format=csv,noheader,nounits -lms 1000 > "$OUT/smi.csv" 2>&1 & SMI=$!
   A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
-  B="--mode meshrun --size gpt-1.3b --micro 0 --global-tokens 131072 --compile --warmup 3 --steps 8"
+  # 1.3B at micro 32 x 4, the per-rank shapes of the 4-GPU DDP layout, so that tune13c finds
+  # card 3's tuned kernels (call AM ran --micro 0: 64 x 2 on one GPU, whose kernels differ)
+  B="--mode meshrun --size gpt-1.3b --micro 32 --global-tokens 131072 --compile --warmup 3 --steps 8"
   one 0 240 124m-default -- $A; J0=$!
   one 1 240 124m-triton-loss -- $A --loss triton; J1=$!
   [ "$NG" -ge 4 ] && { one 2 420 13b-default -- $B; J2=$!; one 3 420 13b-coordinate TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 -- $B; J3=$!; }
@@ -373,11 +376,12 @@ tune13)
 autotune4)
   # issue 3, after `autotune` on the same warm machine: GPT 124M on NG GPUs (DDP) with the
   # Inductor settings AT4_ENV, reusing the cache of the card that tuned them in the 1-GPU run
-  # (AT4_CACHE: its GEMM choices and tuned kernels have the same shapes per rank, so the
-  # 4 ranks do not tune again); the default before and after
+  # (AT4_CACHE; the default: card 2's coordinate-descent tuning; its kernels have the same
+  # shapes per rank, micro 128, so the ranks do not tune again; max-autotune GEMMs failed in
+  # call AK); the default before and after
   G=$((NG * 131072)); A="--mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile"
   tb 150 "$NG" $A
-  ( export ${AT4_ENV:-TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1} TORCHINDUCTOR_CACHE_DIR="${AT4_CACHE:-/tmp/inductor-1}"
+  ( export ${AT4_ENV:-TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1} TORCHINDUCTOR_CACHE_DIR="${AT4_CACHE:-/tmp/inductor-2}"
     tb 240 "$NG" $A; tb 200 "$NG" $A --bucket-mb 100 )
   tb 150 "$NG" $A
   ;;

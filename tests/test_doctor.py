@@ -8,8 +8,8 @@ import socket
 import pytest
 
 from helpers import clean_env, meshrun, require
-from meshrun.doctor.checks import check_versions_across
-from meshrun.doctor.facts import Facts
+from meshrun.doctor.checks import check_gpu_health, check_versions_across
+from meshrun.doctor.facts import Facts, parse_gpu_query
 
 
 def doctor(*args, env=None):
@@ -124,3 +124,23 @@ def test_bench_matmul_and_train_run():
 def test_bench_bad_input_is_one_line(args, message):
     out = meshrun(*args)
     assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_gpu_health_reads_ecc_throttling_and_a_lowered_power_limit():
+    """Rows in nvidia-smi's csv,noheader format (units included; one card's limit lowered):
+    uncorrected ECC errors fail, a throttled idle card and a power limit below the default
+    warn (training runs at the limit: docs/benchmarks.md, eleventh session); '[N/A]' is no number."""
+    rows = parse_gpu_query(
+        "NVIDIA H200, 580.95.05, 0x0000000000000001, 0, 31, 700.00 W, 700.00 W\n"
+        "NVIDIA H200, 580.95.05, 0x0000000000000004, 0, 35, 500.00 W, 700.00 W\n"
+        "NVIDIA H200, 580.95.05, 0x0000000000000001, 2, 33, [N/A], 700.00 W\n"
+        "a line nvidia-smi printed instead\n")
+    assert [r["power_limit"] for r in rows] == ["700.00 W", "500.00 W", "[N/A]"] and rows[0]["driver"] == "580.95.05"
+    findings = check_gpu_health(Facts("node", 3, gpu_health=tuple(rows)))
+    reasons = sorted((f.status, f.reason) for f in findings)
+    assert reasons == [("fail", "GPU 2: 2 uncorrected ECC errors"),
+                       ("warn", "GPU 1: clock event reasons 0x0000000000000004 (throttled)"),
+                       ("warn", "GPU 1: power limit 500 W, below its default 700 W")], reasons
+    assert "nvidia-smi -pl 700" in next(f.fix for f in findings if "power limit" in f.reason)
+    healthy = check_gpu_health(Facts("node", 1, gpu_health=tuple(rows[:1])))
+    assert [(f.status, f.reason) for f in healthy] == [("ok", "1 GPU(s): no ECC errors, not throttled")]

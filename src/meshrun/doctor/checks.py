@@ -179,9 +179,23 @@ def check_gpu_health(facts: Facts) -> list[Finding]:
         if reasons.startswith("0x") and int(reasons, 16) & ~0x1:  # 0x1 is plain idle
             out.append(Finding("gpu health", "warn", f"GPU {i}: clock event reasons {reasons} (throttled)",
                                "check power and temperature (nvidia-smi -q -d PERFORMANCE)"))
+        limit, default = _watts(h.get("power_limit", "")), _watts(h.get("power_default", ""))
+        if limit is not None and default is not None and limit < 0.95 * default:
+            # Training runs at the power limit on these cards (docs/benchmarks.md, eleventh session:
+            # H200s held at 700 W ran the 1.3B step at ~1,500 MHz), so a lowered limit is a slower job.
+            out.append(Finding("gpu health", "warn", f"GPU {i}: power limit {limit:.0f} W, below its default "
+                               f"{default:.0f} W", f"training is power-bound: raise it (nvidia-smi -pl {default:.0f}) "
+                               "unless it was lowered on purpose"))
     if facts.gpu_health and not out:
         out.append(Finding("gpu health", "ok", f"{len(facts.gpu_health)} GPU(s): no ECC errors, not throttled"))
     return out
+
+
+def _watts(text: str) -> float | None:
+    try:
+        return float(text.split()[0])
+    except (IndexError, ValueError):  # '[N/A]', '[Not Supported]', ''
+        return None
 
 
 def check_disk(facts: Facts) -> list[Finding]:

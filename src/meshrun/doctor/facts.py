@@ -42,6 +42,21 @@ def _smi(*args: str) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
+GPU_QUERY = ("name,driver_version,clocks_event_reasons.active,ecc.errors.uncorrected.volatile.total,temperature.gpu,"
+             "power.limit,power.default_limit")
+_GPU_FIELDS = ("name", "driver", "throttle", "ecc_uncorrected", "temperature", "power_limit", "power_default")
+
+
+def parse_gpu_query(text: str) -> list[dict[str, str]]:
+    """One dict per GPU from ``nvidia-smi --query-gpu=GPU_QUERY --format=csv,noheader``."""
+    out = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == len(_GPU_FIELDS):
+            out.append(dict(zip(_GPU_FIELDS, parts)))
+    return out
+
+
 def interfaces() -> dict[str, str]:
     from ..cluster.reach import _ipv4_of
 
@@ -61,19 +76,13 @@ def gather(env: Mapping[str, str], disk_path: str = ".") -> Facts:
             nccl_v = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     except ImportError:
         pass
-    names: tuple[str, ...] = ()
-    driver = None
-    health: list[dict[str, str]] = []
-    q = _smi("--query-gpu=name,driver_version,clocks_event_reasons.active,ecc.errors.uncorrected.volatile.total,"
-             "temperature.gpu", "--format=csv,noheader")
-    if q:
-        for line in q.strip().splitlines():
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) >= 5:
-                names += (parts[0],)
-                driver = parts[1]
-                health.append({"name": parts[0], "throttle": parts[2], "ecc_uncorrected": parts[3],
-                               "temperature": parts[4]})
+    q = _smi(f"--query-gpu={GPU_QUERY}", "--format=csv,noheader")
+    if q is None:  # drivers before 535 call the reasons 'throttle' reasons
+        q = _smi(f"--query-gpu={GPU_QUERY.replace('clocks_event_reasons', 'clocks_throttle_reasons')}",
+                 "--format=csv,noheader")
+    health = parse_gpu_query(q or "")
+    names = tuple(h["name"] for h in health)
+    driver = health[-1]["driver"] if health else None
     ib = tuple(sorted(os.listdir("/sys/class/infiniband"))) if os.path.isdir("/sys/class/infiniband") else ()
     path = disk_path if os.path.isdir(disk_path) else os.path.dirname(os.path.abspath(disk_path)) or "."
     free = shutil.disk_usage(path).free if os.path.isdir(path) else 0
