@@ -60,6 +60,12 @@ one() {  # one GPU LIMIT_S TAG ENV... -- ARGS : a 1-GPU run in the background on
       grep -E "Error|error:" "$OUT/one-$gpu.log" | tail -2 | cut -c1-300 >> "$S"; }
   } &
 }
+smi_start() {  # smi_start FILE : every card's clock, power and clock-event reasons once a second into FILE
+  # (bench/smi_summary.py reads it); SMI is the sampler's pid, to kill
+  local q=index,utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active
+  nvidia-smi --query-gpu=$q --format=csv -i 0 > /dev/null 2>&1 || q=${q/clocks_event/clocks_throttle}  # drivers < 535
+  nvidia-smi --query-gpu=$q --format=csv,noheader,nounits -lms 1000 > "$1" 2>&1 & SMI=$!
+}
 row() {  # row TAG HARNESS ARGS... : one plan_accuracy.py grid row (--grid ${MH_GRID:-gpu}, torch engines) first
   # in its own torchrun; its line to the summary: reserved, allocated, the experiment's keys, the
   # segments per stream and any new segments by step. HARNESS: bench/plan_accuracy.py or an old tree's
@@ -324,9 +330,7 @@ clocks)
   # limit (call M: the loss kernels saved 6.7 ms and the matmuls took 4.9 ms more)? Card 0
   # GPT 124M default, card 1 the in-place Triton loss, card 2 GPT 1.3B default, card 3 1.3B with
   # coordinate-descent tuning (its cache, /tmp/inductor-3, serves tune13c on the same machine)
-  local_q=index,utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active
-  nvidia-smi --query-gpu=$local_q --format=csv -i 0 > /dev/null 2>&1 || local_q=${local_q/clocks_event/clocks_throttle}
-  nvidia-smi --query-gpu=$local_q --format=csv,noheader,nounits -lms 1000 > "$OUT/smi.csv" 2>&1 & SMI=$!
+  smi_start "$OUT/smi.csv"
   A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
   # 1.3B at micro 32 x 4, the per-rank shapes of the 4-GPU DDP layout, so that tune13c finds
   # card 3's tuned kernels (call AM ran --micro 0: 64 x 2 on one GPU, whose kernels differ)
@@ -339,12 +343,10 @@ clocks)
   ;;
 clocks4)
   # issue 3: meshrun's defaults on NG GPUs (124M, then 1.3B) with every card's SM clock and power sampled
-  local_q=index,utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active
-  nvidia-smi --query-gpu=$local_q --format=csv -i 0 > /dev/null 2>&1 || local_q=${local_q/clocks_event/clocks_throttle}
   G=$((NG * 131072))
   for run in "gpt-124m --warmup 8 --steps 60" "gpt-1.3b --warmup 3 --steps 12"; do
     size=${run%% *}
-    nvidia-smi --query-gpu=$local_q --format=csv,noheader,nounits -lms 1000 > "$OUT/smi-$size.csv" 2>&1 & SMI=$!
+    smi_start "$OUT/smi-$size.csv"
     tb 170 "$NG" --mode meshrun --size $run --micro 0 --global-tokens $G --compile
     kill $SMI; echo "clocks during $size on $NG GPUs:" | tee -a "$S"
     python3 bench/smi_summary.py "$OUT/smi-$size.csv" | tee -a "$S"
