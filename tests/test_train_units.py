@@ -155,8 +155,6 @@ def test_ddp_releases_its_first_buckets_once_right_after_the_rebuild():
     (25, True, 4, 4, 25),       # the user's size wins
 ], ids=["compiled-one-host", "compiled-two-hosts", "eager", "requested"])
 def test_ddp_bucket_size_follows_compile_and_hosts(requested, compiled, world, local, expected):
-    import torch
-
     from meshrun.train.parallelize import ddp_bucket_mb
     from meshrun.train.runtime import Runtime
 
