@@ -20,7 +20,9 @@
 #   bash bench/gpu_session.sh maxsplit OUT  issue 5: grid rows with the allocator's max_split_size_mb (MS_MB, MS_ROWS)
 #   bash bench/gpu_session.sh early OUT     issue 5: grid rows with the state and workspaces made at setup (EARLY_ROWS)
 #   bash bench/gpu_session.sh autotune OUT  issue 3: GPT 124M, 1 GPU each: max-autotune GEMMs and coordinate-descent tuning
-#   bash bench/gpu_session.sh autotune4 OUT issue 3: GPT 124M on NG GPUs with the kernels `autotune` tuned (AT4_ENV, AT4_CACHE)
+#   bash bench/gpu_session.sh autotune4 OUT issue 3: GPT 124M on NG GPUs with the kernels `autotune` tuned (AT4_ENV, AT4_CACHE,
+#                                           AT4_ARGS)
+#   bash bench/gpu_session.sh gemm OUT      issue 3: GPT 124M, 1 GPU each: max-autotune GEMMs benchmarked in subprocesses
 #   bash bench/gpu_session.sh clocks OUT    issue 3: 1-GPU runs side by side with each card's SM clock and power sampled
 #   bash bench/gpu_session.sh clocks4 OUT   issue 3: meshrun's defaults on NG GPUs (124M, 1.3B) with the clocks sampled
 #   bash bench/gpu_session.sh tune13c OUT   issue 3: GPT 1.3B on NG GPUs with the kernels card 3 tuned in `clocks`
@@ -341,6 +343,30 @@ clocks)
   wait $J0 $J1 ${J2:-} ${J3:-}; kill $SMI
   python3 bench/smi_summary.py "$OUT/smi.csv" | tee -a "$S"
   ;;
+gemm)
+  # issue 3 (twelfth session, 1 GPU each, side by side, clocks sampled): max-autotune GEMMs again,
+  # now with each candidate benchmarked in a subprocess (call AK's illegal memory access killed
+  # the whole run) and cuBLAS as the fallback where no Triton config fits the 227 KiB of shared
+  # memory. Inductor then fuses GELU/dGELU, bias and adds into Triton matmul epilogues wherever
+  # its own benchmark says the fused kernel beats cuBLAS + a separate one. Card 0 the default,
+  # card 1 max-autotune GEMMs, card 2 those with coordinate-descent tuning; card 3 GPT 1.3B with
+  # coordinate descent at the 4-GPU per-rank shapes (its cache, /tmp/inductor-3, serves tune13c)
+  smi_start "$OUT/smi.csv"
+  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
+  B="--mode meshrun --size gpt-1.3b --micro 32 --global-tokens 131072 --compile --warmup 3 --steps 8"
+  MAG="TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC=1"
+  one 0 240 124m-default -- $A; J0=$!
+  one 1 "${GEMM_LIM:-520}" 124m-gemm $MAG -- $A --inductor autotune_fallback_to_aten=true; J1=$!
+  [ "$NG" -ge 3 ] && { one 2 "${GEMM_LIM:-520}" 124m-gemm-cd $MAG TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 -- $A \
+    --inductor autotune_fallback_to_aten=true; J2=$!; }
+  [ "$NG" -ge 4 ] && { one 3 420 13b-coordinate TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 -- $B; J3=$!; }
+  wait $J0 $J1 ${J2:-} ${J3:-}; kill $SMI
+  python3 bench/smi_summary.py "$OUT/smi.csv" | tee -a "$S"
+  for g in 1 2; do  # each autotuned matmul and its winner (the line after), then any errors
+    [ -f "$OUT/one-$g.log" ] && { echo "card $g, the GEMM choices:"
+      grep -A1 "AUTOTUNE [a-z_]*(" "$OUT/one-$g.log" | grep -v '^--' | paste - - | cut -c1-230 | sort | uniq -c | head -24
+      grep -E "Error" "$OUT/one-$g.log" | sort | uniq -c | sort -rn | head -3 | cut -c1-220; } >> "$S"; done
+  ;;
 clocks4)
   # issue 3: meshrun's defaults on NG GPUs (124M, then 1.3B) with every card's SM clock and power sampled
   G=$((NG * 131072))
@@ -384,7 +410,7 @@ autotune4)
   G=$((NG * 131072)); A="--mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile"
   tb 150 "$NG" $A
   ( export ${AT4_ENV:-TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1} TORCHINDUCTOR_CACHE_DIR="${AT4_CACHE:-/tmp/inductor-2}"
-    tb 240 "$NG" $A; tb 200 "$NG" $A --bucket-mb 100 )
+    tb 240 "$NG" $A ${AT4_ARGS:-}; tb 200 "$NG" $A --bucket-mb 100 ${AT4_ARGS:-} )
   tb 150 "$NG" $A
   ;;
 layouts)

@@ -74,6 +74,27 @@ def timed_loop(step_fn, warmup: int, steps: int, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def inductor_settings(pairs: list[str]) -> dict:
+    """Apply ``--inductor KEY=VALUE`` to torch._inductor.config; return them with the TORCHINDUCTOR_*
+    variables of the environment, so that a result line says which compiler settings made it."""
+    import torch._inductor.config as cfg
+
+    applied: dict = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR"}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        owner, _, leaf = key.rpartition(".")  # "triton.cudagraphs" lives in a sub-config
+        target = getattr(cfg, owner, None) if owner else cfg
+        if not sep or target is None or not hasattr(target, leaf):
+            raise SystemExit(f"train_bench: --inductor {pair!r}: expected KEY=VALUE with KEY in torch._inductor.config")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        setattr(target, leaf, value)
+        applied[key] = value
+    return applied
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", required=True, choices=["ddp", "ddp_compile", "accelerate", "fabric", "fsdp2", "meshrun"])
@@ -109,7 +130,11 @@ def main() -> None:
         ap.add_argument(flag, type=int, default=None)
     ap.add_argument("--pp-schedule", default="1f1b")
     ap.add_argument("--offload", default="none")
+    ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                    help="set torch._inductor.config.KEY (repeatable; VALUE read as JSON, else a string), "
+                         "for knobs without an environment variable, e.g. autotune_fallback_to_aten=true")
     args = ap.parse_args()
+    inductor = inductor_settings(args.inductor)
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     cuda = torch.cuda.is_available()
@@ -249,7 +274,7 @@ def main() -> None:
         "card": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "warmup_s": round(WARMUP_S[0], 1), "fp32_residual": args.fp32_residual,
         "fused_loss": model.cfg.fused_loss, "triton_loss": model.cfg.triton_loss, "sdpa": args.sdpa, "compiled_autograd": args.compiled_autograd,
-        "host_sync": args.host_sync, "date": time.strftime("%Y-%m-%d"),
+        "host_sync": args.host_sync, "inductor": inductor, "date": time.strftime("%Y-%m-%d"),
     }
     if rank == 0:
         line = json.dumps(result)
