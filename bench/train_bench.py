@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile-tune", action="store_true",
+                    help="meshrun: --compile-tune (max-autotune matmuls, coordinate descent; implies --compile)")
     ap.add_argument("--ac", action="store_true", help="meshrun: activation checkpointing of every block")
     ap.add_argument("--fp32-residual", action="store_true",
                     help="keep the GPT's residual stream fp32 under autocast (the model before 2026-11-26)")
@@ -158,7 +160,7 @@ def main() -> None:
 
         global_batch = args.global_tokens // args.seq if args.global_tokens else None
         cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro or None, global_batch=global_batch,
-                          seq_len=args.seq, compile=args.compile,
+                          seq_len=args.seq, compile=args.compile, compile_tune=args.compile_tune,
                           steps=args.warmup + args.steps, lr=3e-4, log_every=10**9, grad_clip=1.0, fsdp=args.fsdp,
                           ddp_bucket_mb=args.bucket_mb, reduce_precision=args.reduce_precision,
                           activation_checkpointing="full" if args.ac else "none",
@@ -268,7 +270,8 @@ def main() -> None:
     tokens_per_gpu = args.micro * accum * args.seq * args.steps / elapsed / share
     peak = peak_flops(device)
     result = {
-        "mode": args.mode, "size": args.size, "gpus": world, "micro": args.micro, "compile": args.compile, **extra,
+        "mode": args.mode, "size": args.size, "gpus": world, "micro": args.micro,
+        "compile": args.compile or args.compile_tune, "compile_tune": args.compile_tune, **extra,
         "tokens_per_s_per_gpu": round(tokens_per_gpu), "mfu": round(tokens_per_gpu * flops_per_token / peak, 4)
         if peak else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
         "card": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,

@@ -451,3 +451,9 @@ def test_context_parallel_attention_outputs_and_gradients(nproc):
     and q/k/v gradients as causal attention over the whole sequence (fp32), on every rank."""
     require("torch")
     assert meshrun.run(_cp_attention_matches, nproc=nproc, timeout_s=120) < 1e-5
+
+
+def test_compile_tune_trains_the_same(reference):
+    # Inductor's tuned kernels (max-autotune matmuls, coordinate descent) compute the same
+    # training; --compile-tune implies --compile
+    close(run(2, strategy="ddp", micro_batch=4, compile_tune=True), reference, rtol=1e-3)

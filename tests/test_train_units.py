@@ -163,6 +163,25 @@ def test_ddp_bucket_size_follows_compile_and_hosts(requested, compiled, world, l
     assert ddp_bucket_mb(requested, compiled, rt) == expected
 
 
+def test_compile_tune_asks_inductor_for_tuned_kernels_torch_accepts():
+    """--compile-tune: max-autotune matmuls, coordinate descent, cuBLAS as the fallback; on
+    GPUs each candidate benchmarked in a subprocess (in-process, a bad Triton config killed
+    call AK's run). torch.compile checks option names when it is called, so a key this torch
+    lacks would raise here rather than at a GPU job's first step. Tuning implies compiling."""
+    from meshrun.train.config import validate
+    from meshrun.train.parallelize import compile_options
+
+    assert compile_options(False, True) == {}
+    cpu, gpu = compile_options(True, False), compile_options(True, True)
+    assert cpu == {"max_autotune_gemm": True, "coordinate_descent_tuning": True, "autotune_fallback_to_aten": True}
+    assert gpu == dict(cpu, autotune_in_subproc=True)
+    torch.compile(lambda x: x + 1, options=gpu)
+    with pytest.raises(RuntimeError):  # the check this relies on
+        torch.compile(lambda x: x + 1, options={"no_such_inductor_option": True})
+    assert validate(TrainConfig(compile_tune=True)).compile
+    assert not validate(TrainConfig()).compile
+
+
 def test_mixture_of_experts_flops_count_the_experts_a_token_visits():
     """MFU of an MoE GPT: a token runs its top-k experts' MLPs (and the router), not all of
     them; counting every expert made the third session's EP rows read 47% instead of ~16%."""

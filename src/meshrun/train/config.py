@@ -62,6 +62,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     precision: str = "auto"  # bf16 on GPUs that have it, fp32 elsewhere
     compile: bool = False
+    # Inductor's max-autotune matmuls and coordinate-descent tuning (implies compile): a faster
+    # step for minutes more compiling (train/parallelize.py: compile_options)
+    compile_tune: bool = False
     activation_checkpointing: str = "none"
     # None: 1000 MB compiled on one host, else 100 MB (train/parallelize.py: ddp_bucket_mb)
     ddp_bucket_mb: int | None = None
@@ -192,6 +195,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise bad_value(cfg.source("min_lr_ratio"), cfg.min_lr_ratio, "must be between 0 and 1")
     if cfg.grad_clip < 0:
         raise bad_value(cfg.source("grad_clip"), cfg.grad_clip, "must be >= 0 (0 disables clipping)")
+    if cfg.compile_tune and not cfg.compile:  # tuning is of compiled kernels: it asks for them
+        cfg = dataclasses.replace(cfg, compile=True)
     return cfg
 
 

@@ -230,14 +230,42 @@ def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
         blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, per_block: bool) -> None:
+# --compile-tune: Inductor settings that trade minutes of compiling for a faster step.
+_TUNE = {
+    "max_autotune_gemm": True,  # each matmul benchmarked against Triton templates with fused epilogues
+    "coordinate_descent_tuning": True,  # block sizes of Inductor's own kernels searched
+    "autotune_fallback_to_aten": True,  # cuBLAS where no Triton config fits the card's shared memory
+}
+
+
+def compile_options(tune: bool, cuda: bool) -> dict[str, bool]:
+    """``torch.compile(options=...)`` for ``--compile-tune``; empty without it.
+
+    Measured on GPT 124M (4 x H200, torch 2.11, twelfth session in docs/benchmarks.md): +1.7%
+    for the max-autotune matmuls alone, +2.6% with coordinate descent on one GPU, +1.6% on four
+    (DDP), for 2-5 minutes more compiling; not a default, because short runs lose more than they
+    gain. On GPUs every candidate kernel is benchmarked in a subprocess: in-process, one bad
+    Triton config hit an illegal memory access that killed the run (call AK). Settings this
+    torch does not have are left out (torch 2.6 to 2.14)."""
+    if not tune:
+        return {}
+    import torch._inductor.config as inductor
+
+    opts = dict(_TUNE, autotune_in_subproc=True) if cuda else dict(_TUNE)
+    return {k: v for k, v in opts.items() if hasattr(inductor, k)}
+
+
+def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, per_block: bool,
+                  options: dict[str, bool] | None = None) -> None:
     """``Module.compile()`` compiles in place, so parameter names (and checkpoints) do not
-    change. Per block under FSDP (identical blocks share one compiled graph)."""
+    change. Per block under FSDP (identical blocks share one compiled graph). ``options``:
+    Inductor settings for these graphs only (``compile_options``)."""
+    kwargs = {"options": options} if options else {}
     if per_block and blocks is not None:
         for block in blocks:
-            block.compile()
+            block.compile(**kwargs)
     else:
-        model.compile()
+        model.compile(**kwargs)
 
 
 DDP_BUCKET_MB = 100  # eager: 6% over torch's 25 MB (docs/benchmarks.md, call C)

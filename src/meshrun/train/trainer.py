@@ -31,7 +31,7 @@ from .metrics import MetricsSink, mfu, peak_flops
 from .optim import build_optimizer, build_scheduler, create_state
 from .layouts import (Layout, checkpoint_blocks, context_parallel, deepspeed_engine, expert_groups, is_expert,
                       same_initial_weights, tensor_pipeline)
-from .parallelize import (FSDPPlan, apply_compile, apply_ddp, apply_fsdp, apply_loss_parallel, can_loss_parallel,
+from .parallelize import (FSDPPlan, apply_compile, compile_options, apply_ddp, apply_fsdp, apply_loss_parallel, can_loss_parallel,
                           apply_tp, choose_fsdp_flavour, choose_strategy, ddp_bucket_mb, find_blocks, fsdp_mesh)
 from .runtime import Runtime, init_runtime, take_blas_workspaces
 
@@ -187,16 +187,16 @@ class Trainer:
             if self.mesh is None and self.cp_group is None:  # (under TP/CP it happened above)
                 same_initial_weights(model)
             if cfg.compile:
-                apply_compile(model, blocks, per_block=True)
+                apply_compile(model, blocks, per_block=True, options=self.compile_options)
             self._shard(model, blocks)
             return model, None
         if self.strategy == "ddp":
             ddp = apply_ddp(model, rt, ddp_bucket_mb(cfg.ddp_bucket_mb, cfg.compile, rt), cfg.reduce_precision == "bf16")
             if cfg.compile:
-                apply_compile(ddp, None, per_block=False)
+                apply_compile(ddp, None, per_block=False, options=self.compile_options)
             return ddp, ddp
         if cfg.compile:
-            apply_compile(model, None, per_block=False)
+            apply_compile(model, None, per_block=False, options=self.compile_options)
         return model, None
 
     def _pipeline(self, model: nn.Module, blocks: nn.ModuleList) -> nn.Module:
@@ -208,7 +208,7 @@ class Trainer:
         if self.ac:
             checkpoint_blocks(blocks)
         if cfg.compile:
-            apply_compile(model, blocks, per_block=True)
+            apply_compile(model, blocks, per_block=True, options=self.compile_options)
         self.pipe = Pipeline(model, self.mesh, cfg.pp_schedule, cfg.pp_microbatches or cfg.pp, self.accum, rt.device)
         if self.strategy == "fsdp":
             flavour = cfg.fsdp if cfg.fsdp != "auto" else "full"
@@ -234,7 +234,7 @@ class Trainer:
         if self.ac:
             checkpoint_blocks(blocks)
         if self.cfg.compile:
-            apply_compile(model, blocks, per_block=True)
+            apply_compile(model, blocks, per_block=True, options=self.compile_options)
         if self.ep_fsdp:  # every parameter but the experts (each rank's own) sharded over all ranks
             self._shard(model, blocks, ignored={p for n, p in model.named_parameters() if is_expert(n)})
         return model
@@ -446,13 +446,17 @@ class Trainer:
         dist.all_reduce(total)
         return (total[0] / total[1]).item() if total[1] > 0 else None
 
+    @property
+    def compile_options(self) -> dict[str, bool]:
+        return compile_options(self.cfg.compile_tune, self.rt.cuda)
+
     # ---- the loop -----------------------------------------------------------------------
     def describe(self) -> str:
         cfg, rt = self.cfg, self.rt
         return (f"meshrun train: strategy {self.strategy} ({self.strategy_reason}), {rt.world_size} process(es), "
                 f"{self.n_params / 1e6:.2f}M parameters, global batch {cfg.micro} x {self.accum} x "
                 f"{self.dp_size} = {cfg.micro * self.accum * self.dp_size}, "
-                f"{'bf16' if self.bf16 else 'fp32'}{', compiled' if cfg.compile else ''}"
+                f"{'bf16' if self.bf16 else 'fp32'}{(', compiled, tuned' if cfg.compile_tune else ', compiled') if cfg.compile else ''}"
                 + (f", DDP buckets of {self.ddp.bucket_bytes_cap // 2**20} MB" if self.ddp is not None else ""))
 
     def _guarded_step(self, data: Iterator, first: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
@@ -464,7 +468,9 @@ class Trainer:
                 raise
             raise MeshrunError(
                 f"out of memory at the first step with strategy {self.strategy}, micro-batch {self.cfg.micro} "
-                f"(hint: try --strategy fsdp, a smaller --micro-batch, or --activation-checkpointing full)"
+                f"(hint: try --strategy fsdp, a smaller --micro-batch, or --activation-checkpointing full"
+                + ("; --compile-tune's kernels may hold one more logits-sized buffer: try without it" if self.cfg.compile_tune
+                   else "") + ")"
             ) from None
 
     def _record(self, step: int, loss_sum: torch.Tensor, steps: int, tokens: int, elapsed: float,
