@@ -242,9 +242,9 @@ def compile_options(tune: bool, cuda: bool) -> dict[str, bool]:
     """``torch.compile(options=...)`` for ``--compile-tune``; empty without it.
 
     Measured on GPT 124M (4 x H200, torch 2.11, twelfth session in docs/benchmarks.md): +1.7%
-    for the max-autotune matmuls alone, +2.6% with coordinate descent on one GPU, +1.6% on four
-    (DDP), for 2-5 minutes more compiling; not a default, because short runs lose more than they
-    gain. On GPUs every candidate kernel is benchmarked in a subprocess: in-process, one bad
+    for the max-autotune matmuls alone, +2.6% with coordinate descent on one GPU, +1.5% on four
+    (DDP), for 2-6 minutes more compiling on a 64-core host; not a default, because short runs
+    lose more than they gain. On GPUs every candidate kernel is benchmarked in a subprocess: in-process, one bad
     Triton config hit an illegal memory access that killed the run (call AK). Settings this
     torch does not have are left out (torch 2.6 to 2.14)."""
     if not tune:
