@@ -24,6 +24,7 @@
 #                                           AT4_ARGS)
 #   bash bench/gpu_session.sh gemm OUT      issue 3: GPT 124M, 1 GPU each: max-autotune GEMMs benchmarked in subprocesses
 #   bash bench/gpu_session.sh tune4 OUT     issue 3: meshrun train --compile-tune on NG GPUs against the default
+#   bash bench/gpu_session.sh bucket13 OUT  issue 3: GPT 1.3B on NG GPUs, one 6000-MB DDP bucket against the default
 #   bash bench/gpu_session.sh clocks OUT    issue 3: 1-GPU runs side by side with each card's SM clock and power sampled
 #   bash bench/gpu_session.sh clocks4 OUT   issue 3: meshrun's defaults on NG GPUs (124M, 1.3B) with the clocks sampled
 #   bash bench/gpu_session.sh tune13c OUT   issue 3: GPT 1.3B on NG GPUs with the kernels card 3 tuned in `clocks`
@@ -377,6 +378,17 @@ tune4)
   tb 150 "$NG" $A
   tb "${TUNE4_LIM:-400}" "$NG" $A --compile-tune
   tb 150 "$NG" $A
+  ;;
+bucket13)
+  # issue 3, twelfth session: GPT 1.3B on NG GPUs, DDP 32 x 4. Its 5.3 GB of fp32 gradients fill six
+  # 1000-MB buckets, so the compiled graph is still cut six times (and the 1-GPU run's tuned kernels
+  # do not serve it: call AR). One 6000-MB bucket: no cut, one all-reduce of 5.3 GB after the
+  # last micro-step's backward (~20 ms exposed of a ~1.9-s step), 5.3 GB more transient memory.
+  # Predicted -0.5..+1%. The default before and after
+  G=$((NG * 131072)); B="--mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8"
+  tb 160 "$NG" $B
+  tb 160 "$NG" $B --bucket-mb 6000
+  tb 160 "$NG" $B
   ;;
 clocks4)
   # issue 3: meshrun's defaults on NG GPUs (124M, then 1.3B) with every card's SM clock and power sampled

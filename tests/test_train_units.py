@@ -163,6 +163,7 @@ def test_ddp_bucket_size_follows_compile_and_hosts(requested, compiled, world, l
     assert ddp_bucket_mb(requested, compiled, rt) == expected
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit's, raised as Inductor is imported
 def test_compile_tune_asks_inductor_for_tuned_kernels_torch_accepts():
     """--compile-tune: max-autotune matmuls, coordinate descent, cuBLAS as the fallback; on
     GPUs each candidate benchmarked in a subprocess (in-process, a bad Triton config killed
