@@ -129,6 +129,24 @@ def test_config_file_errors(tmp_path):
     assert out.returncode == 2 and "--steps (from config" in out.stderr and "'many'" in out.stderr
 
 
+@pytest.mark.parametrize("var,value,said", [
+    ("MESHRUN_COMPILE", "maybe", "--compile (from env MESHRUN_COMPILE)='maybe': expected bool (hint: true or false"),
+    ("MESHRUN_COMPILE_TUNE", "sure", "--compile-tune (from env MESHRUN_COMPILE_TUNE)='sure': expected bool"),
+    ("MESHRUN_STEPS", "0", "--steps (from env MESHRUN_STEPS)=0: must be at least 1"),
+], ids=["bool", "compile-tune", "validated"])
+def test_errors_about_a_variable_name_it(var, value, said):
+    """A bad value from the environment is reported with the variable it came from, before
+    anything launches (the type check and validate() both see where it came from)."""
+    out = meshrun("train", "--dry-run", env=clean_env(**{var: value}))
+    assert out.returncode == 2 and said in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
+
+
+def test_compile_tune_from_the_environment_asks_for_compile():
+    out = meshrun("train", "--dry-run", "--json", env=clean_env(MESHRUN_COMPILE_TUNE="1"))
+    cfg = json.loads(json.loads(out.stdout)["env"]["MESHRUN_TRAIN_CONFIG"])
+    assert cfg["compile"] and cfg["compile_tune"] and cfg["sources"]["compile_tune"] == "env MESHRUN_COMPILE_TUNE"
+
+
 def test_factory_that_raises_inside_the_ranks_is_reported_in_one_line():
     out = meshrun("train", "--data", "userpkg.factories:broken", "--steps", "2", env=clean_env(PYTHONPATH=HERE))
     assert out.returncode == 2

@@ -175,13 +175,8 @@ RETRY_PORT_STRIDE = 1  # attempt k rendezvous on master_port + k: every node com
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     file_values = load_file(ns.config) if ns.config else {}
     flags = {k: getattr(ns, k, None) for k in TRAIN_KEYS}
-    cfg = build_config(file_values, flags, ns.config)
-    env_sources = getattr(ns, "_env_sources", {})
-    if env_sources:
-        sources = dict(cfg.sources)
-        sources.update({k: v for k, v in env_sources.items() if k in TRAIN_KEYS})
-        cfg = cfg.replace(sources=sources)
-    return cfg
+    env_sources = {k: v for k, v in getattr(ns, "_env_sources", {}).items() if k in TRAIN_KEYS}
+    return build_config(file_values, flags, ns.config, env_sources)
 
 
 def require_trainer_packages() -> None:

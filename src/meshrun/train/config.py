@@ -232,15 +232,17 @@ def load_file(path: str) -> dict[str, Any]:
 
 
 def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any],
-                 file_name: str | None = None) -> TrainConfig:
-    """Defaults < config file < flags; each value remembers where it came from."""
+                 file_name: str | None = None, flag_sources: Mapping[str, str] | None = None) -> TrainConfig:
+    """Defaults < config file < flags; each value remembers where it came from.
+    ``flag_sources``: where a flag's value came from when not the command line (e.g.
+    "env MESHRUN_STEPS"), so that an error about it names the variable."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name, value in file_values.items():
         values[name], sources[name] = value, f"config {file_name}"
     for name, value in flag_values.items():
         if value is not None:
-            values[name], sources[name] = value, "flag"
+            values[name], sources[name] = value, (flag_sources or {}).get(name, "flag")
     types = {f.name: f.type for f in fields(TrainConfig)}
     for name, value in list(values.items()):
         values[name] = _coerce(name, value, str(types[name]), sources[name])
@@ -268,4 +270,6 @@ def _coerce(name: str, value: Any, type_name: str, source: str) -> Any:
             return float(value)
         return str(value)
     except (TypeError, ValueError):
-        raise bad_value(where, value, f"expected {type_name.replace(' | None', '')}") from None
+        kind = type_name.replace(" | None", "")
+        hint = {"bool": "true or false (1/0, yes/no, on/off)", "int": "a whole number", "float": "a number"}.get(kind)
+        raise bad_value(where, value, f"expected {kind}", hint) from None
