@@ -350,7 +350,8 @@ gemm)
   # now with each candidate benchmarked in a subprocess (call AK's illegal memory access killed
   # the whole run) and cuBLAS as the fallback where no Triton config fits the 227 KiB of shared
   # memory. Inductor then fuses GELU/dGELU, bias and adds into Triton matmul epilogues wherever
-  # its own benchmark says the fused kernel beats cuBLAS + a separate one. Card 0 the default,
+  # its own benchmark says the fused kernel beats cuBLAS + a separate one (call AQ: nowhere;
+  # cuBLAS won 13 of 15 shapes, split-K the other two). Card 0 the default,
   # card 1 max-autotune GEMMs, card 2 those with coordinate-descent tuning; card 3 GPT 1.3B with
   # coordinate descent at the 4-GPU per-rank shapes (its cache, /tmp/inductor-3, serves tune13c)
   smi_start "$OUT/smi.csv"
@@ -370,10 +371,10 @@ gemm)
       grep -E "Error" "$OUT/one-$g.log" | sort | uniq -c | sort -rn | head -3 | cut -c1-220; } >> "$S"; done
   ;;
 tune4)
-  # issue 3, twelfth session: `meshrun train --compile-tune` on NG GPUs against the default, the
-  # default before and after (call AS measured the same settings through environment variables:
-  # +1.5% at 124M, 303 s of compiling). TUNE4_SIZE=gpt-1.3b for the larger model (its tuning
-  # compiled past 300 s in calls AL and AR: give it the whole call)
+  # issue 3, twelfth session: `meshrun train --compile-tune` (coordinate descent) on NG GPUs
+  # against the default, the default before and after. Predicted +1.0..1.5% at 124M (call AS:
+  # +1.5% with max-autotune matmuls as well, which won ~0.1%). TUNE4_SIZE=gpt-1.3b for the larger
+  # model (its tuning compiled past 300 s in calls AL and AR: TUNE4_LIM=560, the whole call)
   G=$((NG * 131072)); A="--mode meshrun --size ${TUNE4_SIZE:-gpt-124m} --micro 0 --global-tokens $G --compile"
   tb 150 "$NG" $A
   tb "${TUNE4_LIM:-400}" "$NG" $A --compile-tune

@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--compile-tune", action="store_true",
-                    help="meshrun: --compile-tune (max-autotune matmuls, coordinate descent; implies --compile)")
+                    help="meshrun: --compile-tune (coordinate-descent tuning; implies --compile)")
     ap.add_argument("--ac", action="store_true", help="meshrun: activation checkpointing of every block")
     ap.add_argument("--fp32-residual", action="store_true",
                     help="keep the GPT's residual stream fp32 under autocast (the model before 2026-11-26)")

@@ -454,6 +454,5 @@ def test_context_parallel_attention_outputs_and_gradients(nproc):
 
 
 def test_compile_tune_trains_the_same(reference):
-    # Inductor's tuned kernels (max-autotune matmuls, coordinate descent) compute the same
-    # training; --compile-tune implies --compile
+    # Inductor's tuned kernels compute the same training; --compile-tune implies --compile
     close(run(2, strategy="ddp", micro_batch=4, compile_tune=True), reference, rtol=1e-3)

@@ -165,18 +165,15 @@ def test_ddp_bucket_size_follows_compile_and_hosts(requested, compiled, world, l
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit's, raised as Inductor is imported
 def test_compile_tune_asks_inductor_for_tuned_kernels_torch_accepts():
-    """--compile-tune: max-autotune matmuls, coordinate descent, cuBLAS as the fallback; on
-    GPUs each candidate benchmarked in a subprocess (in-process, a bad Triton config killed
-    call AK's run). torch.compile checks option names when it is called, so a key this torch
-    lacks would raise here rather than at a GPU job's first step. Tuning implies compiling."""
+    """--compile-tune: coordinate-descent tuning, as options of the compiled graphs only.
+    torch.compile checks option names when it is called, so a key this torch lacks would
+    raise here rather than at a GPU job's first step. Tuning implies compiling."""
     from meshrun.train.config import validate
     from meshrun.train.parallelize import compile_options
 
-    assert compile_options(False, True) == {}
-    cpu, gpu = compile_options(True, False), compile_options(True, True)
-    assert cpu == {"max_autotune_gemm": True, "coordinate_descent_tuning": True, "autotune_fallback_to_aten": True}
-    assert gpu == dict(cpu, autotune_in_subproc=True)
-    torch.compile(lambda x: x + 1, options=gpu)
+    assert compile_options(False) == {}
+    assert compile_options(True) == {"coordinate_descent_tuning": True}
+    torch.compile(lambda x: x + 1, options=compile_options(True))
     with pytest.raises(RuntimeError):  # the check this relies on
         torch.compile(lambda x: x + 1, options={"no_such_inductor_option": True})
     assert validate(TrainConfig(compile_tune=True)).compile

@@ -62,8 +62,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     precision: str = "auto"  # bf16 on GPUs that have it, fp32 elsewhere
     compile: bool = False
-    # Inductor's max-autotune matmuls and coordinate-descent tuning (implies compile): a faster
-    # step for minutes more compiling (train/parallelize.py: compile_options)
+    # Inductor's coordinate-descent tuning of its kernels (implies compile): a step 1-2% faster
+    # for minutes more compiling (train/parallelize.py: compile_options)
     compile_tune: bool = False
     activation_checkpointing: str = "none"
     # None: 1000 MB compiled on one host, else 100 MB (train/parallelize.py: ddp_bucket_mb)

@@ -230,29 +230,18 @@ def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
         blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-# --compile-tune: Inductor settings that trade minutes of compiling for a faster step.
-_TUNE = {
-    "max_autotune_gemm": True,  # each matmul benchmarked against Triton templates with fused epilogues
-    "coordinate_descent_tuning": True,  # block sizes of Inductor's own kernels searched
-    "autotune_fallback_to_aten": True,  # cuBLAS where no Triton config fits the card's shared memory
-}
+def compile_options(tune: bool) -> dict[str, bool]:
+    """``torch.compile(options=...)`` for ``--compile-tune``: Inductor's coordinate-descent
+    search of its Triton kernels' block sizes; empty without it.
 
-
-def compile_options(tune: bool, cuda: bool) -> dict[str, bool]:
-    """``torch.compile(options=...)`` for ``--compile-tune``; empty without it.
-
-    Measured on GPT 124M (4 x H200, torch 2.11, twelfth session in docs/benchmarks.md): +1.7%
-    for the max-autotune matmuls alone, +2.6% with coordinate descent on one GPU, +1.5% on four
-    (DDP), for 2-6 minutes more compiling on a 64-core host; not a default, because short runs
-    lose more than they gain. On GPUs every candidate kernel is benchmarked in a subprocess: in-process, one bad
-    Triton config hit an illegal memory access that killed the run (call AK). Settings this
-    torch does not have are left out (torch 2.6 to 2.14)."""
-    if not tune:
-        return {}
-    import torch._inductor.config as inductor
-
-    opts = dict(_TUNE, autotune_in_subproc=True) if cuda else dict(_TUNE)
-    return {k: v for k, v in opts.items() if hasattr(inductor, k)}
+    Measured (H200, torch 2.11, docs/benchmarks.md): +1.8% and +1.0% at GPT 124M on one GPU
+    (calls E, AK), +0.7% at 1.3B (AM), for 3-4 minutes more compiling: not a default, a short
+    run loses more than it gains. Max-autotune matmuls were tried with it (calls AK, AQ, AS) and
+    are left out: cuBLAS beat every Triton template at these shapes, the only other winners
+    being split-K weight gradients worth ~0.1% of the step, and they cost ~100 s more compiling
+    and a 12 GiB transient at the first step (ATen's candidates are benchmarked in the training
+    process, the tied head's with a logits-sized output)."""
+    return {"coordinate_descent_tuning": True} if tune else {}
 
 
 def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, per_block: bool,

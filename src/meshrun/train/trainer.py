@@ -448,7 +448,7 @@ class Trainer:
 
     @property
     def compile_options(self) -> dict[str, bool]:
-        return compile_options(self.cfg.compile_tune, self.rt.cuda)
+        return compile_options(self.cfg.compile_tune)
 
     # ---- the loop -----------------------------------------------------------------------
     def describe(self) -> str:
@@ -468,9 +468,7 @@ class Trainer:
                 raise
             raise MeshrunError(
                 f"out of memory at the first step with strategy {self.strategy}, micro-batch {self.cfg.micro} "
-                f"(hint: try --strategy fsdp, a smaller --micro-batch, or --activation-checkpointing full"
-                + ("; --compile-tune's kernels may hold one more logits-sized buffer: try without it" if self.cfg.compile_tune
-                   else "") + ")"
+                f"(hint: try --strategy fsdp, a smaller --micro-batch, or --activation-checkpointing full)"
             ) from None
 
     def _record(self, step: int, loss_sum: torch.Tensor, steps: int, tokens: int, elapsed: float,
