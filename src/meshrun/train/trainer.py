@@ -31,8 +31,9 @@ from .metrics import MetricsSink, mfu, peak_flops
 from .optim import build_optimizer, build_scheduler, create_state
 from .layouts import (Layout, checkpoint_blocks, context_parallel, deepspeed_engine, expert_groups, is_expert,
                       same_initial_weights, tensor_pipeline)
-from .parallelize import (FSDPPlan, apply_compile, compile_options, apply_ddp, apply_fsdp, apply_loss_parallel, can_loss_parallel,
-                          apply_tp, choose_fsdp_flavour, choose_strategy, ddp_bucket_mb, find_blocks, fsdp_mesh)
+from .parallelize import (FSDPPlan, apply_compile, apply_ddp, apply_fsdp, apply_loss_parallel, can_loss_parallel,
+                          apply_tp, choose_fsdp_flavour, choose_strategy, compile_options, ddp_bucket_mb, find_blocks,
+                          fsdp_mesh)
 from .runtime import Runtime, init_runtime, take_blas_workspaces
 
 
@@ -456,7 +457,7 @@ class Trainer:
         return (f"meshrun train: strategy {self.strategy} ({self.strategy_reason}), {rt.world_size} process(es), "
                 f"{self.n_params / 1e6:.2f}M parameters, global batch {cfg.micro} x {self.accum} x "
                 f"{self.dp_size} = {cfg.micro * self.accum * self.dp_size}, "
-                f"{'bf16' if self.bf16 else 'fp32'}{(', compiled, tuned' if cfg.compile_tune else ', compiled') if cfg.compile else ''}"
+                f"{'bf16' if self.bf16 else 'fp32'}{', compiled' if cfg.compile else ''}{', tuned' if cfg.compile_tune else ''}"
                 + (f", DDP buckets of {self.ddp.bucket_bytes_cap // 2**20} MB" if self.ddp is not None else ""))
 
     def _guarded_step(self, data: Iterator, first: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
