@@ -244,11 +244,11 @@ def compile_options(tune: bool) -> dict[str, bool]:
     return {"coordinate_descent_tuning": True} if tune else {}
 
 
-def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, per_block: bool,
-                  options: dict[str, bool] | None = None) -> None:
+def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, per_block: bool, tune: bool = False) -> None:
     """``Module.compile()`` compiles in place, so parameter names (and checkpoints) do not
-    change. Per block under FSDP (identical blocks share one compiled graph). ``options``:
-    Inductor settings for these graphs only (``compile_options``)."""
+    change. Per block under FSDP (identical blocks share one compiled graph). ``tune``: the
+    Inductor settings of ``compile_options``, for these graphs only."""
+    options = compile_options(tune)
     kwargs = {"options": options} if options else {}
     if per_block and blocks is not None:
         for block in blocks:

@@ -32,8 +32,7 @@ from .optim import build_optimizer, build_scheduler, create_state
 from .layouts import (Layout, checkpoint_blocks, context_parallel, deepspeed_engine, expert_groups, is_expert,
                       same_initial_weights, tensor_pipeline)
 from .parallelize import (FSDPPlan, apply_compile, apply_ddp, apply_fsdp, apply_loss_parallel, can_loss_parallel,
-                          apply_tp, choose_fsdp_flavour, choose_strategy, compile_options, ddp_bucket_mb, find_blocks,
-                          fsdp_mesh)
+                          apply_tp, choose_fsdp_flavour, choose_strategy, ddp_bucket_mb, find_blocks, fsdp_mesh)
 from .runtime import Runtime, init_runtime, take_blas_workspaces
 
 
@@ -188,16 +187,16 @@ class Trainer:
             if self.mesh is None and self.cp_group is None:  # (under TP/CP it happened above)
                 same_initial_weights(model)
             if cfg.compile:
-                apply_compile(model, blocks, per_block=True, options=self.compile_options)
+                apply_compile(model, blocks, per_block=True, tune=cfg.compile_tune)
             self._shard(model, blocks)
             return model, None
         if self.strategy == "ddp":
             ddp = apply_ddp(model, rt, ddp_bucket_mb(cfg.ddp_bucket_mb, cfg.compile, rt), cfg.reduce_precision == "bf16")
             if cfg.compile:
-                apply_compile(ddp, None, per_block=False, options=self.compile_options)
+                apply_compile(ddp, None, per_block=False, tune=cfg.compile_tune)
             return ddp, ddp
         if cfg.compile:
-            apply_compile(model, None, per_block=False, options=self.compile_options)
+            apply_compile(model, None, per_block=False, tune=cfg.compile_tune)
         return model, None
 
     def _pipeline(self, model: nn.Module, blocks: nn.ModuleList) -> nn.Module:
@@ -209,7 +208,7 @@ class Trainer:
         if self.ac:
             checkpoint_blocks(blocks)
         if cfg.compile:
-            apply_compile(model, blocks, per_block=True, options=self.compile_options)
+            apply_compile(model, blocks, per_block=True, tune=cfg.compile_tune)
         self.pipe = Pipeline(model, self.mesh, cfg.pp_schedule, cfg.pp_microbatches or cfg.pp, self.accum, rt.device)
         if self.strategy == "fsdp":
             flavour = cfg.fsdp if cfg.fsdp != "auto" else "full"
@@ -235,7 +234,7 @@ class Trainer:
         if self.ac:
             checkpoint_blocks(blocks)
         if self.cfg.compile:
-            apply_compile(model, blocks, per_block=True, options=self.compile_options)
+            apply_compile(model, blocks, per_block=True, tune=self.cfg.compile_tune)
         if self.ep_fsdp:  # every parameter but the experts (each rank's own) sharded over all ranks
             self._shard(model, blocks, ignored={p for n, p in model.named_parameters() if is_expert(n)})
         return model
@@ -446,10 +445,6 @@ class Trainer:
         self.model.train()
         dist.all_reduce(total)
         return (total[0] / total[1]).item() if total[1] > 0 else None
-
-    @property
-    def compile_options(self) -> dict[str, bool]:
-        return compile_options(self.cfg.compile_tune)
 
     # ---- the loop -----------------------------------------------------------------------
     def describe(self) -> str:
