@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import bench_module, clean_env, example, lines, meshrun, require
+from helpers import BENCH, bench_module, clean_env, example, lines, meshrun, require
 from meshrun.errors import MeshrunError
 from meshrun.plan import ClusterSpec, TrainSpec, make_plan
 from meshrun.plan.batch import solve
@@ -163,7 +163,7 @@ def test_checkpointed_activations_are_the_block_inputs():
 
 def test_calibration_points_within_five_percent():
     """The allocated peaks measured on an H200 (bench/calibration) against the model."""
-    path = os.path.join(os.path.dirname(USERPKG), "bench", "calibration", "h200-2026-11-26.jsonl")
+    path = os.path.join(CALIBRATION, "h200-2026-11-26.jsonl")
     errors = []
     for line in open(path):
         r = json.loads(line)
@@ -177,7 +177,7 @@ def test_calibration_points_within_five_percent():
     assert len(errors) >= 7 and max(errors) <= 0.05, errors
 
 
-CALIBRATION = os.path.join(os.path.dirname(USERPKG), "bench", "calibration")
+CALIBRATION = os.path.join(BENCH, "calibration")
 
 
 def _plan_accuracy():
@@ -287,7 +287,7 @@ def test_the_allocator_replay_finds_the_extra_segment_and_its_cause():
     second step, as the GPU did, and none once the backward thread's cuBLAS workspace is taken
     before the first step (what call AJ then measured: 9.805 -> 8.484 GiB)."""
     replay = bench_module("allocator_replay")
-    events = replay.load(os.path.join(os.path.dirname(USERPKG), "bench", "results",
+    events = replay.load(os.path.join(BENCH, "results",
                                       "h200x4-alloc-trace-fsdp2-124m-micro8-2026-11-27.jsonl.gz"))
     block = replay.segment_size(4 * 50304 * 8 * 1024)
     ws = replay.backward_workspaces(events)
@@ -401,7 +401,7 @@ def test_step_time_follows_the_measured_layouts():
     from meshrun.plan.recommend import step_time
     from meshrun.plan.strategies import comm_bytes
 
-    path = os.path.join(os.path.dirname(USERPKG), "bench", "calibration", "h200-layouts-2026-11-26.jsonl")
+    path = os.path.join(CALIBRATION, "h200-layouts-2026-11-26.jsonl")
     m, c = PRESETS["gpt-1.3b"], ClusterSpec(1, 4, 141 * GiB)
     measured, predicted = {}, {}
     for line in open(path):
