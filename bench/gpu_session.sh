@@ -25,6 +25,7 @@
 #   bash bench/gpu_session.sh gemm OUT      issue 3: GPT 124M, 1 GPU each: max-autotune GEMMs benchmarked in subprocesses
 #   bash bench/gpu_session.sh tune4 OUT     issue 3: meshrun train --compile-tune (or TUNE4_ARGS) on NG GPUs against the default
 #   bash bench/gpu_session.sh bucket13 OUT  issue 3: GPT 1.3B on NG GPUs, one 6000-MB DDP bucket against the default
+#   bash bench/gpu_session.sh bucket13t OUT issue 3: the same, then the one bucket with --compile-tune
 #   bash bench/gpu_session.sh clocks OUT    issue 3: 1-GPU runs side by side with each card's SM clock and power sampled
 #   bash bench/gpu_session.sh clocks4 OUT   issue 3: meshrun's defaults on NG GPUs (124M, 1.3B) with the clocks sampled
 #   bash bench/gpu_session.sh tune13c OUT   issue 3: GPT 1.3B on NG GPUs with the kernels card 3 tuned in `clocks`
@@ -395,6 +396,15 @@ bucket13)
   tb 160 "$NG" $B
   tb 160 "$NG" $B --bucket-mb 6000
   tb 160 "$NG" $B
+  ;;
+bucket13t)
+  # issue 3, thirteenth session: GPT 1.3B on NG GPUs, DDP 32 x 4: the default (six 1000-MB buckets),
+  # one 6000-MB bucket (no graph cut), and that with --compile-tune, whose compile on 4 ranks ran past
+  # 300 s in calls AL and AR with the graph cut six times (on 1 GPU, uncut: 207-250 s)
+  G=$((NG * 131072)); B="--mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8"
+  tb 160 "$NG" $B
+  tb 160 "$NG" $B --bucket-mb 6000
+  tb 360 "$NG" $B --bucket-mb 6000 --compile-tune
   ;;
 clocks4)
   # issue 3: meshrun's defaults on NG GPUs (124M, then 1.3B) with every card's SM clock and power sampled
