@@ -279,6 +279,11 @@ def main() -> None:
         "fused_loss": model.cfg.fused_loss, "triton_loss": model.cfg.triton_loss, "sdpa": args.sdpa, "compiled_autograd": args.compiled_autograd,
         "host_sync": args.host_sync, "inductor": inductor, "date": time.strftime("%Y-%m-%d"),
     }
+    if inductor.get("triton.cudagraphs"):
+        # Inductor logs why it skips a graph only under TORCH_LOGS=cudagraphs (call AV's runs
+        # could not tell whether graphs were taken); its counters are always kept
+        from torch._dynamo.utils import counters
+        result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
     if rank == 0:
         line = json.dumps(result)
         print("BENCH " + line, flush=True)

@@ -62,7 +62,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     precision: str = "auto"  # bf16 on GPUs that have it, fp32 elsewhere
     compile: bool = False
-    # Inductor's coordinate-descent tuning of its kernels (implies compile): a step 1-2% faster
+    # Inductor's coordinate-descent tuning of its kernels (implies compile): a step up to 2% faster
     # for minutes more compiling (train/parallelize.py: compile_options)
     compile_tune: bool = False
     activation_checkpointing: str = "none"

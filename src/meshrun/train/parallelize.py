@@ -234,9 +234,10 @@ def compile_options(tune: bool) -> dict[str, bool]:
     """``torch.compile(options=...)`` for ``--compile-tune``: Inductor's coordinate-descent
     search of its Triton kernels' block sizes; empty without it.
 
-    Measured (H200, torch 2.11, docs/benchmarks.md): +1.8% and +1.0% at GPT 124M on one GPU
-    (calls E, AK), +0.7% at 1.3B (AM), for 3-4 minutes more compiling: not a default, a short
-    run loses more than it gains. Max-autotune matmuls were tried with it (calls AK, AQ, AS) and
+    Measured (H200, torch 2.11, docs/benchmarks.md): at GPT 124M +1.0-1.9% on one GPU (calls E,
+    AK, AX) and +1.0% on four (AU, AY); at 1.3B +0.7% on one (AM) and +0.3% on four (AW); for
+    ~4 minutes more compiling (a minute from Inductor's cache): not a default, a short run loses
+    more than it gains. Max-autotune matmuls were tried with it (calls AK, AQ, AS) and
     are left out: cuBLAS beat every Triton template at these shapes, the only other winners
     being split-K weight gradients worth ~0.1% of the step, and they cost ~100 s more compiling
     and a 12 GiB transient at the first step (ATen's candidates are benchmarked in the training
