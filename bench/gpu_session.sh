@@ -27,6 +27,7 @@
 #   bash bench/gpu_session.sh bucket13 OUT  issue 3: GPT 1.3B on NG GPUs, one 6000-MB DDP bucket against the default
 #   bash bench/gpu_session.sh bucket13t OUT issue 3: the same, then the one bucket with --compile-tune
 #   bash bench/gpu_session.sh tune1 OUT     issue 3: GPT 124M, 1 GPU each, side by side: default (cards 0, 2) and --compile-tune (1, 3)
+#   bash bench/gpu_session.sh mlp OUT       issue 3: the GELU in cuBLASLt's epilogues (carry .whl: nvmath-python), checked, then 1 GPU each
 #   bash bench/gpu_session.sh clocks OUT    issue 3: 1-GPU runs side by side with each card's SM clock and power sampled
 #   bash bench/gpu_session.sh clocks4 OUT   issue 3: meshrun's defaults on NG GPUs (124M, 1.3B) with the clocks sampled
 #   bash bench/gpu_session.sh tune13c OUT   issue 3: GPT 1.3B on NG GPUs with the kernels card 3 tuned in `clocks`
@@ -413,6 +414,29 @@ tune1)
   A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
   one 0 420 124m-default -- $A; J0=$!; one 1 420 124m-tuned -- $A --compile-tune; J1=$!
   one 2 420 124m-default -- $A; J2=$!; one 3 420 124m-tuned -- $A --compile-tune; J3=$!
+  wait $J0 $J1 $J2 $J3
+  ;;
+mlp)
+  # issue 3, thirteenth session (prepared on CPU, not yet run): the MLP's GELU and the up-projection's
+  # bias gradient in cuBLASLt's epilogues (train/fused_mlp.py) against Inductor's fused GELU. Needs
+  # nvmath-python, carried as wheels (carry .whl): here, `pip download --no-deps --only-binary=:all:
+  # --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl nvmath-python==1.0.0`
+  # and, into .whl/extra, cuda-core and cuda-pathfinder (--platform manylinux_2_24_x86_64 too), taken
+  # only if the image's own do not import it. First the numbers and per-MLP times
+  # (tests/scripts/fused_mlp_check.py), then GPT 124M, global 128K, 1 GPU each side by side: default
+  # on cards 0 and 2, --mlp cublaslt on 1 and 3. Predicted +2..4% (~3.2 GB less traffic per layer).
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    python3 -c "import nvmath.linalg.advanced" 2>/dev/null || {
+      echo "nvmath did not import with the image's cuda-core/cuda-pathfinder: carried ones" | tee -a "$S"
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/extra/*.whl; }
+  fi
+  timeout 240 python3 tests/scripts/fused_mlp_check.py > "$OUT/check.log" 2>&1; echo "check rc=$?" | tee -a "$S"
+  grep -vE "^\s*$" "$OUT/check.log" | tail -12 | cut -c1-400 | tee -a "$S"
+  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
+  one 0 300 124m-default -- $A; J0=$!; one 1 300 124m-mlp-cublaslt -- $A --mlp cublaslt; J1=$!
+  one 2 300 124m-default -- $A; J2=$!; one 3 300 124m-mlp-cublaslt -- $A --mlp cublaslt; J3=$!
   wait $J0 $J1 $J2 $J3
   ;;
 clocks4)

@@ -37,12 +37,12 @@ def random_batch(micro: int, seq: int, vocab: int, device: torch.device, step: i
 
 
 def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual: bool = False,
-               loss: str = "default") -> GPT:
+               loss: str = "default", mlp: str = "default") -> GPT:
     torch.manual_seed(0)
     fused = GPTConfig.fused_loss if loss == "default" else loss == "fused"
     triton = GPTConfig.triton_loss if loss == "default" else loss == "triton"
     return GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, low_precision_residual=not fp32_residual,
-                         fused_loss=fused, triton_loss=triton, **GPT_PRESETS[size]))
+                         fused_loss=fused, triton_loss=triton, fused_mlp=mlp == "cublaslt", **GPT_PRESETS[size]))
 
 
 def pick_sdpa(backend: str) -> None:
@@ -116,6 +116,9 @@ def main() -> None:
                     help="the GPT's loss: F.cross_entropy over full logits, chunked (train/losses.py), "
                          "or two Triton passes over full logits (train/ce_kernel.py)")
     ap.add_argument("--sdpa", default="default", choices=["default", "flash", "cudnn", "efficient"])
+    ap.add_argument("--mlp", default="default", choices=["default", "cublaslt"],
+                    help="the GPT's MLP: Linear, GELU, Linear (Inductor fuses the GELU when compiled), or GELU and "
+                         "bias gradient in cuBLASLt's matmul epilogues (train/fused_mlp.py; needs nvmath-python)")
     ap.add_argument("--compiled-autograd", action="store_true",
                     help="DDP + compile: trace the backward with compiled autograd and DDP's reducer in Python "
                          "(optimize_ddp='python_reducer'), so all-reduces live in one backward graph")
@@ -149,7 +152,7 @@ def main() -> None:
         import torch._dynamo as dynamo
 
         dynamo.config.optimize_ddp = "python_reducer"
-    model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual, args.loss)
+    model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual, args.loss, args.mlp)
     flops_per_token = model.flops_per_token()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     extra: dict = {}
@@ -279,6 +282,10 @@ def main() -> None:
         "fused_loss": model.cfg.fused_loss, "triton_loss": model.cfg.triton_loss, "sdpa": args.sdpa, "compiled_autograd": args.compiled_autograd,
         "host_sync": args.host_sync, "inductor": inductor, "date": time.strftime("%Y-%m-%d"),
     }
+    if args.mlp != "default":  # which path ran, and why not cuBLASLt's if it did not
+        from meshrun.train import fused_mlp
+
+        result.update(mlp=args.mlp, mlp_paths=dict(fused_mlp.PATHS), mlp_fallback=list(fused_mlp.FALLBACK.values()))
     if inductor.get("triton.cudagraphs"):
         # Inductor logs why it skips a graph only under TORCH_LOGS=cudagraphs (call AV's runs
         # could not tell whether graphs were taken); its counters are always kept

@@ -35,6 +35,10 @@ class GPTConfig:
     # and then the step was 0.7% slower (eighth session): off by default. Without Triton or a
     # GPU it is F.cross_entropy.
     triton_loss: bool = False
+    # The MLP's GELU and the up-projection's bias gradient in cuBLASLt's matmul epilogues
+    # (train/fused_mlp.py, through nvmath-python on CUDA in bf16; plain torch elsewhere). Off
+    # until measured against Inductor's fused GELU.
+    fused_mlp: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -58,6 +62,7 @@ class Block(nn.Module):
         else:
             self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
             self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.fused_mlp = cfg.fused_mlp and not cfg.n_experts
 
     # (b, heads, t, head_dim) for SDPA, which picks flash/memory-efficient kernels on GPU.
     # Context parallelism replaces this on the instance (train/context.py).
@@ -74,7 +79,17 @@ class Block(nn.Module):
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         if hasattr(self, "moe"):
             return x + self.moe(self.ln2(x))
+        if self.fused_mlp and not _sharded(self.up.weight):  # the op takes whole weights, not TP's shards
+            from .fused_mlp import gelu_mlp
+
+            return x + gelu_mlp(self.ln2(x), self.up, self.down)
         return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
+
+
+def _sharded(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
 
 
 class GPT(nn.Module):

@@ -1,0 +1,181 @@
+"""The GPT MLP with its GELU and the up-projection's bias gradient in cuBLASLt's matmul epilogues
+(opt-in: ``GPTConfig.fused_mlp``, ``train_bench.py --mlp cublaslt``).
+
+Why: in the compiled GPT 124M step on an H200 the GELU's forward and backward and the
+up-projection's bias gradient are Inductor kernels that take ~7.6% of the step (sixth
+session's profile: 2.8% + 3.7% + 1.1%), all memory-bound passes over the (tokens, 4d)
+activations, which no Inductor setting can fuse into cuBLAS's matmuls. cuBLASLt can:
+
+- forward, ``GELU_AUX_BIAS``: the up-projection's matmul adds the bias, applies GELU (the tanh
+  approximation, which is the GPT's) and writes both GELU's output and its input (the "aux",
+  kept for the backward): one read of the pre-activation less than matmul + GELU kernel;
+- backward, ``DGELU_BGRAD``: the down-projection's input-gradient matmul multiplies by GELU's
+  derivative at the saved aux and sums the up-projection's bias gradient in its epilogue:
+  the (tokens, 4d) gradient is written once instead of written, read, written and read again.
+
+~3.2 GB less memory traffic per layer at micro-batch 128 x 1024 tokens, ~9 ms of a ~230-ms
+step at the card's bandwidth: predicted +2..4% at 124M (less at 1.3B, whose step is more
+matmul), to be measured (`bash bench/gpu_session.sh mlp OUT`). torch exposes neither epilogue;
+NVIDIA's nvmath-python binds cuBLASLt's, and is imported only here, only when asked for.
+
+The matmuls and the epilogues run in an opaque custom op (``meshrun::gelu_mlp`` and its
+backward), so torch.compile calls them from inside its graphs. The same ops compute the same
+thing with plain torch operations where the cuBLASLt path does not apply (the CPU, fp32,
+widths that are not multiples of 8, nvmath-python missing or refusing a shape): what the tests
+check on the CPU. ``PATHS`` counts the calls of each path and ``FALLBACK`` says why the
+cuBLASLt one was not taken, so a benchmark can tell which one it measured.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PATHS: Counter[str] = Counter()  # calls per path: "cublaslt" or "torch"
+FALLBACK: dict[str, str] = {}  # why the cuBLASLt path was not taken, first reason per cause
+
+
+@functools.lru_cache(maxsize=1)
+def _nvmath() -> Any:
+    """nvmath.linalg.advanced, or the reason it is not there (a str)."""
+    try:
+        from nvmath.linalg import advanced
+    except Exception as e:  # not installed, or its CUDA libraries not found
+        return f"nvmath-python not usable ({type(e).__name__}: {e})"
+    return advanced
+
+
+def _cublaslt_reason(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> str | None:
+    """Why the cuBLASLt path cannot run these operands (None: it can)."""
+    if not x.is_cuda:
+        return "not on a GPU"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {x.dtype} (the epilogues run in bf16/fp16)"
+    if any(n % 8 for n in (*w_up.shape, x.shape[0])):
+        return f"widths {tuple(w_up.shape)} and {x.shape[0]} tokens not multiples of 8"
+    mod = _nvmath()
+    return mod if isinstance(mod, str) else None
+
+
+def _note_fallback(reason: str) -> None:
+    FALLBACK.setdefault(reason.split(" (")[0], reason)
+    PATHS["torch"] += 1
+
+
+def _forward_torch(x, w_up, b_up, w_down, b_down):
+    h = torch.addmm(b_up, x, w_up.t())
+    g = F.gelu(h, approximate="tanh")
+    return torch.addmm(b_down, g, w_down.t()), g, h
+
+
+def _forward_cublaslt(x, w_up, b_up, w_down, b_down):
+    mm = _nvmath()
+    stream = torch.cuda.current_stream(x.device)
+    # cuBLASLt's epilogues want the (4d, tokens) result in column order, which is the
+    # (tokens, 4d) row-major tensor transposed: computed as w_up @ x^T, read back as .t()
+    # (a view, no copy). The bias runs along the 4d rows.
+    gt, aux = mm.matmul(w_up, x.t(), epilog=mm.MatmulEpilog.GELU_AUX_BIAS, epilog_inputs={"bias": b_up},
+                        stream=stream)
+    g, h = gt.t(), aux["gelu_aux"].t()
+    return torch.addmm(b_down, g, w_down.t()), g, h
+
+
+def _backward_torch(dy, x, w_up, w_down, g, h):
+    dh = torch.ops.aten.gelu_backward(dy @ w_down, h, approximate="tanh")
+    return dh, dh.sum(0)
+
+
+def _backward_cublaslt(dy, x, w_up, w_down, g, h):
+    mm = _nvmath()
+    stream = torch.cuda.current_stream(dy.device)
+    # dh^T = w_down^T @ dy^T, times GELU's derivative at the saved pre-activation (h^T, the
+    # column-order aux the forward wrote), and the up-projection's bias gradient (the sum
+    # over tokens) from the same epilogue
+    dht, out = mm.matmul(w_down.t(), dy.t(), epilog=mm.MatmulEpilog.DGELU_BGRAD,
+                         epilog_inputs={"gelu_aux": h.t()}, stream=stream)
+    (db_up,) = out.values()
+    return dht.t(), db_up.reshape(-1)
+
+
+def _register_ops() -> None:
+    from torch.library import custom_op, register_fake
+
+    @custom_op("meshrun::gelu_mlp", mutates_args=())
+    def forward(x: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, w_down: torch.Tensor,
+                b_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """y = down(gelu(up(x))), and GELU's output and input (saved for the backward)."""
+        reason = _cublaslt_reason(x, w_up, w_down)
+        if reason is None:
+            try:
+                out = _forward_cublaslt(x, w_up, b_up, w_down, b_down)
+            except Exception as e:  # a shape or type cuBLASLt's heuristics refuse: plain torch
+                reason = f"cuBLASLt refused the forward ({type(e).__name__}: {e})"
+            else:
+                PATHS["cublaslt"] += 1
+                return tuple(t.contiguous() for t in out)
+        _note_fallback(reason)
+        return _forward_torch(x, w_up, b_up, w_down, b_down)
+
+    @register_fake("meshrun::gelu_mlp")
+    def _forward_shapes(x, w_up, b_up, w_down, b_down):
+        n, f = x.shape[0], w_up.shape[0]
+        return x.new_empty(n, w_down.shape[0]), x.new_empty(n, f), x.new_empty(n, f)
+
+    @custom_op("meshrun::gelu_mlp_backward", mutates_args=())
+    def backward(dy: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor,
+                 h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gradients of x, w_up, b_up, w_down and b_down."""
+        dy = dy.contiguous()
+        reason = _cublaslt_reason(x, w_up, w_down)
+        dh = db_up = None
+        if reason is None:
+            try:
+                dh, db_up = _backward_cublaslt(dy, x, w_up, w_down, g, h)
+            except Exception as e:
+                reason = f"cuBLASLt refused the backward ({type(e).__name__}: {e})"
+            else:
+                PATHS["cublaslt"] += 1
+        if reason is not None:
+            _note_fallback(reason)
+            dh, db_up = _backward_torch(dy, x, w_up, w_down, g, h)
+        return dh @ w_up, dh.t() @ x, db_up, dy.t() @ g, dy.sum(0)
+
+    @register_fake("meshrun::gelu_mlp_backward")
+    def _backward_shapes(dy, x, w_up, w_down, g, h):
+        return (torch.empty_like(x), torch.empty_like(w_up), w_up.new_empty(w_up.shape[0]),
+                torch.empty_like(w_down), w_down.new_empty(w_down.shape[0]))
+
+
+_register_ops()
+
+
+class _GeluMLP(torch.autograd.Function):
+    # GELU's output and input are saved, not returned: outputs of a function nobody uses would
+    # get zero-filled gradients in the backward, two (tokens, 4d) tensors per layer
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, w_down: torch.Tensor,
+                b_down: torch.Tensor) -> torch.Tensor:
+        y, g, h = torch.ops.meshrun.gelu_mlp(x, w_up, b_up, w_down, b_down)
+        ctx.save_for_backward(x, w_up, w_down, g, h)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.ops.meshrun.gelu_mlp_backward(dy, *ctx.saved_tensors))
+
+
+def gelu_mlp(x: torch.Tensor, up: nn.Linear, down: nn.Linear) -> torch.Tensor:
+    """``down(gelu(up(x), approximate="tanh"))`` through the ops above. Under autocast the
+    operands are cast to its dtype here (autocast does not reach into custom ops), as it
+    would cast them for ``F.linear``; the fp32 parameters get fp32 gradients through the casts."""
+    dev = x.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    params = [p.to(dt) for p in (up.weight, up.bias, down.weight, down.bias)]
+    with torch.autocast(dev, enabled=False):
+        y = _GeluMLP.apply(x.to(dt).reshape(-1, x.shape[-1]), *params)
+    return y.view(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,108 @@
+"""meshrun.train.fused_mlp on a GPU (cuBLASLt's epilogues through nvmath-python) against the same
+ops' plain torch path, then the MLP's time per forward + backward at the benchmark's shapes:
+Inductor's (Linear, GELU, Linear compiled) against the epilogues'. Run by `bash
+bench/gpu_session.sh mlp OUT`; prints one line per check and ALL OK, or stops at the first
+failure with what differed. Needs CUDA."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshrun.train import fused_mlp
+
+if not torch.cuda.is_available():
+    raise SystemExit("fused_mlp_check: needs a GPU")
+nv = fused_mlp._nvmath()
+if isinstance(nv, str):
+    raise SystemExit(f"fused_mlp_check: {nv}")
+dev = torch.device("cuda")
+torch.manual_seed(0)
+
+
+def operands(n: int, d: int, dt=torch.bfloat16):
+    up, down = nn.Linear(d, 4 * d, device=dev), nn.Linear(4 * d, d, device=dev)
+    ws = [p.detach().to(dt) for p in (up.weight, up.bias, down.weight, down.bias)]
+    x = torch.randn(n, d, device=dev, dtype=dt)
+    return x, ws
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+# 1. the epilogues against the plain path, forward and backward, at two shapes
+for n, d in ((4096, 768), (8192, 2048)):
+    x, (wu, bu, wd, bd) = operands(n, d)
+    dy = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
+    before = fused_mlp.PATHS["cublaslt"]
+    y, g, h = torch.ops.meshrun.gelu_mlp(x, wu, bu, wd, bd)
+    grads = torch.ops.meshrun.gelu_mlp_backward(dy, x, wu, wd, g, h)
+    took = fused_mlp.PATHS["cublaslt"] - before
+    if took != 2:
+        raise SystemExit(f"fused_mlp_check: the cuBLASLt path ran {took} of 2 times at {n}x{d}: {fused_mlp.FALLBACK}")
+    y0, g0, h0 = fused_mlp._forward_torch(x, wu, bu, wd, bd)
+    dh0, dbu0 = fused_mlp._backward_torch(dy, x, wu, wd, g0, h0)
+    ref = (dh0 @ wu, dh0.t() @ x, dbu0, dy.t() @ g0, dy.sum(0))
+    errs = {"y": rel(y, y0), "gelu out": rel(g, g0), "gelu in": rel(h, h0)}
+    errs |= {k: rel(a, b) for k, a, b in zip(("dx", "dW_up", "db_up", "dW_down", "db_down"), grads, ref)}
+    worst = max(errs, key=errs.get)
+    print(f"{n} x {d}: relative errors " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
+    if errs[worst] > 2e-2:  # bf16 rounds to ~4e-3; the two paths round at different points
+        raise SystemExit(f"fused_mlp_check: {worst} differs by {errs[worst]:.2e} at {n}x{d}")
+    if any(t.shape != r.shape or t.dtype != r.dtype for t, r in zip(grads, ref)):
+        raise SystemExit("fused_mlp_check: gradient shapes or dtypes differ from the plain path's")
+
+# 2. inside a compiled function, no graph break
+x, (wu, bu, wd, bd) = operands(1024, 768)
+mods = nn.Linear(768, 3072, device=dev), nn.Linear(3072, 768, device=dev)
+with torch.autocast("cuda", dtype=torch.bfloat16):
+    out = torch.compile(lambda t: fused_mlp.gelu_mlp(t, *mods), fullgraph=True)(x.float())
+    ref = mods[1](F.gelu(mods[0](x.float()), approximate="tanh"))
+print(f"compiled, fullgraph: relative error {rel(out, ref):.1e}", flush=True)
+
+
+# 3. time per MLP forward + backward at micro-batch 128 x 1024 tokens, GPT 124M widths (bf16)
+def timed(fn, x: torch.Tensor, reps: int = 20) -> float:
+    for _ in range(3):
+        fn(x).backward(dy)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn(x).backward(dy)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+n, d = 131072, 768
+up, down = nn.Linear(d, 4 * d, device=dev), nn.Linear(4 * d, d, device=dev)
+x = torch.randn(n, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
+
+
+def plain(t):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return down(F.gelu(up(t), approximate="tanh"))
+
+
+def fused(t):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return fused_mlp.gelu_mlp(t, up, down)
+
+
+rows = {"Inductor (compiled Linear, GELU, Linear)": timed(torch.compile(plain), x),
+        "cuBLASLt epilogues (eager)": timed(fused, x), "cuBLASLt epilogues (compiled)": timed(torch.compile(fused), x),
+        "plain eager": timed(plain, x)}
+for k, v in rows.items():
+    print(f"MLP fwd+bwd, {n} tokens x {d}: {k}: {v:.2f} ms", flush=True)
+# the host's cost per MLP (nvmath plans each call: its stateless API), where the GPU's is small
+small = torch.randn(256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn(256, d, device=dev, dtype=torch.bfloat16)
+print(f"MLP fwd+bwd, 256 tokens (host-bound): cuBLASLt epilogues {timed(fused, small):.3f} ms, "
+      f"plain eager {timed(plain, small):.3f} ms", flush=True)
+print("ALL OK")
+sys.exit(0)

@@ -1,0 +1,111 @@
+"""The GPT MLP through meshrun's custom ops (train/fused_mlp.py): on the CPU they take the plain
+torch path, which must compute what Linear, GELU (tanh), Linear compute, eager and compiled,
+with and without autocast. The cuBLASLt path is checked on a GPU by
+tests/scripts/fused_mlp_check.py (bench/gpu_session.sh mlp)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshrun.train import fused_mlp
+from meshrun.train.models import GPT, GPTConfig
+
+
+def _plain(x: torch.Tensor, up: nn.Linear, down: nn.Linear) -> torch.Tensor:
+    return down(F.gelu(up(x), approximate="tanh"))
+
+
+def _pair(d: int = 16) -> tuple[nn.Linear, nn.Linear]:
+    torch.manual_seed(0)
+    return nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+
+def _grads(mods: tuple[nn.Linear, nn.Linear], x: torch.Tensor) -> list[torch.Tensor]:
+    return [x.grad] + [p.grad for m in mods for p in (m.weight, m.bias)]
+
+
+def test_ops_compute_linear_gelu_linear_and_its_gradients_fp32():
+    up, down = _pair()
+    up2, down2 = copy.deepcopy(up), copy.deepcopy(down)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    before = fused_mlp.PATHS["torch"]
+    y = fused_mlp.gelu_mlp(x, up, down)
+    ref = _plain(x2, up2, down2)
+    assert y.shape == ref.shape == (3, 5, 16)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    w = torch.randn_like(y)  # a gradient that is not all ones, so a transposed term would show
+    (y * w).sum().backward()
+    (ref * w).sum().backward()
+    for got, want in zip(_grads((up, down), x), _grads((up2, down2), x2)):
+        assert got is not None and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # one forward and one backward, both on the torch path, and the reason on record
+    assert fused_mlp.PATHS["torch"] - before == 2
+    assert fused_mlp.FALLBACK.get("not on a GPU") == "not on a GPU"
+
+
+def test_under_autocast_the_operands_are_cast_and_the_fp32_parameters_get_fp32_gradients():
+    up, down = _pair()
+    up2, down2 = copy.deepcopy(up), copy.deepcopy(down)
+    x = torch.randn(4, 16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fused_mlp.gelu_mlp(x, up, down)
+        ref = _plain(x2, up2, down2)
+    assert y.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
+    y.float().sum().backward()
+    ref.float().sum().backward()
+    for got, want in zip(_grads((up, down), x), _grads((up2, down2), x2)):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+
+
+def test_the_op_has_no_graph_break_under_torch_compile():
+    up, down = _pair()
+    x = torch.randn(8, 16)
+    compiled = torch.compile(lambda t: fused_mlp.gelu_mlp(t, up, down), fullgraph=True)  # a break raises
+    torch.testing.assert_close(compiled(x), _plain(x, up, down), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpt_with_the_fused_mlp_trains_as_the_plain_gpt(compiled):
+    """Three SGD steps of a small GPT, fused MLP against the plain one from the same weights
+    (fp32): the same losses and the same weights after. (Not AdamW: the key bias's gradient
+    is zero up to rounding, softmax being blind to it, and Adam scales rounding noise to
+    full steps.)"""
+    cfg = dict(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(**cfg))
+    fused = GPT(GPTConfig(**cfg, fused_mlp=True))
+    fused.load_state_dict(plain.state_dict())
+    assert all(b.fused_mlp for b in fused.blocks) and not any(b.fused_mlp for b in plain.blocks)
+    losses = {}
+    for name, model in (("plain", plain), ("fused", fused)):
+        torch.manual_seed(1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        step = torch.compile(model) if compiled else model
+        idx = torch.randint(0, 64, (4, 16))  # one batch, learnt over the steps
+        out = []
+        for _ in range(3):
+            loss = step(idx, torch.roll(idx, -1, 1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        losses[name] = out
+    assert losses["plain"][-1] < losses["plain"][0]  # it trains at all
+    torch.testing.assert_close(losses["fused"], losses["plain"], rtol=1e-5, atol=1e-5)
+    for (n, p), (_, q) in zip(plain.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_moe_blocks_keep_their_experts():
+    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4, n_experts=2, fused_mlp=True))
+    assert not model.blocks[0].fused_mlp
