@@ -156,7 +156,9 @@ _register_ops()
 
 class _GeluMLP(torch.autograd.Function):
     # GELU's output and input are saved, not returned: outputs of a function nobody uses would
-    # get zero-filled gradients in the backward, two (tokens, 4d) tensors per layer
+    # get zero-filled gradients in the backward, two (tokens, 4d) tensors per layer. Saving the
+    # output too (the down-projection's weight gradient needs it) may hold one (tokens, 4d)
+    # tensor per layer more than Inductor, which can recompute GELU in the backward instead
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, w_down: torch.Tensor,
                 b_down: torch.Tensor) -> torch.Tensor:
