@@ -45,6 +45,14 @@ DEADLINE_S=${DEADLINE_S:-540}
 T0=$SECONDS
 NG=$(nvidia-smi -L | wc -l)
 S="$OUT/summary.txt"
+if [ -d .whl ]; then  # wheels carried for this call (e.g. nvmath-python for --mlp cublaslt): every part sees them
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  if [ -d .whl/extra ] && ! python3 -c "import nvmath.linalg.advanced" 2>/dev/null; then
+    echo "nvmath did not import with the image's cuda-core/cuda-pathfinder: the carried ones" | tee -a "$S"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/extra/*.whl
+  fi
+fi
 late() { [ $((SECONDS - T0)) -gt "$1" ] && { echo "SKIPPED (deadline) $2" | tee -a "$S"; return 0; }; return 1; }
 tb() {  # tb LIMIT_S GPUS ARGS... : one bench/train_bench.py run on the first GPUS cards
   local lim=$1 n=$2; shift 2
@@ -425,13 +433,7 @@ mlp)
   # only if the image's own do not import it. First the numbers and per-MLP times
   # (tests/scripts/fused_mlp_check.py), then GPT 124M, global 128K, 1 GPU each side by side: default
   # on cards 0 and 2, --mlp cublaslt on 1 and 3. Predicted +2..4% (~3.2 GB less traffic per layer).
-  if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$PYTHONPATH"
-    python3 -c "import nvmath.linalg.advanced" 2>/dev/null || {
-      echo "nvmath did not import with the image's cuda-core/cuda-pathfinder: carried ones" | tee -a "$S"
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/extra/*.whl; }
-  fi
+  # On 4 GPUs after it: TUNE4_ARGS="--mlp cublaslt" bash bench/gpu_session.sh tune4 OUT (carry .whl too)
   timeout 240 python3 tests/scripts/fused_mlp_check.py > "$OUT/check.log" 2>&1; echo "check rc=$?" | tee -a "$S"
   grep -vE "^\s*$" "$OUT/check.log" | tail -12 | cut -c1-400 | tee -a "$S"
   A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
