@@ -67,14 +67,20 @@ print(f"compiled, fullgraph: relative error {rel(out, ref):.1e}", flush=True)
 
 
 # 3. time per MLP forward + backward at micro-batch 128 x 1024 tokens, GPT 124M widths (bf16)
-def timed(fn, x: torch.Tensor, reps: int = 20) -> float:
+PEAKS: dict[str, float] = {}  # GiB above what was allocated before, per timed function's name
+
+
+def timed(fn, x: torch.Tensor, reps: int = 20, name: str = "") -> float:
     for _ in range(3):
         fn(x).backward(dy)
     torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(reps):
         fn(x).backward(dy)
     torch.cuda.synchronize()
+    PEAKS[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
     return (time.perf_counter() - t0) / reps * 1e3
 
 
@@ -94,11 +100,11 @@ def fused(t):
         return fused_mlp.gelu_mlp(t, up, down)
 
 
-rows = {"Inductor (compiled Linear, GELU, Linear)": timed(torch.compile(plain), x),
-        "cuBLASLt epilogues (eager)": timed(fused, x), "cuBLASLt epilogues (compiled)": timed(torch.compile(fused), x),
-        "plain eager": timed(plain, x)}
-for k, v in rows.items():
-    print(f"MLP fwd+bwd, {n} tokens x {d}: {k}: {v:.2f} ms", flush=True)
+runs = {"Inductor (compiled Linear, GELU, Linear)": torch.compile(plain), "cuBLASLt epilogues (eager)": fused,
+        "cuBLASLt epilogues (compiled)": torch.compile(fused), "plain eager": plain}
+rows = {k: timed(f, x, name=k) for k, f in runs.items()}
+for k, v in rows.items():  # the peak: what one forward holds for its backward, and the backward's transients
+    print(f"MLP fwd+bwd, {n} tokens x {d}: {k}: {v:.2f} ms, peak +{PEAKS[k]:.2f} GiB", flush=True)
 # the host's cost per MLP (nvmath plans each call: its stateless API), where the GPU's is small
 small = torch.randn(256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
 dy = torch.randn(256, d, device=dev, dtype=torch.bfloat16)
