@@ -46,7 +46,7 @@ for n, d in ((4096, 768), (8192, 2048)):
     if took != 2:
         raise SystemExit(f"fused_mlp_check: the cuBLASLt path ran {took} of 2 times at {n}x{d}: {fused_mlp.FALLBACK}")
     y0, g0, h0 = fused_mlp._forward_torch(x, wu, bu, wd, bd)
-    dh0, dbu0 = fused_mlp._backward_torch(dy, x, wu, wd, g0, h0)
+    dh0, dbu0 = fused_mlp._backward_torch(x, wu, dy, wd, g0, h0)
     ref = (dh0 @ wu, dh0.t() @ x, dbu0, dy.t() @ g0, dy.sum(0))
     errs = {"y": rel(y, y0), "gelu out": rel(g, g0), "gelu in": rel(h, h0)}
     errs |= {k: rel(a, b) for k, a, b in zip(("dx", "dW_up", "db_up", "dW_down", "db_down"), grads, ref)}

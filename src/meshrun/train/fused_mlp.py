@@ -50,7 +50,7 @@ def _nvmath() -> Any:
     return advanced
 
 
-def _cublaslt_reason(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> str | None:
+def _cublaslt_reason(x: torch.Tensor, w_up: torch.Tensor) -> str | None:
     """Why the cuBLASLt path cannot run these operands (None: it can)."""
     if not x.is_cuda:
         return "not on a GPU"
@@ -62,9 +62,22 @@ def _cublaslt_reason(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) 
     return mod if isinstance(mod, str) else None
 
 
-def _note_fallback(reason: str) -> None:
+def _run(what: str, cublaslt: Any, plain: Any, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``cublaslt(*args)`` where the epilogues can run and accept the operands, else
+    ``plain(*args)``; counted in PATHS, with the reason in FALLBACK. ``args`` start with x, w_up."""
+    x, w_up = args[0], args[1]
+    reason = _cublaslt_reason(x, w_up)
+    if reason is None:
+        try:
+            out = cublaslt(*args)
+        except Exception as e:  # a shape or type cuBLASLt's heuristics refuse: plain torch
+            reason = f"cuBLASLt refused the {what} ({type(e).__name__}: {e})"
+        else:
+            PATHS["cublaslt"] += 1
+            return out
     FALLBACK.setdefault(reason.split(" (")[0], reason)
     PATHS["torch"] += 1
+    return plain(*args)
 
 
 def _forward_torch(x, w_up, b_up, w_down, b_down):
@@ -85,12 +98,12 @@ def _forward_cublaslt(x, w_up, b_up, w_down, b_down):
     return torch.addmm(b_down, g, w_down.t()), g, h
 
 
-def _backward_torch(dy, x, w_up, w_down, g, h):
+def _backward_torch(x, w_up, dy, w_down, g, h):
     dh = torch.ops.aten.gelu_backward(dy @ w_down, h, approximate="tanh")
     return dh, dh.sum(0)
 
 
-def _backward_cublaslt(dy, x, w_up, w_down, g, h):
+def _backward_cublaslt(x, w_up, dy, w_down, g, h):
     mm = _nvmath()
     stream = torch.cuda.current_stream(dy.device)
     # dh^T = w_down^T @ dy^T, times GELU's derivative at the saved pre-activation (h^T, the
@@ -109,17 +122,8 @@ def _register_ops() -> None:
     def forward(x: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, w_down: torch.Tensor,
                 b_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """y = down(gelu(up(x))), and GELU's output and input (saved for the backward)."""
-        reason = _cublaslt_reason(x, w_up, w_down)
-        if reason is None:
-            try:
-                out = _forward_cublaslt(x, w_up, b_up, w_down, b_down)
-            except Exception as e:  # a shape or type cuBLASLt's heuristics refuse: plain torch
-                reason = f"cuBLASLt refused the forward ({type(e).__name__}: {e})"
-            else:
-                PATHS["cublaslt"] += 1
-                return tuple(t.contiguous() for t in out)
-        _note_fallback(reason)
-        return _forward_torch(x, w_up, b_up, w_down, b_down)
+        out = _run("forward", _forward_cublaslt, _forward_torch, x, w_up, b_up, w_down, b_down)
+        return tuple(t.contiguous() for t in out)  # the epilogues' are transposed views, contiguous
 
     @register_fake("meshrun::gelu_mlp")
     def _forward_shapes(x, w_up, b_up, w_down, b_down):
@@ -131,18 +135,7 @@ def _register_ops() -> None:
                  h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gradients of x, w_up, b_up, w_down and b_down."""
         dy = dy.contiguous()
-        reason = _cublaslt_reason(x, w_up, w_down)
-        dh = db_up = None
-        if reason is None:
-            try:
-                dh, db_up = _backward_cublaslt(dy, x, w_up, w_down, g, h)
-            except Exception as e:
-                reason = f"cuBLASLt refused the backward ({type(e).__name__}: {e})"
-            else:
-                PATHS["cublaslt"] += 1
-        if reason is not None:
-            _note_fallback(reason)
-            dh, db_up = _backward_torch(dy, x, w_up, w_down, g, h)
+        dh, db_up = _run("backward", _backward_cublaslt, _backward_torch, x, w_up, dy, w_down, g, h)
         return dh @ w_up, dh.t() @ x, db_up, dy.t() @ g, dy.sum(0)
 
     @register_fake("meshrun::gelu_mlp_backward")
