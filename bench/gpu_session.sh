@@ -24,8 +24,7 @@
 #                                           AT4_ARGS)
 #   bash bench/gpu_session.sh gemm OUT      issue 3: GPT 124M, 1 GPU each: max-autotune GEMMs benchmarked in subprocesses
 #   bash bench/gpu_session.sh tune4 OUT     issue 3: meshrun train --compile-tune (or TUNE4_ARGS) on NG GPUs against the default
-#   bash bench/gpu_session.sh bucket13 OUT  issue 3: GPT 1.3B on NG GPUs, one 6000-MB DDP bucket against the default
-#   bash bench/gpu_session.sh bucket13t OUT issue 3: the same, then the one bucket with --compile-tune
+#   bash bench/gpu_session.sh bucket13t OUT issue 3: GPT 1.3B on NG GPUs: the default, one 6000-MB DDP bucket, that with --compile-tune
 #   bash bench/gpu_session.sh tune1 OUT     issue 3: GPT 124M, 1 GPU each, side by side: default (cards 0, 2) and --compile-tune (1, 3)
 #   bash bench/gpu_session.sh mlp OUT       issue 3: the GELU in cuBLASLt's epilogues (carry .whl: nvmath-python), checked, then 1 GPU each
 #   bash bench/gpu_session.sh clocks OUT    issue 3: 1-GPU runs side by side with each card's SM clock and power sampled
@@ -74,6 +73,16 @@ one() {  # one GPU LIMIT_S TAG ENV... -- ARGS : a 1-GPU run in the background on
     grep -q "^BENCH" "$OUT/one-$gpu.log" || { echo "FAILED [$tag] rc=$rc" >> "$S"
       grep -E "Error|error:" "$OUT/one-$gpu.log" | tail -2 | cut -c1-300 >> "$S"; }
   } &
+}
+pairs() {  # pairs LIMIT_S TAG ARGS... : GPT 124M, global 128K, compiled, 1 GPU each side by side:
+  # the default on cards 0 and 2, ARGS on cards 1 and 3 (so a card's own speed cancels in the mean)
+  local lim=$1 tag=$2; shift 2
+  local A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile" j=()
+  for card in 0 1 2 3; do
+    if [ $((card % 2)) -eq 0 ]; then one $card "$lim" 124m-default -- $A; else one $card "$lim" "124m-$tag" -- $A "$@"; fi
+    j+=($!)
+  done
+  wait "${j[@]}"
 }
 smi_start() {  # smi_start FILE : every card's clock, power and clock-event reasons once a second into FILE
   # (bench/smi_summary.py reads it); SMI is the sampler's pid, to kill
@@ -396,21 +405,11 @@ tune4)
   tb "${TUNE4_LIM:-400}" "$NG" $A ${TUNE4_ARGS:---compile-tune}
   tb 150 "$NG" $A
   ;;
-bucket13)
-  # issue 3, twelfth session: GPT 1.3B on NG GPUs, DDP 32 x 4. Its 5.3 GB of fp32 gradients fill six
-  # 1000-MB buckets, so the compiled graph is still cut six times (and the 1-GPU run's tuned kernels
-  # do not serve it: call AR). One 6000-MB bucket: no cut, one all-reduce of 5.3 GB after the
-  # last micro-step's backward (~20 ms exposed of a ~1.9-s step), 5.3 GB more transient memory.
-  # Predicted -0.5..+1%. The default before and after
-  G=$((NG * 131072)); B="--mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8"
-  tb 160 "$NG" $B
-  tb 160 "$NG" $B --bucket-mb 6000
-  tb 160 "$NG" $B
-  ;;
 bucket13t)
   # issue 3, thirteenth session: GPT 1.3B on NG GPUs, DDP 32 x 4: the default (six 1000-MB buckets),
   # one 6000-MB bucket (no graph cut), and that with --compile-tune, whose compile on 4 ranks ran past
-  # 300 s in calls AL and AR with the graph cut six times (on 1 GPU, uncut: 207-250 s)
+  # 300 s in calls AL and AR with the graph cut six times (on 1 GPU, uncut: 207-250 s). (The twelfth
+  # session's part bucket13, prepared and never run, had the default again in place of the third run.)
   G=$((NG * 131072)); B="--mode meshrun --size gpt-1.3b --micro 0 --global-tokens $G --compile --warmup 3 --steps 8"
   tb 160 "$NG" $B
   tb 160 "$NG" $B --bucket-mb 6000
@@ -419,10 +418,7 @@ bucket13t)
 tune1)
   # issue 3, thirteenth session: the 1-GPU side of tune4's weak scaling on the same machine: GPT
   # 124M, global 128K, four 1-GPU runs side by side, default on cards 0 and 2, --compile-tune on 1 and 3
-  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
-  one 0 420 124m-default -- $A; J0=$!; one 1 420 124m-tuned -- $A --compile-tune; J1=$!
-  one 2 420 124m-default -- $A; J2=$!; one 3 420 124m-tuned -- $A --compile-tune; J3=$!
-  wait $J0 $J1 $J2 $J3
+  pairs 420 tuned --compile-tune
   ;;
 mlp)
   # issue 3, thirteenth session (prepared on CPU, not yet run): the MLP's GELU and the up-projection's
@@ -436,10 +432,7 @@ mlp)
   # On 4 GPUs after it: TUNE4_ARGS="--mlp cublaslt" bash bench/gpu_session.sh tune4 OUT (carry .whl too)
   timeout 240 python3 tests/scripts/fused_mlp_check.py > "$OUT/check.log" 2>&1; echo "check rc=$?" | tee -a "$S"
   grep -vE "^\s*$" "$OUT/check.log" | tail -12 | cut -c1-400 | tee -a "$S"
-  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
-  one 0 300 124m-default -- $A; J0=$!; one 1 300 124m-mlp-cublaslt -- $A --mlp cublaslt; J1=$!
-  one 2 300 124m-default -- $A; J2=$!; one 3 300 124m-mlp-cublaslt -- $A --mlp cublaslt; J3=$!
-  wait $J0 $J1 $J2 $J3
+  pairs 300 mlp-cublaslt --mlp cublaslt
   ;;
 clocks4)
   # issue 3: meshrun's defaults on NG GPUs (124M, then 1.3B) with every card's SM clock and power sampled
