@@ -26,6 +26,8 @@
 #   bash bench/gpu_session.sh tune4 OUT     issue 3: meshrun train --compile-tune (or TUNE4_ARGS) on NG GPUs against the default
 #   bash bench/gpu_session.sh bucket13t OUT issue 3: GPT 1.3B on NG GPUs: the default, one 6000-MB DDP bucket, that with --compile-tune
 #   bash bench/gpu_session.sh tune1 OUT     issue 3: GPT 124M, 1 GPU each, side by side: default (cards 0, 2) and --compile-tune (1, 3)
+#   bash bench/gpu_session.sh headloss OUT  issue 3: the loss that writes its gradient in the forward, checked, 1 GPU each
+#   bash bench/gpu_session.sh mlpprof OUT   issue 3: a 124M step's kernels with each of the MLP's backward ways (carry .whl)
 #   bash bench/gpu_session.sh mlp OUT       issue 3: the GELU in cuBLASLt's epilogues (carry .whl: nvmath-python), checked, then 1 GPU each
 #   bash bench/gpu_session.sh clocks OUT    issue 3: 1-GPU runs side by side with each card's SM clock and power sampled
 #   bash bench/gpu_session.sh clocks4 OUT   issue 3: meshrun's defaults on NG GPUs (124M, 1.3B) with the clocks sampled
@@ -432,7 +434,46 @@ mlp)
   # On 4 GPUs after it: TUNE4_ARGS="--mlp cublaslt" bash bench/gpu_session.sh tune4 OUT (carry .whl too)
   timeout 240 python3 tests/scripts/fused_mlp_check.py > "$OUT/check.log" 2>&1; echo "check rc=$?" | tee -a "$S"
   grep -vE "^\s*$" "$OUT/check.log" | tail -12 | cut -c1-400 | tee -a "$S"
-  pairs 300 mlp-cublaslt --mlp cublaslt
+  # a failed check (no nvmath, an epilogue refused, numbers off) leaves nothing worth timing: stop here
+  # then the backward the check timed fastest (fused_mlp.BACKWARDS -> train_bench.py's --mlp)
+  best=$(sed -n 's/^best backward: \([a-z_]*\),.*/\1/p' "$OUT/check.log")
+  case "$best" in dgelu_bgrad) best=cublaslt ;; dgelu) best=cublaslt-dgelu ;; torch) best=cublaslt-fwd ;; esac
+  grep -q "^ALL OK" "$OUT/check.log" && pairs 300 "$best" --mlp "$best" || echo "mlp: check failed, no runs" | tee -a "$S"
+  ;;
+headloss)
+  # issue 3, fourteenth session: the loss whose forward writes the logits' gradient (GPTConfig.head_loss,
+  # ce_kernel.head_cross_entropy): its checks with the real Triton compiler, then GPT 124M, global 128K,
+  # 1 GPU each side by side, plain and head on alternate cards (swapped on a 2-card host). Predicted
+  # +4..6%: the plain loss's two kernels take 8.3% of the step (19 ms), this one should take ~6-7 ms
+  timeout 200 python3 tests/scripts/ce_kernel_check.py > "$OUT/cecheck.log" 2>&1; echo "ce check rc=$?" | tee -a "$S"
+  grep -E "^ok head|Error" "$OUT/cecheck.log" | tail -6 | cut -c1-300 | tee -a "$S"
+  grep -q "^ALL OK" "$OUT/cecheck.log" || { echo "headloss: check failed, no runs" | tee -a "$S"; exit 0; }
+  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
+  for round in 0 $([ "$NG" -lt 4 ] && echo 1); do
+    for card in $(seq 0 $((NG - 1))); do
+      if [ $(((card + round) % 2)) -eq 0 ]; then one $card 300 124m-plain -- $A --loss plain
+      else one $card 300 124m-head -- $A --loss head; fi
+    done
+    wait
+  done
+  ;;
+mlpprof)
+  # issue 3, after `mlp`: the GELU epilogues' backward ways in a whole 124M step (1 GPU, micro 128,
+  # compiled) under the profiler, one card each side by side: the MLP alone was 5.6% faster with the
+  # DGELU epilogue (call BB), the step 5% slower. Wall against device time says whether the GPU
+  # waits for the host (nvmath's ~0.5 ms of Python per call), the kernels say which got slower
+  P="bench/profile_step.py --size gpt-124m --micro 128 --compile --top ${MLPPROF_TOP:-14}"
+  # PROF_WAYS: profile_step.py's arguments per run, ';' between runs, spread over the cards, in turn
+  IFS=';' read -ra W <<< "${PROF_WAYS:---mlp default;--mlp cublaslt-dgelu;--mlp cublaslt-fwd;--mlp cublaslt}"
+  for card in $(seq 0 $((NG - 1))); do
+    ( for i in "${!W[@]}"; do [ $((i % NG)) -eq "$card" ] || continue
+        CUDA_VISIBLE_DEVICES=$card timeout 150 python3 $P ${W[$i]} > "$OUT/profile-$i.log" 2>&1; done ) &
+  done
+  wait
+  for i in "${!W[@]}"; do
+    grep -hE "^PROFILE|^  " "$OUT/profile-$i.log" | cut -c1-150 | tee -a "$S"
+    grep -q "^PROFILE" "$OUT/profile-$i.log" || grep -E "Error" "$OUT/profile-$i.log" | tail -2 | tee -a "$S"
+  done
   ;;
 clocks4)
   # issue 3: meshrun's defaults on NG GPUs (124M, then 1.3B) with every card's SM clock and power sampled

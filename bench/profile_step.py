@@ -26,6 +26,7 @@ from meshrun.train.config import TrainConfig
 from meshrun.train.data import BatchStream, RandomTokens
 from meshrun.train.models import gpt
 from meshrun.train.trainer import Trainer
+from train_bench import MLPS  # bench/, this script's directory
 
 # Attention first: cuDNN's flash kernels also carry "sm90" in their names.
 FAMILIES = (("attention", ("flash", "fmha", "attention", "sdpa")), ("gemm", ("gemm", "sm90", "cutlass", "matmul", "nvjet")),
@@ -65,12 +66,15 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12, help="how many of the longest kernels to list")
-    ap.add_argument("--loss", default="plain", choices=["plain", "triton"],
-                    help="the GPT's loss: F.cross_entropy, or the Triton kernels (train/ce_kernel.py)")
+    ap.add_argument("--loss", default="plain", choices=["plain", "triton", "head"],
+                    help="the GPT's loss: F.cross_entropy, the Triton kernels (train/ce_kernel.py), or the one "
+                         "that writes the gradient in the forward (head)")
     ap.add_argument("--host-sync", action="store_true",
                     help="wait on the host for every step's gradient norm (meshrun's step before the seventh session)")
+    ap.add_argument("--mlp", default="default", choices=list(MLPS), help="as train_bench.py's --mlp")
     args = ap.parse_args()
-    model = gpt(args.size, seq_len=args.seq, vocab=50304, triton_loss=args.loss == "triton")
+    model = gpt(args.size, seq_len=args.seq, vocab=50304, triton_loss=args.loss == "triton", fused_mlp=MLPS[args.mlp],
+                head_loss=args.loss == "head")
     cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9, grad_clip=1.0)
     trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)
@@ -117,13 +121,19 @@ def main() -> None:
         print(f"PROFILE compute {args.size} micro {args.micro} world {trainer.rt.world_size}: kernels "
               f"{(total - nccl) * per_step:.1f} ms (summed), some compute kernel running "
               f"{covered(spans) * per_step:.1f} ms of the {wall_ms:.1f} ms step; nccl {nccl * per_step:.1f} ms (own stream)")
-    print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss} host_sync {args.host_sync}: "
+    print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss} mlp {args.mlp} "
+          f"host_sync {args.host_sync}: "
           f"{wall_ms:.1f} ms wall per step, {device_ms:.1f} ms device time "
           f"(the GPU waits {max(0.0, wall_ms - device_ms):.1f} ms = {max(0.0, 1 - device_ms / wall_ms):.1%})")
     for fam, t in sorted(by_family.items(), key=lambda kv: -kv[1]):
         print(f"  {fam:10s} {100 * t / total:5.1f}%")
     for e in sorted(events, key=lambda e: -getattr(e, attr))[:args.top]:
         print(f"  {100 * getattr(e, attr) / total:5.1f}%  {e.count // args.steps:4d}/step  {e.key[:100]}")
+    if args.mlp != "default":
+        from meshrun.train import fused_mlp
+
+        print(f"  fused MLP: calls {dict(fused_mlp.PATHS)}, plans made {dict(fused_mlp.PLANNED)}, "
+              f"fallback {list(fused_mlp.FALLBACK.values())}")
     teardown()
 
 

@@ -36,13 +36,19 @@ def random_batch(micro: int, seq: int, vocab: int, device: torch.device, step: i
     return t[:, :-1], t[:, 1:]
 
 
+# --mlp: off, or the forward's GELU in cuBLASLt's epilogue with one of fused_mlp.BACKWARDS
+MLPS = {"default": False, "cublaslt": "dgelu_bgrad", "cublaslt-dgelu": "dgelu", "cublaslt-fwd": "torch"}
+
+
 def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual: bool = False,
                loss: str = "default", mlp: str = "default") -> GPT:
     torch.manual_seed(0)
     fused = GPTConfig.fused_loss if loss == "default" else loss == "fused"
     triton = GPTConfig.triton_loss if loss == "default" else loss == "triton"
+    head = GPTConfig.head_loss if loss == "default" else loss == "head"
     return GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, low_precision_residual=not fp32_residual,
-                         fused_loss=fused, triton_loss=triton, fused_mlp=mlp == "cublaslt", **GPT_PRESETS[size]))
+                         fused_loss=fused, triton_loss=triton, head_loss=head, fused_mlp=MLPS[mlp],
+                         **GPT_PRESETS[size]))
 
 
 def pick_sdpa(backend: str) -> None:
@@ -112,13 +118,16 @@ def main() -> None:
     ap.add_argument("--ac", action="store_true", help="meshrun: activation checkpointing of every block")
     ap.add_argument("--fp32-residual", action="store_true",
                     help="keep the GPT's residual stream fp32 under autocast (the model before 2026-11-26)")
-    ap.add_argument("--loss", default="default", choices=["default", "plain", "fused", "triton"],
+    ap.add_argument("--loss", default="default", choices=["default", "plain", "fused", "triton", "head"],
                     help="the GPT's loss: F.cross_entropy over full logits, chunked (train/losses.py), "
-                         "or two Triton passes over full logits (train/ce_kernel.py)")
+                         "two Triton passes over full logits (train/ce_kernel.py), or one Triton pass that "
+                         "writes the logits' gradient in the forward (head: ce_kernel.head_cross_entropy)")
     ap.add_argument("--sdpa", default="default", choices=["default", "flash", "cudnn", "efficient"])
-    ap.add_argument("--mlp", default="default", choices=["default", "cublaslt"],
-                    help="the GPT's MLP: Linear, GELU, Linear (Inductor fuses the GELU when compiled), or GELU and "
-                         "bias gradient in cuBLASLt's matmul epilogues (train/fused_mlp.py; needs nvmath-python)")
+    ap.add_argument("--mlp", default="default", choices=list(MLPS),
+                    help="the GPT's MLP: Linear, GELU, Linear (Inductor fuses the GELU when compiled), or the GELU "
+                         "in cuBLASLt's matmul epilogues (train/fused_mlp.py; needs nvmath-python): forward and "
+                         "backward with the bias gradient (cublaslt), the backward without it (cublaslt-dgelu), "
+                         "the forward only (cublaslt-fwd)")
     ap.add_argument("--compiled-autograd", action="store_true",
                     help="DDP + compile: trace the backward with compiled autograd and DDP's reducer in Python "
                          "(optimize_ddp='python_reducer'), so all-reduces live in one backward graph")
@@ -279,7 +288,8 @@ def main() -> None:
         if peak else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
         "card": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "warmup_s": round(WARMUP_S[0], 1), "fp32_residual": args.fp32_residual,
-        "fused_loss": model.cfg.fused_loss, "triton_loss": model.cfg.triton_loss, "sdpa": args.sdpa, "compiled_autograd": args.compiled_autograd,
+        "fused_loss": model.cfg.fused_loss, "triton_loss": model.cfg.triton_loss, "head_loss": model.cfg.head_loss,
+        "sdpa": args.sdpa, "compiled_autograd": args.compiled_autograd,
         "host_sync": args.host_sync, "inductor": inductor, "date": time.strftime("%Y-%m-%d"),
     }
     if args.mlp != "default":  # which path ran, and why not cuBLASLt's if it did not

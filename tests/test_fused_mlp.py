@@ -29,13 +29,14 @@ def _grads(mods: tuple[nn.Linear, nn.Linear], x: torch.Tensor) -> list[torch.Ten
     return [x.grad] + [p.grad for m in mods for p in (m.weight, m.bias)]
 
 
-def test_ops_compute_linear_gelu_linear_and_its_gradients_fp32():
+@pytest.mark.parametrize("backward", fused_mlp.BACKWARDS)
+def test_ops_compute_linear_gelu_linear_and_its_gradients_fp32(backward):
     up, down = _pair()
     up2, down2 = copy.deepcopy(up), copy.deepcopy(down)
     x = torch.randn(3, 5, 16, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
     before = fused_mlp.PATHS["torch"]
-    y = fused_mlp.gelu_mlp(x, up, down)
+    y = fused_mlp.gelu_mlp(x, up, down, backward)
     ref = _plain(x2, up2, down2)
     assert y.shape == ref.shape == (3, 5, 16)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
@@ -45,8 +46,9 @@ def test_ops_compute_linear_gelu_linear_and_its_gradients_fp32():
     for got, want in zip(_grads((up, down), x), _grads((up2, down2), x2)):
         assert got is not None and got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    # one forward and one backward, both on the torch path, and the reason on record
-    assert fused_mlp.PATHS["torch"] - before == 2
+    # the forward and (but for the "torch" backward, plain ops outside the ops) the backward,
+    # both on the ops' torch path, and the reason on record
+    assert fused_mlp.PATHS["torch"] - before == (1 if backward == "torch" else 2)
     assert fused_mlp.FALLBACK.get("not on a GPU") == "not on a GPU"
 
 
@@ -74,8 +76,8 @@ def test_the_op_has_no_graph_break_under_torch_compile():
     torch.testing.assert_close(compiled(x), _plain(x, up, down), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_gpt_with_the_fused_mlp_trains_as_the_plain_gpt(compiled):
+@pytest.mark.parametrize("compiled,how", [(False, True), (True, True), (True, "torch")])
+def test_gpt_with_the_fused_mlp_trains_as_the_plain_gpt(compiled, how):
     """Three SGD steps of a small GPT, fused MLP against the plain one from the same weights
     (fp32): the same losses and the same weights after. (Not AdamW: the key bias's gradient
     is zero up to rounding, softmax being blind to it, and Adam scales rounding noise to
@@ -83,9 +85,10 @@ def test_gpt_with_the_fused_mlp_trains_as_the_plain_gpt(compiled):
     cfg = dict(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
     torch.manual_seed(0)
     plain = GPT(GPTConfig(**cfg))
-    fused = GPT(GPTConfig(**cfg, fused_mlp=True))
+    fused = GPT(GPTConfig(**cfg, fused_mlp=how))
     fused.load_state_dict(plain.state_dict())
-    assert all(b.fused_mlp for b in fused.blocks) and not any(b.fused_mlp for b in plain.blocks)
+    # the backward asked for reaches every block as it was given
+    assert all(b.fused_mlp == how for b in fused.blocks) and not any(b.fused_mlp for b in plain.blocks)
     losses = {}
     for name, model in (("plain", plain), ("fused", fused)):
         torch.manual_seed(1)
@@ -109,3 +112,9 @@ def test_gpt_with_the_fused_mlp_trains_as_the_plain_gpt(compiled):
 def test_moe_blocks_keep_their_experts():
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4, n_experts=2, fused_mlp=True))
     assert not model.blocks[0].fused_mlp
+
+
+def test_an_unknown_backward_is_refused_with_the_choices():
+    up, down = _pair()
+    with pytest.raises(ValueError, match="'dbias'.*dgelu_bgrad, dgelu, torch"):
+        fused_mlp.gelu_mlp(torch.randn(2, 16), up, down, "dbias")

@@ -39,23 +39,26 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 for n, d in ((4096, 768), (8192, 2048)):
     x, (wu, bu, wd, bd) = operands(n, d)
     dy = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
-    before = fused_mlp.PATHS["cublaslt"]
-    y, g, h = torch.ops.meshrun.gelu_mlp(x, wu, bu, wd, bd)
-    grads = torch.ops.meshrun.gelu_mlp_backward(dy, x, wu, wd, g, h)
-    took = fused_mlp.PATHS["cublaslt"] - before
-    if took != 2:
-        raise SystemExit(f"fused_mlp_check: the cuBLASLt path ran {took} of 2 times at {n}x{d}: {fused_mlp.FALLBACK}")
-    y0, g0, h0 = fused_mlp._forward_torch(x, wu, bu, wd, bd)
-    dh0, dbu0 = fused_mlp._backward_torch(x, wu, dy, wd, g0, h0)
-    ref = (dh0 @ wu, dh0.t() @ x, dbu0, dy.t() @ g0, dy.sum(0))
-    errs = {"y": rel(y, y0), "gelu out": rel(g, g0), "gelu in": rel(h, h0)}
-    errs |= {k: rel(a, b) for k, a, b in zip(("dx", "dW_up", "db_up", "dW_down", "db_down"), grads, ref)}
-    worst = max(errs, key=errs.get)
-    print(f"{n} x {d}: relative errors " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
-    if errs[worst] > 2e-2:  # bf16 rounds to ~4e-3; the two paths round at different points
-        raise SystemExit(f"fused_mlp_check: {worst} differs by {errs[worst]:.2e} at {n}x{d}")
-    if any(t.shape != r.shape or t.dtype != r.dtype for t, r in zip(grads, ref)):
-        raise SystemExit("fused_mlp_check: gradient shapes or dtypes differ from the plain path's")
+    for bgrad in (True, False):  # the bias gradient in the backward's epilogue, or summed by torch
+        before = fused_mlp.PATHS["cublaslt"]
+        y, g, h = torch.ops.meshrun.gelu_mlp(x, wu, bu, wd, bd)
+        grads = torch.ops.meshrun.gelu_mlp_backward(dy, x, wu, wd, g, h, bgrad)
+        took = fused_mlp.PATHS["cublaslt"] - before
+        if took != 2:
+            raise SystemExit(f"fused_mlp_check: the cuBLASLt path ran {took} of 2 times at {n}x{d}: "
+                             f"{fused_mlp.FALLBACK}")
+        y0, g0, h0 = fused_mlp._forward_torch(x, wu, bu, wd, bd)
+        dh0, dbu0 = fused_mlp._backward_torch(x, wu, dy, wd, g0, h0)
+        ref = (dh0 @ wu, dh0.t() @ x, dbu0, dy.t() @ g0, dy.sum(0))
+        errs = {"y": rel(y, y0), "gelu out": rel(g, g0), "gelu in": rel(h, h0)}
+        errs |= {k: rel(a, b) for k, a, b in zip(("dx", "dW_up", "db_up", "dW_down", "db_down"), grads, ref)}
+        worst = max(errs, key=errs.get)
+        print(f"{n} x {d}, bgrad {bgrad}: relative errors " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()),
+              flush=True)
+        if errs[worst] > 2e-2:  # bf16 rounds to ~4e-3; the two paths round at different points
+            raise SystemExit(f"fused_mlp_check: {worst} differs by {errs[worst]:.2e} at {n}x{d}")
+        if any(t.shape != r.shape or t.dtype != r.dtype for t, r in zip(grads, ref)):
+            raise SystemExit("fused_mlp_check: gradient shapes or dtypes differ from the plain path's")
 
 # 2. inside a compiled function, no graph break
 x, (wu, bu, wd, bd) = operands(1024, 768)
@@ -95,20 +98,44 @@ def plain(t):
         return down(F.gelu(up(t), approximate="tanh"))
 
 
-def fused(t):
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        return fused_mlp.gelu_mlp(t, up, down)
+def fused(backward: str):
+    def run(t):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fused_mlp.gelu_mlp(t, up, down, backward)
+    return run
 
 
-runs = {"Inductor (compiled Linear, GELU, Linear)": torch.compile(plain), "cuBLASLt epilogues (eager)": fused,
-        "cuBLASLt epilogues (compiled)": torch.compile(fused), "plain eager": plain}
+INDUCTOR = "Inductor (compiled Linear, GELU, Linear)"
+runs = {INDUCTOR: torch.compile(plain), "plain eager": plain}
+runs |= {f"epilogues, backward {b} (compiled)": torch.compile(fused(b)) for b in fused_mlp.BACKWARDS}
+runs["epilogues, backward dgelu_bgrad (eager)"] = fused("dgelu_bgrad")
 rows = {k: timed(f, x, name=k) for k, f in runs.items()}
 for k, v in rows.items():  # the peak: what one forward holds for its backward, and the backward's transients
     print(f"MLP fwd+bwd, {n} tokens x {d}: {k}: {v:.2f} ms, peak +{PEAKS[k]:.2f} GiB", flush=True)
-# the host's cost per MLP (nvmath plans each call: its stateless API), where the GPU's is small
+best = min(fused_mlp.BACKWARDS, key=lambda b: rows[f"epilogues, backward {b} (compiled)"])
+BEST = f"epilogues, backward {best} (compiled)"
+print(f"best backward: {best}, {rows[BEST] / rows[INDUCTOR] - 1:+.1%} against Inductor's", flush=True)
+# the host's cost per MLP (Python, nvmath's execute), where the GPU's is small
 small = torch.randn(256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
 dy = torch.randn(256, d, device=dev, dtype=torch.bfloat16)
-print(f"MLP fwd+bwd, 256 tokens (host-bound): cuBLASLt epilogues {timed(fused, small):.3f} ms, "
+print(f"MLP fwd+bwd, 256 tokens (host-bound): cuBLASLt epilogues {timed(fused('dgelu_bgrad'), small):.3f} ms, "
       f"plain eager {timed(plain, small):.3f} ms", flush=True)
+# where the time goes: the GPU kernels of one forward + backward each way (top 6 by time)
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+x = torch.randn(n, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
+for k in (INDUCTOR, BEST):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            runs[k](x).backward(dy)
+        torch.cuda.synchronize()
+    evs = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
+    print(f"kernels, {k}, per fwd+bwd: " + "; ".join(
+        f"{e.key[:60]} {e.device_time_total / 3e3:.2f} ms x{e.count // 3}" for e in evs), flush=True)
+y, g, h = fused_mlp._forward_cublaslt(x.detach(), up.weight.bfloat16(), up.bias.bfloat16(), down.weight.bfloat16(),
+                                     down.bias.bfloat16())
+print(f"layouts straight from cuBLASLt: g {tuple(g.stride())}, h {tuple(h.stride())}; "
+      f"plans cached: {len(fused_mlp._PLANS)}", flush=True)
 print("ALL OK")
 sys.exit(0)

@@ -82,7 +82,7 @@ def _register_ops() -> None:
     """Build the kernels and register the ops once, on first use (Triton imported only then)."""
     from torch.library import custom_op, register_autograd, register_fake
 
-    from .ce_triton import triton_ce_backward, triton_ce_forward
+    from .ce_triton import triton_ce_backward, triton_ce_forward, triton_ce_grad_forward
 
     # Opaque custom ops: compiled graphs call the kernels as they are (nothing to fuse into a
     # memory-bound pass over the logits), and trace them through the shapes given below.
@@ -139,3 +139,66 @@ def _register_ops() -> None:
         return backward(grad_rows, logits, targets, lse, ctx.ignore_index), None, None, None
 
     register_autograd("meshrun::cross_entropy_rows", _backward, setup_context=setup_context)
+
+    # head_cross_entropy's: the rows' losses, and their gradient (for an incoming 1) written
+    # over the logits, in one kernel. No autograd of its own: _HeadCrossEntropy's backward
+    # takes it from there.
+    @custom_op("meshrun::cross_entropy_grad_", mutates_args=("logits",))
+    def grad_forward(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        n, v = logits.shape
+        rows = torch.empty(n, dtype=torch.float32, device=logits.device)
+        if n:
+            triton_ce_grad_forward[(n,)](logits, logits.stride(0), targets, rows, v, ignore_index, BLOCK=BLOCK,
+                                         num_warps=8)
+        return rows
+
+    @register_fake("meshrun::cross_entropy_grad_")
+    def _grad_forward_shapes(logits, targets, ignore_index):
+        return logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    # The forward computes the logits, and one kernel reads them for the loss and writes over
+    # them its gradient; the backward scales that gradient's two products (N x d and V x d,
+    # small) by the incoming per-row gradient instead of scaling the (N, V) gradient itself.
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        logits = h @ w.t()
+        rows = torch.ops.meshrun.cross_entropy_grad_(logits, targets, ignore_index)
+        ctx.save_for_backward(h, w, logits, targets)  # the logits' memory holds their gradient now
+        ctx.ignore_index = ignore_index
+        return rows
+
+    @staticmethod
+    def backward(ctx, g_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        h, w, dlogits, targets = ctx.saved_tensors
+        # (N, 1): the mean's 1/N, or any per-row weights; an ignored row's is 0 whatever came
+        # (with every row ignored the mean's 1/0 would make 0 * inf = nan of its zero gradient)
+        s = torch.where(targets != ctx.ignore_index, g_rows.float(), 0.0).unsqueeze(1)
+        dh = ((dlogits @ w).float() * s).to(h.dtype) if ctx.needs_input_grad[0] else None
+        dw = dlogits.t() @ (h.float() * s).to(h.dtype) if ctx.needs_input_grad[1] else None
+        return dh, dw, None, None
+
+
+def head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                       ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of the logits ``h @ weight.T`` (h: (tokens, d), weight: (vocab, d))
+    against ``targets``, equal to ``F.cross_entropy(F.linear(h, weight).float(), targets)``,
+    with the logits' gradient computed in the forward, over the logits: the (tokens, vocab)
+    logits cross memory once each way (one kernel) instead of the three or four passes of a
+    loss whose forward and backward each read them. The logits' memory is the gradient's, as
+    for Inductor's own loss. Under autocast the matmul runs in its dtype. Without Triton or a
+    GPU it is the plain expression."""
+    if not torch.compiler.is_compiling():
+        if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1] or targets.shape != h.shape[:1]:
+            raise ValueError(f"head_cross_entropy: h {tuple(h.shape)}, weight {tuple(weight.shape)} and targets "
+                             f"{tuple(targets.shape)}: expected (tokens, d), (vocab, d) and (tokens,)")
+        register()
+    dev = h.device.type
+    if not _USABLE.get(dev, False) or h.shape[0] == 0:
+        return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=ignore_index)
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    with torch.autocast(dev, enabled=False):
+        rows = _HeadCrossEntropy.apply(h.to(dt), weight.to(dt), targets.contiguous(), ignore_index)
+    counted = (targets != ignore_index).sum()
+    return rows.sum() / counted  # no counted token: 0 / 0 = nan, as torch gives

@@ -48,3 +48,33 @@ def triton_ce_backward(x_ptr, stride, g_ptr, g_stride, t_ptr, lse_ptr, dx_ptr, V
         x = tl.load(base + cols, mask=keep, other=0.0).to(tl.float32)
         grad = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
         tl.store(dx_ptr + row * stride + cols, grad.to(dx_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def triton_ce_grad_forward(x_ptr, stride, t_ptr, rows_ptr, V, ignore_index, BLOCK: tl.constexpr):
+    # The loss and, written over the logits, its gradient for an incoming gradient of 1:
+    # softmax(x) - onehot(t) (zero for an ignored row). The second loop reads the row again,
+    # from L2 (a 100-KB row per program, a few hundred programs in flight: well inside it),
+    # so the logits cross DRAM once each way.
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride
+    m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), 0)
+    d = tl.sum(tl.zeros((BLOCK,), tl.float32), 0)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, 0))
+        d = d * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
+        m = new_m
+    lse = m + tl.log(d)
+    t = tl.load(t_ptr + row)
+    counted = t != ignore_index
+    picked = tl.load(base + tl.where(counted, t, 0)).to(tl.float32)  # read before the row is overwritten
+    tl.store(rows_ptr + row, tl.where(counted, lse - picked, 0.0))
+    scale = tl.where(counted, 1.0, 0.0)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < V
+        x = tl.load(base + cols, mask=keep, other=0.0).to(tl.float32)
+        grad = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
+        tl.store(base + cols, grad.to(x_ptr.dtype.element_ty), mask=keep)

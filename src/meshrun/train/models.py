@@ -35,10 +35,15 @@ class GPTConfig:
     # and then the step was 0.7% slower (eighth session): off by default. Without Triton or a
     # GPU it is F.cross_entropy.
     triton_loss: bool = False
+    # The head's matmul and the loss in one function whose forward writes the logits' gradient
+    # over them (ce_kernel.head_cross_entropy, one Triton kernel): the logits cross memory
+    # twice instead of three or four times. CUDA with Triton; plain torch elsewhere.
+    head_loss: bool = False
     # The MLP's GELU and the up-projection's bias gradient in cuBLASLt's matmul epilogues
     # (train/fused_mlp.py, through nvmath-python on CUDA in bf16; plain torch elsewhere). Off
-    # until measured against Inductor's fused GELU.
-    fused_mlp: bool = False
+    # until measured faster than Inductor's fused GELU. True or a backward of
+    # fused_mlp.BACKWARDS ("dgelu_bgrad", the default for True; "dgelu"; "torch").
+    fused_mlp: bool | str = False
 
     @property
     def head_dim(self) -> int:
@@ -62,7 +67,7 @@ class Block(nn.Module):
         else:
             self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
             self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
-        self.fused_mlp = cfg.fused_mlp and not cfg.n_experts
+        self.fused_mlp = False if cfg.n_experts else cfg.fused_mlp  # (`and` would turn "dgelu" into True)
 
     # (b, heads, t, head_dim) for SDPA, which picks flash/memory-efficient kernels on GPU.
     # Context parallelism replaces this on the instance (train/context.py).
@@ -82,7 +87,8 @@ class Block(nn.Module):
         if self.fused_mlp and not _sharded(self.up.weight):  # the op takes whole weights, not TP's shards
             from .fused_mlp import gelu_mlp
 
-            return x + gelu_mlp(self.ln2(x), self.up, self.down)
+            how = self.fused_mlp if isinstance(self.fused_mlp, str) else "dgelu_bgrad"
+            return x + gelu_mlp(self.ln2(x), self.up, self.down, how)
         return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
 
 
@@ -102,7 +108,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        if cfg.triton_loss:  # registered before any compiled step traces the loss
+        if cfg.triton_loss or cfg.head_loss:  # registered before any compiled step traces the loss
             from .ce_kernel import register
 
             register()
@@ -142,6 +148,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         h = self.ln_f(x)
+        if targets is not None and self.cfg.head_loss and not hasattr(self.head.weight, "full_tensor"):
+            from .ce_kernel import head_cross_entropy
+
+            return self._with_aux(head_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight,
+                                                     targets.reshape(-1)))
         if targets is not None and self.cfg.fused_loss and not hasattr(self.head.weight, "full_tensor"):
             from .losses import linear_cross_entropy
 
@@ -184,9 +195,10 @@ class GPT(nn.Module):
 
 
 def gpt(preset: str = "gpt-small", seq_len: int = 256, vocab: int = 50304, n_experts: int = 0,
-        fused_loss: bool = False, triton_loss: bool = False) -> GPT:
+        fused_loss: bool = False, triton_loss: bool = False, fused_mlp: bool | str = False,
+        head_loss: bool = False) -> GPT:
     return GPT(GPTConfig(vocab=vocab, seq_len=seq_len, n_experts=n_experts, fused_loss=fused_loss,
-                         triton_loss=triton_loss, **GPT_PRESETS[preset]))
+                         triton_loss=triton_loss, fused_mlp=fused_mlp, head_loss=head_loss, **GPT_PRESETS[preset]))
 
 
 class Toy(nn.Module):
