@@ -26,6 +26,7 @@
 #   bash bench/gpu_session.sh tune4 OUT     issue 3: meshrun train --compile-tune (or TUNE4_ARGS) on NG GPUs against the default
 #   bash bench/gpu_session.sh bucket13t OUT issue 3: GPT 1.3B on NG GPUs: the default, one 6000-MB DDP bucket, that with --compile-tune
 #   bash bench/gpu_session.sh tune1 OUT     issue 3: GPT 124M, 1 GPU each, side by side: default (cards 0, 2) and --compile-tune (1, 3)
+#   bash bench/gpu_session.sh defaults14 OUT  issue 3: the new defaults (head loss, GELU epilogues), 124M and 1.3B, NG and 1 GPU
 #   bash bench/gpu_session.sh headloss OUT  issue 3: the loss that writes its gradient in the forward, checked, 1 GPU each
 #   bash bench/gpu_session.sh mlpprof OUT   issue 3: a 124M step's kernels with each of the MLP's backward ways (carry .whl)
 #   bash bench/gpu_session.sh mlp OUT       issue 3: the GELU in cuBLASLt's epilogues (carry .whl: nvmath-python), checked, then 1 GPU each
@@ -77,11 +78,13 @@ one() {  # one GPU LIMIT_S TAG ENV... -- ARGS : a 1-GPU run in the background on
   } &
 }
 pairs() {  # pairs LIMIT_S TAG ARGS... : GPT 124M, global 128K, compiled, 1 GPU each side by side:
-  # the default on cards 0 and 2, ARGS on cards 1 and 3 (so a card's own speed cancels in the mean)
+  # the default (plus PAIRS_BASE) on cards 0 and 2, ARGS on cards 1 and 3 (so a card's own speed
+  # cancels in the mean)
   local lim=$1 tag=$2; shift 2
   local A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile" j=()
   for card in 0 1 2 3; do
-    if [ $((card % 2)) -eq 0 ]; then one $card "$lim" 124m-default -- $A; else one $card "$lim" "124m-$tag" -- $A "$@"; fi
+    if [ $((card % 2)) -eq 0 ]; then one $card "$lim" 124m-default -- $A $PAIRS_BASE
+    else one $card "$lim" "124m-$tag" -- $A "$@"; fi
     j+=($!)
   done
   wait "${j[@]}"
@@ -438,7 +441,31 @@ mlp)
   # then the backward the check timed fastest (fused_mlp.BACKWARDS -> train_bench.py's --mlp)
   best=$(sed -n 's/^best backward: \([a-z_]*\),.*/\1/p' "$OUT/check.log")
   case "$best" in dgelu_bgrad) best=cublaslt ;; dgelu) best=cublaslt-dgelu ;; torch) best=cublaslt-fwd ;; esac
-  grep -q "^ALL OK" "$OUT/check.log" && pairs 300 "$best" --mlp "$best" || echo "mlp: check failed, no runs" | tee -a "$S"
+  # (against the plain MLP: the default is the epilogues' DGELU way where nvmath-python is, since
+  # the fourteenth session)
+  grep -q "^ALL OK" "$OUT/check.log" && PAIRS_BASE="--mlp plain" pairs 300 "$best" --mlp "$best" \
+    || echo "mlp: check failed, no runs" | tee -a "$S"
+  ;;
+defaults14)
+  # issue 3, fourteenth session: meshrun's defaults since then (the head loss; the MLP's GELU in
+  # cuBLASLt's epilogues where nvmath-python is: carry .whl) on NG GPUs at global NG x 128K, GPT
+  # 124M then 1.3B; then 1 GPU each side by side (global 128K: the weak-scaling base), the new
+  # defaults on even cards and the previous ones (--loss plain --mlp plain) on odd; then the
+  # previous defaults on NG GPUs, each run skipped once past DEADLINE_S. Predicted: 124M +5..7%
+  # (call BF: +6.1% on 2), 49.5-50.5% MFU on 4; 1.3B +1..3%
+  # D14_SIZES: which models (default both), D14_ONE=0: no 1-GPU runs
+  G=$((NG * 131072)); N="--mode meshrun --micro 0 --compile"; OLD="--loss plain --mlp plain"
+  S1="--size gpt-124m"; S13="--size gpt-1.3b --warmup 3 --steps 8"
+  sizes() { for z in ${D14_SIZES:-gpt-124m gpt-1.3b}; do [ "$z" = gpt-1.3b ] && echo "$S13" || echo "$S1"; done; }
+  while read -r z; do tb 200 "$NG" $N $z --global-tokens $G; done < <(sizes)
+  if [ "${D14_ONE:-1}" = 1 ]; then
+    one 0 200 124m-1gpu-new -- $N $S1 --global-tokens 131072
+    [ "$NG" -ge 2 ] && one 1 200 124m-1gpu-old -- $N $S1 --global-tokens 131072 $OLD
+    [ "$NG" -ge 4 ] && one 2 200 1.3b-1gpu-new -- $N $S13 --global-tokens 131072
+    [ "$NG" -ge 4 ] && one 3 200 1.3b-1gpu-old -- $N $S13 --global-tokens 131072 $OLD
+    wait
+  fi
+  while read -r z; do tb 200 "$NG" $N $z --global-tokens $G $OLD; done < <(sizes)
   ;;
 headloss)
   # issue 3, fourteenth session: the loss whose forward writes the logits' gradient (GPTConfig.head_loss,
@@ -451,8 +478,8 @@ headloss)
   A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
   for round in 0 $([ "$NG" -lt 4 ] && echo 1); do
     for card in $(seq 0 $((NG - 1))); do
-      if [ $(((card + round) % 2)) -eq 0 ]; then one $card 300 124m-plain -- $A --loss plain
-      else one $card 300 124m-head -- $A --loss head; fi
+      if [ $(((card + round) % 2)) -eq 0 ]; then one $card 300 124m-plain -- $A --loss plain --mlp plain
+      else one $card 300 124m-head -- $A --loss head --mlp plain; fi
     done
     wait
   done

@@ -26,7 +26,6 @@ from meshrun.train.config import TrainConfig
 from meshrun.train.data import BatchStream, RandomTokens
 from meshrun.train.models import gpt
 from meshrun.train.trainer import Trainer
-from train_bench import MLPS  # bench/, this script's directory
 
 # Attention first: cuDNN's flash kernels also carry "sm90" in their names.
 FAMILIES = (("attention", ("flash", "fmha", "attention", "sdpa")), ("gemm", ("gemm", "sm90", "cutlass", "matmul", "nvjet")),
@@ -59,6 +58,8 @@ def is_kernel(e, cuda: bool) -> bool:
 
 
 def main() -> None:
+    from train_bench import MLPS  # beside this script (its directory is on the path when run)
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="gpt-124m")
     ap.add_argument("--micro", type=int, default=64)
@@ -66,15 +67,15 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12, help="how many of the longest kernels to list")
-    ap.add_argument("--loss", default="plain", choices=["plain", "triton", "head"],
+    ap.add_argument("--loss", default="head", choices=["plain", "triton", "head"],
                     help="the GPT's loss: F.cross_entropy, the Triton kernels (train/ce_kernel.py), or the one "
                          "that writes the gradient in the forward (head)")
     ap.add_argument("--host-sync", action="store_true",
                     help="wait on the host for every step's gradient norm (meshrun's step before the seventh session)")
     ap.add_argument("--mlp", default="default", choices=list(MLPS), help="as train_bench.py's --mlp")
     args = ap.parse_args()
-    model = gpt(args.size, seq_len=args.seq, vocab=50304, triton_loss=args.loss == "triton", fused_mlp=MLPS[args.mlp],
-                head_loss=args.loss == "head")
+    model = gpt(args.size, seq_len=args.seq, vocab=50304, triton_loss=args.loss == "triton",
+                fused_mlp=MLPS[args.mlp], head_loss=args.loss == "head")
     cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9, grad_clip=1.0)
     trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)
@@ -129,7 +130,7 @@ def main() -> None:
         print(f"  {fam:10s} {100 * t / total:5.1f}%")
     for e in sorted(events, key=lambda e: -getattr(e, attr))[:args.top]:
         print(f"  {100 * getattr(e, attr) / total:5.1f}%  {e.count // args.steps:4d}/step  {e.key[:100]}")
-    if args.mlp != "default":
+    if getattr(model.blocks[0], "fused_mlp", False):
         from meshrun.train import fused_mlp
 
         print(f"  fused MLP: calls {dict(fused_mlp.PATHS)}, plans made {dict(fused_mlp.PLANNED)}, "

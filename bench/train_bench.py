@@ -36,13 +36,19 @@ def random_batch(micro: int, seq: int, vocab: int, device: torch.device, step: i
     return t[:, :-1], t[:, 1:]
 
 
-# --mlp: off, or the forward's GELU in cuBLASLt's epilogue with one of fused_mlp.BACKWARDS
-MLPS = {"default": False, "cublaslt": "dgelu_bgrad", "cublaslt-dgelu": "dgelu", "cublaslt-fwd": "torch"}
+# --mlp: GPTConfig's default ("auto": cuBLASLt's epilogues where nvmath-python is), the plain
+# MLP, or the forward's GELU in cuBLASLt's epilogue with one of fused_mlp.BACKWARDS
+MLPS = {"default": GPTConfig.fused_mlp, "plain": False, "cublaslt": "dgelu_bgrad", "cublaslt-dgelu": "dgelu",
+        "cublaslt-fwd": "torch"}
 
 
 def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual: bool = False,
-               loss: str = "default", mlp: str = "default") -> GPT:
+               loss: str = "default", mlp: str = "default", peer: bool = False) -> GPT:
+    """The benchmark's GPT. ``peer``: for the peers' modes, whose "default" is the plain model
+    (Linear-GELU-Linear, F.cross_entropy), not meshrun's kernels."""
     torch.manual_seed(0)
+    if peer:
+        loss, mlp = ("plain" if loss == "default" else loss), ("plain" if mlp == "default" else mlp)
     fused = GPTConfig.fused_loss if loss == "default" else loss == "fused"
     triton = GPTConfig.triton_loss if loss == "default" else loss == "triton"
     head = GPTConfig.head_loss if loss == "default" else loss == "head"
@@ -119,15 +125,17 @@ def main() -> None:
     ap.add_argument("--fp32-residual", action="store_true",
                     help="keep the GPT's residual stream fp32 under autocast (the model before 2026-11-26)")
     ap.add_argument("--loss", default="default", choices=["default", "plain", "fused", "triton", "head"],
-                    help="the GPT's loss: F.cross_entropy over full logits, chunked (train/losses.py), "
-                         "two Triton passes over full logits (train/ce_kernel.py), or one Triton pass that "
-                         "writes the logits' gradient in the forward (head: ce_kernel.head_cross_entropy)")
+                    help="the GPT's loss (default: meshrun's head, the peers' plain): F.cross_entropy over full "
+                         "logits (plain), chunked (train/losses.py), two Triton passes over full logits "
+                         "(train/ce_kernel.py), or one Triton pass that writes the logits' gradient in the forward "
+                         "(head: ce_kernel.head_cross_entropy)")
     ap.add_argument("--sdpa", default="default", choices=["default", "flash", "cudnn", "efficient"])
     ap.add_argument("--mlp", default="default", choices=list(MLPS),
-                    help="the GPT's MLP: Linear, GELU, Linear (Inductor fuses the GELU when compiled), or the GELU "
-                         "in cuBLASLt's matmul epilogues (train/fused_mlp.py; needs nvmath-python): forward and "
-                         "backward with the bias gradient (cublaslt), the backward without it (cublaslt-dgelu), "
-                         "the forward only (cublaslt-fwd)")
+                    help="the GPT's MLP: the model's default (meshrun: cuBLASLt's epilogues where nvmath-python "
+                         "is, as cublaslt-dgelu; the peers: plain), Linear, GELU, Linear (plain: Inductor fuses the "
+                         "GELU when compiled), or the GELU in cuBLASLt's matmul epilogues (train/fused_mlp.py; "
+                         "needs nvmath-python): forward and backward with the bias gradient (cublaslt), the backward "
+                         "without it (cublaslt-dgelu), the forward only (cublaslt-fwd)")
     ap.add_argument("--compiled-autograd", action="store_true",
                     help="DDP + compile: trace the backward with compiled autograd and DDP's reducer in Python "
                          "(optimize_ddp='python_reducer'), so all-reduces live in one backward graph")
@@ -161,7 +169,8 @@ def main() -> None:
         import torch._dynamo as dynamo
 
         dynamo.config.optimize_ddp = "python_reducer"
-    model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual, args.loss, args.mlp)
+    model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual, args.loss, args.mlp,
+                       peer=args.mode != "meshrun")
     flops_per_token = model.flops_per_token()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     extra: dict = {}
@@ -288,14 +297,16 @@ def main() -> None:
         if peak else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
         "card": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "warmup_s": round(WARMUP_S[0], 1), "fp32_residual": args.fp32_residual,
-        "fused_loss": model.cfg.fused_loss, "triton_loss": model.cfg.triton_loss, "head_loss": model.cfg.head_loss,
+        "fused_loss": model.cfg.fused_loss, "triton_loss": model.cfg.triton_loss,
         "sdpa": args.sdpa, "compiled_autograd": args.compiled_autograd,
         "host_sync": args.host_sync, "inductor": inductor, "date": time.strftime("%Y-%m-%d"),
     }
-    if args.mlp != "default":  # which path ran, and why not cuBLASLt's if it did not
+    way = getattr(model.blocks[0], "fused_mlp", False)
+    result.update(head_loss=model.cfg.head_loss, mlp=way or "plain")  # as resolved ("auto": by nvmath's presence)
+    if way:  # which path ran, and why not cuBLASLt's if it did not
         from meshrun.train import fused_mlp
 
-        result.update(mlp=args.mlp, mlp_paths=dict(fused_mlp.PATHS), mlp_fallback=list(fused_mlp.FALLBACK.values()))
+        result.update(mlp_paths=dict(fused_mlp.PATHS), mlp_fallback=list(fused_mlp.FALLBACK.values()))
     if inductor.get("triton.cudagraphs"):
         # Inductor logs why it skips a graph only under TORCH_LOGS=cudagraphs (call AV's runs
         # could not tell whether graphs were taken); its counters are always kept

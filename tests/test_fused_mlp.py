@@ -84,11 +84,12 @@ def test_gpt_with_the_fused_mlp_trains_as_the_plain_gpt(compiled, how):
     full steps.)"""
     cfg = dict(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
     torch.manual_seed(0)
-    plain = GPT(GPTConfig(**cfg))
+    plain = GPT(GPTConfig(**cfg, fused_mlp=False))
     fused = GPT(GPTConfig(**cfg, fused_mlp=how))
     fused.load_state_dict(plain.state_dict())
     # the backward asked for reaches every block as it was given
-    assert all(b.fused_mlp == how for b in fused.blocks) and not any(b.fused_mlp for b in plain.blocks)
+    want = "dgelu" if how is True else how
+    assert all(b.fused_mlp == want for b in fused.blocks) and not any(b.fused_mlp for b in plain.blocks)
     losses = {}
     for name, model in (("plain", plain), ("fused", fused)):
         torch.manual_seed(1)
@@ -118,3 +119,48 @@ def test_an_unknown_backward_is_refused_with_the_choices():
     up, down = _pair()
     with pytest.raises(ValueError, match="'dbias'.*dgelu_bgrad, dgelu, torch"):
         fused_mlp.gelu_mlp(torch.randn(2, 16), up, down, "dbias")
+
+
+def test_the_configured_way_resolves_per_block():
+    """GPTConfig.fused_mlp: "auto" is the plain MLP where nvmath-python is missing (as here:
+    the CPU suite does not install meshrun[cublaslt]) and the DGELU way, on CUDA only, where
+    it imports; True the DGELU way everywhere; a misspelt way is refused by name."""
+    from meshrun.train.models import _mlp_way
+
+    cfg = dict(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4)
+    auto = _mlp_way(GPTConfig(**cfg))
+    assert auto == (("dgelu", True) if fused_mlp.available() else (False, True))
+    assert _mlp_way(GPTConfig(**cfg, fused_mlp=True)) == ("dgelu", False)
+    assert _mlp_way(GPTConfig(**cfg, fused_mlp="dgelu_bgrad")) == ("dgelu_bgrad", False)
+    assert _mlp_way(GPTConfig(**cfg, fused_mlp="torch")) == ("torch", False)
+    assert _mlp_way(GPTConfig(**cfg, fused_mlp=False)) == (False, False)
+    assert _mlp_way(GPTConfig(**cfg, fused_mlp=True, n_experts=2)) == (False, False)
+    with pytest.raises(ValueError, match="fused_mlp 'dglue': expected True, False, 'auto' or one of dgelu_bgrad"):
+        GPT(GPTConfig(**cfg, fused_mlp="dglue"))
+
+
+def test_the_model_names_the_kernels_it_runs_for_the_trainers_first_line():
+    """Nothing on the CPU; on CUDA the MLP's way (the head loss only where Triton runs on CUDA,
+    not on this machine), nothing on tensor-parallel shards."""
+    cfg = dict(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4)
+    model = GPT(GPTConfig(**cfg, fused_mlp="dgelu"))
+    cuda = torch.device("cuda")
+    assert model.meshrun_kernels(torch.device("cpu")) == []
+    assert model.meshrun_kernels(cuda) == ["MLP's GELU in cuBLASLt epilogues (dgelu)"]
+    assert model.meshrun_kernels(cuda, tp=2) == []
+    assert GPT(GPTConfig(**cfg, fused_mlp=False)).meshrun_kernels(cuda) == []
+
+
+def test_partitioned_weights_take_the_plain_mlp():
+    """A weight that its Linear's own forward must gather (a DeepSpeed ZeRO-3 parameter, marked
+    ``ds_id``) is never used by the op, which does not call the Linear: the plain MLP runs."""
+    cfg = dict(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4)
+    model = GPT(GPTConfig(**cfg, fused_mlp="dgelu"))
+    x = torch.randn(2, 16, 32)
+    before = dict(fused_mlp.PATHS)
+    model.blocks[0](x)
+    assert fused_mlp.PATHS["torch"] == before.get("torch", 0) + 1  # the op ran (its torch path, on the CPU)
+    for p in model.blocks[0].parameters():
+        p.ds_id = 0
+    model.blocks[0](x)
+    assert fused_mlp.PATHS["torch"] == before.get("torch", 0) + 1  # not again

@@ -10,12 +10,10 @@ import triton.language as tl
 
 
 @triton.jit
-def triton_ce_forward(x_ptr, stride, t_ptr, rows_ptr, lse_ptr, V, ignore_index, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = x_ptr + row * stride
-    # Online softmax, block by block: the running max and the sum of exp(x - max), one
-    # exponential per entry (per-lane accumulators would need two). Both start as fp32
-    # scalars, as a loop-carried value must keep its type.
+def _row_lse(base, V, BLOCK: tl.constexpr):
+    # A row's log-sum-exp by online softmax, block by block: the running max and the sum of
+    # exp(x - max), one exponential per entry (per-lane accumulators would need two). Both
+    # start as fp32 scalars, as a loop-carried value must keep its type.
     m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), 0)
     d = tl.sum(tl.zeros((BLOCK,), tl.float32), 0)
     for start in range(0, V, BLOCK):
@@ -24,7 +22,14 @@ def triton_ce_forward(x_ptr, stride, t_ptr, rows_ptr, lse_ptr, V, ignore_index, 
         new_m = tl.maximum(m, tl.max(x, 0))
         d = d * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
         m = new_m
-    lse = m + tl.log(d)
+    return m + tl.log(d)
+
+
+@triton.jit
+def triton_ce_forward(x_ptr, stride, t_ptr, rows_ptr, lse_ptr, V, ignore_index, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride
+    lse = _row_lse(base, V, BLOCK)
     tl.store(lse_ptr + row, lse)
     t = tl.load(t_ptr + row)
     counted = t != ignore_index
@@ -58,15 +63,7 @@ def triton_ce_grad_forward(x_ptr, stride, t_ptr, rows_ptr, V, ignore_index, BLOC
     # so the logits cross DRAM once each way.
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride
-    m = tl.max(tl.full((BLOCK,), float("-inf"), tl.float32), 0)
-    d = tl.sum(tl.zeros((BLOCK,), tl.float32), 0)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        new_m = tl.maximum(m, tl.max(x, 0))
-        d = d * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
-        m = new_m
-    lse = m + tl.log(d)
+    lse = _row_lse(base, V, BLOCK)
     t = tl.load(t_ptr + row)
     counted = t != ignore_index
     picked = tl.load(base + tl.where(counted, t, 0)).to(tl.float32)  # read before the row is overwritten

@@ -1,5 +1,6 @@
-"""The GPT MLP with its GELU and the up-projection's bias gradient in cuBLASLt's matmul epilogues
-(opt-in: ``GPTConfig.fused_mlp``, ``train_bench.py --mlp cublaslt``).
+"""The GPT MLP with its GELU in cuBLASLt's matmul epilogues (``GPTConfig.fused_mlp``: by
+default "auto", the DGELU way below wherever nvmath-python is installed, on CUDA;
+``train_bench.py --mlp``).
 
 Why: in the compiled GPT 124M step on an H200 the GELU's forward and backward and the
 up-projection's bias gradient are Inductor kernels that take ~7.6% of the step (sixth
@@ -9,14 +10,16 @@ activations, which no Inductor setting can fuse into cuBLAS's matmuls. cuBLASLt 
 - forward, ``GELU_AUX_BIAS``: the up-projection's matmul adds the bias, applies GELU (the tanh
   approximation, which is the GPT's) and writes both GELU's output and its input (the "aux",
   kept for the backward): one read of the pre-activation less than matmul + GELU kernel;
-- backward, ``DGELU_BGRAD``: the down-projection's input-gradient matmul multiplies by GELU's
-  derivative at the saved aux and sums the up-projection's bias gradient in its epilogue:
-  the (tokens, 4d) gradient is written once instead of written, read, written and read again.
+- backward, ``DGELU``: the down-projection's input-gradient matmul multiplies by GELU's
+  derivative at the saved aux, so the (tokens, 4d) gradient is written once; the
+  up-projection's bias gradient is then a torch sum over it. ``DGELU_BGRAD`` would sum it in
+  the epilogue too, but cuBLASLt runs that as the matmul plus a separate 2.3-ms kernel at the
+  124M shapes (fourteenth session, call BB), slower than Inductor's fused GELU backward.
 
-~3.2 GB less memory traffic per layer at micro-batch 128 x 1024 tokens, ~9 ms of a ~230-ms
-step at the card's bandwidth: predicted +2..4% at 124M (less at 1.3B, whose step is more
-matmul), to be measured (`bash bench/gpu_session.sh mlp OUT`). torch exposes neither epilogue;
-NVIDIA's nvmath-python binds cuBLASLt's, and is imported only here, only when asked for.
+Measured (docs/benchmarks.md, fourteenth session): the MLP's forward + backward 5.6% faster
+than Inductor's at 131072 x 768 tokens; beside the head loss +3.8% on a 124M step on one H200,
+and both together +6.1% at 124M and +2.6% at 1.3B on two. torch exposes neither epilogue;
+NVIDIA's nvmath-python binds cuBLASLt's, and is imported only here, only when used.
 
 The matmuls and the epilogues run in an opaque custom op (``meshrun::gelu_mlp`` and its
 backward), so torch.compile calls them from inside its graphs. The same ops compute the same
@@ -48,6 +51,11 @@ def _nvmath() -> Any:
     except Exception as e:  # not installed, or its CUDA libraries not found
         return f"nvmath-python not usable ({type(e).__name__}: {e})"
     return advanced
+
+
+def available() -> bool:
+    """Whether nvmath-python's cuBLASLt binding imports (GPTConfig.fused_mlp="auto" uses it)."""
+    return not isinstance(_nvmath(), str)
 
 
 def _cublaslt_reason(x: torch.Tensor, w_up: torch.Tensor) -> str | None:
@@ -214,7 +222,7 @@ class _GeluMLP(torch.autograd.Function):
 BACKWARDS = ("dgelu_bgrad", "dgelu", "torch")
 
 
-def gelu_mlp(x: torch.Tensor, up: nn.Linear, down: nn.Linear, backward: str = "dgelu_bgrad") -> torch.Tensor:
+def gelu_mlp(x: torch.Tensor, up: nn.Linear, down: nn.Linear, backward: str = "dgelu") -> torch.Tensor:
     """``down(gelu(up(x), approximate="tanh"))`` through the ops above, with the backward one of
     BACKWARDS. Under autocast the operands are cast to its dtype here (autocast does not reach
     into custom ops), as it would cast them for ``F.linear``; the fp32 parameters get fp32

@@ -32,18 +32,20 @@ class GPTConfig:
     # The loss over the whole logits by two Triton passes (train/ce_kernel.py) instead of
     # Inductor's fusion of F.cross_entropy: +2.9% at 124M compiled with 12 GiB more memory
     # (seventh session); writing the gradient over the logits took the memory down to +1 GiB,
-    # and then the step was 0.7% slower (eighth session): off by default. Without Triton or a
-    # GPU it is F.cross_entropy.
+    # and then the step was 0.7% slower (eighth session): off; head_loss replaces it.
     triton_loss: bool = False
     # The head's matmul and the loss in one function whose forward writes the logits' gradient
     # over them (ce_kernel.head_cross_entropy, one Triton kernel): the logits cross memory
-    # twice instead of three or four times. CUDA with Triton; plain torch elsewhere.
-    head_loss: bool = False
-    # The MLP's GELU and the up-projection's bias gradient in cuBLASLt's matmul epilogues
-    # (train/fused_mlp.py, through nvmath-python on CUDA in bf16; plain torch elsewhere). Off
-    # until measured faster than Inductor's fused GELU. True or a backward of
-    # fused_mlp.BACKWARDS ("dgelu_bgrad", the default for True; "dgelu"; "torch").
-    fused_mlp: bool | str = False
+    # twice instead of three or four times. +2.9% at 124M on one H200, +0.5 GiB (fourteenth
+    # session, call BE). CUDA with Triton; elsewhere the plain expression, as the loss below.
+    head_loss: bool = True
+    # The MLP's GELU in cuBLASLt's matmul epilogues (train/fused_mlp.py, nvmath-python). "auto":
+    # where it runs (CUDA, nvmath-python installed: the extra meshrun[cublaslt]) the forward's
+    # GELU_AUX_BIAS and the backward's DGELU ("dgelu"; +3.8% at 124M on one H200 beside the head
+    # loss; both +6.1% at 124M and +2.6% at 1.3B on two, calls BF and BG), else the plain MLP.
+    # True ("dgelu") or a way of fused_mlp.BACKWARDS ("dgelu_bgrad", "dgelu", "torch"): the ops
+    # everywhere (their plain-torch path where the epilogues cannot run); False: the plain MLP.
+    fused_mlp: bool | str = "auto"
 
     @property
     def head_dim(self) -> int:
@@ -67,7 +69,7 @@ class Block(nn.Module):
         else:
             self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
             self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
-        self.fused_mlp = False if cfg.n_experts else cfg.fused_mlp  # (`and` would turn "dgelu" into True)
+        self.fused_mlp, self.mlp_cuda_only = _mlp_way(cfg)
 
     # (b, heads, t, head_dim) for SDPA, which picks flash/memory-efficient kernels on GPU.
     # Context parallelism replaces this on the instance (train/context.py).
@@ -84,18 +86,39 @@ class Block(nn.Module):
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         if hasattr(self, "moe"):
             return x + self.moe(self.ln2(x))
-        if self.fused_mlp and not _sharded(self.up.weight):  # the op takes whole weights, not TP's shards
+        # the op takes whole weights, not TP's shards or ZeRO-3's partitions
+        if self.fused_mlp and (x.is_cuda or not self.mlp_cuda_only) and not _sharded(self.up.weight):
             from .fused_mlp import gelu_mlp
 
-            how = self.fused_mlp if isinstance(self.fused_mlp, str) else "dgelu_bgrad"
-            return x + gelu_mlp(self.ln2(x), self.up, self.down, how)
+            return x + gelu_mlp(self.ln2(x), self.up, self.down, self.fused_mlp)
         return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
 
 
+def _mlp_way(cfg: GPTConfig) -> tuple[str | bool, bool]:
+    """GPTConfig.fused_mlp resolved: (False or a way of fused_mlp.BACKWARDS, only on CUDA)."""
+    how = cfg.fused_mlp
+    if cfg.n_experts or how is False:
+        return False, False
+    if how == "auto":  # nvmath-python imported here only where it is installed
+        from .fused_mlp import available
+
+        return ("dgelu" if cfg.d_model % 8 == 0 and available() else False), True
+    if how is True:
+        return "dgelu", False
+    from .fused_mlp import BACKWARDS
+
+    if how not in BACKWARDS:
+        raise ValueError(f"GPTConfig.fused_mlp {how!r}: expected True, False, 'auto' or one of {', '.join(BACKWARDS)}")
+    return how, False
+
+
 def _sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is not whole where its module's forward is not called: a tensor-parallel
+    DTensor, or a DeepSpeed ZeRO-3 parameter (``ds_id``), which only its own module's hooks
+    gather. The fused MLP and the head loss use the weights without calling their Linear."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(p, DTensor)
+    return isinstance(p, DTensor) or hasattr(p, "ds_id")
 
 
 class GPT(nn.Module):
@@ -148,12 +171,12 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         h = self.ln_f(x)
-        if targets is not None and self.cfg.head_loss and not hasattr(self.head.weight, "full_tensor"):
+        if targets is not None and self.cfg.head_loss and not _sharded(self.head.weight):
             from .ce_kernel import head_cross_entropy
 
             return self._with_aux(head_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight,
                                                      targets.reshape(-1)))
-        if targets is not None and self.cfg.fused_loss and not hasattr(self.head.weight, "full_tensor"):
+        if targets is not None and self.cfg.fused_loss and not _sharded(self.head.weight):
             from .losses import linear_cross_entropy
 
             loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight, targets.reshape(-1))
@@ -176,6 +199,23 @@ class GPT(nn.Module):
             loss = loss.full_tensor()
         return self._with_aux(loss)
 
+    def meshrun_kernels(self, device: torch.device, tp: int = 1, pp: int = 1) -> list[str]:
+        """meshrun's own kernels this model runs on ``device`` (the trainer's first line says so):
+        none of them on tensor-parallel shards, and no loss of its own under pipelining (the
+        schedule takes the loss)."""
+        if device.type != "cuda" or tp > 1:
+            return []
+        out = []
+        if self.cfg.head_loss and pp == 1:
+            from .ce_kernel import register
+
+            if register().get("cuda"):
+                out.append("loss with its gradient in the forward (Triton)")
+        way = next((b.fused_mlp for b in self.blocks if getattr(b, "fused_mlp", False)), False)
+        if way:
+            out.append(f"MLP's GELU in cuBLASLt epilogues ({way})")
+        return out
+
     def _with_aux(self, loss: torch.Tensor) -> torch.Tensor:
         if self.cfg.n_experts:
             loss = loss + self.cfg.aux_coef * sum(b.moe.aux for b in self.blocks)
@@ -195,8 +235,8 @@ class GPT(nn.Module):
 
 
 def gpt(preset: str = "gpt-small", seq_len: int = 256, vocab: int = 50304, n_experts: int = 0,
-        fused_loss: bool = False, triton_loss: bool = False, fused_mlp: bool | str = False,
-        head_loss: bool = False) -> GPT:
+        fused_loss: bool = False, triton_loss: bool = False, fused_mlp: bool | str = GPTConfig.fused_mlp,
+        head_loss: bool = GPTConfig.head_loss) -> GPT:
     return GPT(GPTConfig(vocab=vocab, seq_len=seq_len, n_experts=n_experts, fused_loss=fused_loss,
                          triton_loss=triton_loss, fused_mlp=fused_mlp, head_loss=head_loss, **GPT_PRESETS[preset]))
 

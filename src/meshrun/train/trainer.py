@@ -108,6 +108,10 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.accum = cfg.accumulation(self.dp_size)
         self.engine = None  # the DeepSpeed engine under --strategy deepspeed
+        # (ZeRO-3's partitioned weights take the plain paths, as TP's shards do)
+        zero3 = cfg.strategy == "deepspeed" and cfg.zero == 3
+        self.kernels = (model.meshrun_kernels(rt.device, cfg.tp, cfg.pp)
+                        if hasattr(model, "meshrun_kernels") and not zero3 else [])
         self.model, self.ddp = self._parallelize(model.to(rt.device))
         self._bad_step = torch.zeros((), dtype=torch.long, device=rt.device)
         if self.engine is None:
@@ -453,7 +457,8 @@ class Trainer:
                 f"{self.n_params / 1e6:.2f}M parameters, global batch {cfg.micro} x {self.accum} x "
                 f"{self.dp_size} = {cfg.micro * self.accum * self.dp_size}, "
                 f"{'bf16' if self.bf16 else 'fp32'}{', compiled' if cfg.compile else ''}{', tuned' if cfg.compile_tune else ''}"
-                + (f", DDP buckets of {self.ddp.bucket_bytes_cap // 2**20} MB" if self.ddp is not None else ""))
+                + (f", DDP buckets of {self.ddp.bucket_bytes_cap // 2**20} MB" if self.ddp is not None else "")
+                + "".join(f", {k}" for k in self.kernels))
 
     def _guarded_step(self, data: Iterator, first: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """A step; out of memory on the run's first step becomes advice, not a traceback."""
