@@ -164,3 +164,15 @@ def test_partitioned_weights_take_the_plain_mlp():
         p.ds_id = 0
     model.blocks[0](x)
     assert fused_mlp.PATHS["torch"] == before.get("torch", 0) + 1  # not again
+
+
+def test_meshrun_train_kernels_option_builds_the_gpt_with_or_without_them():
+    """`meshrun train --kernels auto` (the default) builds the GPT with the head loss and the
+    MLP's "auto" way; `--kernels plain` with neither."""
+    from meshrun.train.config import TrainConfig, validate
+    from meshrun.train.factories import build_model
+
+    auto = build_model(validate(TrainConfig(model_size="gpt-tiny", seq_len=16)))
+    plain = build_model(validate(TrainConfig(model_size="gpt-tiny", seq_len=16, kernels="plain")))
+    assert auto.cfg.head_loss and auto.cfg.fused_mlp == "auto"
+    assert not plain.cfg.head_loss and plain.cfg.fused_mlp is False

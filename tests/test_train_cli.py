@@ -66,6 +66,8 @@ ERRORS = [
     (["--example", "toy", "--fused-loss"], "--fused-loss=True: is a loss of meshrun's built-in GPT"),
     (["--fused-loss", "--tp", "2"], "--fused-loss=True: does not combine with --tp/--pp"),
     (["--attention", "fast"], "--attention='fast': unknown value (hint: choose one of auto, cudnn, flash, efficient, math)"),
+    (["--kernels", "fast"], "--kernels='fast': unknown value (hint: choose one of auto, plain)"),
+    (["--example", "toy", "--kernels", "plain"], "--kernels='plain': chooses the kernels of meshrun's built-in GPT"),
     (["--strategy", "zero4"], "--strategy='zero4': unknown value (hint: choose one of auto, single, ddp, fsdp, deepspeed)"),
     (["--global-batch", "100", "--micro-batch", "8"],
      "--global-batch=100: is not a multiple of micro-batch 8 x data-parallel size 2 = 16 (hint: use a multiple of 16, e.g. 96 or 112)"),

@@ -19,6 +19,7 @@ FSDP_FLAVOURS = ("auto", "full", "grad_op", "hybrid", "no_shard")
 PRECISIONS = ("auto", "bf16", "fp32")
 REDUCE_PRECISIONS = ("fp32", "bf16")
 ATTENTION = ("auto", "cudnn", "flash", "efficient", "math")  # SDPA kernel first in line (train/attention.py)
+KERNELS = ("auto", "plain")  # the built-in GPT's own kernels where they run, or none
 AC_MODES = ("none", "full")
 EXAMPLES = ("gpt", "toy")
 BUILTIN_DATA = ("stdlib", "random", "toy")
@@ -71,6 +72,10 @@ class TrainConfig:
     reduce_precision: str = "fp32"  # gradients' data-parallel reduction: fp32, or bf16 (half the bytes)
     fused_loss: bool = False  # built-in GPT: the loss chunk by chunk, the logits never whole (long sequences)
     attention: str = "auto"  # SDPA kernel tried first: auto (torch's order), cudnn, flash, efficient, math
+    # built-in GPT: auto, meshrun's kernels where they run (on CUDA the loss that writes its
+    # gradient in the forward, with Triton; the MLP's GELU in cuBLASLt's epilogues, with
+    # nvmath-python); plain, torch's modules only (to compare, or to rule the kernels out)
+    kernels: str = "auto"
     blocks: str | None = None  # attribute path of the block list, e.g. "model.layers"
     out: str | None = None
     save_every: int = 100  # with --out: snapshot every N steps (and at the end); 0: only at the end
@@ -141,6 +146,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_choice(cfg, "precision", PRECISIONS)
     _check_choice(cfg, "reduce_precision", REDUCE_PRECISIONS)
     _check_choice(cfg, "attention", ATTENTION)
+    _check_choice(cfg, "kernels", KERNELS)
     _check_choice(cfg, "activation_checkpointing", AC_MODES)
     _check_choice(cfg, "pp_schedule", ("1f1b", "gpipe", "interleaved"))
     _check_choice(cfg, "offload", OFFLOAD)
@@ -166,6 +172,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         n = cfg.pp_microbatches or cfg.pp
         raise bad_value(cfg.source("micro_batch"), cfg.micro, f"does not split into {n} pipeline micro-batches",
                         f"a micro-batch that is a multiple of {n}, or set --pp-microbatches")
+    if cfg.kernels != "auto" and (cfg.model is not None or cfg.example != "gpt"):
+        raise bad_value(cfg.source("kernels"), cfg.kernels, "chooses the kernels of meshrun's built-in GPT",
+                        "drop it with --model or --example toy")
     if cfg.fused_loss and (cfg.model is not None or cfg.example != "gpt"):
         raise bad_value(cfg.source("fused_loss"), True, "is a loss of meshrun's built-in GPT",
                         "drop it, or compute your model's loss in chunks (e.g. Liger-Kernel's fused linear cross-entropy)")

@@ -53,7 +53,9 @@ def build_model(cfg: TrainConfig) -> Any:
     if cfg.example == "toy":
         return Toy()
     vocab = 256 if data_name(cfg) == "stdlib" else 50304  # bytes, or GPT-2's padded vocabulary
-    return gpt(cfg.model_size, seq_len=cfg.seq_len, vocab=vocab, n_experts=cfg.experts, fused_loss=cfg.fused_loss)
+    auto = cfg.kernels == "auto"
+    return gpt(cfg.model_size, seq_len=cfg.seq_len, vocab=vocab, n_experts=cfg.experts, fused_loss=cfg.fused_loss,
+               head_loss=auto, fused_mlp="auto" if auto else False)
 
 
 def build_data(cfg: TrainConfig, vocab: int | None) -> tuple[Any, Any]:

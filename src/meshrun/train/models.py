@@ -171,16 +171,17 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         h = self.ln_f(x)
-        if targets is not None and self.cfg.head_loss and not _sharded(self.head.weight):
-            from .ce_kernel import head_cross_entropy
-
-            return self._with_aux(head_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight,
-                                                     targets.reshape(-1)))
+        # the chunked loss first: asked for, it is for logits too large to hold whole
         if targets is not None and self.cfg.fused_loss and not _sharded(self.head.weight):
             from .losses import linear_cross_entropy
 
             loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight, targets.reshape(-1))
             return self._with_aux(loss)
+        if targets is not None and self.cfg.head_loss and not _sharded(self.head.weight):
+            from .ce_kernel import head_cross_entropy
+
+            return self._with_aux(head_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight,
+                                                     targets.reshape(-1)))
         logits = self.head(h)
         # Under loss parallelism (train/parallelize.py) the logits are a DTensor sharded over
         # the vocabulary: the loss is reduced across tensor-parallel ranks inside torch's
@@ -206,7 +207,7 @@ class GPT(nn.Module):
         if device.type != "cuda" or tp > 1:
             return []
         out = []
-        if self.cfg.head_loss and pp == 1:
+        if self.cfg.head_loss and not self.cfg.fused_loss and pp == 1:
             from .ce_kernel import register
 
             if register().get("cuda"):
