@@ -176,3 +176,64 @@ def test_meshrun_train_kernels_option_builds_the_gpt_with_or_without_them():
     plain = build_model(validate(TrainConfig(model_size="gpt-tiny", seq_len=16, kernels="plain")))
     assert auto.cfg.head_loss and auto.cfg.fused_mlp == "auto"
     assert not plain.cfg.head_loss and plain.cfg.fused_mlp is False
+
+
+class _FakeAdvanced:
+    """Stands in for nvmath.linalg.advanced where no GPU is (the real one needs CUDA): records
+    what _matmul asks of a Matmul, so its plan cache's logic is checked here."""
+
+    class MatmulEpilog:
+        DGELU = "DGELU"
+
+    def __init__(self, refuse: bool = False):
+        self.log: list[str] = []
+        self.refuse = refuse
+        outer = self
+
+        class Matmul:
+            def __init__(self, a, b, stream=None):
+                outer.log.append("new")
+                self.a, self.b = a, b
+
+            def plan(self, epilog, epilog_inputs, stream=None):
+                if outer.refuse:
+                    raise RuntimeError("no algorithm")
+                outer.log.append(f"plan {epilog}")
+
+            def autotune(self, iterations, stream=None):
+                outer.log.append("autotune")
+
+            def reset_operands_unchecked(self, a, b, epilog_inputs, stream=None):
+                outer.log.append("reset")
+                self.a, self.b = a, b
+
+            def execute(self, stream=None):
+                outer.log.append("execute")
+                return self.a @ self.b
+
+            def release_operands(self):
+                outer.log.append("release")
+                self.a = self.b = None
+
+        self.Matmul = Matmul
+
+
+def test_plans_are_made_once_per_layout_and_operands_not_kept(monkeypatch):
+    fake = _FakeAdvanced()
+    monkeypatch.setattr(fused_mlp, "_nvmath", lambda: fake)
+    monkeypatch.setattr(fused_mlp, "_PLANS", {})
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    a, b = torch.randn(4, 8), torch.randn(8, 2)
+    for _ in range(3):
+        torch.testing.assert_close(fused_mlp._matmul(a, b, "DGELU", {}), a @ b)
+    assert fake.log == ["new", "plan DGELU", "autotune", "execute", "release"] + ["reset", "execute", "release"] * 2
+    fused_mlp._matmul(torch.randn(4, 16), torch.randn(16, 2), "DGELU", {})  # another layout: another plan
+    assert fake.log.count("new") == 2 and len(fused_mlp._PLANS) == 2
+
+    refusing = _FakeAdvanced(refuse=True)
+    monkeypatch.setattr(fused_mlp, "_nvmath", lambda: refusing)
+    monkeypatch.setattr(fused_mlp, "_PLANS", {})
+    for _ in range(2):  # refused once, remembered: not planned again
+        with pytest.raises(RuntimeError, match="no algorithm"):
+            fused_mlp._matmul(a, b, "DGELU", {})
+    assert refusing.log == ["new"]

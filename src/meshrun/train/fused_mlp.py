@@ -111,11 +111,17 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, epilog: str, inputs: dict[str, tor
     key = (epilog, a.device.index, a.dtype, *((t.shape, t.stride(), t.dtype, _align(t)) for t in (a, b)),
            *((k, v.shape, v.stride(), v.dtype, _align(v)) for k, v in inputs.items()))
     mm = _PLANS.get(key)
+    if isinstance(mm, Exception):  # refused before: not planned again at every call
+        raise mm
     if mm is None:
-        mm = adv.Matmul(a, b, stream=stream)
-        mm.plan(epilog=getattr(adv.MatmulEpilog, epilog), epilog_inputs=inputs, stream=stream)
-        if AUTOTUNE_ITERATIONS:
-            mm.autotune(iterations=AUTOTUNE_ITERATIONS, stream=stream)
+        try:
+            mm = adv.Matmul(a, b, stream=stream)
+            mm.plan(epilog=getattr(adv.MatmulEpilog, epilog), epilog_inputs=inputs, stream=stream)
+            if AUTOTUNE_ITERATIONS:
+                mm.autotune(iterations=AUTOTUNE_ITERATIONS, stream=stream)
+        except Exception as e:
+            _PLANS[key] = e
+            raise
         _PLANS[key] = mm
         PLANNED[epilog] += 1  # more than once per epilogue and shape: the keys vary (alignment)
     else:
