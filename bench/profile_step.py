@@ -24,7 +24,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from meshrun.train.config import TrainConfig
 from meshrun.train.data import BatchStream, RandomTokens
-from meshrun.train.models import gpt
 from meshrun.train.trainer import Trainer
 
 # Attention first: cuDNN's flash kernels also carry "sm90" in their names.
@@ -58,7 +57,7 @@ def is_kernel(e, cuda: bool) -> bool:
 
 
 def main() -> None:
-    from train_bench import MLPS  # beside this script (its directory is on the path when run)
+    from train_bench import MLPS, make_model  # beside this script (its directory is on the path when run)
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="gpt-124m")
@@ -74,8 +73,7 @@ def main() -> None:
                     help="wait on the host for every step's gradient norm (meshrun's step before the seventh session)")
     ap.add_argument("--mlp", default="default", choices=list(MLPS), help="as train_bench.py's --mlp")
     args = ap.parse_args()
-    model = gpt(args.size, seq_len=args.seq, vocab=50304, triton_loss=args.loss == "triton",
-                fused_mlp=MLPS[args.mlp], head_loss=args.loss == "head")
+    model = make_model(args.size, args.seq, 50304, loss=args.loss, mlp=args.mlp)
     cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9, grad_clip=1.0)
     trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)

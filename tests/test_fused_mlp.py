@@ -16,6 +16,9 @@ from meshrun.train import fused_mlp
 from meshrun.train.models import GPT, GPTConfig
 
 
+ONE_BLOCK = dict(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4)  # a GPT small enough for the CPU
+
+
 def _plain(x: torch.Tensor, up: nn.Linear, down: nn.Linear) -> torch.Tensor:
     return down(F.gelu(up(x), approximate="tanh"))
 
@@ -82,7 +85,7 @@ def test_gpt_with_the_fused_mlp_trains_as_the_plain_gpt(compiled, how):
     (fp32): the same losses and the same weights after. (Not AdamW: the key bias's gradient
     is zero up to rounding, softmax being blind to it, and Adam scales rounding noise to
     full steps.)"""
-    cfg = dict(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+    cfg = {**ONE_BLOCK, "n_layers": 2}
     torch.manual_seed(0)
     plain = GPT(GPTConfig(**cfg, fused_mlp=False))
     fused = GPT(GPTConfig(**cfg, fused_mlp=how))
@@ -127,35 +130,32 @@ def test_the_configured_way_resolves_per_block():
     it imports; True the DGELU way everywhere; a misspelt way is refused by name."""
     from meshrun.train.models import _mlp_way
 
-    cfg = dict(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4)
-    auto = _mlp_way(GPTConfig(**cfg))
+    auto = _mlp_way(GPTConfig(**ONE_BLOCK))
     assert auto == (("dgelu", True) if fused_mlp.available() else (False, True))
-    assert _mlp_way(GPTConfig(**cfg, fused_mlp=True)) == ("dgelu", False)
-    assert _mlp_way(GPTConfig(**cfg, fused_mlp="dgelu_bgrad")) == ("dgelu_bgrad", False)
-    assert _mlp_way(GPTConfig(**cfg, fused_mlp="torch")) == ("torch", False)
-    assert _mlp_way(GPTConfig(**cfg, fused_mlp=False)) == (False, False)
-    assert _mlp_way(GPTConfig(**cfg, fused_mlp=True, n_experts=2)) == (False, False)
+    assert _mlp_way(GPTConfig(**ONE_BLOCK, fused_mlp=True)) == ("dgelu", False)
+    assert _mlp_way(GPTConfig(**ONE_BLOCK, fused_mlp="dgelu_bgrad")) == ("dgelu_bgrad", False)
+    assert _mlp_way(GPTConfig(**ONE_BLOCK, fused_mlp="torch")) == ("torch", False)
+    assert _mlp_way(GPTConfig(**ONE_BLOCK, fused_mlp=False)) == (False, False)
+    assert _mlp_way(GPTConfig(**ONE_BLOCK, fused_mlp=True, n_experts=2)) == (False, False)
     with pytest.raises(ValueError, match="fused_mlp 'dglue': expected True, False, 'auto' or one of dgelu_bgrad"):
-        GPT(GPTConfig(**cfg, fused_mlp="dglue"))
+        GPT(GPTConfig(**ONE_BLOCK, fused_mlp="dglue"))
 
 
 def test_the_model_names_the_kernels_it_runs_for_the_trainers_first_line():
     """Nothing on the CPU; on CUDA the MLP's way (the head loss only where Triton runs on CUDA,
     not on this machine), nothing on tensor-parallel shards."""
-    cfg = dict(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4)
-    model = GPT(GPTConfig(**cfg, fused_mlp="dgelu"))
+    model = GPT(GPTConfig(**ONE_BLOCK, fused_mlp="dgelu"))
     cuda = torch.device("cuda")
     assert model.meshrun_kernels(torch.device("cpu")) == []
     assert model.meshrun_kernels(cuda) == ["MLP's GELU in cuBLASLt epilogues (dgelu)"]
     assert model.meshrun_kernels(cuda, tp=2) == []
-    assert GPT(GPTConfig(**cfg, fused_mlp=False)).meshrun_kernels(cuda) == []
+    assert GPT(GPTConfig(**ONE_BLOCK, fused_mlp=False)).meshrun_kernels(cuda) == []
 
 
 def test_partitioned_weights_take_the_plain_mlp():
     """A weight that its Linear's own forward must gather (a DeepSpeed ZeRO-3 parameter, marked
     ``ds_id``) is never used by the op, which does not call the Linear: the plain MLP runs."""
-    cfg = dict(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4)
-    model = GPT(GPTConfig(**cfg, fused_mlp="dgelu"))
+    model = GPT(GPTConfig(**ONE_BLOCK, fused_mlp="dgelu"))
     x = torch.randn(2, 16, 32)
     before = dict(fused_mlp.PATHS)
     model.blocks[0](x)

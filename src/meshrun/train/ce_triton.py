@@ -26,15 +26,34 @@ def _row_lse(base, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _row_loss(base, row, t_ptr, rows_ptr, lse, ignore_index):
+    # The row's loss, lse - x[target] (0 for an ignored row), stored; its target and whether it counts
+    t = tl.load(t_ptr + row)
+    counted = t != ignore_index
+    picked = tl.load(base + tl.where(counted, t, 0)).to(tl.float32)
+    tl.store(rows_ptr + row, tl.where(counted, lse - picked, 0.0))
+    return t, counted
+
+
+@triton.jit
+def _write_grad(src, dst, V, t, lse, scale, BLOCK: tl.constexpr):
+    # A row's gradient, (softmax(x) - onehot(t)) * scale, from the logits at src into dst (in
+    # dst's dtype); each block is read before it is written, so dst may be src
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < V
+        x = tl.load(src + cols, mask=keep, other=0.0).to(tl.float32)
+        grad = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
+        tl.store(dst + cols, grad.to(dst.dtype.element_ty), mask=keep)
+
+
+@triton.jit
 def triton_ce_forward(x_ptr, stride, t_ptr, rows_ptr, lse_ptr, V, ignore_index, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride
     lse = _row_lse(base, V, BLOCK)
     tl.store(lse_ptr + row, lse)
-    t = tl.load(t_ptr + row)
-    counted = t != ignore_index
-    picked = tl.load(base + tl.where(counted, t, 0)).to(tl.float32)
-    tl.store(rows_ptr + row, tl.where(counted, lse - picked, 0.0))
+    _row_loss(base, row, t_ptr, rows_ptr, lse, ignore_index)
 
 
 @triton.jit
@@ -47,12 +66,7 @@ def triton_ce_backward(x_ptr, stride, g_ptr, g_stride, t_ptr, lse_ptr, dx_ptr, V
     counted = t != ignore_index
     scale = tl.where(counted, tl.load(g_ptr + row * g_stride).to(tl.float32), 0.0)
     lse = tl.load(lse_ptr + row)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        keep = cols < V
-        x = tl.load(base + cols, mask=keep, other=0.0).to(tl.float32)
-        grad = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
-        tl.store(dx_ptr + row * stride + cols, grad.to(dx_ptr.dtype.element_ty), mask=keep)
+    _write_grad(base, dx_ptr + row * stride, V, t, lse, scale, BLOCK)
 
 
 @triton.jit
@@ -64,14 +78,5 @@ def triton_ce_grad_forward(x_ptr, stride, t_ptr, rows_ptr, V, ignore_index, BLOC
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride
     lse = _row_lse(base, V, BLOCK)
-    t = tl.load(t_ptr + row)
-    counted = t != ignore_index
-    picked = tl.load(base + tl.where(counted, t, 0)).to(tl.float32)  # read before the row is overwritten
-    tl.store(rows_ptr + row, tl.where(counted, lse - picked, 0.0))
-    scale = tl.where(counted, 1.0, 0.0)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        keep = cols < V
-        x = tl.load(base + cols, mask=keep, other=0.0).to(tl.float32)
-        grad = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * scale
-        tl.store(base + cols, grad.to(x_ptr.dtype.element_ty), mask=keep)
+    t, counted = _row_loss(base, row, t_ptr, rows_ptr, lse, ignore_index)  # before the row is overwritten
+    _write_grad(base, base, V, t, lse, tl.where(counted, 1.0, 0.0), BLOCK)

@@ -152,6 +152,11 @@ def _backward_torch(x, w_up, dy, w_down, g, h):
     return dh, dh.sum(0)
 
 
+def _grads(dy, x, w_up, g, dh, db_up):
+    """The gradients of x, w_up, b_up, w_down and b_down from GELU's input gradient ``dh``."""
+    return dh @ w_up, dh.t() @ x, db_up, dy.t() @ g, dy.sum(0)
+
+
 def _backward_cublaslt(x, w_up, dy, w_down, g, h, bgrad: bool = True):
     # dh^T = w_down^T @ dy^T, times GELU's derivative at the saved pre-activation (h^T, the
     # column-order aux the forward wrote), and with ``bgrad`` the up-projection's bias gradient
@@ -188,7 +193,7 @@ def _register_ops() -> None:
         dy = dy.contiguous()
         dh, db_up = _run("backward", functools.partial(_backward_cublaslt, bgrad=bgrad), _backward_torch,
                          x, w_up, dy, w_down, g, h)
-        return dh @ w_up, dh.t() @ x, db_up, dy.t() @ g, dy.sum(0)
+        return _grads(dy, x, w_up, g, dh, db_up)
 
     @register_fake("meshrun::gelu_mlp_backward")
     def _backward_shapes(dy, x, w_up, w_down, g, h, bgrad=True):
@@ -216,8 +221,7 @@ class _GeluMLP(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w_up, w_down, g, h = ctx.saved_tensors
         if ctx.how == "torch":  # plain ops: under torch.compile Inductor fuses GELU's backward
-            dh = torch.ops.aten.gelu_backward(dy @ w_down, h, approximate="tanh")
-            return dh @ w_up, dh.t() @ x, dh.sum(0), dy.t() @ g, dy.sum(0), None
+            return (*_grads(dy, x, w_up, g, *_backward_torch(x, w_up, dy, w_down, g, h)), None)
         grads = torch.ops.meshrun.gelu_mlp_backward(dy, x, w_up, w_down, g, h, ctx.how == "dgelu_bgrad")
         return (*grads, None)
 
