@@ -28,6 +28,10 @@
 #   bash bench/gpu_session.sh tune1 OUT     issue 3: GPT 124M, 1 GPU each, side by side: default (cards 0, 2) and --compile-tune (1, 3)
 #   bash bench/gpu_session.sh defaults14 OUT  issue 3: the new defaults (head loss, GELU epilogues), 124M and 1.3B, NG and 1 GPU
 #   bash bench/gpu_session.sh headloss OUT  issue 3: the loss that writes its gradient in the forward, checked, 1 GPU each
+#   bash bench/gpu_session.sh direct OUT    issue 3: the fused MLP's matmuls called directly vs through nvmath's execute (carry .whl)
+#   bash bench/gpu_session.sh wbgrad OUT    issue 3: the MLP biases' gradients in the weight-gradient matmuls' epilogues (carry .whl)
+#   bash bench/gpu_session.sh cetune OUT    issue 3: the head loss's kernel launch tuned, then 1 GPU each with the fastest
+#   bash bench/gpu_session.sh all15 OUT     issue 3: meshrun's defaults, 1 and NG GPUs, and the peers, in one call (carry .whl)
 #   bash bench/gpu_session.sh mlpprof OUT   issue 3: a 124M step's kernels with each of the MLP's backward ways (carry .whl)
 #   bash bench/gpu_session.sh mlp OUT       issue 3: the GELU in cuBLASLt's epilogues (carry .whl: nvmath-python), checked, then 1 GPU each
 #   bash bench/gpu_session.sh clocks OUT    issue 3: 1-GPU runs side by side with each card's SM clock and power sampled
@@ -483,6 +487,87 @@ headloss)
     done
     wait
   done
+  ;;
+direct)
+  # issue 3, fifteenth session: the fused MLP's planned matmuls called straight through nvmath's
+  # cuBLASLt binding (fused_mlp._Direct) instead of Matmul.execute (~0.5 ms of host time a call):
+  # the Triton loss's checks (its helpers were refactored after the last GPU run), the MLP's checks
+  # (direct against execute(): same bits; host time per MLP at 256 tokens), then GPT 124M, global
+  # 128K, 1 GPU each side by side, direct and execute on alternate cards, swapped on a 2-card host.
+  # Predicted: host time per MLP fwd+bwd at 256 tokens 2.0 -> ~1.0 ms; step +0.3..1.2%
+  timeout 150 python3 tests/scripts/ce_kernel_check.py > "$OUT/cecheck.log" 2>&1; echo "ce check rc=$?" | tee -a "$S"
+  grep -E "^ok head|Error|^ALL OK" "$OUT/cecheck.log" | tail -4 | cut -c1-300 | tee -a "$S"
+  timeout 200 python3 tests/scripts/fused_mlp_check.py > "$OUT/check.log" 2>&1; echo "mlp check rc=$?" | tee -a "$S"
+  grep -E "direct|256 tokens|Error|ALL OK|fused_mlp_check" "$OUT/check.log" | tail -8 | cut -c1-300 | tee -a "$S"
+  grep -q "^ALL OK" "$OUT/check.log" || { echo "direct: check failed, no runs" | tee -a "$S"; exit 0; }
+  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
+  for round in 0 $([ "$NG" -lt 4 ] && echo 1); do
+    for card in $(seq 0 $((NG - 1))); do
+      if [ $(((card + round) % 2)) -eq 0 ]; then one $card 240 124m-execute -- $A --cublaslt-call execute
+      else one $card 240 124m-direct -- $A --cublaslt-call direct; fi
+    done
+    wait
+  done
+  ;;
+wbgrad)
+  # issue 3, fifteenth session: both MLP biases' gradients in the BGRADB epilogues of the weight-gradient
+  # matmuls (GPTConfig.fused_mlp="dgelu_wbgrad") instead of torch sums that read the gradients once
+  # more (0.30 ms per layer in call BH's profile, ~3.6 ms of a 124M step): the MLP's checks and times
+  # (every backward way), then GPT 124M, global 128K, 1 GPU each side by side, the default (DGELU) and
+  # cublaslt-wbgrad on alternate cards, swapped on a 2-card host. Predicted in the predictions file
+  timeout 220 python3 tests/scripts/fused_mlp_check.py > "$OUT/check.log" 2>&1; echo "mlp check rc=$?" | tee -a "$S"
+  grep -E "wbgrad|ms, peak|best backward|256 tokens|^kernels|Error|ALL OK|fused_mlp_check" "$OUT/check.log" | cut -c1-420 | tee -a "$S"
+  grep -q "^ALL OK" "$OUT/check.log" || { echo "wbgrad: check failed, no runs" | tee -a "$S"; exit 0; }
+  grep -q "dgelu_wbgrad refused" "$OUT/check.log" && { echo "wbgrad: refused, no runs" | tee -a "$S"; exit 0; }
+  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
+  for round in 0 $([ "$NG" -lt 4 ] && echo 1); do
+    for card in $(seq 0 $((NG - 1))); do
+      if [ $(((card + round) % 2)) -eq 0 ]; then one $card 240 124m-dgelu -- $A --mlp cublaslt-dgelu
+      else one $card 240 124m-wbgrad -- $A --mlp cublaslt-wbgrad; fi
+    done
+    wait
+  done
+  ;;
+cetune)
+  # issue 3, fifteenth session: the head loss's kernel launch (ce_kernel.GRAD_FORWARD) timed over
+  # entries per step, warps and programs per SM at 131072 x 50304 bf16 (bench/ce_grad_tune.py), its
+  # checks (tests/scripts/ce_kernel_check.py: rows looped over fewer programs), then, if the fastest
+  # setting is >= 3% faster, GPT 124M, global 128K, 1 GPU each side by side, the default and the
+  # fastest setting on alternate cards, swapped on a 2-card host. Predicted in the predictions file
+  timeout 120 python3 tests/scripts/ce_kernel_check.py > "$OUT/cecheck.log" 2>&1; echo "ce check rc=$?" | tee -a "$S"
+  grep -E "fewer programs|Error|^ALL OK" "$OUT/cecheck.log" | tail -3 | cut -c1-300 | tee -a "$S"
+  timeout 240 python3 bench/ce_grad_tune.py > "$OUT/tune.log" 2>&1; echo "tune rc=$?" | tee -a "$S"
+  grep -vE "^\s*$" "$OUT/tune.log" | grep -E "^CE_TUNE|^ +[0-9]|^BEST|Error|failed" | cut -c1-200 | tee -a "$S"
+  grep -q "^ALL OK" "$OUT/cecheck.log" || { echo "cetune: check failed, no runs" | tee -a "$S"; exit 0; }
+  hk=$(sed -n 's/^BEST .*--head-kernel \([0-9,]*\)$/\1/p' "$OUT/tune.log")
+  gain=$(sed -n 's/^BEST \([0-9.]*\) ms vs default \([0-9.]*\) ms.*/\1 \2/p' "$OUT/tune.log" | awk '{print ($2 / $1 >= 1.03)}')
+  [ -n "$hk" ] && [ "$gain" = 1 ] || { echo "cetune: no setting 3% faster, no runs" | tee -a "$S"; exit 0; }
+  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
+  for round in 0 $([ "$NG" -lt 4 ] && echo 1); do
+    for card in $(seq 0 $((NG - 1))); do
+      if [ $(((card + round) % 2)) -eq 0 ]; then one $card 240 124m-default -- $A
+      else one $card 240 "124m-hk-$hk" -- $A --head-kernel "$hk"; fi
+    done
+    wait
+  done
+  ;;
+all15)
+  # issue 3, fifteenth session: meshrun's defaults against the peers in one call on NG GPUs (carry
+  # .whl: the GELU epilogues need nvmath-python): 1 GPU side by side for the weak-scaling base
+  # (124M and 1.3B, global 128K), then on NG GPUs at global NG x 128K meshrun 124M and 1.3B, the
+  # hand-tuned peers (DDP + compile, micro 64, at 124M; FSDP2 + per-block compile, micro 16, at
+  # 1.3B), then Accelerate's and Fabric's defaults (124M, micro 16), each skipped past DEADLINE_S
+  G=$((NG * 131072)); N="--mode meshrun --micro 0 --compile"
+  S1="--size gpt-124m"; S13="--size gpt-1.3b --warmup 3 --steps 8"
+  one 0 200 124m-1gpu -- $N $S1 --global-tokens 131072
+  [ "$NG" -ge 2 ] && one 1 200 1.3b-1gpu -- $N $S13 --global-tokens 131072
+  wait
+  tb 150 "$NG" $N $S1 --global-tokens $G
+  tb 170 "$NG" $N $S13 --global-tokens $G
+  tb 120 "$NG" --mode ddp_compile $S1 --micro 64
+  tb 150 "$NG" --mode fsdp2 --size gpt-1.3b --micro 16 --compile --warmup 4 --steps 10
+  tb 90 "$NG" --mode accelerate $S1 --micro 16
+  tb 90 "$NG" --mode fabric $S1 --micro 16
   ;;
 mlpprof)
   # issue 3, after `mlp`: the GELU epilogues' backward ways in a whole 124M step (1 GPU, micro 128,

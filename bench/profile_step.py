@@ -72,8 +72,14 @@ def main() -> None:
     ap.add_argument("--host-sync", action="store_true",
                     help="wait on the host for every step's gradient norm (meshrun's step before the seventh session)")
     ap.add_argument("--mlp", default="default", choices=list(MLPS), help="as train_bench.py's --mlp")
+    ap.add_argument("--cublaslt-call", default="direct", choices=["direct", "execute"],
+                    help="as train_bench.py's --cublaslt-call")
     args = ap.parse_args()
     model = make_model(args.size, args.seq, 50304, loss=args.loss, mlp=args.mlp)
+    if getattr(model.blocks[0], "fused_mlp", False):
+        from meshrun.train import fused_mlp
+
+        fused_mlp.DIRECT = args.cublaslt_call == "direct"
     cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9, grad_clip=1.0)
     trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)
@@ -121,6 +127,7 @@ def main() -> None:
               f"{(total - nccl) * per_step:.1f} ms (summed), some compute kernel running "
               f"{covered(spans) * per_step:.1f} ms of the {wall_ms:.1f} ms step; nccl {nccl * per_step:.1f} ms (own stream)")
     print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss} mlp {args.mlp} "
+          f"cublaslt_call {args.cublaslt_call} "
           f"host_sync {args.host_sync}: "
           f"{wall_ms:.1f} ms wall per step, {device_ms:.1f} ms device time "
           f"(the GPU waits {max(0.0, wall_ms - device_ms):.1f} ms = {max(0.0, 1 - device_ms / wall_ms):.1%})")
@@ -131,7 +138,8 @@ def main() -> None:
     if getattr(model.blocks[0], "fused_mlp", False):
         from meshrun.train import fused_mlp
 
-        print(f"  fused MLP: calls {dict(fused_mlp.PATHS)}, plans made {dict(fused_mlp.PLANNED)}, "
+        print(f"  fused MLP: calls {dict(fused_mlp.PATHS)} ({dict(fused_mlp.EXECUTED)}), "
+              f"plans made {dict(fused_mlp.PLANNED)}, "
               f"fallback {list(fused_mlp.FALLBACK.values())}")
     teardown()
 

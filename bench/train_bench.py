@@ -39,7 +39,7 @@ def random_batch(micro: int, seq: int, vocab: int, device: torch.device, step: i
 # --mlp: GPTConfig's default ("auto": cuBLASLt's epilogues where nvmath-python is), the plain
 # MLP, or the forward's GELU in cuBLASLt's epilogue with one of fused_mlp.BACKWARDS
 MLPS = {"default": GPTConfig.fused_mlp, "plain": False, "cublaslt": "dgelu_bgrad", "cublaslt-dgelu": "dgelu",
-        "cublaslt-fwd": "torch"}
+        "cublaslt-wbgrad": "dgelu_wbgrad", "cublaslt-fwd": "torch"}
 
 
 def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual: bool = False,
@@ -135,7 +135,15 @@ def main() -> None:
                          "is, as cublaslt-dgelu; the peers: plain), Linear, GELU, Linear (plain: Inductor fuses the "
                          "GELU when compiled), or the GELU in cuBLASLt's matmul epilogues (train/fused_mlp.py; "
                          "needs nvmath-python): forward and backward with the bias gradient (cublaslt), the backward "
-                         "without it (cublaslt-dgelu), the forward only (cublaslt-fwd)")
+                         "without it (cublaslt-dgelu), with both biases' gradients in the weight-gradient "
+                         "matmuls (cublaslt-wbgrad), the forward only (cublaslt-fwd)")
+    ap.add_argument("--cublaslt-call", default="direct", choices=["direct", "execute"],
+                    help="how the fused MLP's planned cuBLASLt matmuls are called: straight through nvmath's "
+                         "binding with the plan's descriptors (direct, meshrun's way since 2026-11-27) or through "
+                         "nvmath's Matmul.execute (~0.5 ms of host time per call)")
+    ap.add_argument("--head-kernel", default=None, metavar="BLOCK,WARPS,PER_SM",
+                    help="the head loss's kernel launch (ce_kernel.GRAD_FORWARD): vocabulary entries per loop step, "
+                         "warps per program, programs per SM (0: one per row); bench/ce_grad_tune.py times them")
     ap.add_argument("--compiled-autograd", action="store_true",
                     help="DDP + compile: trace the backward with compiled autograd and DDP's reducer in Python "
                          "(optimize_ddp='python_reducer'), so all-reduces live in one backward graph")
@@ -171,6 +179,18 @@ def main() -> None:
         dynamo.config.optimize_ddp = "python_reducer"
     model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual, args.loss, args.mlp,
                        peer=args.mode != "meshrun")
+    if getattr(model.blocks[0], "fused_mlp", False):
+        from meshrun.train import fused_mlp
+
+        fused_mlp.DIRECT = args.cublaslt_call == "direct"
+    from meshrun.train import ce_kernel
+
+    if args.head_kernel:
+        try:
+            b, w, p = (int(v) for v in args.head_kernel.split(","))
+        except ValueError:
+            raise SystemExit(f"train_bench: --head-kernel {args.head_kernel!r}: expected BLOCK,WARPS,PER_SM integers")
+        ce_kernel.GRAD_FORWARD.update(BLOCK=b, num_warps=w, per_sm=p or None)
     flops_per_token = model.flops_per_token()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     extra: dict = {}
@@ -302,11 +322,12 @@ def main() -> None:
         "host_sync": args.host_sync, "inductor": inductor, "date": time.strftime("%Y-%m-%d"),
     }
     way = getattr(model.blocks[0], "fused_mlp", False)
-    result.update(head_loss=model.cfg.head_loss, mlp=way or "plain")  # as resolved ("auto": by nvmath's presence)
+    result.update(head_loss=model.cfg.head_loss, head_kernel=dict(ce_kernel.GRAD_FORWARD), mlp=way or "plain")  # as resolved ("auto": by nvmath's presence)
     if way:  # which path ran, and why not cuBLASLt's if it did not
         from meshrun.train import fused_mlp
 
-        result.update(mlp_paths=dict(fused_mlp.PATHS), mlp_fallback=list(fused_mlp.FALLBACK.values()))
+        result.update(mlp_paths=dict(fused_mlp.PATHS), mlp_fallback=list(fused_mlp.FALLBACK.values()),
+                      mlp_calls=dict(fused_mlp.EXECUTED))
     if inductor.get("triton.cudagraphs"):
         # Inductor logs why it skips a graph only under TORCH_LOGS=cudagraphs (call AV's runs
         # could not tell whether graphs were taken); its counters are always kept

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -120,7 +121,7 @@ def test_moe_blocks_keep_their_experts():
 
 def test_an_unknown_backward_is_refused_with_the_choices():
     up, down = _pair()
-    with pytest.raises(ValueError, match="'dbias'.*dgelu_bgrad, dgelu, torch"):
+    with pytest.raises(ValueError, match="'dbias'.*dgelu_bgrad, dgelu, dgelu_wbgrad, torch"):
         fused_mlp.gelu_mlp(torch.randn(2, 16), up, down, "dbias")
 
 
@@ -237,3 +238,90 @@ def test_plans_are_made_once_per_layout_and_operands_not_kept(monkeypatch):
         with pytest.raises(RuntimeError, match="no algorithm"):
             fused_mlp._matmul(a, b, "DGELU", {})
     assert refusing.log == ["new"]
+
+
+class _PlannedStandIn:
+    """A planned nvmath Matmul as _Direct reads it (the attributes execute() uses), with an
+    epilogue that has one input (by pointer) and one output (allocated per call)."""
+
+    def __init__(self):
+        self.num_operands, self.beta, self.alpha = 2, np.zeros(1, np.float32), np.ones(1, np.float32)
+        self.handle, self.mm_desc, self.mm_desc_ifc = 11, 12, {}
+        self.a_layout_ptr, self.b_layout_ptr, self.c_layout_ptr, self.d_layout_ptr = 21, 22, 23, 24
+        self.cached_best_algorithm_struct = np.zeros(8, np.uint64)
+        self.result_traits = type("T", (), {"result_shape": (4, 2), "result_strides": (1, 4)})()
+        self.d_dtype_name = "float32"
+        self.workspace = type("W", (), {"size": 1024})()
+
+        class Handler:
+            def __init__(self, name, shape=None):
+                self.name, self.shape = name, shape
+
+            def attributes(self):
+                return self.shape, (1, self.shape[0]), "float32"
+
+            def update_pointer(self, desc, ptr):
+                desc[self.name] = ptr
+
+        self.epilog_output_handlers = [Handler("gelu_aux", (4, 2))]
+        self.epilog_input_name_to_handler = {"bias": Handler("bias")}
+
+
+def test_direct_call_passes_the_plans_descriptors_and_fresh_buffers(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fused_mlp, "_cublaslt_matmul", lambda: lambda *args: calls.append(args))
+    mm = _PlannedStandIn()
+    direct = fused_mlp._Direct(mm, torch.device("cpu"))
+    a, b, bias = torch.randn(4, 8), torch.randn(8, 2), torch.randn(4)
+    stream = type("S", (), {"cuda_stream": 99})()
+    d, outs = direct(a, b, {"bias": bias}, stream)
+    (args,) = calls
+    assert args[:3] == (11, 12, mm.alpha.ctypes.data)
+    assert args[3:7] == (a.data_ptr(), 21, b.data_ptr(), 22) and args[7:10] == (mm.beta.ctypes.data, 0, 23)
+    assert args[10:12] == (d.data_ptr(), 24) and args[12] == mm.cached_best_algorithm_struct.ctypes.data
+    assert args[14:] == (1024, 99) and args[13] != 0  # a workspace of the plan's size, on the caller's stream
+    assert d.shape == (4, 2) and d.stride() == (1, 4) and d.dtype == torch.float32  # the plan's result layout
+    assert outs["gelu_aux"].stride() == (1, 4)
+    assert mm.mm_desc_ifc == {"bias": bias.data_ptr(), "gelu_aux": outs["gelu_aux"].data_ptr()}
+    d2, outs2 = direct(a, b, {"bias": bias}, stream)  # each call its own result and aux
+    assert d2.data_ptr() != d.data_ptr() and mm.mm_desc_ifc["gelu_aux"] == outs2["gelu_aux"].data_ptr()
+
+    mm.beta[0] = 1.0  # a @ b + beta c: left to execute()
+    with pytest.raises(AttributeError):
+        fused_mlp._Direct(mm, torch.device("cpu"))
+
+
+def _epilogue_semantics(a, b, epilog, inputs):
+    """What cuBLASLt's epilogues compute (NVIDIA's cublasLtEpilogue_t documentation), in torch:
+    stands in for _matmul on the CPU so that the operands, transposes and outputs each backward
+    way hands to cuBLASLt are checked here; the GPU check (tests/scripts/fused_mlp_check.py)
+    compares the real epilogues with the plain path."""
+    d = a @ b
+    if epilog == "GELU_AUX_BIAS":
+        pre = d + inputs["bias"][:, None]
+        return F.gelu(pre, approximate="tanh"), {"gelu_aux": pre}
+    if epilog in ("DGELU", "DGELU_BGRAD"):
+        d = torch.ops.aten.gelu_backward(d, inputs["gelu_aux"], approximate="tanh")
+        return d if epilog == "DGELU" else (d, {"dgelu_bgrad": d.sum(1)})
+    if epilog == "BGRADB":  # the bias gradient: B summed over k, one value per column of D
+        return d, {"bgradb": b.sum(0)}
+    raise AssertionError(epilog)
+
+
+@pytest.mark.parametrize("how", fused_mlp.BACKWARDS[:-1])
+def test_each_epilogue_way_hands_cublaslt_operands_that_give_the_plain_gradients(monkeypatch, how):
+    monkeypatch.setattr(fused_mlp, "_matmul", _epilogue_semantics)
+    torch.manual_seed(0)
+    n, d = 12, 8
+    x, dy = torch.randn(n, d, dtype=torch.float64), torch.randn(n, d, dtype=torch.float64)
+    w_up, b_up = torch.randn(4 * d, d, dtype=torch.float64), torch.randn(4 * d, dtype=torch.float64)
+    w_down, b_down = torch.randn(d, 4 * d, dtype=torch.float64), torch.randn(d, dtype=torch.float64)
+    y, g, h = fused_mlp._forward_cublaslt(x, w_up, b_up, w_down, b_down)
+    y0, g0, h0 = fused_mlp._forward_torch(x, w_up, b_up, w_down, b_down)
+    for got, want in ((y, y0), (g, g0), (h, h0)):
+        torch.testing.assert_close(got, want)
+    got = fused_mlp._backward_cublaslt(x, w_up, dy, w_down, g, h, how=how)
+    want = fused_mlp._backward_plain(x, w_up, dy, w_down, g0, h0)
+    for name, a, b in zip(("dx", "dW_up", "db_up", "dW_down", "db_down"), got, want):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, msg=name)

@@ -36,14 +36,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # 1. the epilogues against the plain path, forward and backward, at two shapes
+WAYS = list(fused_mlp.BACKWARDS)  # the backward ways timed below: those cuBLASLt accepts
 for n, d in ((4096, 768), (8192, 2048)):
     x, (wu, bu, wd, bd) = operands(n, d)
     dy = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
-    for bgrad in (True, False):  # the bias gradient in the backward's epilogue, or summed by torch
+    for how in fused_mlp.BACKWARDS[:-1]:  # the epilogues' backward ways (the last is plain torch)
         before = fused_mlp.PATHS["cublaslt"]
         y, g, h = torch.ops.meshrun.gelu_mlp(x, wu, bu, wd, bd)
-        grads = torch.ops.meshrun.gelu_mlp_backward(dy, x, wu, wd, g, h, bgrad)
+        grads = torch.ops.meshrun.gelu_mlp_grads(dy, x, wu, wd, g, h, how)
         took = fused_mlp.PATHS["cublaslt"] - before
+        if took != 2 and how == "dgelu_wbgrad" and how in WAYS:  # the newest way: refused, reported, left out
+            print(f"{how} refused at {n}x{d}, left out: {fused_mlp.FALLBACK}", flush=True)
+            WAYS.remove(how)
+        if how not in WAYS:
+            continue
         if took != 2:
             raise SystemExit(f"fused_mlp_check: the cuBLASLt path ran {took} of 2 times at {n}x{d}: "
                              f"{fused_mlp.FALLBACK}")
@@ -53,12 +59,28 @@ for n, d in ((4096, 768), (8192, 2048)):
         errs = {"y": rel(y, y0), "gelu out": rel(g, g0), "gelu in": rel(h, h0)}
         errs |= {k: rel(a, b) for k, a, b in zip(("dx", "dW_up", "db_up", "dW_down", "db_down"), grads, ref)}
         worst = max(errs, key=errs.get)
-        print(f"{n} x {d}, bgrad {bgrad}: relative errors " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()),
+        print(f"{n} x {d}, {how}: relative errors " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()),
               flush=True)
         if errs[worst] > 2e-2:  # bf16 rounds to ~4e-3; the two paths round at different points
             raise SystemExit(f"fused_mlp_check: {worst} differs by {errs[worst]:.2e} at {n}x{d}")
         if any(t.shape != r.shape or t.dtype != r.dtype for t, r in zip(grads, ref)):
             raise SystemExit("fused_mlp_check: gradient shapes or dtypes differ from the plain path's")
+        # the same plans called directly (fused_mlp._Direct) and through nvmath's execute()
+        outs = {}
+        for direct in (False, True):
+            fused_mlp.DIRECT = direct
+            before = fused_mlp.EXECUTED["direct"]
+            y1, g1, h1 = torch.ops.meshrun.gelu_mlp(x, wu, bu, wd, bd)
+            outs[direct] = (y1, g1, h1, *torch.ops.meshrun.gelu_mlp_grads(dy, x, wu, wd, g1, h1, how))
+            calls = 1 + (3 if how == "dgelu_wbgrad" else 1)  # matmuls through cuBLASLt, forward + backward
+            if (fused_mlp.EXECUTED["direct"] - before) != (calls if direct else 0):
+                raise SystemExit(f"fused_mlp_check: direct calls {fused_mlp.EXECUTED} with DIRECT={direct}")
+        same = all(torch.equal(p, q) for p, q in zip(outs[False], outs[True]))
+        worst = max(rel(p, q) for p, q in zip(outs[True], outs[False]))
+        print(f"  direct cuBLASLt calls against nvmath's execute(): bitwise equal {same}, worst {worst:.1e}",
+              flush=True)
+        if worst > 1e-2 or not all(p.stride() == q.stride() for p, q in zip(outs[False], outs[True])):
+            raise SystemExit(f"fused_mlp_check: the direct calls differ from execute() by {worst:.2e} (or in layout)")
 
 # 2. inside a compiled function, no graph break
 x, (wu, bu, wd, bd) = operands(1024, 768)
@@ -107,25 +129,30 @@ def fused(backward: str):
 
 INDUCTOR = "Inductor (compiled Linear, GELU, Linear)"
 runs = {INDUCTOR: torch.compile(plain), "plain eager": plain}
-runs |= {f"epilogues, backward {b} (compiled)": torch.compile(fused(b)) for b in fused_mlp.BACKWARDS}
+runs |= {f"epilogues, backward {b} (compiled)": torch.compile(fused(b)) for b in WAYS}
 runs["epilogues, backward dgelu_bgrad (eager)"] = fused("dgelu_bgrad")
 rows = {k: timed(f, x, name=k) for k, f in runs.items()}
 for k, v in rows.items():  # the peak: what one forward holds for its backward, and the backward's transients
     print(f"MLP fwd+bwd, {n} tokens x {d}: {k}: {v:.2f} ms, peak +{PEAKS[k]:.2f} GiB", flush=True)
-best = min(fused_mlp.BACKWARDS, key=lambda b: rows[f"epilogues, backward {b} (compiled)"])
+best = min(WAYS, key=lambda b: rows[f"epilogues, backward {b} (compiled)"])
 BEST = f"epilogues, backward {best} (compiled)"
 print(f"best backward: {best}, {rows[BEST] / rows[INDUCTOR] - 1:+.1%} against Inductor's", flush=True)
 # the host's cost per MLP (Python, nvmath's execute), where the GPU's is small
 small = torch.randn(256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
 dy = torch.randn(256, d, device=dev, dtype=torch.bfloat16)
-print(f"MLP fwd+bwd, 256 tokens (host-bound): cuBLASLt epilogues {timed(fused('dgelu_bgrad'), small):.3f} ms, "
-      f"plain eager {timed(plain, small):.3f} ms", flush=True)
+host = {}
+for direct in (False, True):
+    fused_mlp.DIRECT = direct
+    host[direct] = timed(fused("dgelu"), small)
+print(f"MLP fwd+bwd, 256 tokens (host-bound): epilogues through execute() {host[False]:.3f} ms, "
+      f"called directly {host[True]:.3f} ms, plain eager {timed(plain, small):.3f} ms", flush=True)
 # where the time goes: the GPU kernels of one forward + backward each way (top 6 by time)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 x = torch.randn(n, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
 dy = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
-for k in (INDUCTOR, BEST):
+WB = "epilogues, backward dgelu_wbgrad (compiled)"
+for k in (INDUCTOR, BEST, *([WB] if WB in runs and WB != BEST else [])):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             runs[k](x).backward(dy)

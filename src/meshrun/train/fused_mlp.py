@@ -96,11 +96,66 @@ def _run(what: str, cublaslt: Any, plain: Any, *args: torch.Tensor) -> tuple[tor
 _PLANS: dict[tuple, Any] = {}
 PLANNED: Counter[str] = Counter()  # plans made per epilogue
 AUTOTUNE_ITERATIONS = 5  # per candidate algorithm, once per plan (0: cuBLASLt's heuristic's first)
+# After its first call a plan runs through _Direct, not nvmath's ``Matmul.execute``, which costs
+# ~0.5 ms of host time per call even planned (an event, logging checks, its workspace's stream
+# bookkeeping): at 124M the GPU waited ~3 ms per step more with the epilogues than without
+# (fourteenth session, call BE). False: every call through ``execute`` (to compare the two).
+DIRECT = True
+EXECUTED: Counter[str] = Counter()  # calls per way: "direct" or "nvmath"
 
 
 def _align(t: torch.Tensor) -> int:
     p = t.data_ptr()
     return min(p & -p, 256) if p else 256
+
+
+def _cublaslt_matmul() -> Any:
+    from nvmath.bindings import cublasLt
+
+    return cublasLt.matmul
+
+
+class _Direct:
+    """One cuBLASLt call with a planned nvmath Matmul's descriptors, layouts and chosen algorithm,
+    from nvmath's own binding (``nvmath.bindings.cublasLt.matmul``, its public low-level API):
+    what ``Matmul.execute`` does for CUDA operands, with the result, the epilogue's outputs and
+    the workspace from torch's caching allocator on the current stream, so they are ordered on it
+    like any torch tensor. Built from the plan's attributes after its first ``execute``; an nvmath
+    without them raises AttributeError there and the plan keeps using ``execute``."""
+
+    def __init__(self, mm: Any, device: torch.device):
+        if mm.num_operands != 2 or float(mm.beta[0]) != 0.0:
+            raise AttributeError("only a @ b without c is called directly")
+        self._call = _cublaslt_matmul()
+        self._mm, self._device = mm, device  # the plan keeps the descriptors and alpha/beta alive
+        self._algo = mm.cached_best_algorithm_struct  # the autotuned choice, as execute() takes it
+        traits = mm.result_traits
+        self._result = (tuple(traits.result_shape), tuple(traits.result_strides), getattr(torch, mm.d_dtype_name))
+        self._outputs = []
+        for h in mm.epilog_output_handlers:
+            shape, strides, dtype = h.attributes()
+            self._outputs.append((h.name, h, tuple(shape), tuple(strides), getattr(torch, dtype)))
+        self._inputs = dict(mm.epilog_input_name_to_handler)
+        self._ws = int(mm.workspace.size)
+        self._args = (mm.handle, mm.mm_desc, mm.alpha.ctypes.data, mm.a_layout_ptr, mm.b_layout_ptr,
+                      mm.beta.ctypes.data, mm.c_layout_ptr, mm.d_layout_ptr, self._algo.ctypes.data)
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, inputs: dict[str, torch.Tensor], stream: Any) -> Any:
+        mm, dev = self._mm, self._device
+        for name, t in inputs.items():  # the epilogue's inputs (bias, GELU's saved input) by pointer
+            self._inputs[name].update_pointer(mm.mm_desc_ifc, t.data_ptr())
+        outs = {}
+        for name, h, shape, strides, dtype in self._outputs:
+            outs[name] = out = torch.empty_strided(shape, strides, dtype=dtype, device=dev)
+            h.update_pointer(mm.mm_desc_ifc, out.data_ptr())
+        shape, strides, dtype = self._result
+        d = torch.empty_strided(shape, strides, dtype=dtype, device=dev)
+        ws = torch.empty(self._ws, dtype=torch.uint8, device=dev) if self._ws else None
+        handle, desc, alpha, a_layout, b_layout, beta, c_layout, d_layout, algo = self._args
+        self._call(handle, desc, alpha, a.data_ptr(), a_layout, b.data_ptr(), b_layout, beta, 0, c_layout,
+                   d.data_ptr(), d_layout, algo, ws.data_ptr() if ws is not None else 0, self._ws,
+                   stream.cuda_stream)
+        return (d, outs) if self._outputs else d
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, epilog: str, inputs: dict[str, torch.Tensor]) -> Any:
@@ -110,10 +165,10 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, epilog: str, inputs: dict[str, tor
     # cuBLASLt's choice of algorithm depends on the pointers' alignment too (up to 256 bytes)
     key = (epilog, a.device.index, a.dtype, *((t.shape, t.stride(), t.dtype, _align(t)) for t in (a, b)),
            *((k, v.shape, v.stride(), v.dtype, _align(v)) for k, v in inputs.items()))
-    mm = _PLANS.get(key)
-    if isinstance(mm, Exception):  # refused before: not planned again at every call
-        raise mm
-    if mm is None:
+    plan = _PLANS.get(key)
+    if isinstance(plan, Exception):  # refused before: not planned again at every call
+        raise plan
+    if plan is None:
         try:
             mm = adv.Matmul(a, b, stream=stream)
             mm.plan(epilog=getattr(adv.MatmulEpilog, epilog), epilog_inputs=inputs, stream=stream)
@@ -122,14 +177,26 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, epilog: str, inputs: dict[str, tor
         except Exception as e:
             _PLANS[key] = e
             raise
-        _PLANS[key] = mm
         PLANNED[epilog] += 1  # more than once per epilogue and shape: the keys vary (alignment)
+        direct = None
     else:
+        mm, direct = plan
+        if direct is not None and DIRECT:
+            EXECUTED["direct"] += 1
+            return direct(a, b, inputs, stream)
         mm.reset_operands_unchecked(a=a, b=b, epilog_inputs=inputs, stream=stream)
     try:
-        return mm.execute(stream=stream)
+        out = mm.execute(stream=stream)
     finally:  # the plan must not keep this step's activations alive until the next call
         mm.release_operands()
+    EXECUTED["nvmath"] += 1
+    if plan is None:
+        try:
+            direct = _Direct(mm, a.device)
+        except AttributeError:  # another nvmath's internals: execute() at every call
+            direct = None
+        _PLANS[key] = (mm, direct)
+    return out
 
 
 def _forward_torch(x, w_up, b_up, w_down, b_down):
@@ -157,16 +224,33 @@ def _grads(dy, x, w_up, g, dh, db_up):
     return dh @ w_up, dh.t() @ x, db_up, dy.t() @ g, dy.sum(0)
 
 
-def _backward_cublaslt(x, w_up, dy, w_down, g, h, bgrad: bool = True):
+def _backward_plain(x, w_up, dy, w_down, g, h):
+    return _grads(dy, x, w_up, g, *_backward_torch(x, w_up, dy, w_down, g, h))
+
+
+def _bgrad(out: dict[str, torch.Tensor]) -> torch.Tensor:
+    (db,) = out.values()  # a BGRAD epilogue's one output, the bias gradient
+    return db.reshape(-1)
+
+
+def _backward_cublaslt(x, w_up, dy, w_down, g, h, how: str = "dgelu"):
     # dh^T = w_down^T @ dy^T, times GELU's derivative at the saved pre-activation (h^T, the
-    # column-order aux the forward wrote), and with ``bgrad`` the up-projection's bias gradient
+    # column-order aux the forward wrote); with "dgelu_bgrad" the up-projection's bias gradient
     # (the sum over tokens) from the same epilogue
-    if not bgrad:
-        dht = _matmul(w_down.t(), dy.t(), "DGELU", {"gelu_aux": h.t()})
-        return dht.t(), dht.sum(1)
-    dht, out = _matmul(w_down.t(), dy.t(), "DGELU_BGRAD", {"gelu_aux": h.t()})
-    (db_up,) = out.values()
-    return dht.t(), db_up.reshape(-1)
+    if how == "dgelu_bgrad":
+        dht, out = _matmul(w_down.t(), dy.t(), "DGELU_BGRAD", {"gelu_aux": h.t()})
+        return _grads(dy, x, w_up, g, dht.t(), _bgrad(out))
+    dht = _matmul(w_down.t(), dy.t(), "DGELU", {"gelu_aux": h.t()})
+    dh = dht.t()
+    if how == "dgelu":
+        return _grads(dy, x, w_up, g, dh, dht.sum(1))
+    # "dgelu_wbgrad": each bias's gradient summed by the epilogue of the matmul that reads the same
+    # gradient for its weight (BGRADB: the sum over k of operand B), instead of a torch sum that
+    # reads it once more (the up-projection's: 805 MB at 128K tokens, ~0.2 ms a layer). The weight
+    # gradients come out transposed (x^T @ dh is dW_up^T), their .t() the (out, in) weight's layout
+    dwu_t, out_up = _matmul(x.t(), dh, "BGRADB", {})
+    dwd_t, out_down = _matmul(g.t(), dy, "BGRADB", {})
+    return dh @ w_up, dwu_t.t(), _bgrad(out_up), dwd_t.t(), _bgrad(out_down)
 
 
 def _register_ops() -> None:
@@ -184,19 +268,20 @@ def _register_ops() -> None:
         n, f = x.shape[0], w_up.shape[0]
         return x.new_empty(n, w_down.shape[0]), x.new_empty(n, f), x.new_empty(n, f)
 
-    @custom_op("meshrun::gelu_mlp_backward", mutates_args=())
+    # (named anew when its arguments changed: Inductor's on-disk cache keys a compiled graph by the
+    # op's name, not its schema, so a graph cached against the old arguments would be reused)
+    @custom_op("meshrun::gelu_mlp_grads", mutates_args=())
     def backward(dy: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor,
-                 h: torch.Tensor, bgrad: bool = True
+                 h: torch.Tensor, how: str = "dgelu"
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The gradients of x, w_up, b_up, w_down and b_down; the up-projection's bias gradient
-        in the epilogue with ``bgrad``, else summed by torch."""
-        dy = dy.contiguous()
-        dh, db_up = _run("backward", functools.partial(_backward_cublaslt, bgrad=bgrad), _backward_torch,
-                         x, w_up, dy, w_down, g, h)
-        return _grads(dy, x, w_up, g, dh, db_up)
+        """The gradients of x, w_up, b_up, w_down and b_down, the epilogues' way ``how`` (one of
+        BACKWARDS but "torch")."""
+        grads = _run("backward", functools.partial(_backward_cublaslt, how=how), _backward_plain,
+                     x, w_up, dy.contiguous(), w_down, g, h)
+        return tuple(t.contiguous() for t in grads)  # as the shapes below promise
 
-    @register_fake("meshrun::gelu_mlp_backward")
-    def _backward_shapes(dy, x, w_up, w_down, g, h, bgrad=True):
+    @register_fake("meshrun::gelu_mlp_grads")
+    def _backward_shapes(dy, x, w_up, w_down, g, h, how="dgelu"):
         return (torch.empty_like(x), torch.empty_like(w_up), w_up.new_empty(w_up.shape[0]),
                 torch.empty_like(w_down), w_down.new_empty(w_down.shape[0]))
 
@@ -221,15 +306,15 @@ class _GeluMLP(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w_up, w_down, g, h = ctx.saved_tensors
         if ctx.how == "torch":  # plain ops: under torch.compile Inductor fuses GELU's backward
-            return (*_grads(dy, x, w_up, g, *_backward_torch(x, w_up, dy, w_down, g, h)), None)
-        grads = torch.ops.meshrun.gelu_mlp_backward(dy, x, w_up, w_down, g, h, ctx.how == "dgelu_bgrad")
-        return (*grads, None)
+            return (*_backward_plain(x, w_up, dy, w_down, g, h), None)
+        return (*torch.ops.meshrun.gelu_mlp_grads(dy, x, w_up, w_down, g, h, ctx.how), None)
 
 
 # The backward's ways: "dgelu_bgrad", GELU's derivative and the up-projection's bias gradient in
 # the epilogue of the down-projection's input-gradient matmul; "dgelu", the derivative only (the
-# bias gradient a torch sum); "torch", plain ops (fused by Inductor when compiled).
-BACKWARDS = ("dgelu_bgrad", "dgelu", "torch")
+# bias gradient a torch sum); "dgelu_wbgrad", the derivative, and both biases' gradients in the
+# epilogues of the weight-gradient matmuls; "torch", plain ops (fused by Inductor when compiled).
+BACKWARDS = ("dgelu_bgrad", "dgelu", "dgelu_wbgrad", "torch")
 
 
 def gelu_mlp(x: torch.Tensor, up: nn.Linear, down: nn.Linear, backward: str = "dgelu") -> torch.Tensor:

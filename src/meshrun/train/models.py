@@ -43,8 +43,9 @@ class GPTConfig:
     # where it runs (CUDA, nvmath-python installed: the extra meshrun[cublaslt]) the forward's
     # GELU_AUX_BIAS and the backward's DGELU ("dgelu"; +3.8% at 124M on one H200 beside the head
     # loss; both +6.1% at 124M and +2.6% at 1.3B on two, calls BF and BG), else the plain MLP.
-    # True ("dgelu") or a way of fused_mlp.BACKWARDS ("dgelu_bgrad", "dgelu", "torch"): the ops
-    # everywhere (their plain-torch path where the epilogues cannot run); False: the plain MLP.
+    # True ("dgelu") or a way of fused_mlp.BACKWARDS ("dgelu_bgrad", "dgelu", "dgelu_wbgrad",
+    # "torch"): the ops everywhere (their plain-torch path where the epilogues cannot run); False:
+    # the plain MLP.
     fused_mlp: bool | str = "auto"
 
     @property
