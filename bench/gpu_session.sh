@@ -30,7 +30,6 @@
 #   bash bench/gpu_session.sh headloss OUT  issue 3: the loss that writes its gradient in the forward, checked, 1 GPU each
 #   bash bench/gpu_session.sh direct OUT    issue 3: the fused MLP's matmuls called directly vs through nvmath's execute (carry .whl)
 #   bash bench/gpu_session.sh wbgrad OUT    issue 3: the MLP biases' gradients in the weight-gradient matmuls' epilogues (carry .whl)
-#   bash bench/gpu_session.sh cetune OUT    issue 3: the head loss's kernel launch tuned, then 1 GPU each with the fastest
 #   bash bench/gpu_session.sh all15 OUT     issue 3: meshrun's defaults, 1 and NG GPUs, and the peers, in one call (carry .whl)
 #   bash bench/gpu_session.sh mlpprof OUT   issue 3: a 124M step's kernels with each of the MLP's backward ways (carry .whl)
 #   bash bench/gpu_session.sh mlp OUT       issue 3: the GELU in cuBLASLt's epilogues (carry .whl: nvmath-python), checked, then 1 GPU each
@@ -524,29 +523,6 @@ wbgrad)
     for card in $(seq 0 $((NG - 1))); do
       if [ $(((card + round) % 2)) -eq 0 ]; then one $card 240 124m-dgelu -- $A --mlp cublaslt-dgelu
       else one $card 240 124m-wbgrad -- $A --mlp cublaslt-wbgrad; fi
-    done
-    wait
-  done
-  ;;
-cetune)
-  # issue 3, fifteenth session: the head loss's kernel launch (ce_kernel.GRAD_FORWARD) timed over
-  # entries per step, warps and programs per SM at 131072 x 50304 bf16 (bench/ce_grad_tune.py), its
-  # checks (tests/scripts/ce_kernel_check.py: rows looped over fewer programs), then, if the fastest
-  # setting is >= 3% faster, GPT 124M, global 128K, 1 GPU each side by side, the default and the
-  # fastest setting on alternate cards, swapped on a 2-card host. Predicted in the predictions file
-  timeout 120 python3 tests/scripts/ce_kernel_check.py > "$OUT/cecheck.log" 2>&1; echo "ce check rc=$?" | tee -a "$S"
-  grep -E "fewer programs|Error|^ALL OK" "$OUT/cecheck.log" | tail -3 | cut -c1-300 | tee -a "$S"
-  timeout 240 python3 bench/ce_grad_tune.py > "$OUT/tune.log" 2>&1; echo "tune rc=$?" | tee -a "$S"
-  grep -vE "^\s*$" "$OUT/tune.log" | grep -E "^CE_TUNE|^ +[0-9]|^BEST|Error|failed" | cut -c1-200 | tee -a "$S"
-  grep -q "^ALL OK" "$OUT/cecheck.log" || { echo "cetune: check failed, no runs" | tee -a "$S"; exit 0; }
-  hk=$(sed -n 's/^BEST .*--head-kernel \([0-9,]*\)$/\1/p' "$OUT/tune.log")
-  gain=$(sed -n 's/^BEST \([0-9.]*\) ms vs default \([0-9.]*\) ms.*/\1 \2/p' "$OUT/tune.log" | awk '{print ($2 / $1 >= 1.03)}')
-  [ -n "$hk" ] && [ "$gain" = 1 ] || { echo "cetune: no setting 3% faster, no runs" | tee -a "$S"; exit 0; }
-  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
-  for round in 0 $([ "$NG" -lt 4 ] && echo 1); do
-    for card in $(seq 0 $((NG - 1))); do
-      if [ $(((card + round) % 2)) -eq 0 ]; then one $card 240 124m-default -- $A
-      else one $card 240 "124m-hk-$hk" -- $A --head-kernel "$hk"; fi
     done
     wait
   done

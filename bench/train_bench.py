@@ -141,9 +141,6 @@ def main() -> None:
                     help="how the fused MLP's planned cuBLASLt matmuls are called: straight through nvmath's "
                          "binding with the plan's descriptors (direct, meshrun's way since 2026-11-27) or through "
                          "nvmath's Matmul.execute (~0.5 ms of host time per call)")
-    ap.add_argument("--head-kernel", default=None, metavar="BLOCK,WARPS,PER_SM",
-                    help="the head loss's kernel launch (ce_kernel.GRAD_FORWARD): vocabulary entries per loop step, "
-                         "warps per program, programs per SM (0: one per row); bench/ce_grad_tune.py times them")
     ap.add_argument("--compiled-autograd", action="store_true",
                     help="DDP + compile: trace the backward with compiled autograd and DDP's reducer in Python "
                          "(optimize_ddp='python_reducer'), so all-reduces live in one backward graph")
@@ -183,14 +180,6 @@ def main() -> None:
         from meshrun.train import fused_mlp
 
         fused_mlp.DIRECT = args.cublaslt_call == "direct"
-    from meshrun.train import ce_kernel
-
-    if args.head_kernel:
-        try:
-            b, w, p = (int(v) for v in args.head_kernel.split(","))
-        except ValueError:
-            raise SystemExit(f"train_bench: --head-kernel {args.head_kernel!r}: expected BLOCK,WARPS,PER_SM integers")
-        ce_kernel.GRAD_FORWARD.update(BLOCK=b, num_warps=w, per_sm=p or None)
     flops_per_token = model.flops_per_token()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     extra: dict = {}
@@ -322,7 +311,7 @@ def main() -> None:
         "host_sync": args.host_sync, "inductor": inductor, "date": time.strftime("%Y-%m-%d"),
     }
     way = getattr(model.blocks[0], "fused_mlp", False)
-    result.update(head_loss=model.cfg.head_loss, head_kernel=dict(ce_kernel.GRAD_FORWARD), mlp=way or "plain")  # as resolved ("auto": by nvmath's presence)
+    result.update(head_loss=model.cfg.head_loss, mlp=way or "plain")  # as resolved ("auto": by nvmath's presence)
     if way:  # which path ran, and why not cuBLASLt's if it did not
         from meshrun.train import fused_mlp
 

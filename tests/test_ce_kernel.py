@@ -124,7 +124,7 @@ def test_kernels_compile_for_hopper():
 
     common = {"stride": "i64", "t_ptr": "*i64", "lse_ptr": "*fp32", "V": "i32", "ignore_index": "i64",
               "BLOCK": "constexpr"}
-    grad_sig = {**{k: v for k, v in common.items() if k != "lse_ptr"}, "n_rows": "i32"}
+    grad_sig = {k: v for k, v in common.items() if k != "lse_ptr"}
     for kernel, sig in ((ce_triton.triton_ce_forward, {"x_ptr": "*bf16", "rows_ptr": "*fp32", **common}),
                         (ce_triton.triton_ce_grad_forward, {"x_ptr": "*bf16", "rows_ptr": "*fp32", **grad_sig}),
                         (ce_triton.triton_ce_backward, {"x_ptr": "*bf16", "g_ptr": "*fp32", "g_stride": "i64",

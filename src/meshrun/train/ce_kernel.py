@@ -38,19 +38,6 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 4096  # vocabulary entries per loop step: 16 per thread at 8 warps
-# head_cross_entropy's kernel's launch: entries per loop step, warps per program, and programs
-# per SM (None: one program per row, as many rows in flight as fit on the GPU)
-GRAD_FORWARD: dict[str, int | None] = {"BLOCK": 4096, "num_warps": 8, "per_sm": None}
-
-
-@functools.lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def _grad_forward_programs(n: int, device: torch.device) -> int:
-    per_sm = GRAD_FORWARD["per_sm"]
-    return n if per_sm is None else max(1, min(n, per_sm * _sms(device)))
 
 
 def register() -> dict[str, bool]:
@@ -161,9 +148,8 @@ def _register_ops() -> None:
         n, v = logits.shape
         rows = torch.empty(n, dtype=torch.float32, device=logits.device)
         if n:
-            triton_ce_grad_forward[(_grad_forward_programs(n, logits.device),)](
-                logits, logits.stride(0), targets, rows, n, v, ignore_index, BLOCK=GRAD_FORWARD["BLOCK"],
-                num_warps=GRAD_FORWARD["num_warps"])
+            triton_ce_grad_forward[(n,)](logits, logits.stride(0), targets, rows, v, ignore_index, BLOCK=BLOCK,
+                                         num_warps=8)
         return rows
 
     @register_fake("meshrun::cross_entropy_grad_")

@@ -70,15 +70,13 @@ def triton_ce_backward(x_ptr, stride, g_ptr, g_stride, t_ptr, lse_ptr, dx_ptr, V
 
 
 @triton.jit
-def triton_ce_grad_forward(x_ptr, stride, t_ptr, rows_ptr, n_rows, V, ignore_index, BLOCK: tl.constexpr):
+def triton_ce_grad_forward(x_ptr, stride, t_ptr, rows_ptr, V, ignore_index, BLOCK: tl.constexpr):
     # The loss and, written over the logits, its gradient for an incoming gradient of 1:
     # softmax(x) - onehot(t) (zero for an ignored row). The second loop reads the row again,
-    # meant to come from L2: each program takes rows n_rows / programs apart, so the rows in
-    # flight are as many as the programs the launch chooses (ce_kernel.GRAD_FORWARD), not as
-    # many as fit on the GPU at once, whose 100-KB rows would overflow L2.
-    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        row = tl.cast(r, tl.int64)
-        base = x_ptr + row * stride
-        lse = _row_lse(base, V, BLOCK)
-        t, counted = _row_loss(base, row, t_ptr, rows_ptr, lse, ignore_index)  # before the row is overwritten
-        _write_grad(base, base, V, t, lse, tl.where(counted, 1.0, 0.0), BLOCK)
+    # from L2 (a 100-KB row per program, a few hundred programs in flight: well inside it),
+    # so the logits cross DRAM once each way.
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride
+    lse = _row_lse(base, V, BLOCK)
+    t, counted = _row_loss(base, row, t_ptr, rows_ptr, lse, ignore_index)  # before the row is overwritten
+    _write_grad(base, base, V, t, lse, tl.where(counted, 1.0, 0.0), BLOCK)

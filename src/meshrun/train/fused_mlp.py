@@ -21,11 +21,15 @@ than Inductor's at 131072 x 768 tokens; beside the head loss +3.8% on a 124M ste
 and both together +6.1% at 124M and +2.6% at 1.3B on two. torch exposes neither epilogue;
 NVIDIA's nvmath-python binds cuBLASLt's, and is imported only here, only when used.
 
-The matmuls and the epilogues run in an opaque custom op (``meshrun::gelu_mlp`` and its
-backward), so torch.compile calls them from inside its graphs. The same ops compute the same
-thing with plain torch operations where the cuBLASLt path does not apply (the CPU, fp32,
-widths that are not multiples of 8, nvmath-python missing or refusing a shape): what the tests
-check on the CPU. ``PATHS`` counts the calls of each path and ``FALLBACK`` says why the
+Both biases' gradients can also come from the weight-gradient matmuls' ``BGRADB`` epilogues
+(the "dgelu_wbgrad" way): measured no faster (fifteenth session, call BJ: cuBLASLt runs that
+epilogue as a separate kernel too), so not the default.
+
+The matmuls and the epilogues run in opaque custom ops (``meshrun::gelu_mlp`` and
+``meshrun::gelu_mlp_grads``), so torch.compile calls them from inside its graphs. The same ops
+compute the same thing with plain torch operations where the cuBLASLt path does not apply (the
+CPU, fp32, widths that are not multiples of 8, nvmath-python missing or refusing a shape): what
+the tests check on the CPU. ``PATHS`` counts the calls of each path and ``FALLBACK`` says why the
 cuBLASLt one was not taken, so a benchmark can tell which one it measured.
 """
 
