@@ -93,6 +93,18 @@ pairs() {  # pairs LIMIT_S TAG ARGS... : GPT 124M, global 128K, compiled, 1 GPU 
   done
   wait "${j[@]}"
 }
+swapped() {  # swapped LIMIT TAG_A ARGS_A TAG_B ARGS_B : GPT 124M, global 128K, compiled, 1 GPU each side
+  # by side, ARGS_A and ARGS_B (one string each) on alternate cards; on a host of fewer than 4 cards a
+  # second round swaps them, so each way runs once on each card
+  local lim=$1 ta=$2 aa=$3 tb_=$4 ab=$5 A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
+  for round in 0 $([ "$NG" -lt 4 ] && echo 1); do
+    for card in $(seq 0 $((NG - 1))); do
+      if [ $(((card + round) % 2)) -eq 0 ]; then one "$card" "$lim" "$ta" -- $A $aa
+      else one "$card" "$lim" "$tb_" -- $A $ab; fi
+    done
+    wait
+  done
+}
 smi_start() {  # smi_start FILE : every card's clock, power and clock-event reasons once a second into FILE
   # (bench/smi_summary.py reads it); SMI is the sampler's pid, to kill
   local q=index,utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active
@@ -479,14 +491,7 @@ headloss)
   timeout 200 python3 tests/scripts/ce_kernel_check.py > "$OUT/cecheck.log" 2>&1; echo "ce check rc=$?" | tee -a "$S"
   grep -E "^ok head|Error" "$OUT/cecheck.log" | tail -6 | cut -c1-300 | tee -a "$S"
   grep -q "^ALL OK" "$OUT/cecheck.log" || { echo "headloss: check failed, no runs" | tee -a "$S"; exit 0; }
-  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
-  for round in 0 $([ "$NG" -lt 4 ] && echo 1); do
-    for card in $(seq 0 $((NG - 1))); do
-      if [ $(((card + round) % 2)) -eq 0 ]; then one $card 300 124m-plain -- $A --loss plain --mlp plain
-      else one $card 300 124m-head -- $A --loss head --mlp plain; fi
-    done
-    wait
-  done
+  swapped 300 124m-plain "--loss plain --mlp plain" 124m-head "--loss head --mlp plain"
   ;;
 direct)
   # issue 3, fifteenth session: the fused MLP's planned matmuls called straight through nvmath's
@@ -500,14 +505,7 @@ direct)
   timeout 200 python3 tests/scripts/fused_mlp_check.py > "$OUT/check.log" 2>&1; echo "mlp check rc=$?" | tee -a "$S"
   grep -E "direct|256 tokens|Error|ALL OK|fused_mlp_check" "$OUT/check.log" | tail -8 | cut -c1-300 | tee -a "$S"
   grep -q "^ALL OK" "$OUT/check.log" || { echo "direct: check failed, no runs" | tee -a "$S"; exit 0; }
-  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
-  for round in 0 $([ "$NG" -lt 4 ] && echo 1); do
-    for card in $(seq 0 $((NG - 1))); do
-      if [ $(((card + round) % 2)) -eq 0 ]; then one $card 240 124m-execute -- $A --cublaslt-call execute
-      else one $card 240 124m-direct -- $A --cublaslt-call direct; fi
-    done
-    wait
-  done
+  swapped 240 124m-execute "--cublaslt-call execute" 124m-direct "--cublaslt-call direct"
   ;;
 wbgrad)
   # issue 3, fifteenth session: both MLP biases' gradients in the BGRADB epilogues of the weight-gradient
@@ -519,14 +517,7 @@ wbgrad)
   grep -E "wbgrad|ms, peak|best backward|256 tokens|^kernels|Error|ALL OK|fused_mlp_check" "$OUT/check.log" | cut -c1-420 | tee -a "$S"
   grep -q "^ALL OK" "$OUT/check.log" || { echo "wbgrad: check failed, no runs" | tee -a "$S"; exit 0; }
   grep -q "dgelu_wbgrad refused" "$OUT/check.log" && { echo "wbgrad: refused, no runs" | tee -a "$S"; exit 0; }
-  A="--mode meshrun --size gpt-124m --micro 0 --global-tokens 131072 --compile"
-  for round in 0 $([ "$NG" -lt 4 ] && echo 1); do
-    for card in $(seq 0 $((NG - 1))); do
-      if [ $(((card + round) % 2)) -eq 0 ]; then one $card 240 124m-dgelu -- $A --mlp cublaslt-dgelu
-      else one $card 240 124m-wbgrad -- $A --mlp cublaslt-wbgrad; fi
-    done
-    wait
-  done
+  swapped 240 124m-dgelu "--mlp cublaslt-dgelu" 124m-wbgrad "--mlp cublaslt-wbgrad"
   ;;
 next16)
   # issue 3, prepared in the fifteenth session for the next 4-GPU call (carry .whl): GPT 124M, global
