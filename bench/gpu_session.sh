@@ -93,6 +93,13 @@ pairs() {  # pairs LIMIT_S TAG ARGS... : GPT 124M, global 128K, compiled, 1 GPU 
   done
   wait "${j[@]}"
 }
+check() {  # check LIMIT SCRIPT LOG PATTERN : a tests/scripts check, its rc and the lines matching PATTERN to the
+  # summary; fails (returns 1) unless the script printed ALL OK
+  local lim=$1 script=$2 log=$3 pat=$4
+  timeout "$lim" python3 "$script" > "$log" 2>&1; echo "$(basename "$script") rc=$?" | tee -a "$S"
+  grep -E "$pat" "$log" | tail -"${CHECK_LINES:-12}" | cut -c1-420 | tee -a "$S"
+  grep -q "^ALL OK" "$log"
+}
 swapped() {  # swapped LIMIT TAG_A ARGS_A TAG_B ARGS_B : GPT 124M, global 128K, compiled, 1 GPU each side
   # by side, ARGS_A and ARGS_B (one string each) on alternate cards; on a host of fewer than 4 cards a
   # second round swaps them, so each way runs once on each card
@@ -488,9 +495,8 @@ headloss)
   # ce_kernel.head_cross_entropy): its checks with the real Triton compiler, then GPT 124M, global 128K,
   # 1 GPU each side by side, plain and head on alternate cards (swapped on a 2-card host). Predicted
   # +4..6%: the plain loss's two kernels take 8.3% of the step (19 ms), this one should take ~6-7 ms
-  timeout 200 python3 tests/scripts/ce_kernel_check.py > "$OUT/cecheck.log" 2>&1; echo "ce check rc=$?" | tee -a "$S"
-  grep -E "^ok head|Error" "$OUT/cecheck.log" | tail -6 | cut -c1-300 | tee -a "$S"
-  grep -q "^ALL OK" "$OUT/cecheck.log" || { echo "headloss: check failed, no runs" | tee -a "$S"; exit 0; }
+  check 200 tests/scripts/ce_kernel_check.py "$OUT/cecheck.log" "^ok head|Error" \
+    || { echo "headloss: check failed, no runs" | tee -a "$S"; exit 0; }
   swapped 300 124m-plain "--loss plain --mlp plain" 124m-head "--loss head --mlp plain"
   ;;
 direct)
@@ -500,11 +506,9 @@ direct)
   # (direct against execute(): same bits; host time per MLP at 256 tokens), then GPT 124M, global
   # 128K, 1 GPU each side by side, direct and execute on alternate cards, swapped on a 2-card host.
   # Predicted: host time per MLP fwd+bwd at 256 tokens 2.0 -> ~1.0 ms; step +0.3..1.2%
-  timeout 150 python3 tests/scripts/ce_kernel_check.py > "$OUT/cecheck.log" 2>&1; echo "ce check rc=$?" | tee -a "$S"
-  grep -E "^ok head|Error|^ALL OK" "$OUT/cecheck.log" | tail -4 | cut -c1-300 | tee -a "$S"
-  timeout 200 python3 tests/scripts/fused_mlp_check.py > "$OUT/check.log" 2>&1; echo "mlp check rc=$?" | tee -a "$S"
-  grep -E "direct|256 tokens|Error|ALL OK|fused_mlp_check" "$OUT/check.log" | tail -8 | cut -c1-300 | tee -a "$S"
-  grep -q "^ALL OK" "$OUT/check.log" || { echo "direct: check failed, no runs" | tee -a "$S"; exit 0; }
+  check 150 tests/scripts/ce_kernel_check.py "$OUT/cecheck.log" "^ok head|Error|^ALL OK"
+  check 200 tests/scripts/fused_mlp_check.py "$OUT/check.log" "direct|256 tokens|Error|ALL OK|fused_mlp_check" \
+    || { echo "direct: check failed, no runs" | tee -a "$S"; exit 0; }
   swapped 240 124m-execute "--cublaslt-call execute" 124m-direct "--cublaslt-call direct"
   ;;
 wbgrad)
@@ -513,9 +517,9 @@ wbgrad)
   # more (0.30 ms per layer in call BH's profile, ~3.6 ms of a 124M step): the MLP's checks and times
   # (every backward way), then GPT 124M, global 128K, 1 GPU each side by side, the default (DGELU) and
   # cublaslt-wbgrad on alternate cards, swapped on a 2-card host. Predicted in the predictions file
-  timeout 220 python3 tests/scripts/fused_mlp_check.py > "$OUT/check.log" 2>&1; echo "mlp check rc=$?" | tee -a "$S"
-  grep -E "wbgrad|ms, peak|best backward|256 tokens|^kernels|Error|ALL OK|fused_mlp_check" "$OUT/check.log" | cut -c1-420 | tee -a "$S"
-  grep -q "^ALL OK" "$OUT/check.log" || { echo "wbgrad: check failed, no runs" | tee -a "$S"; exit 0; }
+  CHECK_LINES=40 check 220 tests/scripts/fused_mlp_check.py "$OUT/check.log" \
+    "wbgrad|ms, peak|best backward|256 tokens|^kernels|Error|ALL OK|fused_mlp_check" \
+    || { echo "wbgrad: check failed, no runs" | tee -a "$S"; exit 0; }
   grep -q "dgelu_wbgrad refused" "$OUT/check.log" && { echo "wbgrad: refused, no runs" | tee -a "$S"; exit 0; }
   swapped 240 124m-dgelu "--mlp cublaslt-dgelu" 124m-wbgrad "--mlp cublaslt-wbgrad"
   ;;

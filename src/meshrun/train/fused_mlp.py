@@ -102,8 +102,9 @@ PLANNED: Counter[str] = Counter()  # plans made per epilogue
 AUTOTUNE_ITERATIONS = 5  # per candidate algorithm, once per plan (0: cuBLASLt's heuristic's first)
 # After its first call a plan runs through _Direct, not nvmath's ``Matmul.execute``, which costs
 # ~0.5 ms of host time per call even planned (an event, logging checks, its workspace's stream
-# bookkeeping): at 124M the GPU waited ~3 ms per step more with the epilogues than without
-# (fourteenth session, call BE). False: every call through ``execute`` (to compare the two).
+# bookkeeping). Measured (fifteenth session, call BH): the same bits, 0.4 ms less host time per
+# MLP forward + backward; no gain in a 124M step at micro-batch 128, where the GPU is the bound,
+# only where the host is (small batches). False: every call through ``execute`` (to compare).
 DIRECT = True
 EXECUTED: Counter[str] = Counter()  # calls per way: "direct" or "nvmath"
 
