@@ -57,7 +57,8 @@ def is_kernel(e, cuda: bool) -> bool:
 
 
 def main() -> None:
-    from train_bench import MLPS, make_model  # beside this script (its directory is on the path when run)
+    # beside this script (its directory is on the path when run)
+    from train_bench import CUBLASLT_CALLS, MLPS, make_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="gpt-124m")
@@ -72,14 +73,10 @@ def main() -> None:
     ap.add_argument("--host-sync", action="store_true",
                     help="wait on the host for every step's gradient norm (meshrun's step before the seventh session)")
     ap.add_argument("--mlp", default="default", choices=list(MLPS), help="as train_bench.py's --mlp")
-    ap.add_argument("--cublaslt-call", default="direct", choices=["direct", "execute"],
+    ap.add_argument("--cublaslt-call", default="direct", choices=CUBLASLT_CALLS,
                     help="as train_bench.py's --cublaslt-call")
     args = ap.parse_args()
-    model = make_model(args.size, args.seq, 50304, loss=args.loss, mlp=args.mlp)
-    if getattr(model.blocks[0], "fused_mlp", False):
-        from meshrun.train import fused_mlp
-
-        fused_mlp.DIRECT = args.cublaslt_call == "direct"
+    model = make_model(args.size, args.seq, 50304, loss=args.loss, mlp=args.mlp, cublaslt_call=args.cublaslt_call)
     cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9, grad_clip=1.0)
     trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)

@@ -42,8 +42,13 @@ MLPS = {"default": GPTConfig.fused_mlp, "plain": False, "cublaslt": "dgelu_bgrad
         "cublaslt-wbgrad": "dgelu_wbgrad", "cublaslt-fwd": "torch"}
 
 
+# --cublaslt-call: the fused MLP's planned matmuls called directly (fused_mlp.DIRECT) or through nvmath's execute()
+CUBLASLT_CALLS = ("direct", "execute")
+
+
 def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual: bool = False,
-               loss: str = "default", mlp: str = "default", peer: bool = False) -> GPT:
+               loss: str = "default", mlp: str = "default", peer: bool = False,
+               cublaslt_call: str = "direct") -> GPT:
     """The benchmark's GPT. ``peer``: for the peers' modes, whose "default" is the plain model
     (Linear-GELU-Linear, F.cross_entropy), not meshrun's kernels."""
     torch.manual_seed(0)
@@ -52,9 +57,14 @@ def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual:
     fused = GPTConfig.fused_loss if loss == "default" else loss == "fused"
     triton = GPTConfig.triton_loss if loss == "default" else loss == "triton"
     head = GPTConfig.head_loss if loss == "default" else loss == "head"
-    return GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, low_precision_residual=not fp32_residual,
-                         fused_loss=fused, triton_loss=triton, head_loss=head, fused_mlp=MLPS[mlp],
-                         **GPT_PRESETS[size]))
+    model = GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, low_precision_residual=not fp32_residual,
+                          fused_loss=fused, triton_loss=triton, head_loss=head, fused_mlp=MLPS[mlp],
+                          **GPT_PRESETS[size]))
+    if getattr(model.blocks[0], "fused_mlp", False):
+        from meshrun.train import fused_mlp
+
+        fused_mlp.DIRECT = cublaslt_call == "direct"
+    return model
 
 
 def pick_sdpa(backend: str) -> None:
@@ -137,7 +147,7 @@ def main() -> None:
                          "needs nvmath-python): forward and backward with the bias gradient (cublaslt), the backward "
                          "without it (cublaslt-dgelu), with both biases' gradients in the weight-gradient "
                          "matmuls (cublaslt-wbgrad), the forward only (cublaslt-fwd)")
-    ap.add_argument("--cublaslt-call", default="direct", choices=["direct", "execute"],
+    ap.add_argument("--cublaslt-call", default="direct", choices=CUBLASLT_CALLS,
                     help="how the fused MLP's planned cuBLASLt matmuls are called: straight through nvmath's "
                          "binding with the plan's descriptors (direct, meshrun's way since 2026-11-27) or through "
                          "nvmath's Matmul.execute (~0.5 ms of host time per call)")
@@ -175,11 +185,7 @@ def main() -> None:
 
         dynamo.config.optimize_ddp = "python_reducer"
     model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual, args.loss, args.mlp,
-                       peer=args.mode != "meshrun")
-    if getattr(model.blocks[0], "fused_mlp", False):
-        from meshrun.train import fused_mlp
-
-        fused_mlp.DIRECT = args.cublaslt_call == "direct"
+                       peer=args.mode != "meshrun", cublaslt_call=args.cublaslt_call)
     flops_per_token = model.flops_per_token()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     extra: dict = {}
