@@ -30,7 +30,7 @@
 #   bash bench/gpu_session.sh headloss OUT  issue 3: the loss that writes its gradient in the forward, checked, 1 GPU each
 #   bash bench/gpu_session.sh direct OUT    issue 3: the fused MLP's matmuls called directly vs through nvmath's execute (carry .whl)
 #   bash bench/gpu_session.sh wbgrad OUT    issue 3: the MLP biases' gradients in the weight-gradient matmuls' epilogues (carry .whl)
-#   bash bench/gpu_session.sh next16 OUT    issue 3: 124M on NG GPUs: 1-GPU base on every card, default, two buckets, --compile-tune
+#   bash bench/gpu_session.sh next16 OUT    issue 3: 124M on NG GPUs: 1-GPU base on every card, default, profiles 1 vs NG, two buckets
 #   bash bench/gpu_session.sh all15 OUT     issue 3: meshrun's defaults, 1 and NG GPUs, and the peers, in one call (carry .whl)
 #   bash bench/gpu_session.sh mlpprof OUT   issue 3: a 124M step's kernels with each of the MLP's backward ways (carry .whl)
 #   bash bench/gpu_session.sh mlp OUT       issue 3: the GELU in cuBLASLt's epilogues (carry .whl: nvmath-python), checked, then 1 GPU each
@@ -525,19 +525,22 @@ wbgrad)
   swapped 240 124m-dgelu "--mlp cublaslt-dgelu" 124m-wbgrad "--mlp cublaslt-wbgrad"
   ;;
 next16)
-  # issue 3, prepared in the fifteenth session for the next 4-GPU call (carry .whl): GPT 124M, global
-  # NG x 128K. First the weak-scaling base as calls AE/AX measured it, 1 GPU on every card side by
-  # side (call BL's ran beside one busy card: 96.1%); then on NG GPUs the default, two buckets
-  # (--bucket-mb 300: the first overlaps the backward's end, one graph split; 100-MB buckets lost
-  # 1.0% in BN), and --compile-tune (+1.0% with the previous defaults, call AU; ~250 s to compile
-  # without a cache). Predicted: base 585-592K; default 49.2-49.5%; two buckets -0.5..+0.7%;
-  # tuned +0.7..1.2%
+  # issue 3, sixteenth session (carry .whl): GPT 124M, global NG x 128K. First the weak-scaling base
+  # as calls AE/AX measured it, 1 GPU on every card side by side (call BL's ran beside one busy card:
+  # 96.1%); then the default on NG GPUs; then where the NG-GPU step loses against one with these
+  # defaults (profile_step on 1 GPU, then on NG: summed kernel time vs the time some kernel runs, the
+  # exposed rest); then two buckets (--bucket-mb 300: the first overlaps the backward's end at the
+  # cost of one graph split; 100-MB buckets lost 1.0% in BN). --compile-tune needs a call of its
+  # own (tune4: ~250 s to compile without a cache). Predicted in the predictions file
   G=$((NG * 131072)); A="--mode meshrun --size gpt-124m --micro 0 --compile"
   for card in $(seq 0 $((NG - 1))); do one $card 200 "124m-1gpu-card$card" -- $A --global-tokens 131072; done
   wait
   tb 150 "$NG" $A --global-tokens $G
+  P="bench/profile_step.py --size gpt-124m --micro 128 --compile --top 6"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 $P > "$OUT/profile-1.log" 2>&1
+  timeout 170 python3 -m torch.distributed.run --standalone --nproc_per_node="$NG" $P > "$OUT/profile-$NG.log" 2>&1
+  grep -hE "^PROFILE|^  |Error" "$OUT/profile-1.log" "$OUT/profile-$NG.log" | cut -c1-200 | tee -a "$S"
   tb 150 "$NG" $A --global-tokens $G --bucket-mb 300
-  tb 330 "$NG" $A --global-tokens $G --compile-tune
   ;;
 all15)
   # issue 3, fifteenth session: meshrun's defaults against the peers in one call on NG GPUs (carry

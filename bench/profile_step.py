@@ -120,9 +120,14 @@ def main() -> None:
     if spans:
         per_step = 1 / args.steps / 1e3  # profiler microseconds -> milliseconds per step
         nccl = by_family.get("nccl", 0.0)
+        comm = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                if is_kernel(e, cuda) and family(e.key) == "nccl" and e.time_range.end > e.time_range.start]
+        # NCCL's time with no compute kernel beside it: what communication adds to the step
+        alone = covered(spans + comm) - covered(spans)
         print(f"PROFILE compute {args.size} micro {args.micro} world {trainer.rt.world_size}: kernels "
               f"{(total - nccl) * per_step:.1f} ms (summed), some compute kernel running "
-              f"{covered(spans) * per_step:.1f} ms of the {wall_ms:.1f} ms step; nccl {nccl * per_step:.1f} ms (own stream)")
+              f"{covered(spans) * per_step:.1f} ms of the {wall_ms:.1f} ms step; nccl {nccl * per_step:.1f} ms "
+              f"(own stream), {alone * per_step:.1f} ms of it with no compute kernel beside it")
     print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss} mlp {args.mlp} "
           f"cublaslt_call {args.cublaslt_call} "
           f"host_sync {args.host_sync}: "
