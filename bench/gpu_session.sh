@@ -31,6 +31,7 @@
 #   bash bench/gpu_session.sh direct OUT    issue 3: the fused MLP's matmuls called directly vs through nvmath's execute (carry .whl)
 #   bash bench/gpu_session.sh wbgrad OUT    issue 3: the MLP biases' gradients in the weight-gradient matmuls' epilogues (carry .whl)
 #   bash bench/gpu_session.sh next16 OUT    issue 3: 124M on NG GPUs: 1-GPU base on every card, default, profiles 1 vs NG, two buckets
+#   bash bench/gpu_session.sh gaps16 OUT    issue 3: the 124M step's idle gaps on 1 and NG GPUs (traces), then 1.3B's default
 #   bash bench/gpu_session.sh all15 OUT     issue 3: meshrun's defaults, 1 and NG GPUs, and the peers, in one call (carry .whl)
 #   bash bench/gpu_session.sh mlpprof OUT   issue 3: a 124M step's kernels with each of the MLP's backward ways (carry .whl)
 #   bash bench/gpu_session.sh mlp OUT       issue 3: the GELU in cuBLASLt's epilogues (carry .whl: nvmath-python), checked, then 1 GPU each
@@ -541,6 +542,18 @@ next16)
   timeout 170 python3 -m torch.distributed.run --standalone --nproc_per_node="$NG" $P > "$OUT/profile-$NG.log" 2>&1
   grep -hE "^PROFILE|^  |Error" "$OUT/profile-1.log" "$OUT/profile-$NG.log" | cut -c1-200 | tee -a "$S"
   tb 150 "$NG" $A --global-tokens $G --bucket-mb 300
+  ;;
+gaps16)
+  # issue 3, sixteenth session (carry .whl): call BO's profiles found the GPU with no kernel at all
+  # for 4.7 ms of a 225-ms 124M step on 1 GPU and 10.0 ms of 229 ms on NG (besides 2.4 ms of NCCL):
+  # the same profiles again with the idle gaps sized and the host's work inside the longest, and
+  # rank 0's Chrome traces; then GPT 1.3B's default on NG GPUs once more (call BL: 59.95%)
+  P="bench/profile_step.py --size gpt-124m --micro 128 --compile --top 4"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 $P --trace "$OUT/trace-1.json.gz" > "$OUT/profile-1.log" 2>&1
+  timeout 170 python3 -m torch.distributed.run --standalone --nproc_per_node="$NG" $P \
+    --trace "$OUT/trace-$NG.json.gz" > "$OUT/profile-$NG.log" 2>&1
+  grep -hE "^PROFILE|^  during|Error" "$OUT/profile-1.log" "$OUT/profile-$NG.log" | cut -c1-600 | tee -a "$S"
+  tb 200 "$NG" --mode meshrun --size gpt-1.3b --micro 0 --compile --warmup 3 --steps 8 --global-tokens $((NG * 131072))
   ;;
 all15)
   # issue 3, fifteenth session: meshrun's defaults against the peers in one call on NG GPUs (carry

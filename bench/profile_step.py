@@ -50,6 +50,42 @@ def covered(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def idle_gaps(kernels: list[tuple[float, float, str]], per_step: float, top: int = 5) -> str:
+    """Where the GPU ran no kernel at all between two kernels (sorted (start, end, name), any
+    stream): the gaps' total per step by size (launch gaps of a few microseconds against the
+    host stalling the stream), and the longest few with the kernels on either side."""
+    bins = {"<10us": 0.0, "10-100us": 0.0, ">100us": 0.0}
+    gaps: list[tuple[float, str, str]] = []
+    reach, last = float("inf"), ""
+    for start, end, name in kernels:
+        if start > reach:
+            gap = start - reach
+            bins["<10us" if gap < 10 else "10-100us" if gap < 100 else ">100us"] += gap
+            gaps.append((gap, last, name))
+        if end >= reach or reach == float("inf"):
+            reach, last = end, name
+    parts = ", ".join(f"{k} {v * per_step:.2f} ms" for k, v in bins.items())
+    longest = "; ".join(f"{g:.0f}us {a[:40]} -> {b[:40]}" for g, a, b in sorted(gaps, reverse=True)[:top])
+    return f"{len(gaps) * per_step * 1e3:.0f} gaps per step, {parts}; longest: {longest}"
+
+
+def host_in_gaps(kernels: list[tuple[float, float, str]], host: list[tuple[float, float, str]],
+                 top: int = 3) -> list[str]:
+    """For the longest idle gaps: the host's longest operations that began inside the gap
+    (what the host was doing while the GPU had nothing queued)."""
+    gaps: list[tuple[float, float]] = []
+    reach = float("inf")
+    for start, end, _ in kernels:
+        if start > reach:
+            gaps.append((reach, start))
+        reach = end if reach == float("inf") else max(reach, end)
+    out = []
+    for lo, hi in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        inside = sorted(((e - s, n) for s, e, n in host if lo <= s < hi), reverse=True)[:4]
+        out.append(f"{hi - lo:.0f}us gap: " + ", ".join(f"{n[:50]} {d:.0f}us" for d, n in inside))
+    return out
+
+
 def is_kernel(e, cuda: bool) -> bool:
     """A device event that is a kernel: user annotations (DDP's "DistributedDataParallel.forward",
     "nccl:all_reduce") also show as device-side ranges, spanning kernels (call Z counted them)."""
@@ -67,6 +103,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12, help="how many of the longest kernels to list")
+    ap.add_argument("--trace", default=None, help="rank 0 writes the profiled steps' Chrome trace here (.json.gz)")
     ap.add_argument("--loss", default="head", choices=["plain", "triton", "head"],
                     help="the GPT's loss: F.cross_entropy, the Triton kernels (train/ce_kernel.py), or the one "
                          "that writes the gradient in the forward (head)")
@@ -103,6 +140,8 @@ def main() -> None:
             step()
         if cuda:
             torch.cuda.synchronize()
+    if args.trace and trainer.rt.rank == 0:
+        prof.export_chrome_trace(args.trace)
     events = [e for e in prof.key_averages() if is_kernel(e, cuda)]
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     total = sum(getattr(e, attr) for e in events) or 1
@@ -128,6 +167,12 @@ def main() -> None:
               f"{(total - nccl) * per_step:.1f} ms (summed), some compute kernel running "
               f"{covered(spans) * per_step:.1f} ms of the {wall_ms:.1f} ms step; nccl {nccl * per_step:.1f} ms "
               f"(own stream), {alone * per_step:.1f} ms of it with no compute kernel beside it")
+        named = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if is_kernel(e, cuda) and e.time_range.end > e.time_range.start)
+        print(f"PROFILE idle {args.size} world {trainer.rt.world_size}: " + idle_gaps(named, per_step))
+        host = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CPU"]
+        for line in host_in_gaps(named, host):
+            print(f"  during {line}")
     print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss} mlp {args.mlp} "
           f"cublaslt_call {args.cublaslt_call} "
           f"host_sync {args.host_sync}: "
