@@ -110,12 +110,10 @@ def main() -> None:
     ap.add_argument("--host-sync", action="store_true",
                     help="wait on the host for every step's gradient norm (meshrun's step before the seventh session)")
     ap.add_argument("--mlp", default="default", choices=list(MLPS), help="as train_bench.py's --mlp")
-    ap.add_argument("--qkv", default="default", choices=["default", "split", "fused"], help="as train_bench.py's --qkv")
     ap.add_argument("--cublaslt-call", default="direct", choices=CUBLASLT_CALLS,
                     help="as train_bench.py's --cublaslt-call")
     args = ap.parse_args()
-    model = make_model(args.size, args.seq, 50304, loss=args.loss, mlp=args.mlp, cublaslt_call=args.cublaslt_call,
-                       qkv=args.qkv)
+    model = make_model(args.size, args.seq, 50304, loss=args.loss, mlp=args.mlp, cublaslt_call=args.cublaslt_call)
     cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9, grad_clip=1.0)
     trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)
@@ -176,7 +174,7 @@ def main() -> None:
         for line in host_in_gaps(named, host):
             print(f"  during {line}")
     print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss} mlp {args.mlp} "
-          f"cublaslt_call {args.cublaslt_call} qkv {args.qkv} "
+          f"cublaslt_call {args.cublaslt_call} "
           f"host_sync {args.host_sync}: "
           f"{wall_ms:.1f} ms wall per step, {device_ms:.1f} ms device time "
           f"(the GPU waits {max(0.0, wall_ms - device_ms):.1f} ms = {max(0.0, 1 - device_ms / wall_ms):.1%})")

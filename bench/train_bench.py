@@ -42,30 +42,24 @@ MLPS = {"default": GPTConfig.fused_mlp, "plain": False, "cublaslt": "dgelu_bgrad
         "cublaslt-wbgrad": "dgelu_wbgrad", "cublaslt-fwd": "torch"}
 
 
-# --qkv: GPTConfig's default ("auto": three dense q/k/v matmuls on CUDA, train/qkv.py), those
-# everywhere, or the one fused projection whose q/k/v are strided views (the peers' model)
-QKVS = {"default": GPTConfig.split_qkv, "split": True, "fused": False}
-
-
 # --cublaslt-call: the fused MLP's planned matmuls called directly (fused_mlp.DIRECT) or through nvmath's execute()
 CUBLASLT_CALLS = ("direct", "execute")
 
 
 def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual: bool = False,
                loss: str = "default", mlp: str = "default", peer: bool = False,
-               cublaslt_call: str = "direct", qkv: str = "default") -> GPT:
+               cublaslt_call: str = "direct") -> GPT:
     """The benchmark's GPT. ``peer``: for the peers' modes, whose "default" is the plain model
     (Linear-GELU-Linear, F.cross_entropy), not meshrun's kernels."""
     torch.manual_seed(0)
     if peer:
         loss, mlp = ("plain" if loss == "default" else loss), ("plain" if mlp == "default" else mlp)
-        qkv = "fused" if qkv == "default" else qkv
     fused = GPTConfig.fused_loss if loss == "default" else loss == "fused"
     triton = GPTConfig.triton_loss if loss == "default" else loss == "triton"
     head = GPTConfig.head_loss if loss == "default" else loss == "head"
     model = GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, low_precision_residual=not fp32_residual,
                           fused_loss=fused, triton_loss=triton, head_loss=head, fused_mlp=MLPS[mlp],
-                          split_qkv=QKVS[qkv], **GPT_PRESETS[size]))
+                          **GPT_PRESETS[size]))
     if getattr(model.blocks[0], "fused_mlp", False):
         from meshrun.train import fused_mlp
 
@@ -157,10 +151,6 @@ def main() -> None:
                     help="how the fused MLP's planned cuBLASLt matmuls are called: straight through nvmath's "
                          "binding with the plan's descriptors (direct, meshrun's way since 2026-11-27) or through "
                          "nvmath's Matmul.execute (~0.5 ms of host time per call)")
-    ap.add_argument("--qkv", default="default", choices=list(QKVS),
-                    help="the attention's q/k/v projection: the model's default (meshrun: three dense matmuls on "
-                         "CUDA, train/qkv.py; the peers: fused), split (everywhere) or fused (one matmul, q/k/v "
-                         "strided views of its output)")
     ap.add_argument("--compiled-autograd", action="store_true",
                     help="DDP + compile: trace the backward with compiled autograd and DDP's reducer in Python "
                          "(optimize_ddp='python_reducer'), so all-reduces live in one backward graph")
@@ -195,7 +185,7 @@ def main() -> None:
 
         dynamo.config.optimize_ddp = "python_reducer"
     model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual, args.loss, args.mlp,
-                       peer=args.mode != "meshrun", cublaslt_call=args.cublaslt_call, qkv=args.qkv)
+                       peer=args.mode != "meshrun", cublaslt_call=args.cublaslt_call)
     flops_per_token = model.flops_per_token()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     extra: dict = {}
@@ -327,8 +317,6 @@ def main() -> None:
         "host_sync": args.host_sync, "inductor": inductor, "date": time.strftime("%Y-%m-%d"),
     }
     way = getattr(model.blocks[0], "fused_mlp", False)
-    split = getattr(model.blocks[0], "split_qkv", False)
-    result.update(qkv="split" if split is True or (split == "auto" and cuda) else "fused")  # as resolved
     result.update(head_loss=model.cfg.head_loss, mlp=way or "plain")  # as resolved ("auto": by nvmath's presence)
     if way:  # which path ran, and why not cuBLASLt's if it did not
         from meshrun.train import fused_mlp

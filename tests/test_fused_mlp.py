@@ -148,9 +148,9 @@ def test_the_model_names_the_kernels_it_runs_for_the_trainers_first_line():
     model = GPT(GPTConfig(**ONE_BLOCK, fused_mlp="dgelu"))
     cuda = torch.device("cuda")
     assert model.meshrun_kernels(torch.device("cpu")) == []
-    assert model.meshrun_kernels(cuda) == ["MLP's GELU in cuBLASLt epilogues (dgelu)", "q/k/v as three dense matmuls"]
+    assert model.meshrun_kernels(cuda) == ["MLP's GELU in cuBLASLt epilogues (dgelu)"]
     assert model.meshrun_kernels(cuda, tp=2) == []
-    assert GPT(GPTConfig(**ONE_BLOCK, fused_mlp=False, split_qkv=False)).meshrun_kernels(cuda) == []
+    assert GPT(GPTConfig(**ONE_BLOCK, fused_mlp=False)).meshrun_kernels(cuda) == []
 
 
 def test_partitioned_weights_take_the_plain_mlp():

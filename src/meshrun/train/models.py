@@ -47,10 +47,6 @@ class GPTConfig:
     # "torch"): the ops everywhere (their plain-torch path where the epilogues cannot run); False:
     # the plain MLP.
     fused_mlp: bool | str = "auto"
-    # q, k and v from three dense matmuls over thirds of the same weight (train/qkv.py) instead of
-    # strided views of one: cuDNN's attention gradients then need no stack-and-transpose copy.
-    # "auto": on CUDA; True: everywhere; False: the one fused projection.
-    split_qkv: bool | str = "auto"
 
     @property
     def head_dim(self) -> int:
@@ -75,9 +71,6 @@ class Block(nn.Module):
             self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model)
             self.down = nn.Linear(4 * cfg.d_model, cfg.d_model)
         self.fused_mlp, self.mlp_cuda_only = _mlp_way(cfg)
-        if cfg.split_qkv not in (True, False, "auto"):
-            raise ValueError(f"GPTConfig.split_qkv {cfg.split_qkv!r}: expected True, False or 'auto'")
-        self.split_qkv = cfg.split_qkv
 
     # (b, heads, t, head_dim) for SDPA, which picks flash/memory-efficient kernels on GPU.
     # Context parallelism replaces this on the instance (train/context.py).
@@ -87,17 +80,9 @@ class Block(nn.Module):
         # n_heads is this rank's share under tensor parallelism, hence the inferred widths; the
         # length comes from qkv's output, which is the whole sequence also when sequence
         # parallelism hands this block a shard of it.
-        h = self.ln1(x)
-        if self._split(h):
-            from .qkv import split_qkv
-
-            q, k, v = split_qkv(h, self.qkv.weight, self.qkv.bias)
-            b, t = q.shape[:2]
-            q, k, v = (z.view(b, t, self.n_heads, -1) for z in (q, k, v))
-        else:
-            qkv = self.qkv(h)
-            b, t = qkv.shape[:2]
-            q, k, v = qkv.view(b, t, 3, self.n_heads, -1).unbind(2)
+        qkv = self.qkv(self.ln1(x))
+        b, t = qkv.shape[:2]
+        q, k, v = qkv.view(b, t, 3, self.n_heads, -1).unbind(2)
         y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         if hasattr(self, "moe"):
@@ -108,14 +93,6 @@ class Block(nn.Module):
 
             return x + gelu_mlp(self.ln2(x), self.up, self.down, self.fused_mlp)
         return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
-
-
-    def _split(self, h: torch.Tensor) -> bool:
-        """Whether q, k, v come from split_qkv: asked for (or "auto" on CUDA), and the projection
-        is one whole Linear (not tensor parallelism's split one, nor a sharded weight)."""
-        if self.split_qkv is False or (self.split_qkv == "auto" and not h.is_cuda):
-            return False
-        return isinstance(self.qkv, nn.Linear) and self.qkv.bias is not None and not _sharded(self.qkv.weight)
 
 
 def _mlp_way(cfg: GPTConfig) -> tuple[str | bool, bool]:
@@ -239,8 +216,6 @@ class GPT(nn.Module):
         way = next((b.fused_mlp for b in self.blocks if getattr(b, "fused_mlp", False)), False)
         if way:
             out.append(f"MLP's GELU in cuBLASLt epilogues ({way})")
-        if any(b.split_qkv in (True, "auto") for b in self.blocks):
-            out.append("q/k/v as three dense matmuls")
         return out
 
     def _with_aux(self, loss: torch.Tensor) -> torch.Tensor:
