@@ -32,6 +32,7 @@
 #   bash bench/gpu_session.sh wbgrad OUT    issue 3: the MLP biases' gradients in the weight-gradient matmuls' epilogues (carry .whl)
 #   bash bench/gpu_session.sh next16 OUT    issue 3: 124M on NG GPUs: 1-GPU base on every card, default, profiles 1 vs NG, two buckets
 #   bash bench/gpu_session.sh gaps16 OUT    issue 3: the 124M step's idle gaps on 1 and NG GPUs (traces), then 1.3B's default
+#   bash bench/gpu_session.sh nccl16 OUT    issue 3: all-reduce of 128/512 MiB under NCCL settings, then 124M under the fastest
 #   bash bench/gpu_session.sh all15 OUT     issue 3: meshrun's defaults, 1 and NG GPUs, and the peers, in one call (carry .whl)
 #   bash bench/gpu_session.sh mlpprof OUT   issue 3: a 124M step's kernels with each of the MLP's backward ways (carry .whl)
 #   bash bench/gpu_session.sh mlp OUT       issue 3: the GELU in cuBLASLt's epilogues (carry .whl: nvmath-python), checked, then 1 GPU each
@@ -554,6 +555,35 @@ gaps16)
     --trace "$OUT/trace-$NG.json.gz" > "$OUT/profile-$NG.log" 2>&1
   grep -hE "^PROFILE|^  during|Error" "$OUT/profile-1.log" "$OUT/profile-$NG.log" | cut -c1-600 | tee -a "$S"
   tb 200 "$NG" --mode meshrun --size gpt-1.3b --micro 0 --compile --warmup 3 --steps 8 --global-tokens $((NG * 131072))
+  ;;
+nccl16)
+  # issue 3, sixteenth session (carry .whl): the 124M step's one-bucket all-reduce (~497 MB of fp32
+  # gradients) runs with no compute beside it (call BO: 2.4 ms a step, BP: 6.0 ms with the wait for
+  # the slowest rank). All-reduce of 128 and 512 MiB on NG GPUs (`meshrun bench comm`) under NCCL's
+  # default and five settings; then GPT 124M on NG GPUs: the default, and the default under the
+  # setting fastest at 512 MiB (if not the default), and the default again; then GPT 1.3B's default
+  # (each run skipped past DEADLINE_S). Predicted in the predictions file
+  best=default; best_us=999999999
+  for cfg in default NCCL_PROTO=Simple NCCL_ALGO=Ring NCCL_ALGO=Tree NCCL_MIN_NCHANNELS=32 \
+             "NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_MIN_NCHANNELS=32"; do
+    envs=(); [ "$cfg" != default ] && read -ra envs <<< "$cfg"
+    line=$(env "${envs[@]}" timeout 90 python3 -m meshrun bench comm --nproc "$NG" --ops all_reduce \
+      --sizes 128MiB,512MiB --min-time 0.5 --json 2>/dev/null | python3 -c "
+import json, sys
+rows = json.load(sys.stdin)['rows']
+print(' '.join(f\"{r['bytes'] >> 20}MiB {r['time_us']:.0f}us busbw {r['busbw_gbps']:.0f}GB/s\" for r in rows))
+print(round(rows[-1]['time_us']))" 2>/dev/null)
+    echo "allreduce [$cfg]: $(echo "$line" | head -1)" | tee -a "$S"
+    us=$(echo "$line" | tail -1); [[ "$us" =~ ^[0-9]+$ ]] && [ "$us" -lt "$best_us" ] && { best_us=$us; best=$cfg; }
+  done
+  echo "fastest at 512 MiB: $best ($best_us us)" | tee -a "$S"
+  G=$((NG * 131072)); A="--mode meshrun --size gpt-124m --micro 0 --compile --global-tokens $G"
+  tb 150 "$NG" $A
+  if [ "$best" != default ]; then
+    ( read -ra envs <<< "$best"; export "${envs[@]}"; tb 150 "$NG" $A ); echo "(that run under $best)" | tee -a "$S"
+    tb 150 "$NG" $A
+  fi
+  tb 200 "$NG" --mode meshrun --size gpt-1.3b --micro 0 --compile --warmup 3 --steps 8 --global-tokens $G
   ;;
 all15)
   # issue 3, fifteenth session: meshrun's defaults against the peers in one call on NG GPUs (carry
