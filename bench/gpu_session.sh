@@ -33,6 +33,7 @@
 #   bash bench/gpu_session.sh next16 OUT    issue 3: 124M on NG GPUs: 1-GPU base on every card, default, profiles 1 vs NG, two buckets
 #   bash bench/gpu_session.sh gaps16 OUT    issue 3: the 124M step's idle gaps on 1 and NG GPUs (traces), then 1.3B's default
 #   bash bench/gpu_session.sh nccl16 OUT    issue 3: all-reduce of 128/512 MiB under NCCL settings, then 124M under the fastest
+#   bash bench/gpu_session.sh base16 OUT    issue 3: the 124M 1-GPU base on every card side by side
 #   bash bench/gpu_session.sh all15 OUT     issue 3: meshrun's defaults, 1 and NG GPUs, and the peers, in one call (carry .whl)
 #   bash bench/gpu_session.sh mlpprof OUT   issue 3: a 124M step's kernels with each of the MLP's backward ways (carry .whl)
 #   bash bench/gpu_session.sh mlp OUT       issue 3: the GELU in cuBLASLt's epilogues (carry .whl: nvmath-python), checked, then 1 GPU each
@@ -584,6 +585,13 @@ print(round(rows[-1]['time_us']))" 2>/dev/null)
     tb 150 "$NG" $A
   fi
   tb 200 "$NG" --mode meshrun --size gpt-1.3b --micro 0 --compile --warmup 3 --steps 8 --global-tokens $G
+  ;;
+base16)
+  # issue 3, sixteenth session: the 124M weak-scaling base alone (next16's first runs): 1 GPU on every
+  # card side by side, global 128K, meshrun's defaults (carry .whl)
+  for card in $(seq 0 $((NG - 1))); do one $card 200 "124m-1gpu-card$card" -- --mode meshrun --size gpt-124m \
+    --micro 0 --compile --global-tokens 131072; done
+  wait
   ;;
 all15)
   # issue 3, fifteenth session: meshrun's defaults against the peers in one call on NG GPUs (carry
