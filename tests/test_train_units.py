@@ -218,6 +218,21 @@ def test_profile_counts_overlapping_kernels_once():
     assert ps.family("nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN") == "gemm"
 
 
+def test_profile_sizes_the_gpus_idle_gaps_and_names_the_hosts_work_inside():
+    """bench/profile_step.py's idle gaps: time with no kernel at all on any stream (a kernel
+    inside another's interval closes no gap), binned by size, the longest named by the kernels
+    on either side; and the host's longest operations that began inside the longest gaps."""
+    ps = bench_module("profile_step")
+    kernels = [(0, 10, "a"), (12, 20, "b"), (15, 18, "c"), (150, 160, "d"), (161, 170, "e"), (400, 401, "f")]
+    line = ps.idle_gaps(kernels, per_step=1e-3)  # microseconds -> milliseconds, one step
+    assert line.startswith("4 gaps per step, <10us 0.00 ms, 10-100us 0.00 ms, >100us 0.36 ms"), line
+    assert "longest: 230us e -> f; 130us b -> d; 2us a -> b; 1us d -> e" in line
+    host = [(30, 90, "enumerate(DataLoader)"), (31, 32, "aten::stack"), (5, 8, "before the gap"),
+            (200, 210, "aten::mm")]
+    assert ps.host_in_gaps(kernels, host, top=2) == [
+        "230us gap: aten::mm 10us", "130us gap: enumerate(DataLoader) 60us, aten::stack 1us"]
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_optimizer_state_made_before_the_first_step_changes_nothing(fused):
     """create_state makes AdamW's moments at setup (so the caching allocator places them before
