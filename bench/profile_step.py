@@ -50,22 +50,32 @@ def covered(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def idle_gaps(kernels: list[tuple[float, float, str]], per_step: float, top: int = 5) -> str:
-    """Where the GPU ran no kernel at all between two kernels (sorted (start, end, name), any
-    stream): the gaps' total per step by size (launch gaps of a few microseconds against the
-    host stalling the stream), and the longest few with the kernels on either side."""
-    bins = {"<10us": 0.0, "10-100us": 0.0, ">100us": 0.0}
-    gaps: list[tuple[float, str, str]] = []
-    reach, last = float("inf"), ""
+def _gaps(kernels: list[tuple[float, float, str]]) -> list[tuple[float, float, str, str]]:
+    """(start, end, kernel before, kernel after) of each stretch with no kernel at all running,
+    on any stream, between the first kernel and the last ((start, end, name), sorted by start;
+    a kernel inside another's interval closes no gap)."""
+    out: list[tuple[float, float, str, str]] = []
+    reach, last = None, ""
     for start, end, name in kernels:
-        if start > reach:
-            gap = start - reach
-            bins["<10us" if gap < 10 else "10-100us" if gap < 100 else ">100us"] += gap
-            gaps.append((gap, last, name))
-        if end >= reach or reach == float("inf"):
+        if reach is not None and start > reach:
+            out.append((reach, start, last, name))
+        if reach is None or end >= reach:
             reach, last = end, name
+    return out
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], per_step: float, top: int = 5) -> str:
+    """The idle gaps' total per step by size (launch gaps of a few microseconds against the host
+    stalling the stream), and the longest few with the kernels on either side. The profiled
+    steps follow a synchronize, so the first of them starts with the host loading a batch and
+    nothing queued: a gap of several milliseconds that the timed steps do not have (call BP)."""
+    bins = {"<10us": 0.0, "10-100us": 0.0, ">100us": 0.0}
+    gaps = _gaps(kernels)
+    for lo, hi, _, _ in gaps:
+        bins["<10us" if hi - lo < 10 else "10-100us" if hi - lo < 100 else ">100us"] += hi - lo
     parts = ", ".join(f"{k} {v * per_step:.2f} ms" for k, v in bins.items())
-    longest = "; ".join(f"{g:.0f}us {a[:40]} -> {b[:40]}" for g, a, b in sorted(gaps, reverse=True)[:top])
+    longest = "; ".join(f"{hi - lo:.0f}us {a[:40]} -> {b[:40]}"
+                        for lo, hi, a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top])
     return f"{len(gaps) * per_step * 1e3:.0f} gaps per step, {parts}; longest: {longest}"
 
 
@@ -73,14 +83,8 @@ def host_in_gaps(kernels: list[tuple[float, float, str]], host: list[tuple[float
                  top: int = 3) -> list[str]:
     """For the longest idle gaps: the host's longest operations that began inside the gap
     (what the host was doing while the GPU had nothing queued)."""
-    gaps: list[tuple[float, float]] = []
-    reach = float("inf")
-    for start, end, _ in kernels:
-        if start > reach:
-            gaps.append((reach, start))
-        reach = end if reach == float("inf") else max(reach, end)
     out = []
-    for lo, hi in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+    for lo, hi, _, _ in sorted(_gaps(kernels), key=lambda g: g[0] - g[1])[:top]:
         inside = sorted(((e - s, n) for s, e, n in host if lo <= s < hi), reverse=True)[:4]
         out.append(f"{hi - lo:.0f}us gap: " + ", ".join(f"{n[:50]} {d:.0f}us" for d, n in inside))
     return out
