@@ -115,6 +115,22 @@ swapped() {  # swapped LIMIT TAG_A ARGS_A TAG_B ARGS_B : GPT 124M, global 128K, 
     wait
   done
 }
+profiles() {  # profiles TOP PATTERN WIDTH LIMIT_S : bench/profile_step.py on GPT 124M (micro 128, compiled) on card 0
+  # alone, then on NG GPUs under torchrun (within LIMIT_S); the lines matching PATTERN, cut to WIDTH, to
+  # the summary (PROFILE_TRACE=1: rank 0's Chrome traces into OUT as trace-1/trace-NG.json.gz)
+  local top=$1 pat=$2 width=$3 t1=() tn=()
+  local P="bench/profile_step.py --size gpt-124m --micro 128 --compile --top $top"
+  [ "${PROFILE_TRACE:-0}" = 1 ] && { t1=(--trace "$OUT/trace-1.json.gz"); tn=(--trace "$OUT/trace-$NG.json.gz"); }
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 $P "${t1[@]}" > "$OUT/profile-1.log" 2>&1
+  timeout "$4" python3 -m torch.distributed.run --standalone --nproc_per_node="$NG" $P "${tn[@]}" \
+    > "$OUT/profile-$NG.log" 2>&1
+  grep -hE "$pat" "$OUT/profile-1.log" "$OUT/profile-$NG.log" | cut -c1-"$width" | tee -a "$S"
+}
+bases() {  # bases : the 124M weak-scaling base, meshrun's defaults at global 128K, 1 GPU on every card side by side
+  for card in $(seq 0 $((NG - 1))); do one $card 200 "124m-1gpu-card$card" -- --mode meshrun --size gpt-124m \
+    --micro 0 --compile --global-tokens 131072; done
+  wait
+}
 smi_start() {  # smi_start FILE : every card's clock, power and clock-event reasons once a second into FILE
   # (bench/smi_summary.py reads it); SMI is the sampler's pid, to kill
   local q=index,utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active
@@ -171,10 +187,7 @@ scaling)
   # one (eighth session: 96.0%). Profiles of both, one after the other: summed compute-kernel
   # time (slower kernels beside NCCL's: SM contention) against the time some compute kernel
   # runs (exposed communication and waits). Then compiled autograd (flash first, see train).
-  P="bench/profile_step.py --size gpt-124m --micro 128 --compile --top 8"
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 $P > "$OUT/profile-1.log" 2>&1
-  timeout 180 python3 -m torch.distributed.run --standalone --nproc_per_node="$NG" $P > "$OUT/profile-$NG.log" 2>&1
-  grep -hE "^PROFILE|^  " "$OUT/profile-1.log" "$OUT/profile-$NG.log" | tee -a "$S"
+  profiles 8 "^PROFILE|^  " 2000 180
   G=$((NG * 131072))
   tb 150 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --sdpa flash --compiled-autograd
   tb 130 "$NG" --mode meshrun --size gpt-124m --micro 0 --global-tokens $G --compile --sdpa flash
@@ -536,13 +549,9 @@ next16)
   # cost of one graph split; 100-MB buckets lost 1.0% in BN). --compile-tune needs a call of its
   # own (tune4: ~250 s to compile without a cache). Predicted in the predictions file
   G=$((NG * 131072)); A="--mode meshrun --size gpt-124m --micro 0 --compile"
-  for card in $(seq 0 $((NG - 1))); do one $card 200 "124m-1gpu-card$card" -- $A --global-tokens 131072; done
-  wait
+  bases
   tb 150 "$NG" $A --global-tokens $G
-  P="bench/profile_step.py --size gpt-124m --micro 128 --compile --top 6"
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 $P > "$OUT/profile-1.log" 2>&1
-  timeout 170 python3 -m torch.distributed.run --standalone --nproc_per_node="$NG" $P > "$OUT/profile-$NG.log" 2>&1
-  grep -hE "^PROFILE|^  |Error" "$OUT/profile-1.log" "$OUT/profile-$NG.log" | cut -c1-200 | tee -a "$S"
+  profiles 6 "^PROFILE|^  |Error" 200 170
   tb 150 "$NG" $A --global-tokens $G --bucket-mb 300
   ;;
 gaps16)
@@ -550,11 +559,7 @@ gaps16)
   # for 4.7 ms of a 225-ms 124M step on 1 GPU and 10.0 ms of 229 ms on NG (besides 2.4 ms of NCCL):
   # the same profiles again with the idle gaps sized and the host's work inside the longest, and
   # rank 0's Chrome traces; then GPT 1.3B's default on NG GPUs once more (call BL: 59.95%)
-  P="bench/profile_step.py --size gpt-124m --micro 128 --compile --top 4"
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 $P --trace "$OUT/trace-1.json.gz" > "$OUT/profile-1.log" 2>&1
-  timeout 170 python3 -m torch.distributed.run --standalone --nproc_per_node="$NG" $P \
-    --trace "$OUT/trace-$NG.json.gz" > "$OUT/profile-$NG.log" 2>&1
-  grep -hE "^PROFILE|^  during|Error" "$OUT/profile-1.log" "$OUT/profile-$NG.log" | cut -c1-600 | tee -a "$S"
+  PROFILE_TRACE=1 profiles 4 "^PROFILE|^  during|Error" 600 170
   tb 200 "$NG" --mode meshrun --size gpt-1.3b --micro 0 --compile --warmup 3 --steps 8 --global-tokens $((NG * 131072))
   ;;
 nccl16)
@@ -589,9 +594,7 @@ print(round(rows[-1]['time_us']))" 2>/dev/null)
 base16)
   # issue 3, sixteenth session: the 124M weak-scaling base alone (next16's first runs): 1 GPU on every
   # card side by side, global 128K, meshrun's defaults (carry .whl)
-  for card in $(seq 0 $((NG - 1))); do one $card 200 "124m-1gpu-card$card" -- --mode meshrun --size gpt-124m \
-    --micro 0 --compile --global-tokens 131072; done
-  wait
+  bases
   ;;
 all15)
   # issue 3, fifteenth session: meshrun's defaults against the peers in one call on NG GPUs (carry

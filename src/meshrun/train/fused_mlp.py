@@ -183,7 +183,6 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, epilog: str, inputs: dict[str, tor
             _PLANS[key] = e
             raise
         PLANNED[epilog] += 1  # more than once per epilogue and shape: the keys vary (alignment)
-        direct = None
     else:
         mm, direct = plan
         if direct is not None and DIRECT:
