@@ -1,4 +1,4 @@
-"""`meshrun bench comm|matmul` against a direct measurement in the same run (issue 7).
+"""`meshrun bench comm|matmul` against a direct measurement in the same run (target: within 5%).
 
     torchrun --standalone --nproc_per_node=4 bench/bench_vs_direct.py [--size 1GiB] [--matmul-n 8192]
 
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from meshrun.doctor import benchworker  # noqa: E402
-from meshrun.plan.units import parse_bytes  # noqa: E402
+from meshrun.units import parse_bytes  # noqa: E402
 from meshrun.train.runtime import init_runtime, teardown  # noqa: E402
 
 

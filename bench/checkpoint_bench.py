@@ -20,7 +20,7 @@ from meshrun.train import checkpoint
 from meshrun.train.checkpoint import Position
 from meshrun.train.config import TrainConfig
 from meshrun.train.data import BatchStream, RandomTokens
-from meshrun.train.models import gpt
+from meshrun.train.models.gpt import gpt
 from meshrun.train.trainer import Trainer
 
 
@@ -77,6 +77,7 @@ def main() -> None:
                     help="samples per optimizer step over all ranks (a multiple of micro x ranks: accumulation)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--compile", action="store_true", help="compiled steps (default eager, as the results were taken)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--save-every", type=int, default=20)
     ap.add_argument("--dir", default="/tmp/meshrun-ckpt-bench")
@@ -88,7 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     model = gpt(args.size, seq_len=args.seq, vocab=50304)
     cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro, global_batch=args.global_batch,
-                      seq_len=args.seq, steps=10**6,
+                      seq_len=args.seq, steps=10**6, compile="on" if args.compile else "off",
                       log_every=10**9, keep_last=1)
     t = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(t.train_loader, cfg.micro, t.rt.world_size)

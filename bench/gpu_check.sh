@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 2 on a GPU host: GPU counting without torch, real NCCL launches for torch, JAX and
+# The launch checks on a GPU host: GPU counting without torch, real NCCL launches for torch, JAX and
 # Accelerate, meshrun.run on NCCL, and the launch overhead against torchrun.
 #   bash bench/gpu_check.sh [OUTDIR]      (needs python3 with torch, jax, accelerate)
 set -uo pipefail

@@ -1,7 +1,7 @@
 """How much start-up time `meshrun launch` adds over calling torchrun directly.
 
 Both start the same no-op script with the same process count, alternating runs so drift
-hits both equally; reports medians. The target (issue 2) is at most 0.3 s added.
+hits both equally; reports medians. The target is at most 0.3 s added.
 
     python bench/launch_overhead.py --runs 15 --nproc 1
 """

@@ -1,16 +1,16 @@
 """How right is `meshrun plan`? Measure true peaks on GPUs, compare with the predictions.
 
-Three steps (docs/benchmarks.md records the results):
+Three steps (docs/benchmarks/planner-accuracy_H200_2026-11-27.md records the results):
 
   # 1. on a GPU host: every configuration of a grid, one torchrun per GPU count, peaks per rank
-  torchrun --standalone --nproc_per_node=4 bench/plan_accuracy.py measure --grid quick --out bench/calibration/X.jsonl
-  torchrun --standalone --nproc_per_node=1 bench/plan_accuracy.py measure --grid quick --out bench/calibration/X.jsonl
+  torchrun --standalone --nproc_per_node=4 bench/plan_accuracy.py measure --grid quick --out tests/data/calibration/X.jsonl
+  torchrun --standalone --nproc_per_node=1 bench/plan_accuracy.py measure --grid quick --out tests/data/calibration/X.jsonl
 
   # 2. anywhere: predicted vs measured, median and worst error against the reserved peak
-  python bench/plan_accuracy.py report bench/calibration/X.jsonl
+  python bench/plan_accuracy.py report tests/data/calibration/X.jsonl
 
   # 3. anywhere: fit the model's open constants (src/meshrun/plan/calibration.json) to the data
-  python bench/plan_accuracy.py fit bench/calibration/*.jsonl [--write]
+  python bench/plan_accuracy.py fit tests/data/calibration/*.jsonl [--write]
 
 `measure` runs meshrun's Trainer (single / DDP / FSDP2 flavours, activation checkpointing on
 and off, compiled or eager) and, when DeepSpeed is installed, deepspeed.initialize with the
@@ -39,9 +39,9 @@ LEFTOVER_MAX_GIB = 0.25  # memory still allocated when a configuration starts: a
 # configuration starts after another's allocator history and reserves more for the same
 # allocations. Measured (2 x H200 and 4 x H200, GPT 1.3B DDP eager, the same 31.2 / 58.5 GiB
 # allocated): 36.6 / 65.7 / 30.4 / 40.2 GiB reserved after other rows vs 31.7 / 60.7 / 25.5 /
-# 35.5 first in a process (micro 4, 16, and 4, 16 with AC). The seventh session blamed
-# cuBLAS's workspaces; the eighth freed them between rows (and emptied the cache) and the
-# figures did not move, so the cause is still unknown and only first rows count as fresh.
+# 35.5 first in a process (micro 4, 16, and 4, 16 with AC; torch 2.11). Freeing cuBLAS's
+# workspaces between rows (and emptying the cache) does not move the figures, so the cause is
+# unknown and only first rows count as fresh.
 
 # (model, micro-batches, seq) per grid; strategies and AC are crossed with them.
 GRIDS = {
@@ -74,13 +74,11 @@ def grid(name: str, world: int, deepspeed: bool, compile_: bool, engines: str = 
 def _meshrun_step_fn(conf: dict, rt):
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import BatchStream, RandomTokens
-    from meshrun.train.models import gpt
+    from meshrun.train.models.gpt import gpt
     from meshrun.train.trainer import Trainer
 
-    strategy, fsdp = {"single": ("single", "auto"), "ddp": ("ddp", "auto"), "fsdp-grad-op": ("fsdp", "grad_op"),
-                      "fsdp-full": ("fsdp", "full")}[conf["strategy"]]
-    cfg = TrainConfig(strategy=strategy, fsdp=fsdp, micro_batch=conf["micro"], seq_len=conf["seq"],
-                      compile=conf["compile"], activation_checkpointing="full" if conf["ac"] else "none",
+    cfg = TrainConfig(strategy=conf["strategy"], micro_batch=conf["micro"], seq_len=conf["seq"],
+                      compile="on" if conf["compile"] else "off", activation_checkpointing="full" if conf["ac"] else "none",
                       steps=100, log_every=10**9, lr=3e-4)
     import torch
 
@@ -113,8 +111,8 @@ def _deepspeed_step_fn(conf: dict, rt):
 
     from meshrun.plan import ClusterSpec, TrainSpec, make_plan
     from meshrun.plan.configs import ds_config
-    from meshrun.plan.modelspec import PRESETS
-    from meshrun.train.models import gpt
+    from meshrun.modelinfo.spec import PRESETS
+    from meshrun.train.models.gpt import gpt
 
     spec = PRESETS[conf["model"]]
     mem = torch.cuda.get_device_properties(rt.device).total_memory if rt.cuda else 10**12
@@ -127,7 +125,7 @@ def _deepspeed_step_fn(conf: dict, rt):
     torch.manual_seed(0)
     model = gpt(conf["model"], conf["seq"])
     if conf["ac"]:
-        from meshrun.train.parallelize import apply_activation_checkpointing
+        from meshrun.train.parallel.apply import apply_activation_checkpointing
 
         apply_activation_checkpointing(model.blocks)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -248,8 +246,8 @@ def measure(args: argparse.Namespace) -> None:
         step = obj = None
         row["first_in_process"] = i == 0  # what a job sees; later rows start after another's allocator state
         if not conf["strategy"].startswith("zero"):
-            # meshrun's Trainer makes the optimizer state and cuBLAS's workspaces at setup since the
-            # tenth session; rows without the key measured the trainer that made them in the first step
+            # meshrun's Trainer makes the optimizer state and cuBLAS's workspaces at setup; rows
+            # without the key measured a Trainer that made them in the first step
             row["early_state"] = True
         row["live_trainers"] = _live_trainers()
         if rt.cuda:  # what an earlier configuration left allocated would inflate this one's peak
@@ -297,7 +295,7 @@ def measure(args: argparse.Namespace) -> None:
             if history:  # also after an OOM: the next configuration starts unrecorded
                 torch.cuda.memory._record_memory_history(enabled=None)
             # the step closure holds the trainer or engine too: drop both, then collect the cycles
-            # (a first version kept `step` alive, so every row carried its predecessor's states)
+            # (a live `step` would make every row carry its predecessor's states)
             del step, obj
             gc.collect()
             if rt.cuda:
@@ -320,7 +318,7 @@ def measure(args: argparse.Namespace) -> None:
 def predict(row: dict, cal: dict | None = None) -> tuple[float, float]:
     """(reserved, allocated) bytes the planner predicts for a measured row."""
     from meshrun.plan import ClusterSpec, TrainSpec, make_plan
-    from meshrun.plan.modelspec import PRESETS
+    from meshrun.modelinfo.spec import PRESETS
 
     if cal is not None:
         _override(cal)
@@ -353,13 +351,13 @@ def load(paths: list[str], fresh_only: bool = False, supersede: bool = True) -> 
     for path in paths:
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
-    # host_sync / sync_lag rows are experiments with a step meshrun does not take (ninth session)
+    # host_sync / sync_lag rows are experiments with a step meshrun does not take
     kept = [r for r in rows if not r.get("oom") and (r.get("leftover_gib") or 0) < LEFTOVER_MAX_GIB
             and not r.get("live_trainers") and not r.get("host_sync") and not r.get("sync_lag")]
     if fresh_only:  # rows without the key: one configuration per process (the training benchmarks)
         kept = [r for r in kept if r.get("first_in_process", True) and (r.get("leftover_gib") or 0) < 0.001]
     # A configuration measured again with the Trainer that makes its long-lived allocations at
-    # setup (tenth session) is that row from then on; the rows before it measured other code.
+    # setup (``early_state``) is that row; its rows without the key measured other code.
     again = {config_key(r) for r in kept if r.get("early_state")} if supersede else set()
     return [r for r in kept if r.get("early_state") or config_key(r) not in again]
 
@@ -378,9 +376,10 @@ def fsdp2_without_ac_reserved(row: dict) -> bool:
 def before_early_state(row: dict) -> bool:
     """A reserved peak of FSDP2 without activation checkpointing measured before the Trainer made
     AdamW's state and cuBLAS's workspaces at setup: those made in the first step split a freed
-    logits-sized block, and the rows reserved one more such block (call AH's allocator traces,
-    docs/benchmarks.md); the fix removed it from every 124M row that had it (calls AJ, AN).
-    Every such configuration has since been measured again (call AN), so the old rows are
+    logits-sized block, and the rows reserved one more such block (allocator traces, 4 x H200,
+    torch 2.11: tests/data/calibration/h200x4_alloc-trace-*.jsonl.gz); making both at setup
+    removes it from every 124M row that had it. Every such configuration is measured again
+    with ``early_state`` (h200x4_early-state-remeasured_2026-11-27.jsonl), so the old rows are
     superseded; this keeps them out of a report that reads older files alone."""
     return fsdp2_without_ac_reserved(row) and not row.get("early_state")
 

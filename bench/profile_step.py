@@ -1,7 +1,7 @@
 """Where a training step's GPU time goes: meshrun's Trainer on one GPU under torch.profiler.
 
-    PYTHONPATH=src python3 bench/profile_step.py --size gpt-124m --micro 64 --compile
-    PYTHONPATH=src torchrun --nproc_per_node=4 bench/profile_step.py --size gpt-124m --micro 128 --compile
+    PYTHONPATH=src python3 bench/profile_step.py --size gpt-124m --micro 64
+    PYTHONPATH=src torchrun --nproc_per_node=4 bench/profile_step.py --size gpt-124m --micro 128
 
 Prints the wall-clock time of a step (unprofiled) beside the device time its kernels take,
 the difference being the time the GPU waits for the host; then the share of device time per
@@ -68,7 +68,7 @@ def idle_gaps(kernels: list[tuple[float, float, str]], per_step: float, top: int
     """The idle gaps' total per step by size (launch gaps of a few microseconds against the host
     stalling the stream), and the longest few with the kernels on either side. The profiled
     steps follow a synchronize, so the first of them starts with the host loading a batch and
-    nothing queued: a gap of several milliseconds that the timed steps do not have (call BP)."""
+    nothing queued: a gap of several milliseconds that the timed steps do not have."""
     bins = {"<10us": 0.0, "10-100us": 0.0, ">100us": 0.0}
     gaps = _gaps(kernels)
     for lo, hi, _, _ in gaps:
@@ -92,41 +92,35 @@ def host_in_gaps(kernels: list[tuple[float, float, str]], host: list[tuple[float
 
 def is_kernel(e, cuda: bool) -> bool:
     """A device event that is a kernel: user annotations (DDP's "DistributedDataParallel.forward",
-    "nccl:all_reduce") also show as device-side ranges, spanning kernels (call Z counted them)."""
+    "nccl:all_reduce") also show as device-side ranges, spanning kernels."""
     return (e.device_type.name == "CUDA" if cuda else True) and not getattr(e, "is_user_annotation", False)
 
 
 def main() -> None:
     # beside this script (its directory is on the path when run)
-    from train_bench import CUBLASLT_CALLS, MLPS, make_model
+    from train_bench import MLPS, make_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="gpt-124m")
     ap.add_argument("--micro", type=int, default=64)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="--compile off (meshrun's default compiles on GPUs)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12, help="how many of the longest kernels to list")
     ap.add_argument("--trace", default=None, help="rank 0 writes the profiled steps' Chrome trace here (.json.gz)")
-    ap.add_argument("--loss", default="head", choices=["plain", "triton", "head"],
-                    help="the GPT's loss: F.cross_entropy, the Triton kernels (train/ce_kernel.py), or the one "
-                         "that writes the gradient in the forward (head)")
-    ap.add_argument("--host-sync", action="store_true",
-                    help="wait on the host for every step's gradient norm (meshrun's step before the seventh session)")
+    ap.add_argument("--loss", default="head", choices=["plain", "head"],
+                    help="the GPT's loss: F.cross_entropy, or the one that writes the gradient in the forward (head)")
     ap.add_argument("--mlp", default="default", choices=list(MLPS), help="as train_bench.py's --mlp")
-    ap.add_argument("--cublaslt-call", default="direct", choices=CUBLASLT_CALLS,
-                    help="as train_bench.py's --cublaslt-call")
     args = ap.parse_args()
-    model = make_model(args.size, args.seq, 50304, loss=args.loss, mlp=args.mlp, cublaslt_call=args.cublaslt_call)
-    cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile=args.compile, steps=100, log_every=10**9, grad_clip=1.0)
+    model = make_model(args.size, args.seq, 50304, loss=args.loss, mlp=args.mlp)
+    cfg = TrainConfig(micro_batch=args.micro, seq_len=args.seq, compile="off" if args.eager else "auto", steps=100,
+                      log_every=10**9, grad_clip=1.0)
     trainer = Trainer(model, RandomTokens(1 << 20, args.seq, 50304), None, cfg)
     data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.rt.world_size)
     cuda = torch.cuda.is_available()
 
     def step() -> None:
-        _, norm, _ = trainer.train_step(data)
-        if args.host_sync:
-            torch.isfinite(norm).item()
+        trainer.train_step(data)
 
     for _ in range(6):
         step()
@@ -177,9 +171,8 @@ def main() -> None:
         host = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CPU"]
         for line in host_in_gaps(named, host):
             print(f"  during {line}")
-    print(f"PROFILE {args.size} micro {args.micro} compile {args.compile} loss {args.loss} mlp {args.mlp} "
-          f"cublaslt_call {args.cublaslt_call} "
-          f"host_sync {args.host_sync}: "
+    print(f"PROFILE {args.size} micro {args.micro} compiled {trainer.cfg.compiles(cuda)} loss {args.loss} "
+          f"mlp {args.mlp}: "
           f"{wall_ms:.1f} ms wall per step, {device_ms:.1f} ms device time "
           f"(the GPU waits {max(0.0, wall_ms - device_ms):.1f} ms = {max(0.0, 1 - device_ms / wall_ms):.1%})")
     for fam, t in sorted(by_family.items(), key=lambda kv: -kv[1]):
@@ -187,7 +180,7 @@ def main() -> None:
     for e in sorted(events, key=lambda e: -getattr(e, attr))[:args.top]:
         print(f"  {100 * getattr(e, attr) / total:5.1f}%  {e.count // args.steps:4d}/step  {e.key[:100]}")
     if getattr(model.blocks[0], "fused_mlp", False):
-        from meshrun.train import fused_mlp
+        from meshrun.train.kernels import fused_mlp
 
         print(f"  fused MLP: calls {dict(fused_mlp.PATHS)} ({dict(fused_mlp.EXECUTED)}), "
               f"plans made {dict(fused_mlp.PLANNED)}, "

@@ -4,9 +4,9 @@
 clocks_event_reasons.active --format=csv,noheader,nounits -lms 1000 > smi.csv
     python3 bench/smi_summary.py smi.csv
 
-Why: a step whose memory-bound kernels get shorter can see its matmuls get slower (docs/
-benchmarks.md, call M), which a card held at its power limit would do: it lowers the SM clock
-as the average power rises. Only samples with the card at least ``--busy`` percent utilized
+Why: a step whose memory-bound kernels get shorter can see its matmuls get slower, which a
+card held at its power limit does: it lowers the SM clock as the average power rises
+(docs/benchmarks/throughput_4xH200_2026-11-27.md, "The cards run at their power limit"). Only samples with the card at least ``--busy`` percent utilized
 count (compiling and loading are not the step).
 """
 

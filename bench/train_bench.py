@@ -2,15 +2,16 @@
 
 Launch one configuration per torchrun run (all GPUs of the node), e.g.
 
-    torchrun --standalone --nproc_per_node=4 bench/train_bench.py --mode meshrun --size gpt-124m --micro 64 --compile
+    torchrun --standalone --nproc_per_node=4 bench/train_bench.py --mode meshrun --size gpt-124m --micro 0 --global-tokens 524288
     torchrun --standalone --nproc_per_node=4 bench/train_bench.py --mode accelerate --size gpt-124m --micro 16
 
 Modes: ddp (plain DDP, autocast bf16), ddp_compile (plain DDP + torch.compile: the
 hand-tuned peer), accelerate (Accelerator(mixed_precision="bf16")), fabric (Lightning Fabric
 strategy="ddp", precision="bf16-mixed"), fsdp2 (fully_shard per block + root, bf16 params,
-fp32 reduce; --compile compiles per block), meshrun (meshrun's Trainer, --strategy).
-The model is ../shared/BASELINE.md's GPT (learned positions, LayerNorm, GELU 4x, tied
-embeddings, vocab 50304, SDPA causal), random tokens, fused AdamW. Rank 0 prints one line
+fp32 reduce; --compile compiles per block), meshrun (meshrun's Trainer with its defaults:
+compiled on GPUs, --strategy, --micro 0 for the planner's micro-batch).
+The model is the common GPT-2-style benchmark model (learned positions, LayerNorm, GELU 4x,
+tied embeddings, vocab 50304, SDPA causal), random tokens, fused AdamW. Rank 0 prints one line
 `BENCH {json}` with tokens/s per GPU, MFU (6N + 12 L d T per token over the bf16 peak) and
 peak memory, and appends it to --jsonl.
 """
@@ -25,9 +26,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshrun.train.config import GPT_PRESETS, TrainConfig
+from meshrun.train.config import TrainConfig
+from meshrun.vocab import GPT_PRESETS
 from meshrun.train.metrics import peak_flops
-from meshrun.train.models import GPT, GPTConfig
+from meshrun.train.models.gpt import GPT, GPTConfig
 
 
 def random_batch(micro: int, seq: int, vocab: int, device: torch.device, step: int, rank: int):
@@ -37,34 +39,23 @@ def random_batch(micro: int, seq: int, vocab: int, device: torch.device, step: i
 
 
 # --mlp: GPTConfig's default ("auto": cuBLASLt's epilogues where nvmath-python is), the plain
-# MLP, or the forward's GELU in cuBLASLt's epilogue with one of fused_mlp.BACKWARDS
-MLPS = {"default": GPTConfig.fused_mlp, "plain": False, "cublaslt": "dgelu_bgrad", "cublaslt-dgelu": "dgelu",
-        "cublaslt-wbgrad": "dgelu_wbgrad", "cublaslt-fwd": "torch"}
-
-
-# --cublaslt-call: the fused MLP's planned matmuls called directly (fused_mlp.DIRECT) or through nvmath's execute()
-CUBLASLT_CALLS = ("direct", "execute")
+# MLP, or the epilogues everywhere (their ops' torch path where cuBLASLt cannot run)
+MLPS = {"default": GPTConfig.fused_mlp, "plain": False, "cublaslt": True}
 
 
 def make_model(size: str, seq: int, vocab: int, experts: int = 0, fp32_residual: bool = False,
-               loss: str = "default", mlp: str = "default", peer: bool = False,
-               cublaslt_call: str = "direct") -> GPT:
+               loss: str = "default", mlp: str = "default", peer: bool = False) -> GPT:
     """The benchmark's GPT. ``peer``: for the peers' modes, whose "default" is the plain model
     (Linear-GELU-Linear, F.cross_entropy), not meshrun's kernels."""
     torch.manual_seed(0)
     if peer:
         loss, mlp = ("plain" if loss == "default" else loss), ("plain" if mlp == "default" else mlp)
     fused = GPTConfig.fused_loss if loss == "default" else loss == "fused"
-    triton = GPTConfig.triton_loss if loss == "default" else loss == "triton"
     head = GPTConfig.head_loss if loss == "default" else loss == "head"
-    model = GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, low_precision_residual=not fp32_residual,
-                          fused_loss=fused, triton_loss=triton, head_loss=head, fused_mlp=MLPS[mlp],
-                          **GPT_PRESETS[size]))
-    if getattr(model.blocks[0], "fused_mlp", False):
-        from meshrun.train import fused_mlp
-
-        fused_mlp.DIRECT = cublaslt_call == "direct"
-    return model
+    p = GPT_PRESETS[size]
+    return GPT(GPTConfig(vocab=vocab, seq_len=seq, n_experts=experts, low_precision_residual=not fp32_residual,
+                         fused_loss=fused, head_loss=head, fused_mlp=MLPS[mlp], d_model=p.d_model,
+                         n_layers=p.n_layers, n_heads=p.n_heads))
 
 
 def pick_sdpa(backend: str) -> None:
@@ -128,45 +119,29 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--compile-tune", action="store_true",
-                    help="meshrun: --compile-tune (coordinate-descent tuning; implies --compile)")
+    ap.add_argument("--compile", action="store_true", help="the peers: torch.compile; meshrun: --compile on")
+    ap.add_argument("--eager", action="store_true", help="meshrun: --compile off (its default compiles on GPUs)")
+    ap.add_argument("--compile-tune", action="store_true", help="meshrun: --compile-tune (coordinate-descent tuning)")
     ap.add_argument("--ac", action="store_true", help="meshrun: activation checkpointing of every block")
     ap.add_argument("--fp32-residual", action="store_true",
-                    help="keep the GPT's residual stream fp32 under autocast (the model before 2026-11-26)")
-    ap.add_argument("--loss", default="default", choices=["default", "plain", "fused", "triton", "head"],
+                    help="keep the GPT's residual stream fp32 under autocast (GPTConfig.low_precision_residual off)")
+    ap.add_argument("--loss", default="default", choices=["default", "plain", "fused", "head"],
                     help="the GPT's loss (default: meshrun's head, the peers' plain): F.cross_entropy over full "
-                         "logits (plain), chunked (train/losses.py), two Triton passes over full logits "
-                         "(train/ce_kernel.py), or one Triton pass that writes the logits' gradient in the forward "
-                         "(head: ce_kernel.head_cross_entropy)")
+                         "logits (plain), chunked (models/losses.py), or one Triton pass that writes the logits' "
+                         "gradient in the forward (head: kernels/head_loss.py)")
     ap.add_argument("--sdpa", default="default", choices=["default", "flash", "cudnn", "efficient"])
     ap.add_argument("--mlp", default="default", choices=list(MLPS),
                     help="the GPT's MLP: the model's default (meshrun: cuBLASLt's epilogues where nvmath-python "
-                         "is, as cublaslt-dgelu; the peers: plain), Linear, GELU, Linear (plain: Inductor fuses the "
-                         "GELU when compiled), or the GELU in cuBLASLt's matmul epilogues (train/fused_mlp.py; "
-                         "needs nvmath-python): forward and backward with the bias gradient (cublaslt), the backward "
-                         "without it (cublaslt-dgelu), with both biases' gradients in the weight-gradient "
-                         "matmuls (cublaslt-wbgrad), the forward only (cublaslt-fwd)")
-    ap.add_argument("--cublaslt-call", default="direct", choices=CUBLASLT_CALLS,
-                    help="how the fused MLP's planned cuBLASLt matmuls are called: straight through nvmath's "
-                         "binding with the plan's descriptors (direct, meshrun's way since 2026-11-27) or through "
-                         "nvmath's Matmul.execute (~0.5 ms of host time per call)")
-    ap.add_argument("--compiled-autograd", action="store_true",
-                    help="DDP + compile: trace the backward with compiled autograd and DDP's reducer in Python "
-                         "(optimize_ddp='python_reducer'), so all-reduces live in one backward graph")
-    ap.add_argument("--host-sync", action="store_true",
-                    help="meshrun: the host waits for every step's gradient norm, as meshrun's step did before "
-                         "2026-11-26 (seventh session): the idle gap the device-side skip of non-finite steps removed")
-    ap.add_argument("--strategy", default="auto")
-    ap.add_argument("--fsdp", default="auto")
+                         "is; the peers: plain), Linear, GELU, Linear (plain: Inductor fuses the GELU when "
+                         "compiled), or the GELU in cuBLASLt's matmul epilogues (cublaslt: kernels/fused_mlp.py)")
+    ap.add_argument("--strategy", default="auto", help="meshrun: a name of meshrun train --strategy")
     ap.add_argument("--bucket-mb", type=int, default=None, help="DDP buckets (default: the Trainer's choice)")
     ap.add_argument("--reduce-precision", default="fp32")
     ap.add_argument("--jsonl", default=None)
-    # meshrun's other layouts (issues 8 and 9)
-    for flag in ("--tp", "--pp", "--cp", "--ep", "--experts", "--zero"):
+    # meshrun's other layouts
+    for flag in ("--tp", "--pp", "--cp", "--ep", "--experts"):
         ap.add_argument(flag, type=int, default=None)
     ap.add_argument("--pp-schedule", default="1f1b")
-    ap.add_argument("--offload", default="none")
     ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                     help="set torch._inductor.config.KEY (repeatable; VALUE read as JSON, else a string), "
                          "for knobs without an environment variable, e.g. autotune_fallback_to_aten=true")
@@ -180,12 +155,8 @@ def main() -> None:
         torch.cuda.set_device(device)
     bf16 = cuda
     pick_sdpa(args.sdpa)
-    if args.compiled_autograd:
-        import torch._dynamo as dynamo
-
-        dynamo.config.optimize_ddp = "python_reducer"
     model = make_model(args.size, args.seq, args.vocab, args.experts or 0, args.fp32_residual, args.loss, args.mlp,
-                       peer=args.mode != "meshrun", cublaslt_call=args.cublaslt_call)
+                       peer=args.mode != "meshrun")
     flops_per_token = model.flops_per_token()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     extra: dict = {}
@@ -195,26 +166,23 @@ def main() -> None:
         from meshrun.train.trainer import Trainer
 
         global_batch = args.global_tokens // args.seq if args.global_tokens else None
+        compile_ = "on" if args.compile else "off" if args.eager else "auto"
         cfg = TrainConfig(strategy=args.strategy, micro_batch=args.micro or None, global_batch=global_batch,
-                          seq_len=args.seq, compile=args.compile, compile_tune=args.compile_tune,
-                          steps=args.warmup + args.steps, lr=3e-4, log_every=10**9, grad_clip=1.0, fsdp=args.fsdp,
+                          seq_len=args.seq, compile=compile_, compile_tune=args.compile_tune,
+                          steps=args.warmup + args.steps, lr=3e-4, log_every=10**9, grad_clip=1.0,
                           ddp_bucket_mb=args.bucket_mb, reduce_precision=args.reduce_precision,
                           activation_checkpointing="full" if args.ac else "none",
-                          **{k: v for k, v in dict(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
-                                                   pp_schedule=args.pp_schedule, offload=args.offload).items()
-                             if v is not None})
+                          **{k: v for k, v in dict(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                                                   pp_schedule=args.pp_schedule).items() if v is not None})
         trainer = Trainer(model, RandomTokens(1 << 20, args.seq, args.vocab), None, cfg)
         data = BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.dp_size)
-        extra.update(ac=args.ac, seq=args.seq, layout=trainer.strategy_reason, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
-                     strategy=trainer.strategy, fsdp=args.fsdp,
-                     bucket_mb=trainer.ddp.bucket_bytes_cap // 2**20 if trainer.ddp is not None else args.bucket_mb,
-                     reduce_precision=args.reduce_precision, attention=cfg.attention)
-        if args.host_sync:
-            def step_fn(i):
-                _, norm, _ = trainer.train_step(data)
-                torch.isfinite(norm).item()  # the old check's wait (it sat just before the optimizer step)
-        else:
-            step_fn = lambda i: trainer.train_step(data)  # noqa: E731
+        ddp = getattr(trainer.layout, "ddp", None)
+        extra.update(ac=trainer.choice.activation_checkpointing, seq=args.seq, layout=trainer.layout.description,
+                     tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, strategy=trainer.strategy,
+                     bucket_mb=ddp.bucket_bytes_cap // 2**20 if ddp is not None else args.bucket_mb,
+                     reduce_precision=args.reduce_precision, attention=cfg.attention,
+                     compiled=trainer.cfg.compiles(cuda))
+        step_fn = lambda i: trainer.train_step(data)  # noqa: E731
         rank, world = trainer.rt.rank, trainer.rt.world_size
         args.micro = trainer.cfg.micro  # the planner's choice under --micro 0
         extra.update(accumulation=trainer.accum)
@@ -288,20 +256,11 @@ def main() -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-    if args.compiled_autograd:  # every backward inside a step is traced and compiled
-        from torch._dynamo import compiled_autograd
-
-        enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
-        plain_step = step_fn
-
-        def step_fn(i):
-            with enable(torch.compile(backend="inductor")):
-                plain_step(i)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     elapsed = timed_loop(step_fn, args.warmup, args.steps, device)
     # TP/PP/CP ranks share their micro-batch: per GPU, the tokens divide by those degrees
-    share = (world // trainer.dp_size) if args.mode == "meshrun" else 1
+    share = trainer.layout.token_share if args.mode == "meshrun" else 1
     accum = trainer.accum if args.mode == "meshrun" else 1
     tokens_per_gpu = args.micro * accum * args.seq * args.steps / elapsed / share
     peak = peak_flops(device)
@@ -312,22 +271,16 @@ def main() -> None:
         if peak else None, "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
         "card": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "warmup_s": round(WARMUP_S[0], 1), "fp32_residual": args.fp32_residual,
-        "fused_loss": model.cfg.fused_loss, "triton_loss": model.cfg.triton_loss,
-        "sdpa": args.sdpa, "compiled_autograd": args.compiled_autograd,
-        "host_sync": args.host_sync, "inductor": inductor, "date": time.strftime("%Y-%m-%d"),
+        "fused_loss": model.cfg.fused_loss, "sdpa": args.sdpa, "inductor": inductor,
+        "date": time.strftime("%Y-%m-%d"),
     }
     way = getattr(model.blocks[0], "fused_mlp", False)
     result.update(head_loss=model.cfg.head_loss, mlp=way or "plain")  # as resolved ("auto": by nvmath's presence)
     if way:  # which path ran, and why not cuBLASLt's if it did not
-        from meshrun.train import fused_mlp
+        from meshrun.train.kernels import fused_mlp
 
         result.update(mlp_paths=dict(fused_mlp.PATHS), mlp_fallback=list(fused_mlp.FALLBACK.values()),
                       mlp_calls=dict(fused_mlp.EXECUTED))
-    if inductor.get("triton.cudagraphs"):
-        # Inductor logs why it skips a graph only under TORCH_LOGS=cudagraphs (call AV's runs
-        # could not tell whether graphs were taken); its counters are always kept
-        from torch._dynamo.utils import counters
-        result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
     if rank == 0:
         line = json.dumps(result)
         print("BENCH " + line, flush=True)

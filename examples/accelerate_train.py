@@ -1,4 +1,4 @@
-"""HuggingFace Accelerate, launched with the GLOBAL process count (seed 000's warning).
+"""HuggingFace Accelerate with the GLOBAL process count (the Saturn Cloud document's warning).
 
     meshrun launch -f accelerate examples/accelerate_train.py              # 2 CPU processes here
     meshrun launch -f accelerate --nnodes 2 --node-rank 0 --master-addr HEAD examples/accelerate_train.py

@@ -1,4 +1,4 @@
-"""Seed 002's torchrun Trainer with snapshots, made runnable anywhere and fixed.
+"""The PyTorch Distributed slides' torchrun Trainer with snapshots, made runnable anywhere and fixed.
 
 Run it (2 CPU processes here, one per GPU on a GPU machine):
 

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO launched on the torchrun path (seed 000) or by DeepSpeed's own launcher.
+"""DeepSpeed ZeRO on the torchrun path (the Saturn Cloud document) or DeepSpeed's own launcher.
 
     meshrun launch -f deepspeed --deepspeed-config examples/ds_config.json examples/deepspeed_train.py
     meshrun launch -f deepspeed --deepspeed-launcher native --deepspeed-config examples/ds_config.json \
@@ -7,7 +7,8 @@
 meshrun appends ``--deepspeed --deepspeed_config FILE``, which ``deepspeed.add_config_arguments``
 parses. NCCL on GPU, gloo on CPU. Every rank prints its loss and a parameter checksum: the
 checksums must agree (ZeRO keeps the replicas in sync). With ``--save_dir``, the engine's
-own sharded checkpoint is written (each rank its optimizer shard), as the seed advises.
+own sharded checkpoint is written (each rank its optimizer shard), as the Saturn Cloud
+document advises.
 """
 import argparse
 import gc

@@ -1,4 +1,4 @@
-"""JAX data parallelism across processes (seed 000's recipe), one line to initialise.
+"""JAX data parallelism across processes (the Saturn Cloud document's recipe), one line to initialise.
 
     meshrun launch -f jax examples/jax_train.py            # 2 CPU processes here
     # on each node of a cluster (one process per node drives its GPUs):

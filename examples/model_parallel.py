@@ -1,4 +1,4 @@
-"""Seed 002's "very simple model parallelism": two layers on two devices, one process.
+"""The PyTorch Distributed slides' "very simple model parallelism": two layers, two devices, one process.
 
     python examples/model_parallel.py [EPOCHS]
 

@@ -1,4 +1,4 @@
-"""TensorFlow MultiWorkerMirroredStrategy with chief-only checkpointing (seed 000).
+"""TensorFlow MultiWorkerMirroredStrategy with chief-only checkpointing (the Saturn Cloud document).
 
     meshrun launch -f tensorflow examples/tf_train.py fit /tmp/ckpt     # 2 workers here
     # on every node (or call meshrun.tf_config() and run `python` yourself):
@@ -14,7 +14,8 @@ Usage: tf_train.py fit|loop CKPT_DIR
 
 Checks that workers really synchronise: after training, every worker prints a checksum of
 its weights, and they must be identical. Only the chief (worker 0) writes the checkpoint
-to the shared directory; the others write to a private temp directory (seed 000's rule).
+to the shared directory; the others write to a private temp directory (the Saturn Cloud
+document's rule).
 """
 import os
 import sys

@@ -9,6 +9,7 @@ import sys
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # fixtures: tests/data/README.md
 
 # Variables of the machine running the tests that would change detection.
 _CLUSTER_PREFIXES = ("SLURM_", "SATURN_", "SKYPILOT_", "PET_", "OMPI_", "SM_", "TORCHELASTIC_", "MESHRUN_",

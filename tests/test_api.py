@@ -68,7 +68,7 @@ def test_integration_helpers_outside_a_launcher():
 
     saturn = {"SATURN_JOB_SCALE": "3", "SATURN_JOB_RANK": "2", "SATURN_JOB_LEADER": "r-0.s.n.svc.cluster.local",
               "SATURN_JOB_RUN": "r", "SATURN_INTERNAL_SUBDOMAIN": "s", "SATURN_NAMESPACE": "n"}
-    # Seed 000's hand-written snippets, computed: one process per pod.
+    # The Saturn Cloud document's hand-written snippets, computed: one process per pod.
     assert jax_arguments(saturn) == {"coordinator_address": "r-0.s.n.svc.cluster.local:29500",
                                      "num_processes": 3, "process_id": 2}
     cfg = tf_config(saturn, port=5000)

@@ -1,9 +1,10 @@
 """Exact commands per platform x framework: argv and the variables meshrun sets.
 
-The expected lines follow the documents: seed 000 (Saturn Cloud: torchrun, deepspeed on the
-torchrun path, accelerate with a GLOBAL --num_processes, JAX one process per pod, TF_CONFIG),
-seed 001 (SkyPilot: torchrun, c10d, the native deepspeed launcher on the head node with a
-hostfile), seed 002 (Slurm with torchrun, one launcher per node).
+The expected lines follow the documents: the Saturn Cloud document (torchrun, deepspeed on
+the torchrun path, accelerate with a GLOBAL --num_processes, JAX one process per pod,
+TF_CONFIG), the SkyPilot document (torchrun, c10d, the native deepspeed launcher on the head
+node with a hostfile), the PyTorch Distributed slides (Slurm with torchrun, one launcher per
+node).
 """
 
 import json
@@ -35,7 +36,7 @@ def topo_env(nnodes, rank, nproc, addr, port, run_id, hosts=None):
     return env
 
 
-# ---- Saturn Cloud (seed 000), 4 GPUs per pod ----------------------------------------------
+# ---- Saturn Cloud document, 4 GPUs per pod --------------------------------------------------
 
 SATURN_ENV = topo_env(2, 1, 4, LEAD, 29500, "train", [LEAD, PEER])
 
@@ -92,7 +93,7 @@ def test_saturn_deepspeed_native_worker_node_waits():
     assert cmd.processes == () and "over SSH" in cmd.note
 
 
-# ---- SkyPilot (seed 001), 8 GPUs per node --------------------------------------------------
+# ---- SkyPilot document, 8 GPUs per node -----------------------------------------------------
 
 SKY_HEAD = {**SKYPILOT, "SKYPILOT_NODE_RANK": "0"}
 
@@ -126,7 +127,7 @@ def test_skypilot_accelerate_jax_tensorflow():
     assert tf == {"cluster": {"worker": ["10.0.0.5:29500", "10.0.0.6:29500"]}, "task": {"type": "worker", "index": 1}}
 
 
-# ---- Slurm (seed 002), one task per node, 4 GPUs ------------------------------------------
+# ---- Slurm (the PyTorch Distributed slides), one task per node, 4 GPUs ----------------------
 
 def test_slurm_all_frameworks():
     port = 15000 + 123456 % 10000

@@ -182,7 +182,7 @@ def _nan_at_step_three(out, strategy, steps=6, log_every=5, save_every=2):
     from meshrun.errors import MeshrunError
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import RandomTokens
-    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.models.gpt import GPT, GPTConfig
     from meshrun.train.trainer import Trainer
 
     class Poisoned(GPT):
@@ -243,7 +243,7 @@ def _fsdp_state(out, steps, resume):
 
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import RandomTokens
-    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.models.gpt import GPT, GPTConfig
     from meshrun.train.trainer import Trainer
 
     torch.manual_seed(0)
@@ -299,7 +299,7 @@ def test_export_safetensors_matches_the_snapshot(snapshot, tmp_path):
 
 
 def _rewrite_marker(snap, name):
-    from meshrun.train.checkpoint import _sha256
+    from meshrun.train.checkpoint.layout import sha256 as _sha256
 
     marker = snap / "COMMITTED.json"
     data = json.loads(marker.read_text())
@@ -411,7 +411,7 @@ def _stage_twice():
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from meshrun.train.staging import Stager
+    from meshrun.train.checkpoint.staging import Stager
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
@@ -452,7 +452,7 @@ def _train_with_a_failing_disk(out):
     from meshrun.train import checkpoint
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import RandomTokens
-    from meshrun.train.models import gpt
+    from meshrun.train.models.gpt import gpt
     from meshrun.train.trainer import Trainer
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails with EFBIG instead of killing

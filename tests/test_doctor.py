@@ -129,7 +129,8 @@ def test_bench_bad_input_is_one_line(args, message):
 def test_gpu_health_reads_ecc_throttling_and_a_lowered_power_limit():
     """Rows in nvidia-smi's csv,noheader format (units included; one card's limit lowered):
     uncorrected ECC errors fail, a throttled idle card and a power limit below the default
-    warn (training runs at the limit: docs/benchmarks.md, eleventh session); '[N/A]' is no number."""
+    warn (training runs at the limit: H200s at 700 W, torch 2.11,
+    docs/benchmarks/throughput_4xH200_2026-11-27.md); '[N/A]' is no number."""
     rows = parse_gpu_query(
         "NVIDIA H200, 580.95.05, 0x0000000000000001, 0, 31, 700.00 W, 700.00 W\n"
         "NVIDIA H200, 580.95.05, 0x0000000000000004, 0, 35, 500.00 W, 700.00 W\n"

@@ -1,4 +1,4 @@
-"""The seed 002 Trainer example, the README's main job: trains, snapshots, and resumes."""
+"""The PyTorch Distributed slides' Trainer example, the README's main job: trains, snapshots, and resumes."""
 
 import pytest
 

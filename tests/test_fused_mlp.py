@@ -1,7 +1,7 @@
-"""The GPT MLP through meshrun's custom ops (train/fused_mlp.py): on the CPU they take the plain
-torch path, which must compute what Linear, GELU (tanh), Linear compute, eager and compiled,
-with and without autocast. The cuBLASLt path is checked on a GPU by
-tests/scripts/fused_mlp_check.py (bench/gpu_session.sh mlp)."""
+"""The GPT MLP through meshrun's custom ops (train/kernels/fused_mlp.py): on the CPU they take
+the plain torch path, which must compute what Linear, GELU (tanh), Linear compute, eager and
+compiled, with and without autocast. The cuBLASLt path is checked on a GPU by
+tests/scripts/fused_mlp_check.py (bench/gpu_session.sh checks)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshrun.train import fused_mlp
-from meshrun.train.models import GPT, GPTConfig
+from meshrun.train.kernels import fused_mlp
+from meshrun.train.models.gpt import GPT, GPTConfig
 
 
 ONE_BLOCK = dict(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4)  # a GPT small enough for the CPU
@@ -33,14 +33,13 @@ def _grads(mods: tuple[nn.Linear, nn.Linear], x: torch.Tensor) -> list[torch.Ten
     return [x.grad] + [p.grad for m in mods for p in (m.weight, m.bias)]
 
 
-@pytest.mark.parametrize("backward", fused_mlp.BACKWARDS)
-def test_ops_compute_linear_gelu_linear_and_its_gradients_fp32(backward):
+def test_ops_compute_linear_gelu_linear_and_its_gradients_fp32():
     up, down = _pair()
     up2, down2 = copy.deepcopy(up), copy.deepcopy(down)
     x = torch.randn(3, 5, 16, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
     before = fused_mlp.PATHS["torch"]
-    y = fused_mlp.gelu_mlp(x, up, down, backward)
+    y = fused_mlp.gelu_mlp(x, up, down)
     ref = _plain(x2, up2, down2)
     assert y.shape == ref.shape == (3, 5, 16)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
@@ -50,9 +49,8 @@ def test_ops_compute_linear_gelu_linear_and_its_gradients_fp32(backward):
     for got, want in zip(_grads((up, down), x), _grads((up2, down2), x2)):
         assert got is not None and got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    # the forward and (but for the "torch" backward, plain ops outside the ops) the backward,
-    # both on the ops' torch path, and the reason on record
-    assert fused_mlp.PATHS["torch"] - before == (1 if backward == "torch" else 2)
+    # the forward and the backward, both on the ops' torch path, and the reason on record
+    assert fused_mlp.PATHS["torch"] - before == 2
     assert fused_mlp.FALLBACK.get("not on a GPU") == "not on a GPU"
 
 
@@ -80,8 +78,8 @@ def test_the_op_has_no_graph_break_under_torch_compile():
     torch.testing.assert_close(compiled(x), _plain(x, up, down), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("compiled,how", [(False, True), (True, True), (True, "torch")])
-def test_gpt_with_the_fused_mlp_trains_as_the_plain_gpt(compiled, how):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpt_with_the_fused_mlp_trains_as_the_plain_gpt(compiled):
     """Three SGD steps of a small GPT, fused MLP against the plain one from the same weights
     (fp32): the same losses and the same weights after. (Not AdamW: the key bias's gradient
     is zero up to rounding, softmax being blind to it, and Adam scales rounding noise to
@@ -89,11 +87,9 @@ def test_gpt_with_the_fused_mlp_trains_as_the_plain_gpt(compiled, how):
     cfg = {**ONE_BLOCK, "n_layers": 2}
     torch.manual_seed(0)
     plain = GPT(GPTConfig(**cfg, fused_mlp=False))
-    fused = GPT(GPTConfig(**cfg, fused_mlp=how))
+    fused = GPT(GPTConfig(**cfg, fused_mlp=True))
     fused.load_state_dict(plain.state_dict())
-    # the backward asked for reaches every block as it was given
-    want = "dgelu" if how is True else how
-    assert all(b.fused_mlp == want for b in fused.blocks) and not any(b.fused_mlp for b in plain.blocks)
+    assert all(b.fused_mlp for b in fused.blocks) and not any(b.fused_mlp for b in plain.blocks)
     losses = {}
     for name, model in (("plain", plain), ("fused", fused)):
         torch.manual_seed(1)
@@ -119,36 +115,28 @@ def test_moe_blocks_keep_their_experts():
     assert not model.blocks[0].fused_mlp
 
 
-def test_an_unknown_backward_is_refused_with_the_choices():
-    up, down = _pair()
-    with pytest.raises(ValueError, match="'dbias'.*dgelu_bgrad, dgelu, dgelu_wbgrad, torch"):
-        fused_mlp.gelu_mlp(torch.randn(2, 16), up, down, "dbias")
-
-
 def test_the_configured_way_resolves_per_block():
-    """GPTConfig.fused_mlp: "auto" is the plain MLP where nvmath-python is missing (as here:
-    the CPU suite does not install meshrun[cublaslt]) and the DGELU way, on CUDA only, where
-    it imports; True the DGELU way everywhere; a misspelt way is refused by name."""
-    from meshrun.train.models import _mlp_way
+    """GPTConfig.fused_mlp: "auto" is the plain MLP where nvmath-python does not import (as
+    here: the CPU build of torch has no CUDA libraries for it) and the fused MLP, on CUDA only,
+    where it does; True the fused MLP everywhere; anything else is refused by name."""
+    from meshrun.train.models.gpt import _mlp_way
 
     auto = _mlp_way(GPTConfig(**ONE_BLOCK))
-    assert auto == (("dgelu", True) if fused_mlp.available() else (False, True))
-    assert _mlp_way(GPTConfig(**ONE_BLOCK, fused_mlp=True)) == ("dgelu", False)
-    assert _mlp_way(GPTConfig(**ONE_BLOCK, fused_mlp="dgelu_bgrad")) == ("dgelu_bgrad", False)
-    assert _mlp_way(GPTConfig(**ONE_BLOCK, fused_mlp="torch")) == ("torch", False)
+    assert auto == ((True, True) if fused_mlp.available() else (False, True))
+    assert _mlp_way(GPTConfig(**ONE_BLOCK, fused_mlp=True)) == (True, False)
     assert _mlp_way(GPTConfig(**ONE_BLOCK, fused_mlp=False)) == (False, False)
     assert _mlp_way(GPTConfig(**ONE_BLOCK, fused_mlp=True, n_experts=2)) == (False, False)
-    with pytest.raises(ValueError, match="fused_mlp 'dglue': expected True, False, 'auto' or one of dgelu_bgrad"):
+    with pytest.raises(ValueError, match="fused_mlp 'dglue': expected True, False or 'auto'"):
         GPT(GPTConfig(**ONE_BLOCK, fused_mlp="dglue"))
 
 
 def test_the_model_names_the_kernels_it_runs_for_the_trainers_first_line():
-    """Nothing on the CPU; on CUDA the MLP's way (the head loss only where Triton runs on CUDA,
+    """Nothing on the CPU; on CUDA the fused MLP (the head loss only where Triton runs on CUDA,
     not on this machine), nothing on tensor-parallel shards."""
-    model = GPT(GPTConfig(**ONE_BLOCK, fused_mlp="dgelu"))
+    model = GPT(GPTConfig(**ONE_BLOCK, fused_mlp=True))
     cuda = torch.device("cuda")
     assert model.meshrun_kernels(torch.device("cpu")) == []
-    assert model.meshrun_kernels(cuda) == ["MLP's GELU in cuBLASLt epilogues (dgelu)"]
+    assert model.meshrun_kernels(cuda) == ["MLP's GELU in cuBLASLt epilogues"]
     assert model.meshrun_kernels(cuda, tp=2) == []
     assert GPT(GPTConfig(**ONE_BLOCK, fused_mlp=False)).meshrun_kernels(cuda) == []
 
@@ -156,7 +144,7 @@ def test_the_model_names_the_kernels_it_runs_for_the_trainers_first_line():
 def test_partitioned_weights_take_the_plain_mlp():
     """A weight that its Linear's own forward must gather (a DeepSpeed ZeRO-3 parameter, marked
     ``ds_id``) is never used by the op, which does not call the Linear: the plain MLP runs."""
-    model = GPT(GPTConfig(**ONE_BLOCK, fused_mlp="dgelu"))
+    model = GPT(GPTConfig(**ONE_BLOCK, fused_mlp=True))
     x = torch.randn(2, 16, 32)
     before = dict(fused_mlp.PATHS)
     model.blocks[0](x)
@@ -293,23 +281,19 @@ def test_direct_call_passes_the_plans_descriptors_and_fresh_buffers(monkeypatch)
 
 def _epilogue_semantics(a, b, epilog, inputs):
     """What cuBLASLt's epilogues compute (NVIDIA's cublasLtEpilogue_t documentation), in torch:
-    stands in for _matmul on the CPU so that the operands, transposes and outputs each backward
-    way hands to cuBLASLt are checked here; the GPU check (tests/scripts/fused_mlp_check.py)
+    stands in for _matmul on the CPU so that the operands, transposes and outputs the fused
+    MLP hands to cuBLASLt are checked here; the GPU check (tests/scripts/fused_mlp_check.py)
     compares the real epilogues with the plain path."""
     d = a @ b
     if epilog == "GELU_AUX_BIAS":
         pre = d + inputs["bias"][:, None]
         return F.gelu(pre, approximate="tanh"), {"gelu_aux": pre}
-    if epilog in ("DGELU", "DGELU_BGRAD"):
-        d = torch.ops.aten.gelu_backward(d, inputs["gelu_aux"], approximate="tanh")
-        return d if epilog == "DGELU" else (d, {"dgelu_bgrad": d.sum(1)})
-    if epilog == "BGRADB":  # the bias gradient: B summed over k, one value per column of D
-        return d, {"bgradb": b.sum(0)}
+    if epilog == "DGELU":
+        return torch.ops.aten.gelu_backward(d, inputs["gelu_aux"], approximate="tanh")
     raise AssertionError(epilog)
 
 
-@pytest.mark.parametrize("how", fused_mlp.BACKWARDS[:-1])
-def test_each_epilogue_way_hands_cublaslt_operands_that_give_the_plain_gradients(monkeypatch, how):
+def test_the_epilogues_get_operands_that_give_the_plain_gradients(monkeypatch):
     monkeypatch.setattr(fused_mlp, "_matmul", _epilogue_semantics)
     torch.manual_seed(0)
     n, d = 12, 8
@@ -320,7 +304,7 @@ def test_each_epilogue_way_hands_cublaslt_operands_that_give_the_plain_gradients
     y0, g0, h0 = fused_mlp._forward_torch(x, w_up, b_up, w_down, b_down)
     for got, want in ((y, y0), (g, g0), (h, h0)):
         torch.testing.assert_close(got, want)
-    got = fused_mlp._backward_cublaslt(x, w_up, dy, w_down, g, h, how=how)
+    got = fused_mlp._backward_cublaslt(x, w_up, dy, w_down, g, h)
     want = fused_mlp._backward_plain(x, w_up, dy, w_down, g0, h0)
     for name, a, b in zip(("dx", "dW_up", "db_up", "dW_down", "db_down"), got, want):
         assert a.shape == b.shape, name

@@ -10,12 +10,13 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import BENCH, bench_module, clean_env, example, lines, meshrun, require
+from helpers import bench_module, clean_env, example, lines, meshrun, require
 from meshrun.errors import MeshrunError
 from meshrun.plan import ClusterSpec, TrainSpec, make_plan
 from meshrun.plan.batch import solve
 from meshrun.plan.memory import Strategy, layer_activation_bytes, model_states
-from meshrun.plan.modelspec import PRESETS, from_hf_config, gpt_spec, resolve_model
+from meshrun.modelinfo.read import from_hf_config, resolve_model
+from meshrun.modelinfo.spec import PRESETS, gpt_spec
 
 GB = 1e9
 GiB = 2**30
@@ -85,7 +86,7 @@ def test_activation_formula_matches_what_autograd_saves(precision, residual):
     require("torch")
     import torch
 
-    from meshrun.train.models import Block, GPTConfig
+    from meshrun.train.models.gpt import Block, GPTConfig
 
     torch.manual_seed(0)
     h, heads, b, t = 128, 4, 2, 64
@@ -104,7 +105,7 @@ def test_meshrun_gpt_feeds_its_blocks_a_bf16_residual_stream_under_autocast():
     require("torch")
     import torch
 
-    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
@@ -129,8 +130,8 @@ def test_checkpointed_activations_are_the_block_inputs():
     import torch
 
     from meshrun.plan import memory
-    from meshrun.train.models import Block, GPTConfig
-    from meshrun.train.parallelize import apply_activation_checkpointing
+    from meshrun.train.models.gpt import Block, GPTConfig
+    from meshrun.train.parallel.apply import apply_activation_checkpointing
 
     h, b, t, layers = 64, 2, 16, 3
     blocks = torch.nn.ModuleList(Block(GPTConfig(vocab=32, seq_len=t, d_model=h, n_layers=layers, n_heads=4))
@@ -162,8 +163,8 @@ def test_checkpointed_activations_are_the_block_inputs():
 
 
 def test_calibration_points_within_five_percent():
-    """The allocated peaks measured on an H200 (bench/calibration) against the model."""
-    path = os.path.join(CALIBRATION, "h200-2026-11-26.jsonl")
+    """The allocated peaks measured on an H200 (tests/data/calibration) against the model."""
+    path = os.path.join(CALIBRATION, "h200_train-bench-peaks_2026-11-26.jsonl")
     errors = []
     for line in open(path):
         r = json.loads(line)
@@ -177,7 +178,7 @@ def test_calibration_points_within_five_percent():
     assert len(errors) >= 7 and max(errors) <= 0.05, errors
 
 
-CALIBRATION = os.path.join(BENCH, "calibration")
+CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calibration")
 
 
 def _plan_accuracy():
@@ -186,14 +187,14 @@ def _plan_accuracy():
 
 
 def test_predictions_meet_the_accuracy_target_on_the_measured_grid():
-    """Issue 5's target on every clean row measured on H200s (the training benchmarks'
+    """The planner's accuracy target on every clean row measured on H200s (the training benchmarks'
     allocated peaks and the planner grid's reserved peaks, bench/plan_accuracy.py): median
     absolute error <= 5%, worst <= 10%; rows measured on top of an earlier configuration's
     leftovers are dropped by the harness, and at least 20 remain."""
     import statistics
 
     bench = _plan_accuracy()
-    files = [os.path.join(CALIBRATION, f) for f in ("h200-2026-11-26.jsonl", "h200-grid-2026-11-26.jsonl")]
+    files = [os.path.join(CALIBRATION, f) for f in ("h200_train-bench-peaks_2026-11-26.jsonl", "h200_grid-eager_2026-11-26.jsonl")]
     errs = [abs(e) for *_, e in bench.errors(bench.load(files))]
     assert len(errs) >= 20, len(errs)
     assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10, (statistics.median(errs), max(errs))
@@ -207,7 +208,7 @@ def _fresh_rows(bench) -> list[dict]:
 
 
 def test_predictions_meet_the_target_on_every_row_measured_as_a_job_starts():
-    """Issue 5's target over every H200 row kept in bench/calibration that came first in its
+    """The accuracy target over every H200 row kept in tests/data/calibration that came first in its
     process, as a job starts, and measured the Trainer as it is (47 rows: 1, 2 and 4 GPUs;
     single, DDP, DeepSpeed ZeRO-1/2/3, FSDP2 with and without AC, compiled FSDP2's allocated
     peaks; eager and compiled): median <= 5%, worst <= 10%. Rows measured after another
@@ -227,22 +228,23 @@ def _raw_rows() -> list[dict]:
     """The 4-GPU grid rows first in their process, before and after the early state, both kept."""
     import glob
 
-    files = sorted(glob.glob(os.path.join(CALIBRATION, "h200x4-*.jsonl")))
+    files = sorted((f for f in glob.glob(os.path.join(CALIBRATION, "h200x4_*.jsonl")) if "layouts" not in f))
     rows = _plan_accuracy().load(files, fresh_only=True, supersede=False)
     return [r for r in rows if r.get("reserved_gib") and not r.get("alloc_conf") and not r.get("setup_empty_cache")]
 
 
 def test_fsdp2_without_checkpointing_lost_its_extra_logits_block_with_the_early_state():
-    """FSDP2 without AC reserved one logits-sized block more than it needed (1.15-1.34x its
-    allocated peak) while AdamW's state and cuBLAS's backward workspace were made in the first
-    step: call AH's allocator traces show the workspace splitting a freed fp32-logits block.
-    Measured again with both made at setup (calls AJ and AN, 4 x H200), each GPT 124M
-    configuration at micro-batch 8 and 32 (eager and compiled) reserved 0.86-0.99 of one fp32
-    logits block (4 bytes x vocabulary x micro x 1024) less, for the same allocated peak. Where
-    the old row had no such block (124M micro 64: 1.11x its allocated peak; 1.3B micro 32) or had
-    other excess (1.3B micro 4 and 16, 350M), less or the same, never more; DDP and AC rows
-    within 2.5% of before."""
-    from meshrun.plan.modelspec import PRESETS
+    """FSDP2 without AC reserves one logits-sized block more than it needs (1.15-1.34x its
+    allocated peak) when AdamW's state and cuBLAS's backward workspace are made in the first
+    step (the rows without ``early_state``): the recorded allocator traces (h200x4_alloc-trace-*)
+    show the workspace splitting a freed fp32-logits block. With both made at setup (the
+    ``early_state`` rows, 4 x H200, torch 2.11), each GPT 124M configuration at micro-batch 8
+    and 32 (eager and compiled) reserves 0.86-0.99 of one fp32 logits block (4 bytes x
+    vocabulary x micro x 1024) less, for the same allocated peak. Where the lazy row has no such
+    block (124M micro 64: 1.11x its allocated peak; 1.3B micro 32) or has other excess (1.3B
+    micro 4 and 16, 350M), less or the same, never more; DDP and AC rows within 2.5% of the
+    lazy ones."""
+    from meshrun.modelinfo.spec import PRESETS
 
     rows = _raw_rows()
     keyed = {}
@@ -264,13 +266,14 @@ def test_fsdp2_without_checkpointing_lost_its_extra_logits_block_with_the_early_
 
 
 def test_fsdp2_without_checkpointing_meets_the_target():
-    """The FSDP2-without-AC rows measured with the Trainer as it is (call AJ, 4 x H200, eager:
-    GPT 124M micro 8 and 32, GPT 1.3B micro 4 and 16, full and grad_op): median <= 5%, worst
-    <= 10% of the reserved peak (median 0.4%, worst 1.7% with the gradient shards the reduce-
-    scatter stream keeps cached counted; 2.2% / 8.2% without them). Then the five rows of the
-    old Trainer not yet measured again (call AN: 124M micro 32 compiled; 124M micro 64, 350M
-    micro 8 and 32, 1.3B micro 32): +2.8%, +1.9%, -0.3%, +0.0%, -1.4%, predicted before the
-    call from the planner as it was; each supersedes its old row, so none is left out."""
+    """The FSDP2-without-AC rows measured with the Trainer as it is (4 x H200, torch 2.11,
+    eager: GPT 124M micro 8 and 32, GPT 1.3B micro 4 and 16, full and grad_op): median <= 5%,
+    worst <= 10% of the reserved peak (median 0.4%, worst 1.7% with the gradient shards the
+    reduce-scatter stream keeps cached counted; 2.2% / 8.2% without them). With them the five
+    configurations measured again with the Trainer as it is
+    (h200x4_early-state-remeasured_2026-11-27.jsonl: 124M micro 32 compiled; 124M micro 64,
+    350M micro 8 and 32, 1.3B micro 32): +2.8%, +1.9%, -0.3%, +0.0%, -1.4%; each supersedes its
+    older row, so none is left out."""
     import statistics
 
     bench = _plan_accuracy()
@@ -282,13 +285,12 @@ def test_fsdp2_without_checkpointing_meets_the_target():
 
 
 def test_the_allocator_replay_finds_the_extra_segment_and_its_cause():
-    """bench/allocator_replay.py on call AH's recorded FSDP2 trace (GPT 124M, micro 8): a
-    best-fit model of the caching allocator takes one new fp32-logits-sized segment in the
-    second step, as the GPU did, and none once the backward thread's cuBLAS workspace is taken
-    before the first step (what call AJ then measured: 9.805 -> 8.484 GiB)."""
+    """bench/allocator_replay.py on the recorded FSDP2 trace (GPT 124M, micro 8, 4 x H200,
+    torch 2.11): a best-fit model of the caching allocator takes one new fp32-logits-sized
+    segment in the second step, as the GPU did, and none once the backward thread's cuBLAS
+    workspace is taken before the first step (as measured on the GPU: 9.805 -> 8.484 GiB)."""
     replay = bench_module("allocator_replay")
-    events = replay.load(os.path.join(BENCH, "results",
-                                      "h200x4-alloc-trace-fsdp2-124m-micro8-2026-11-27.jsonl.gz"))
+    events = replay.load(os.path.join(CALIBRATION, "h200x4_alloc-trace-fsdp2-124m-micro8_2026-11-27.jsonl.gz"))
     block = replay.segment_size(4 * 50304 * 8 * 1024)
     ws = replay.backward_workspaces(events)
     assert len(ws) == 1
@@ -331,12 +333,12 @@ def test_grid_rows_say_which_stream_holds_the_reserved_segments():
 
 
 def test_deepspeed_zero_rows_within_six_percent():
-    """DeepSpeed ZeRO-1/2/3 on 2 x H200 (bench/calibration/h200x2-grid3-2026-11-26.jsonl, the
-    sixth session): each row's reserved peak within 6%. Before this model (gradients and reduce
-    buckets counted at the start of backward, no room for the optimizer step's fresh segments)
-    the same rows were off by -3.6% to -28.3%."""
+    """DeepSpeed ZeRO-1/2/3 on 2 x H200 (tests/data/calibration/h200x2_grid-deepspeed_2026-11-26.jsonl,
+    torch 2.11, DeepSpeed 0.19.8): each row's reserved peak within 6%. A model that counts the
+    gradients and reduce buckets at the start of backward and leaves no room for the optimizer
+    step's fresh segments is off by -3.6% to -28.3% on the same rows."""
     bench = _plan_accuracy()
-    rows = [r for r in bench.load([os.path.join(CALIBRATION, "h200x2-grid3-2026-11-26.jsonl")])
+    rows = [r for r in bench.load([os.path.join(CALIBRATION, "h200x2_grid-deepspeed_2026-11-26.jsonl")])
             if r["strategy"].startswith("zero")]
     errs = {f"{r['model']} {r['strategy']} {r['micro']}": round(e, 3) for r, _, _, e in bench.errors(rows)}
     assert len(errs) == 9 and max(abs(e) for e in errs.values()) <= 0.06, errs
@@ -363,12 +365,12 @@ def test_zero12_gradients_and_buckets_arrive_with_backward():
 def test_autocast_weight_copies_are_gone_by_the_end_of_backward():
     """GPT 1.3B on one H200 with activation checkpointing, micro-batch 4: the peak comes at the
     end of backward (fp32 weights, gradients, Adam). Measured 20.09 GiB allocated
-    (bench/calibration/h200-grid2-2026-11-26.jsonl); counting autocast's 2.4 GiB of bf16
+    (tests/data/calibration/h200_grid-cudnn-attention_2026-11-26.jsonl); counting autocast's 2.4 GiB of bf16
     copies there predicted 22.3 GiB (+11%)."""
     from dataclasses import replace
 
     from meshrun.plan import ClusterSpec, TrainSpec, make_plan
-    from meshrun.plan.modelspec import PRESETS
+    from meshrun.modelinfo.spec import PRESETS
 
     spec = replace(PRESETS["gpt-1.3b"], bf16_residual=True)
     plan = make_plan(spec, ClusterSpec(1, 1, 10**15),
@@ -380,13 +382,14 @@ def test_autocast_weight_copies_are_gone_by_the_end_of_backward():
 
 
 @pytest.mark.parametrize("model,micro,global_batch,measured,faster", [
-    ("gpt-124m", 64, 256, 1.149, "ddp"),  # call C: FSDP2 grad_op 13% slower than DDP
-    ("gpt-1.3b", 32, 512, 1.029, "ddp"),  # call F: DDP 2.9% faster with 4-step accumulation
-    ("gpt-1.3b", 16, 64, 0.978, "fsdp-grad-op"),  # call B: FSDP2 2.2% faster without accumulation
+    ("gpt-124m", 64, 256, 1.149, "ddp"),  # FSDP2 grad_op 13% slower than DDP
+    ("gpt-1.3b", 32, 512, 1.029, "ddp"),  # DDP 2.9% faster with 4-step accumulation
+    ("gpt-1.3b", 16, 64, 0.978, "fsdp-grad-op"),  # FSDP2 2.2% faster without accumulation
 ])
 def test_ddp_or_fsdp_follows_the_measurements(model, micro, global_batch, measured, faster):
-    """The step-time estimate's FSDP2 / DDP ratio against the same-card measurements of issue
-    3 (4 x H200, docs/benchmarks.md): within 2 points, and the plan recommends the faster."""
+    """The step-time estimate's FSDP2 / DDP ratio against the same-card measurements (4 x H200,
+    torch 2.11, docs/benchmarks/strategy-choice_4xH200_2026-11-26.md): within 2 points, and
+    the plan recommends the faster."""
     p = make_plan(PRESETS[model], ClusterSpec(1, 4, 141 * GiB),
                   TrainSpec(1024, micro, global_batch, compile=True, activation_checkpointing="none"))
     t = {x.strategy.label: x.step_time_s for x in p.candidates}
@@ -395,13 +398,14 @@ def test_ddp_or_fsdp_follows_the_measurements(model, micro, global_batch, measur
 
 
 def test_step_time_follows_the_measured_layouts():
-    """The step-time estimate against the issue-8 benchmark (GPT 1.3B on 4 x H200, the same
-    run): every layout's tokens/s per GPU within 12%, and the layouts in the measured order."""
+    """The step-time estimate against the layouts benchmark (GPT 1.3B on 4 x H200, torch 2.11,
+    one run; docs/benchmarks/layouts_4xH200_2026-11-26.md): every layout's tokens/s per GPU
+    within 12%, and the layouts in the measured order."""
     from meshrun.plan.batch import Batch
     from meshrun.plan.recommend import step_time
     from meshrun.plan.strategies import comm_bytes
 
-    path = os.path.join(CALIBRATION, "h200-layouts-2026-11-26.jsonl")
+    path = os.path.join(CALIBRATION, "h200x4_layouts-throughput_2026-11-26.jsonl")
     m, c = PRESETS["gpt-1.3b"], ClusterSpec(1, 4, 141 * GiB)
     measured, predicted = {}, {}
     for line in open(path):
@@ -430,8 +434,8 @@ def test_step_time_follows_the_measured_layouts():
 
 def test_accuracy_harness_measures_each_configuration_alone(tmp_path):
     """bench/plan_accuracy.py measure runs meshrun's rows of a grid in one process group: no
-    trainer of an earlier configuration may still be alive when the next one is measured (a
-    first version kept each one alive through its step closure, inflating every later peak).
+    trainer of an earlier configuration may still be alive when the next one is measured (one
+    kept alive through its step closure would inflate every later peak).
     DeepSpeed never frees its engines inside a process, so its rows run one per process
     (``--select``), and such a row starts clean."""
     require("torch")
@@ -542,7 +546,7 @@ def test_still_out_of_memory_means_checkpointing_then_offload():
 
 def test_long_context_needs_context_or_tensor_parallelism(tmp_path):
     """Activations that no data-parallel sharding divides: 32K tokens of a 70B model. The
-    seed's table: very long sequences -> context parallel (TP x PP when CP is not there)."""
+    SkyPilot document's table: very long sequences -> context parallel (TP x PP when CP is not there)."""
     cfg = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
            "num_hidden_layers": 80, "num_key_value_heads": 8, "vocab_size": 128256, "hidden_act": "silu",
            "max_position_embeddings": 131072}
@@ -575,7 +579,11 @@ def test_plan_json_shape():
     out = meshrun("plan", "--model", "gpt-1.3b", "--gpus-per-node", "4", "--gpu-mem", "80GiB", "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert d["recommended"]["strategy"] == "fsdp-grad-op"
+    # meshrun train's defaults: compiled, the model's 1024-token context, a global batch of 512K
+    # tokens with the largest micro-batch that fits, and at 1.3B on 4 GPUs with accumulation DDP
+    r = d["recommended"]
+    assert d["train"]["compile"] and d["train"]["seq_len"] == 1024
+    assert r["strategy"] == "ddp" and r["global_batch"] == 512 and r["micro_batch"] * r["accumulation"] * 4 == 512
     for c in d["candidates"]:
         assert {"strategy", "fits", "peak_bytes", "breakdown"} <= set(c)
         assert sum(c["breakdown"].values()) == c["peak_bytes"]
@@ -586,7 +594,7 @@ def test_plan_table_explain_and_check_choice():
                   "--framework", "deepspeed", "--strategy", "zero3-offload", "--explain")
     assert out.returncode == 0, out.stderr
     assert "recommended: zero1" in out.stdout
-    assert "CPU offload although" in out.stdout  # the seed's "ZeRO-3 + CPU offload by default"
+    assert "CPU offload although" in out.stdout  # the SkyPilot document's "ZeRO-3 + CPU offload by default"
     assert "activations per layer per token" in out.stdout
 
 
@@ -603,7 +611,7 @@ def test_written_configs_are_accepted_by_accelerate_and_meshrun_train(tmp_path):
     from meshrun.train.config import build_config, load_file
 
     cfg = build_config(load_file(str(tmp_path / "train.yaml")), {}, "train.yaml")
-    assert (cfg.strategy, cfg.fsdp, cfg.global_batch, cfg.model_size) == ("fsdp", "grad_op", 64, "gpt-1.3b")
+    assert (cfg.strategy, cfg.global_batch, cfg.model_size, cfg.compile) == ("fsdp-grad-op", 64, "gpt-1.3b", "on")
     ds = json.loads((tmp_path / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 2 and ds["train_batch_size"] == 64
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 4
@@ -671,19 +679,23 @@ def test_train_auto_asks_the_planner():
     require("torch")
     import torch
 
-    from meshrun.train.autoplan import for_trainer
-    from meshrun.train.config import TrainConfig, build_config
-    from meshrun.train.models import gpt
+    from meshrun.train.config import TrainConfig, build_config, validate
+    from meshrun.train.models.gpt import gpt
+    from meshrun.train.parallel.auto import decide
 
     with torch.device("meta"):
         model = gpt("gpt-1.3b", 1024)
-    roomy = for_trainer(model, TrainConfig(micro_batch=16, seq_len=1024, compile=True), 4, 4, 141 * GiB, True)
-    assert (roomy.strategy, roomy.fsdp, roomy.activation_checkpointing) == ("fsdp", "grad_op", False)
-    tight = for_trainer(model, TrainConfig(micro_batch=16, seq_len=1024), 1, 1, 40 * GiB, True)
+    roomy = decide(model, validate(TrainConfig(micro_batch=16, seq_len=1024)), 4, 4, 4, 141 * GiB, True)
+    assert (roomy.strategy, roomy.activation_checkpointing, roomy.micro_batch) == ("fsdp-grad-op", False, 16)
+    assert roomy.reasons[0].startswith("planner: fsdp-grad-op predicted")
+    tight = decide(model, validate(TrainConfig(micro_batch=16, seq_len=1024)), 1, 1, 1, 40 * GiB, True)
     assert (tight.strategy, tight.activation_checkpointing) == ("single", True)
+    assert any("activation checkpointing on to fit" in r for r in tight.reasons)
     said_none = build_config({}, {"activation_checkpointing": "none", "micro_batch": 16, "seq_len": 1024})
-    kept = for_trainer(model, said_none, 1, 1, 40 * GiB, True)
-    assert not kept.activation_checkpointing and not kept.fits and "nothing fits" in kept.reason
+    kept = decide(model, said_none, 1, 1, 1, 40 * GiB, True)
+    assert not kept.activation_checkpointing and "nothing fits" in kept.reasons[0]
+    on_cpu = decide(model, validate(TrainConfig(seq_len=1024)), 2, 2, 2, None, False)
+    assert (on_cpu.strategy, on_cpu.micro_batch, on_cpu.global_batch) == ("ddp", 8, None)
 
 
 def test_train_auto_chooses_the_micro_batch_for_a_global_batch():
@@ -692,28 +704,35 @@ def test_train_auto_chooses_the_micro_batch_for_a_global_batch():
     several micro-steps, its whole-model graph runs no FSDP hooks: measured +2.9% at GPT 1.3B,
     32 x 4 on 4 x H200), without accumulation FSDP2's sharded optimizer step wins (measured
     +2.3% at micro-batch 16); activation checkpointing is not bought for a bigger micro-batch
-    when one without it fits."""
+    when one without it fits. With no batch size at all the global batch is 512K tokens."""
     require("torch")
     import torch
 
-    from meshrun.train.autoplan import MAX_MICRO_TOKENS, for_trainer
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.models import gpt
+    from meshrun.plan.recommend import MAX_MICRO_TOKENS
+    from meshrun.train.config import TrainConfig, validate
+    from meshrun.train.models.gpt import gpt
+    from meshrun.train.parallel.auto import decide
 
     def pick(size, world, mem, **kw):
         with torch.device("meta"):
             model = gpt(size, 1024)
         kw = {"global_batch": 512, **kw}
-        d = for_trainer(model, TrainConfig(seq_len=1024, compile=True, **kw), world, world, mem, True)
-        return d.strategy, d.fsdp, d.activation_checkpointing, d.micro
+        d = decide(model, validate(TrainConfig(seq_len=1024, **kw)), world, world, world, mem, True)
+        return d.strategy, d.activation_checkpointing, d.micro_batch
 
-    assert pick("gpt-124m", 4, 141 * GiB) == ("ddp", None, False, MAX_MICRO_TOKENS // 1024)
-    assert pick("gpt-1.3b", 4, 141 * GiB) == ("ddp", None, False, 32)
-    assert pick("gpt-1.3b", 4, 80 * GiB) == ("ddp", None, False, 16)
-    assert pick("gpt-1.3b", 4, 141 * GiB, global_batch=64) == ("fsdp", "grad_op", False, 16)
-    one = pick("gpt-1.3b", 1, 141 * GiB)[3]  # accumulation makes up the rest of the 512
+    assert pick("gpt-124m", 4, 141 * GiB) == ("ddp", False, MAX_MICRO_TOKENS // 1024)
+    assert pick("gpt-1.3b", 4, 141 * GiB) == ("ddp", False, 32)
+    assert pick("gpt-1.3b", 4, 80 * GiB) == ("ddp", False, 16)
+    assert pick("gpt-1.3b", 4, 141 * GiB, global_batch=64) == ("fsdp-grad-op", False, 16)
+    one = pick("gpt-1.3b", 1, 141 * GiB)[2]  # accumulation makes up the rest of the 512
     assert one >= 32 and 512 % one == 0, one
-    assert pick("gpt-1.3b", 4, 141 * GiB, micro_batch=8)[3] is None  # the user's micro-batch stands
+    assert pick("gpt-1.3b", 4, 141 * GiB, micro_batch=8)[2] == 8  # the user's micro-batch stands
+    assert pick("gpt-124m", 4, 141 * GiB, global_batch=None) == ("ddp", False, MAX_MICRO_TOKENS // 1024)
+    with torch.device("meta"):
+        default = decide(gpt("gpt-124m", 1024), validate(TrainConfig(model_size="gpt-124m")), 4, 4, 4, 141 * GiB, True)
+    assert default.global_batch == 512 and any("512K tokens, the default on GPUs" in r for r in default.reasons)
+    named = decide(gpt("gpt-tiny", 256), validate(TrainConfig(strategy="fsdp-full")), 2, 2, 2, 80 * GiB, True)
+    assert named.strategy == "fsdp-full" and named.micro_batch > 8  # a named strategy is sized too
 
 
 def test_plan_options_come_from_the_environment_too():
@@ -739,13 +758,13 @@ def test_train_config_for_deepspeed_and_model_parallel_candidates(name):
         cands = {x.strategy.label: x for x in p.candidates}
     cfg = build_config(train_config(p, cands[name], p.model), {})
     if name.startswith("zero"):
-        assert (cfg.strategy, cfg.zero, cfg.offload, cfg.activation_checkpointing) == ("deepspeed", 3, "optimizer", "full")
+        assert (cfg.strategy, cfg.activation_checkpointing) == ("zero3-offload", "full")
     else:
-        assert (cfg.strategy, cfg.tp, cfg.pp) == ("fsdp", 2, 2)
+        assert (cfg.strategy, cfg.tp, cfg.pp) == ("fsdp-full", 2, 2)
 
 
 def test_mixture_of_experts_plans_expert_parallelism():
-    """The seed's table: MoE -> expert parallel. Experts over 4 ranks fit where a replica does
+    """The SkyPilot document's table: MoE -> expert parallel. Experts over 4 ranks fit where a replica does
     not, and rank before FSDP; the train config carries --ep."""
     from meshrun.plan.configs import train_config
 
@@ -758,24 +777,24 @@ def test_mixture_of_experts_plans_expert_parallelism():
 
 
 @pytest.mark.parametrize("gpus,seq,label,tokens_per_s_per_gpu,within", [
-    (2, 262144, "fsdp-grad-op+ac", 4100, 0.05),  # seventh session, 2 x H200, chunked loss
-    (2, 262144, "fsdp-full-cp2+ac", 2524, 0.05),  # the same call: CP2 (grad_op ran; the same compute)
-    (4, 262144, "fsdp-grad-op+ac", 4082, 0.05),  # eighth session, 4 x H200, chunked loss
-    (4, 262144, "fsdp-full-cp4+ac", 2411, 0.08),  # the same call: CP4 (0.59x FSDP2 alone per GPU)
+    (2, 262144, "fsdp-grad-op+ac", 4100, 0.05),  # 2 x H200, chunked loss
+    (2, 262144, "fsdp-full-cp2+ac", 2524, 0.05),  # the same host: CP2 (grad_op ran; the same compute)
+    (4, 262144, "fsdp-grad-op+ac", 4082, 0.05),  # 4 x H200, chunked loss
+    (4, 262144, "fsdp-full-cp4+ac", 2411, 0.08),  # the same host: CP4 (0.59x FSDP2 alone per GPU)
     (4, 524288, "fsdp-full-cp4+ac", 1305, 0.05),
-    (4, 524288, "fsdp-grad-op+ac", 2170, 0.05),  # ninth session, 4 x H200: one step each past the eighth's
+    (4, 524288, "fsdp-grad-op+ac", 2170, 0.05),  # 4 x H200: one step each
     (4, 1048576, "fsdp-full-cp4+ac", 680, 0.05),
-    (4, 131072, "fsdp-grad-op+ac", 6770, 0.15),  # fourth session, 4 x H200, another machine
+    (4, 131072, "fsdp-grad-op+ac", 6770, 0.15),  # 4 x H200, another host
     (4, 65536, "fsdp-grad-op+ac", 11526, 0.15),
 ])
 def test_long_sequence_step_time_follows_causal_work(gpus, seq, label, tokens_per_s_per_gpu, within):
     """GPT 1.3B, full activation checkpointing, one sequence per data-parallel rank, eager
-    (docs/benchmarks.md, issue 9). The estimate counts the work causal attention does (half
-    of MFU's 12·L·h·s) and splits it over the context-parallel ranks at CP's measured
-    efficiency; counting attention whole, it said 115 s for both 256K rows (measured 64 and
-    52 s) and could not tell CP from FSDP alone."""
+    (H200, torch 2.11; docs/benchmarks/long-sequence_4xH200_2026-11-26.md). The estimate counts
+    the work causal attention does (half of MFU's 12·L·h·s) and splits it over the
+    context-parallel ranks at CP's measured efficiency; counting attention whole gives 115 s
+    for both 256K rows (measured 64 and 52 s) and cannot tell CP from FSDP alone."""
     from meshrun.plan import ClusterSpec, TrainSpec, make_plan
-    from meshrun.plan.modelspec import PRESETS
+    from meshrun.modelinfo.spec import PRESETS
 
     plan = make_plan(PRESETS["gpt-1.3b"], ClusterSpec(1, gpus, 141 * 10**9),
                      TrainSpec(seq, 1, None, precision="bf16", compile=False, activation_checkpointing="full"),
@@ -786,9 +805,9 @@ def test_long_sequence_step_time_follows_causal_work(gpus, seq, label, tokens_pe
 
 
 @pytest.mark.parametrize("gpus,seq,cp,allocated_gib", [
-    (4, 262144, 4, 18.71), (4, 524288, 4, 33.47), (4, 262144, 1, 49.48),  # eighth session, 4 x H200
-    (4, 524288, 1, 95.0), (4, 1048576, 4, 62.99),  # ninth session, 4 x H200
-    (2, 262144, 1, 51.2), (2, 262144, 2, 31.69), (2, 524288, 2, 58.2),  # seventh session, 2 x H200
+    (4, 262144, 4, 18.71), (4, 524288, 4, 33.47), (4, 262144, 1, 49.48),  # 4 x H200
+    (4, 524288, 1, 95.0), (4, 1048576, 4, 62.99),  # 4 x H200
+    (2, 262144, 1, 51.2), (2, 262144, 2, 31.69), (2, 524288, 2, 58.2),  # 2 x H200
 ])
 def test_long_sequence_memory_counts_the_position_table(gpus, seq, cp, allocated_gib):
     """GPT 1.3B, full AC, chunked loss, FSDP2 grad_op (what the benchmark's auto chose) alone
@@ -824,10 +843,11 @@ def test_only_meshruns_gpt_grows_its_position_table():
 
 def test_plan_says_when_a_chunked_loss_would_let_a_simpler_layout_fit():
     """GPT 1.3B at 256K tokens on 4 x 141 GB, eager: the whole logits (~172 GiB) leave only
-    context parallelism; without them FSDP2 alone fits (measured at 128K: logits were what
-    stopped 256K, docs/benchmarks.md). Short sequences get no such line."""
+    context parallelism; without them FSDP2 alone fits (measured on 4 x H200, torch 2.11:
+    without the chunked loss FSDP2 alone stops at 128K, the logits running out of memory at
+    256K; docs/benchmarks/long-sequence_4xH200_2026-11-26.md). Short sequences get no such line."""
     from meshrun.plan import ClusterSpec, TrainSpec, make_plan
-    from meshrun.plan.modelspec import PRESETS
+    from meshrun.modelinfo.spec import PRESETS
 
     long = make_plan(PRESETS["gpt-1.3b"], ClusterSpec(1, 4, 141 * 10**9),
                      TrainSpec(262144, 1, None, precision="bf16", compile=False), framework="torch")
@@ -841,13 +861,14 @@ def test_plan_says_when_a_chunked_loss_would_let_a_simpler_layout_fit():
 
 def test_fsdp2_reduce_scatter_stream_keeps_the_gradient_shards_reserved():
     """Why the planner adds FSDP2's gradient shards to the reserved peak when the peak comes with
-    the activations: in call AJ's GPT 1.3B rows (4 x H200) the side stream with the most segments,
+    the activations: in the GPT 1.3B rows of h200x4_early-state_2026-11-27.jsonl (4 x H200,
+    torch 2.11) the side stream with the most segments,
     the reduce-scatter stream, holds within 10% of the fp32 gradient shards (1.27 GiB for 1.21),
     free at that moment and out of the compute stream's reach; the compute stream holds the rest."""
     from meshrun.plan.memory import params_per_gpu
-    from meshrun.plan.modelspec import PRESETS
+    from meshrun.modelinfo.spec import PRESETS
 
-    path = os.path.join(CALIBRATION, "h200x4-early-2026-11-27.jsonl")
+    path = os.path.join(CALIBRATION, "h200x4_early-state_2026-11-27.jsonl")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     rows = [r for r in rows if r["model"] == "gpt-1.3b" and r["strategy"].startswith("fsdp")]
@@ -857,3 +878,34 @@ def test_fsdp2_reduce_scatter_stream_keeps_the_gradient_shards_reserved():
         side = [v for k, v in r["segments"].items() if k != "0"]
         rs = max(side, key=lambda v: v[0])  # [segments, GiB reserved, GiB in use, largest free]
         assert abs(rs[1] / shards - 1) <= 0.10, (r["strategy"], r["micro"], rs, shards)
+
+
+@pytest.mark.parametrize("model", ["gpt-124m", "gpt-1.3b", "userpkg.factories:tiny_llama"])
+def test_plan_and_train_resolve_the_same_defaults(model):
+    """`meshrun plan`'s default candidate is planned as `meshrun train` would run the job on
+    those GPUs: compiled, at the same sequence length, with the same global batch, and the
+    same strategy and micro-batch (one policy: plan.recommend.choose)."""
+    require("torch")
+    import torch
+
+    from meshrun.modelinfo.factory import call_factory
+    from meshrun.train.config import TrainConfig, resolve_seq_len, validate
+    from meshrun.train.models.gpt import gpt
+    from meshrun.modelinfo.read import context_of
+    from meshrun.train.parallel.auto import decide
+
+    out = meshrun("plan", "--model", model, "--gpus-per-node", "4", "--gpu-mem", "80GiB", "--json",
+                  env=plan_env())
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    factory = ":" in model
+    cfg = validate(TrainConfig(**({"model": model} if factory else {"model_size": model})))
+    with torch.device("meta"):
+        live = call_factory(model, "--model") if factory else gpt(model, cfg.seq)
+    cfg = resolve_seq_len(cfg, context_of(live))
+    choice = decide(live, cfg, 4, 4, 4, 80 * GiB, True)
+    assert d["train"]["compile"] is cfg.compiles(cuda=True) is True
+    assert d["train"]["seq_len"] == cfg.seq
+    r = d["recommended"]
+    assert (r["strategy"], r["global_batch"], r["micro_batch"]) == (choice.strategy, choice.global_batch,
+                                                                     choice.micro_batch)

@@ -29,7 +29,7 @@ STEPS = 6
 def _train(overrides):
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import RandomTokens
-    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.models.gpt import GPT, GPTConfig
     from meshrun.train.trainer import Trainer
     import torch
 
@@ -42,8 +42,9 @@ def _train(overrides):
     trainer = Trainer(model, RandomTokens(512, 16, 64), None, cfg)
     records = trainer.fit()
     out = [(r["loss"], r["grad_norm"]) for r in records]
-    if trainer.ddp is not None and trainer.rt.rank == 0:  # what DDP was given: checked beside the losses
-        out.append(("ddp_bucket_bytes", trainer.ddp.bucket_bytes_cap))
+    ddp = getattr(trainer.layout, "ddp", None)
+    if ddp is not None and trainer.rt.rank == 0:  # what DDP was given: checked beside the losses
+        out.append(("ddp_bucket_bytes", ddp.bucket_bytes_cap))
     return out
 
 
@@ -67,9 +68,9 @@ def close(a, b, rtol=2e-4):
 
 @pytest.mark.parametrize("overrides", [
     {"strategy": "ddp"},
-    {"strategy": "fsdp", "fsdp": "full"},
-    {"strategy": "fsdp", "fsdp": "grad_op"},
-    {"strategy": "fsdp", "fsdp": "no_shard"},
+    {"strategy": "fsdp-full"},
+    {"strategy": "fsdp-grad-op"},
+    {"strategy": "fsdp-no-shard"},
 ], ids=["ddp", "fsdp-full", "fsdp-grad_op", "fsdp-no_shard"])
 def test_two_processes_match_one(reference, overrides):
     close(run(2, micro_batch=4, **overrides), reference)
@@ -82,7 +83,8 @@ def test_tensor_parallel_matches_one(reference, nproc, micro, fsdp, sp):
     """TP=2 alone (each TP pair reads the same micro-batch of 8) and FSDP2 x TP on a 2 x 2
     mesh (2 data-parallel pairs, 4 each): the same global batch of 8 as the reference, with
     sequence parallelism (the default) and without."""
-    close(run(nproc, micro_batch=micro, strategy="fsdp", fsdp=fsdp, tp=2, sequence_parallel=sp), reference)
+    close(run(nproc, micro_batch=micro, strategy=f"fsdp-{fsdp.replace('_', '-')}", tp=2, sequence_parallel=sp),
+          reference)
 
 
 def _local_shape(t):
@@ -93,7 +95,7 @@ def _sequence_parallel_shapes(sequence_parallel):
     """What each LayerNorm gets under TP=2 (its local tensor), and the head's local logits."""
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import BatchStream, RandomTokens
-    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.models.gpt import GPT, GPTConfig
     from meshrun.train.trainer import Trainer
     import torch
 
@@ -111,7 +113,7 @@ def _sequence_parallel_shapes(sequence_parallel):
     t.train_step(BatchStream(t.train_loader, 4, t.dp_size))
     shapes = {k: sorted(v) for k, v in seen.items()}
     full = t.model(torch.zeros(2, 16, dtype=torch.long))  # logits asked for: gathered
-    return t.strategy_reason, shapes, tuple(full.shape)
+    return t.layout.description, shapes, tuple(full.shape)
 
 
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
@@ -131,7 +133,7 @@ def _train_steps(overrides):
     """Like _train, but {step: loss} of the steps this run logged (after a resume: only those)."""
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import RandomTokens
-    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.models.gpt import GPT, GPTConfig
     from meshrun.train.trainer import Trainer
     import torch
 
@@ -206,21 +208,21 @@ def test_deepspeed_zero_matches_one(reference, zero):
     """DeepSpeed's engine with meshrun's AdamW: its flat fp32 partitions, its all-reduce or
     reduce-scatter, its clipping; the same training."""
     require("deepspeed")
-    close(run(2, micro_batch=4, strategy="deepspeed", zero=zero), reference)
+    close(run(2, micro_batch=4, strategy=f"zero{zero}"), reference)
 
 
 def test_deepspeed_offload_and_snapshot_resume(reference, tmp_path):
     """ZeRO-3 with the optimizer on the CPU trains the same; its snapshot (DeepSpeed's files
     inside meshrun's committed, hashed directory) resumes at step 3 into the same steps 4-6."""
     require("deepspeed")
-    close(run(2, micro_batch=4, strategy="deepspeed", zero=3, offload="optimizer"), reference)
+    close(run(2, micro_batch=4, strategy="zero3-offload"), reference)
     out = str(tmp_path / "ds")
-    first = meshrun.run(_train_steps, {"strategy": "deepspeed", "zero": 2, "micro_batch": 4, "out": out,
+    first = meshrun.run(_train_steps, {"strategy": "zero2", "micro_batch": 4, "out": out,
                                        "save_every": 3}, nproc=2, timeout_s=300)
     assert sorted(first) == list(range(1, STEPS + 1))
     snap = os.path.join(out, "checkpoints", "step-00000003")
     assert os.path.isfile(os.path.join(snap, "COMMITTED.json")) and os.path.isdir(os.path.join(snap, "deepspeed"))
-    resumed = meshrun.run(_train_steps, {"strategy": "deepspeed", "zero": 2, "micro_batch": 4, "out": out,
+    resumed = meshrun.run(_train_steps, {"strategy": "zero2", "micro_batch": 4, "out": out,
                                          "resume": snap}, nproc=2, timeout_s=300)
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
@@ -241,7 +243,7 @@ def reference_moe():
 
 @pytest.mark.parametrize("nproc,overrides", [(2, {"strategy": "ddp"}), (2, {"ep": 2}), (4, {"ep": 2}),
                                              (4, {"ep": 4}), (2, {"ep": 2, "strategy": "fsdp"}),
-                                             (4, {"ep": 2, "strategy": "fsdp", "fsdp": "grad_op"})],
+                                             (4, {"ep": 2, "strategy": "fsdp-grad-op"})],
                          ids=["ddp", "ep2", "dp2xep2", "ep4", "ep2-fsdp", "dp2xep2-fsdp"])
 def test_mixture_of_experts_matches_one(reference_moe, nproc, overrides):
     """4 experts, top-2, load balancing over the global batch: replicated experts (DDP) and
@@ -258,7 +260,8 @@ def test_expert_parallel_snapshot_keeps_every_ranks_experts(reference_moe, tmp_p
     """Saved under EP=2 on 2 processes at step 3 (each rank holds 2 of the 4 experts; the rest
     replicated or sharded by FSDP2), resumed under EP=2, with the experts replicated, under
     EP=4, and under EP=2 x FSDP2 on 4 processes: steps 4-6 continue the reference training.
-    (A first version saved rank 0's experts only: DCP took the parts for replicas.)"""
+    (Saved as plain tensors, the experts would be taken by DCP for replicas, one rank's part
+    kept: checkpoint/parts.py wraps them.)"""
     out = str(tmp_path / "run")
     meshrun.run(_train_steps, {"ep": 2, "micro_batch": 4, "n_experts": 4, "out": out, "save_every": 3, **saved_with},
                 nproc=2, timeout_s=300)
@@ -271,7 +274,7 @@ def test_expert_parallel_snapshot_keeps_every_ranks_experts(reference_moe, tmp_p
 
 
 def test_hybrid_shard_on_four_processes_matches_one(reference):
-    close(run(4, micro_batch=2, strategy="fsdp", fsdp="hybrid", fsdp_shard_size=2), reference)
+    close(run(4, micro_batch=2, strategy="fsdp-hybrid", fsdp_shard_size=2), reference)
 
 
 @pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp"])
@@ -285,7 +288,7 @@ def test_grad_op_accumulation_keeps_parameters_gathered(reference):
     """FSDP2 grad_op over four micro-steps: the same training as one process, and the
     parameters are all-gathered once per optimizer step, not once per micro-step (they are
     kept gathered from one micro-step's backward to the next one's forward)."""
-    close(run(2, strategy="fsdp", fsdp="grad_op", micro_batch=1, global_batch=8), reference)
+    close(run(2, strategy="fsdp-grad-op", micro_batch=1, global_batch=8), reference)
     once, four = (meshrun.run(_all_gathers_in_a_step, g, nproc=2, timeout_s=300) for g in (2, 8))
     assert once == four > 0, (once, four)
 
@@ -298,12 +301,12 @@ def _all_gathers_in_a_step(global_batch):
 
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import BatchStream, RandomTokens
-    from meshrun.train.models import GPT, GPTConfig
+    from meshrun.train.models.gpt import GPT, GPTConfig
     from meshrun.train.trainer import Trainer
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
-    cfg = TrainConfig(strategy="fsdp", fsdp="grad_op", micro_batch=1, global_batch=global_batch, seq_len=16,
+    cfg = TrainConfig(strategy="fsdp-grad-op", micro_batch=1, global_batch=global_batch, seq_len=16,
                       steps=2, precision="fp32", log_every=1)
     t = Trainer(model, RandomTokens(64, 16, 64), None, cfg)
     data = BatchStream(t.train_loader, 1, t.dp_size)
@@ -390,7 +393,7 @@ def _llama_tp_logits_match(sequence_parallel):
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshrun.train.parallelize import apply_tp
+    from meshrun.train.parallel.tp import apply_tp
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -425,7 +428,7 @@ def _cp_attention_matches():
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from meshrun.train.context import ContextAttention
+    from meshrun.train.parallel.context import ContextAttention
 
     g = torch.Generator().manual_seed(7)
     b, h, t, d = 2, 3, 16, 8

@@ -10,10 +10,10 @@ from meshrun.errors import MeshrunError  # noqa: E402
 from meshrun.train.config import TrainConfig, build_config  # noqa: E402
 from meshrun.train.data import ShardedIterable, TokenChunks  # noqa: E402
 from meshrun.train.metrics import mfu, peak_for_name  # noqa: E402
-from meshrun.train.models import GPT, GPTConfig  # noqa: E402
+from meshrun.train.models.gpt import GPT, GPTConfig  # noqa: E402
 from meshrun.train.optim import lr_factor  # noqa: E402
-from meshrun.train.parallelize import find_blocks  # noqa: E402
-from helpers import BENCH, bench_module  # noqa: E402
+from meshrun.modelinfo.blocks import find_blocks  # noqa: E402
+from helpers import DATA, bench_module  # noqa: E402
 
 nn = torch.nn
 
@@ -104,7 +104,7 @@ def test_attention_choice_goes_first_and_the_order_comes_back():
     leave torch's order alone. (The order is process state; no GPU is needed to read it.)"""
     from torch.nn.attention import SDPBackend
 
-    from meshrun.train.attention import attention_kernels
+    from meshrun.train.models.attention import attention_kernels
 
     torchs = torch._C._get_sdp_priority_order()
     gpu = torch.device("cuda", 0)
@@ -124,7 +124,7 @@ def _ddp_rebuild_release():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from meshrun.train.parallelize import release_old_buckets
+    from meshrun.train.parallel.ddp import release_old_buckets
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -155,7 +155,7 @@ def test_ddp_releases_its_first_buckets_once_right_after_the_rebuild():
     (25, True, 4, 4, 25),       # the user's size wins
 ], ids=["compiled-one-host", "compiled-two-hosts", "eager", "requested"])
 def test_ddp_bucket_size_follows_compile_and_hosts(requested, compiled, world, local, expected):
-    from meshrun.train.parallelize import ddp_bucket_mb
+    from meshrun.train.parallel.ddp import ddp_bucket_mb
     from meshrun.train.runtime import Runtime
 
     rt = Runtime(rank=0, local_rank=0, world_size=world, local_world_size=local, device=torch.device("cpu"),
@@ -167,22 +167,28 @@ def test_ddp_bucket_size_follows_compile_and_hosts(requested, compiled, world, l
 def test_compile_tune_asks_inductor_for_tuned_kernels_torch_accepts():
     """--compile-tune: coordinate-descent tuning, as options of the compiled graphs only.
     torch.compile checks option names when it is called, so a key this torch lacks would
-    raise here rather than at a GPU job's first step. Tuning implies compiling."""
+    raise here rather than at a GPU job's first step. Tuning compiles (also on the CPU, where
+    compiling is otherwise off by default), and refuses --compile off."""
+    from meshrun.errors import MeshrunError
     from meshrun.train.config import validate
-    from meshrun.train.parallelize import compile_options
+    from meshrun.train.parallel.apply import compile_options
 
     assert compile_options(False) == {}
     assert compile_options(True) == {"coordinate_descent_tuning": True}
     torch.compile(lambda x: x + 1, options=compile_options(True))
     with pytest.raises(RuntimeError):  # the check this relies on
         torch.compile(lambda x: x + 1, options={"no_such_inductor_option": True})
-    assert validate(TrainConfig(compile_tune=True)).compile
-    assert not validate(TrainConfig()).compile
+    assert validate(TrainConfig(compile_tune=True)).compiles(cuda=False)
+    assert not validate(TrainConfig()).compiles(cuda=False) and validate(TrainConfig()).compiles(cuda=True)
+    assert validate(TrainConfig(compile=True)).compile == "on" and validate(TrainConfig(compile="no")).compile == "off"
+    with pytest.raises(MeshrunError, match="--compile-tune=True: tunes compiled kernels, but --compile is off"):
+        validate(TrainConfig(compile="off", compile_tune=True))
 
 
 def test_mixture_of_experts_flops_count_the_experts_a_token_visits():
     """MFU of an MoE GPT: a token runs its top-k experts' MLPs (and the router), not all of
-    them; counting every expert made the third session's EP rows read 47% instead of ~16%."""
+    them; counting every expert makes the layouts benchmark's EP rows read 47% instead of ~16%
+    (4 x H200, torch 2.11)."""
     dims = dict(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
     dense = GPT(GPTConfig(**dims)).flops_per_token()
     moe = GPT(GPTConfig(n_experts=8, top_k=2, **dims))
@@ -193,11 +199,11 @@ def test_mixture_of_experts_flops_count_the_experts_a_token_visits():
 
 
 def test_power_limit_is_read_from_the_recorded_clock_samples():
-    """bench/smi_summary.py on call AM's nvidia-smi samples (4 x H200, four 1-GPU runs side by
-    side): the GPT 1.3B cards (2, 3) ran at their 700-W limit with the SM clock near 1500 MHz,
+    """bench/smi_summary.py on recorded nvidia-smi samples (4 x H200, four 1-GPU runs side by
+    side, tests/data/smi): the GPT 1.3B cards (2, 3) ran at their 700-W limit with the SM clock near 1500 MHz,
     the 124M ones near 1650-1690; samples of idle or compiling cards do not count."""
     smi = bench_module("smi_summary")
-    with open(os.path.join(BENCH, "results", "smi-2026-11-27", "call-AM.csv")) as fh:
+    with open(os.path.join(DATA, "smi", "h200x4_four-1gpu-runs_2026-11-27.csv")) as fh:
         samples = smi.parse(fh.read().splitlines())
     assert {s.gpu for s in samples} == {0, 1, 2, 3} and any(s.util < 90 for s in samples)
     lines = smi.summarize(samples)
@@ -254,7 +260,7 @@ def test_optimizer_state_made_before_the_first_step_changes_nothing(fused):
     assert all(p.grad is None for p in a.parameters())
     assert len(oa.state) == sum(1 for _ in a.parameters())
     assert all(float(st["step"]) == 0 and not st["exp_avg"].any() for st in oa.state.values())
-    create_state(oa)  # a second call (a resumed run's optimizer already has state) keeps it
+    create_state(oa)  # called again (a resumed run's optimizer already has state) it keeps it
     idx = torch.randint(0, 64, (4, 17))
     for model, opt in ((a, oa), (b, ob)):
         for _ in range(2):
@@ -275,7 +281,7 @@ def _state_at_setup():
 
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import RandomTokens
-    from meshrun.train.models import gpt
+    from meshrun.train.models.gpt import gpt
     from meshrun.train.trainer import Trainer
 
     torch.manual_seed(0)
@@ -293,7 +299,8 @@ def _state_at_setup():
 def test_trainer_makes_the_optimizer_state_at_setup():
     """Under FSDP2 on 2 gloo processes the Trainer has AdamW's state for every parameter before
     its first step (step 0, zero moments), no gradient left behind and every parameter as built:
-    made in the first step it split the loss's freed blocks on a GPU (issue 5, tenth session)."""
+    made in the first step it splits the loss's freed blocks on a GPU (4 x H200, torch 2.11;
+    docs/decisions.md#optimizer-state)."""
     import meshrun
 
     assert meshrun.run(_state_at_setup, nproc=2, timeout_s=120) == (True, True, True)

@@ -1,8 +1,8 @@
-"""meshrun.train.fused_mlp on a GPU (cuBLASLt's epilogues through nvmath-python) against the same
-ops' plain torch path, then the MLP's time per forward + backward at the benchmark's shapes:
-Inductor's (Linear, GELU, Linear compiled) against the epilogues'. Run by `bash
-bench/gpu_session.sh mlp OUT`; prints one line per check and ALL OK, or stops at the first
-failure with what differed. Needs CUDA."""
+"""meshrun.train.kernels.fused_mlp on a GPU (cuBLASLt's epilogues through nvmath-python)
+against the same ops' plain torch path, then the MLP's time per forward + backward at the
+benchmark's shapes: Inductor's (Linear, GELU, Linear compiled) against the epilogues'. Run by
+`bash bench/gpu_session.sh checks OUT`; prints one line per check and ALL OK, or stops at the
+first failure with what differed. Needs CUDA."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshrun.train import fused_mlp
+from meshrun.train.kernels import fused_mlp
 
 if not torch.cuda.is_available():
     raise SystemExit("fused_mlp_check: needs a GPU")
@@ -35,52 +35,45 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-# 1. the epilogues against the plain path, forward and backward, at two shapes
-WAYS = list(fused_mlp.BACKWARDS)  # the backward ways timed below: those cuBLASLt accepts
+def both(x, wu, bu, wd, bd, dy):
+    y, g, h = torch.ops.meshrun.gelu_mlp(x, wu, bu, wd, bd)
+    return (y, g, h, *torch.ops.meshrun.gelu_mlp_backward(dy, x, wu, wd, g, h))
+
+
+# 1. the epilogues against the plain path, forward and backward, at two shapes; then the
+# same plans called directly (fused_mlp._Direct, every call after the one that makes a plan)
+# against the call that makes it, through nvmath's execute(): bit for bit
 for n, d in ((4096, 768), (8192, 2048)):
     x, (wu, bu, wd, bd) = operands(n, d)
     dy = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
-    for how in fused_mlp.BACKWARDS[:-1]:  # the epilogues' backward ways (the last is plain torch)
-        before = fused_mlp.PATHS["cublaslt"]
-        y, g, h = torch.ops.meshrun.gelu_mlp(x, wu, bu, wd, bd)
-        grads = torch.ops.meshrun.gelu_mlp_grads(dy, x, wu, wd, g, h, how)
-        took = fused_mlp.PATHS["cublaslt"] - before
-        if took != 2 and how == "dgelu_wbgrad" and how in WAYS:  # the newest way: refused, reported, left out
-            print(f"{how} refused at {n}x{d}, left out: {fused_mlp.FALLBACK}", flush=True)
-            WAYS.remove(how)
-        if how not in WAYS:
-            continue
-        if took != 2:
-            raise SystemExit(f"fused_mlp_check: the cuBLASLt path ran {took} of 2 times at {n}x{d}: "
-                             f"{fused_mlp.FALLBACK}")
-        y0, g0, h0 = fused_mlp._forward_torch(x, wu, bu, wd, bd)
-        dh0, dbu0 = fused_mlp._backward_torch(x, wu, dy, wd, g0, h0)
-        ref = (dh0 @ wu, dh0.t() @ x, dbu0, dy.t() @ g0, dy.sum(0))
-        errs = {"y": rel(y, y0), "gelu out": rel(g, g0), "gelu in": rel(h, h0)}
-        errs |= {k: rel(a, b) for k, a, b in zip(("dx", "dW_up", "db_up", "dW_down", "db_down"), grads, ref)}
-        worst = max(errs, key=errs.get)
-        print(f"{n} x {d}, {how}: relative errors " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()),
-              flush=True)
-        if errs[worst] > 2e-2:  # bf16 rounds to ~4e-3; the two paths round at different points
-            raise SystemExit(f"fused_mlp_check: {worst} differs by {errs[worst]:.2e} at {n}x{d}")
-        if any(t.shape != r.shape or t.dtype != r.dtype for t, r in zip(grads, ref)):
-            raise SystemExit("fused_mlp_check: gradient shapes or dtypes differ from the plain path's")
-        # the same plans called directly (fused_mlp._Direct) and through nvmath's execute()
-        outs = {}
-        for direct in (False, True):
-            fused_mlp.DIRECT = direct
-            before = fused_mlp.EXECUTED["direct"]
-            y1, g1, h1 = torch.ops.meshrun.gelu_mlp(x, wu, bu, wd, bd)
-            outs[direct] = (y1, g1, h1, *torch.ops.meshrun.gelu_mlp_grads(dy, x, wu, wd, g1, h1, how))
-            calls = 1 + (3 if how == "dgelu_wbgrad" else 1)  # matmuls through cuBLASLt, forward + backward
-            if (fused_mlp.EXECUTED["direct"] - before) != (calls if direct else 0):
-                raise SystemExit(f"fused_mlp_check: direct calls {fused_mlp.EXECUTED} with DIRECT={direct}")
-        same = all(torch.equal(p, q) for p, q in zip(outs[False], outs[True]))
-        worst = max(rel(p, q) for p, q in zip(outs[True], outs[False]))
-        print(f"  direct cuBLASLt calls against nvmath's execute(): bitwise equal {same}, worst {worst:.1e}",
-              flush=True)
-        if worst > 1e-2 or not all(p.stride() == q.stride() for p, q in zip(outs[False], outs[True])):
-            raise SystemExit(f"fused_mlp_check: the direct calls differ from execute() by {worst:.2e} (or in layout)")
+    fused_mlp._PLANS.clear()
+    before = dict(fused_mlp.PATHS), dict(fused_mlp.EXECUTED)
+    first = both(x, wu, bu, wd, bd, dy)
+    took = fused_mlp.PATHS["cublaslt"] - before[0].get("cublaslt", 0)
+    if took != 2:
+        raise SystemExit(f"fused_mlp_check: the cuBLASLt path ran {took} of 2 times at {n}x{d}: {fused_mlp.FALLBACK}")
+    y, g, h, *grads = first
+    y0, g0, h0 = fused_mlp._forward_torch(x, wu, bu, wd, bd)
+    ref = fused_mlp._backward_plain(x, wu, dy, wd, g0, h0)
+    errs = {"y": rel(y, y0), "gelu out": rel(g, g0), "gelu in": rel(h, h0)}
+    errs |= {k: rel(a, b) for k, a, b in zip(("dx", "dW_up", "db_up", "dW_down", "db_down"), grads, ref)}
+    worst = max(errs, key=errs.get)
+    print(f"{n} x {d}: relative errors " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()), flush=True)
+    if errs[worst] > 2e-2:  # bf16 rounds to ~4e-3; the two paths round at different points
+        raise SystemExit(f"fused_mlp_check: {worst} differs by {errs[worst]:.2e} at {n}x{d}")
+    if any(t.shape != r.shape or t.dtype != r.dtype for t, r in zip(grads, ref)):
+        raise SystemExit("fused_mlp_check: gradient shapes or dtypes differ from the plain path's")
+    second = both(x, wu, bu, wd, bd, dy)
+    direct = fused_mlp.EXECUTED["direct"] - before[1].get("direct", 0)
+    if direct != 2:
+        raise SystemExit(f"fused_mlp_check: {direct} of the second call's 2 matmuls ran directly: {fused_mlp.EXECUTED}")
+    same = all(torch.equal(p, q) for p, q in zip(first, second))
+    worst_direct = max(rel(p, q) for p, q in zip(second, first))
+    print(f"  direct cuBLASLt calls against nvmath's execute(): bitwise equal {same}, worst {worst_direct:.1e}",
+          flush=True)
+    if worst_direct > 1e-2 or not all(p.stride() == q.stride() for p, q in zip(first, second)):
+        raise SystemExit(f"fused_mlp_check: the direct calls differ from execute() by {worst_direct:.2e} "
+                         "(or in layout)")
 
 # 2. inside a compiled function, no graph break
 x, (wu, bu, wd, bd) = operands(1024, 768)
@@ -120,39 +113,28 @@ def plain(t):
         return down(F.gelu(up(t), approximate="tanh"))
 
 
-def fused(backward: str):
-    def run(t):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            return fused_mlp.gelu_mlp(t, up, down, backward)
-    return run
+def fused(t):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return fused_mlp.gelu_mlp(t, up, down)
 
 
-INDUCTOR = "Inductor (compiled Linear, GELU, Linear)"
-runs = {INDUCTOR: torch.compile(plain), "plain eager": plain}
-runs |= {f"epilogues, backward {b} (compiled)": torch.compile(fused(b)) for b in WAYS}
-runs["epilogues, backward dgelu_bgrad (eager)"] = fused("dgelu_bgrad")
+INDUCTOR, EPILOGUES = "Inductor (compiled Linear, GELU, Linear)", "epilogues (compiled)"
+runs = {INDUCTOR: torch.compile(plain), "plain eager": plain, EPILOGUES: torch.compile(fused), "epilogues (eager)": fused}
 rows = {k: timed(f, x, name=k) for k, f in runs.items()}
 for k, v in rows.items():  # the peak: what one forward holds for its backward, and the backward's transients
     print(f"MLP fwd+bwd, {n} tokens x {d}: {k}: {v:.2f} ms, peak +{PEAKS[k]:.2f} GiB", flush=True)
-best = min(WAYS, key=lambda b: rows[f"epilogues, backward {b} (compiled)"])
-BEST = f"epilogues, backward {best} (compiled)"
-print(f"best backward: {best}, {rows[BEST] / rows[INDUCTOR] - 1:+.1%} against Inductor's", flush=True)
-# the host's cost per MLP (Python, nvmath's execute), where the GPU's is small
+print(f"epilogues: {rows[EPILOGUES] / rows[INDUCTOR] - 1:+.1%} against Inductor's", flush=True)
+# the host's cost per MLP (Python, the planned calls), where the GPU's is small
 small = torch.randn(256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
 dy = torch.randn(256, d, device=dev, dtype=torch.bfloat16)
-host = {}
-for direct in (False, True):
-    fused_mlp.DIRECT = direct
-    host[direct] = timed(fused("dgelu"), small)
-print(f"MLP fwd+bwd, 256 tokens (host-bound): epilogues through execute() {host[False]:.3f} ms, "
-      f"called directly {host[True]:.3f} ms, plain eager {timed(plain, small):.3f} ms", flush=True)
+print(f"MLP fwd+bwd, 256 tokens (host-bound): epilogues {timed(fused, small):.3f} ms, "
+      f"plain eager {timed(plain, small):.3f} ms", flush=True)
 # where the time goes: the GPU kernels of one forward + backward each way (top 6 by time)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 x = torch.randn(n, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
 dy = torch.randn(n, d, device=dev, dtype=torch.bfloat16)
-WB = "epilogues, backward dgelu_wbgrad (compiled)"
-for k in (INDUCTOR, BEST, *([WB] if WB in runs and WB != BEST else [])):
+for k in (INDUCTOR, EPILOGUES):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             runs[k](x).backward(dy)
@@ -160,9 +142,5 @@ for k in (INDUCTOR, BEST, *([WB] if WB in runs and WB != BEST else [])):
     evs = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
     print(f"kernels, {k}, per fwd+bwd: " + "; ".join(
         f"{e.key[:60]} {e.device_time_total / 3e3:.2f} ms x{e.count // 3}" for e in evs), flush=True)
-y, g, h = fused_mlp._forward_cublaslt(x.detach(), up.weight.bfloat16(), up.bias.bfloat16(), down.weight.bfloat16(),
-                                     down.bias.bfloat16())
-print(f"layouts straight from cuBLASLt: g {tuple(g.stride())}, h {tuple(h.stride())}; "
-      f"plans cached: {len(fused_mlp._PLANS)}", flush=True)
 print("ALL OK")
 sys.exit(0)

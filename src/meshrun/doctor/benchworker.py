@@ -35,7 +35,7 @@ def _time(fn, device: torch.device, warmup: int, min_time_s: float, max_iters: i
     (agreed on by all ranks so they run the same number of collectives). With ``burst``,
     also the mean of that many calls right after the warm-up: a GPU's first milliseconds run
     at boost clocks, so a short loop reads higher than a long one where power or heat caps
-    the clocks (8192^3 bf16 on 4 x H200: 787 vs 665 TFLOP/s, docs/benchmarks.md)."""
+    the clocks (8192^3 bf16 on 4 x H200, torch 2.11: 787 vs 665 TFLOP/s)."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -125,7 +125,7 @@ def train(opts: dict, rt) -> dict:
     from ..train.trainer import Trainer
 
     cfg = TrainConfig(model_size=opts["model"], seq_len=opts["seq"], micro_batch=opts["micro"],
-                      steps=opts["warmup"] + opts["steps"], compile=rt.cuda, log_every=10**9, lr=3e-4)
+                      steps=opts["warmup"] + opts["steps"], log_every=10**9, lr=3e-4)
     torch.manual_seed(0)
     trainer = Trainer(gpt(opts["model"], opts["seq"]), RandomTokens(1 << 16, opts["seq"], 50304), None, cfg,
                       runtime=rt)

@@ -1,6 +1,6 @@
 """The checks: each a function of the topology, the environment and the node's facts (and,
-for the network, injected probes), returning findings. The seed's NCCL table and its
-common mistakes are the advice."""
+for the network, injected probes), returning findings. The SkyPilot document's NCCL
+table and its common mistakes are the advice."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Callable, Mapping
 
 from ..cluster.topology import Topology
 from ..errors import MeshrunError
-from ..plan.units import fmt_bytes
+from ..units import fmt_bytes
 from .facts import Facts
 from .findings import Finding
 
-# What each NCCL variable does, from seed 001's table, and when it is a mistake.
+# What each NCCL variable does, from the SkyPilot document's table, and when it is a mistake.
 NCCL_ADVICE = {
     "NCCL_DEBUG": "debug logging; INFO prints NCCL's setup on every rank (unset it for production runs)",
     "NCCL_IB_DISABLE": "1 disables InfiniBand (0, the default, enables it)",
@@ -181,8 +181,8 @@ def check_gpu_health(facts: Facts) -> list[Finding]:
                                "check power and temperature (nvidia-smi -q -d PERFORMANCE)"))
         limit, default = _watts(h.get("power_limit", "")), _watts(h.get("power_default", ""))
         if limit is not None and default is not None and limit < 0.95 * default:
-            # Training runs at the power limit on these cards (docs/benchmarks.md, eleventh session:
-            # H200s held at 700 W ran the 1.3B step at ~1,500 MHz), so a lowered limit is a slower job.
+            # Training runs at the power limit on these cards (H200s held at 700 W ran GPT 1.3B's
+            # step at ~1,500 MHz, torch 2.11), so a lowered limit is a slower job.
             out.append(Finding("gpu health", "warn", f"GPU {i}: power limit {limit:.0f} W, below its default "
                                f"{default:.0f} W", f"training is power-bound: raise it (nvidia-smi -pl {default:.0f}) "
                                "unless it was lowered on purpose"))

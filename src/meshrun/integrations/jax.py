@@ -10,7 +10,7 @@ def jax_arguments(env: Mapping[str, str]) -> dict[str, Any]:
     """coordinator_address, num_processes and process_id for this process.
 
     Under ``meshrun launch -f jax`` they come from the variables it set. Started another way
-    (``python train.py`` once per node, seed 000's layout), from the detected topology: one
+    (``python train.py`` once per node, the Saturn Cloud document's layout), from the detected topology: one
     process per node, unless the platform started one per device (worker mode).
     """
     if env.get("MESHRUN_PROCESS_ID") and env.get("MESHRUN_NUM_PROCESSES"):

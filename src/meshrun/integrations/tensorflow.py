@@ -12,8 +12,8 @@ def tf_config(env: Mapping[str, str] | None = None, port: int | None = None,
 
     Under ``meshrun launch -f tensorflow`` TF_CONFIG is already set and is returned as is.
     Started another way (``python train.py`` on every Saturn Cloud or SkyPilot node, one
-    worker per node), it is built from the detected topology, as seed 000's snippet does by
-    hand (worker ports start at the master port, 29500 by default). Call it before
+    worker per node), it is built from the detected topology, as the Saturn Cloud document's
+    snippet does by hand (worker ports start at the master port, 29500 by default). Call it before
     constructing the strategy: TensorFlow reads TF_CONFIG then.
     """
     from ..api import detect

@@ -1,7 +1,7 @@
 """HuggingFace ``accelerate launch``.
 
 Its ``--num_processes`` is the GLOBAL process count (nodes x processes per node), unlike
-torchrun's per-node count: the mistake seed 000 warns about. ``--multi_gpu`` selects its
+torchrun's per-node count: the mistake the Saturn Cloud document warns about. ``--multi_gpu`` selects its
 torchrun-based multi-process launcher, which also runs CPU processes with gloo.
 """
 

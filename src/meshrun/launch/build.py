@@ -7,8 +7,7 @@ from ..errors import bad_value
 from . import accelerate, deepspeed, direct, jax, tensorflow, torchrun
 from .command import Command, LaunchSpec
 from .common import deepspeed_script_args
-
-FRAMEWORKS = ("torch", "deepspeed", "accelerate", "jax", "tensorflow")
+from ..vocab import FRAMEWORKS
 
 
 def _used_by(spec: LaunchSpec) -> list[tuple[str, object, tuple[str, ...]]]:

@@ -1,9 +1,10 @@
 """DeepSpeed, two ways.
 
-``torchrun`` path (default; seed 000's advice for Kubernetes-style platforms): every node runs
-torchrun exactly as for plain PyTorch, and the script calls ``deepspeed.initialize``.
+``torchrun`` path (default; the Saturn Cloud document's advice for Kubernetes-style platforms):
+every node runs torchrun exactly as for plain PyTorch, and the script calls
+``deepspeed.initialize``.
 
-``native`` path (seed 001's SkyPilot recipe): only the head node runs ``deepspeed
+``native`` path (the SkyPilot document's recipe): only the head node runs ``deepspeed
 --hostfile``, which starts workers on every node over SSH (passwordless SSH and sshd needed);
 the other nodes have nothing to start. The hostfile lists ``host slots=N`` per node.
 """

@@ -1,10 +1,10 @@
 """JAX: no launcher; every process runs the script and calls ``jax.distributed.initialize``.
 
-meshrun starts one process per node when the node's processes share its devices (seed 000's
-one-process-per-pod layout, nproc_per_node=1), or one per local device otherwise, and gives
-each the coordinator (node 0's address, the master port), the process count and its id.
-``meshrun.jax_initialize()`` reads them; JAX itself also reads JAX_COORDINATOR_ADDRESS and
-JAX_LOCAL_DEVICE_IDS.
+meshrun starts one process per node when the node's processes share its devices (the Saturn
+Cloud document's one-process-per-pod layout, nproc_per_node=1), or one per local device
+otherwise, and gives each the coordinator (node 0's address, the master port), the process
+count and its id. ``meshrun.jax_initialize()`` reads them; JAX itself also reads
+JAX_COORDINATOR_ADDRESS and JAX_LOCAL_DEVICE_IDS.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """TensorFlow MultiWorkerMirroredStrategy: every worker gets the whole cluster in TF_CONFIG.
 
 ``cluster.worker`` is the same list everywhere (every worker's host:port in rank order,
-node-major); ``task.index`` is this worker's position; worker 0 is the chief (seed 000).
-A node running several workers gives them consecutive ports from the master port up.
+node-major); ``task.index`` is this worker's position; worker 0 is the chief (the Saturn Cloud
+document). A node running several workers gives them consecutive ports from the master port up.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 Pure in the middle: ``ModelSpec`` + ``ClusterSpec`` + ``TrainSpec`` -> candidates (each a
 per-GPU memory breakdown, CPU memory, communication volume and an estimated step time) ->
 a recommendation with its reasons and warnings -> config files. Nothing here touches a GPU
-or starts a process; ``modelspec.from_factory`` imports torch only to build a model on the
-meta device.
+or starts a process. A model's shape comes from ``meshrun.modelinfo``.
 """
 
 from .recommend import Plan, make_plan
 from .spec import ClusterSpec, TrainSpec
-from .modelspec import ModelSpec, resolve_model
+from ..modelinfo.read import resolve_model
+from ..modelinfo.spec import ModelSpec
 
 __all__ = ["ClusterSpec", "ModelSpec", "Plan", "TrainSpec", "make_plan", "resolve_model"]

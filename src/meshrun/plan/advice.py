@@ -1,17 +1,11 @@
-"""The seed's flowchart as sentences, and its common-mistakes table as warnings."""
+"""The SkyPilot document's flowchart as sentences, and its common-mistakes table as warnings."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .modelspec import ModelSpec
+from ..modelinfo.spec import ModelSpec
+from .candidate import Candidate, fitting_twin
 from .spec import ClusterSpec, TrainSpec
-from .units import fmt_bytes, fmt_count
-
-if TYPE_CHECKING:
-    from .recommend import Candidate
-
-HEAVIER = ("zero3-offload", "zero3-offload-all")
+from ..units import fmt_bytes, fmt_count
 
 
 def _first(cands: list[Candidate], *names: str, ac: bool | None = False) -> Candidate | None:
@@ -54,8 +48,6 @@ def reasons_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidat
         out.append("CPU offload: the last resort the guide names; expect a 2-5x slower step")
     if s.tp * s.pp > 1:
         out.append(f"tensor x pipeline parallelism: TP={s.tp} within a node, PP={s.pp}, DP={s.dp}")
-    from .recommend import fitting_twin
-
     twin = fitting_twin(pick, cands)
     if twin is not None:
         out.append(f"{s.label} over {twin.strategy.label}: about {pick.step_time_s:.3g} vs {twin.step_time_s:.3g} s "

@@ -1,23 +1,25 @@
-"""The files a plan writes: DeepSpeed's ds_config.json (the seed's keys, every "auto"
-resolved to a number), an accelerate config YAML, and a meshrun train config."""
+"""The files a plan writes: DeepSpeed's ds_config.json (the SkyPilot document's keys, every
+"auto" resolved to a number), an accelerate config YAML, and a meshrun train config."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .modelspec import ModelSpec
-from .recommend import Candidate, Plan
+from ..modelinfo.spec import ModelSpec
+from ..vocab import GPT_PRESETS
+from .candidate import Candidate, Plan
 
-ZERO_STAGE = {"single": 0, "ddp": 0, "zero1": 1, "zero2": 2, "fsdp-grad-op": 2, "zero3": 3, "fsdp-full": 3,
-              "fsdp-hybrid": 3, "zero2-offload": 2, "zero3-offload": 3, "zero3-offload-all": 3}
+# What a strategy shards, as the ZeRO stage that shards the same (the paper's stages)
+ZERO_STAGE = {"none": 0, "optimizer": 1, "grads": 2, "params": 3}
 
 
 def zero_stage(c: Candidate) -> int:
-    return ZERO_STAGE.get(c.strategy.name, 1)  # TP x PP: Megatron's distributed optimizer is ZeRO-1
+    """The ZeRO stage of a candidate; TP x PP runs Megatron's distributed optimizer, ZeRO-1."""
+    return 1 if c.strategy.engine == "megatron" else ZERO_STAGE[c.strategy.shard]
 
 
 def zero_section(stage: int, hidden: int, offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, Any]:
-    """The seed's ``zero_optimization`` block for a stage. DeepSpeed's "auto" values are
+    """The SkyPilot document's ``zero_optimization`` block for a stage. DeepSpeed's "auto" values are
     what its HF integration would put there: reduce bucket h², prefetch 0.9·h², persistence
     threshold 10·h."""
     h2 = hidden * hidden
@@ -90,34 +92,25 @@ def accelerate_config(plan: Plan, c: Candidate, ds_config_file: str = "ds_config
 
 
 def train_config(plan: Plan, c: Candidate, m: ModelSpec) -> dict[str, Any]:
-    """A `meshrun train --config` file for the candidate: the trainer runs DDP, the FSDP2
-    flavours, DeepSpeed ZeRO (with offload) and TP x PP (with FSDP2 over the rest)."""
+    """A `meshrun train --config` file for the candidate. Data-parallel strategies keep their
+    name; expert and context parallelism run beside DDP and FSDP2 full shard; TP x PP runs
+    as FSDP2 full shard over the data-parallel rest."""
     s, b = c.strategy, c.batch
     out: dict[str, Any] = {}
-    from ..train.config import GPT_PRESETS
-
     if m.name in GPT_PRESETS:
         out["model_size"] = m.name
-    torch_map = {"single": ("single", None), "ddp": ("ddp", None), "fsdp-grad-op": ("fsdp", "grad_op"),
-                 "fsdp-full": ("fsdp", "full"), "fsdp-hybrid": ("fsdp", "hybrid")}
     if s.ep > 1:
         out.update(strategy="ddp", ep=s.ep)
     elif s.cp > 1:
-        out.update(strategy="fsdp", fsdp="full", cp=s.cp)
-    elif s.name in torch_map:
-        strategy, fsdp = torch_map[s.name]
-        out["strategy"] = strategy
-        if fsdp:
-            out["fsdp"] = fsdp
-    elif s.engine == "deepspeed":
-        out.update(strategy="deepspeed", zero=zero_stage(c),
-                   offload="all" if s.offload_params else "optimizer" if s.offload_optimizer else "none")
-    else:  # TP x PP x DP; each sample of the micro-batch is one pipeline micro-batch
-        out.update(strategy="fsdp", tp=s.tp, pp=s.pp)
+        out.update(strategy="fsdp-full", cp=s.cp)
+    elif s.engine == "megatron":  # each sample of the micro-batch is one pipeline micro-batch
+        out.update(strategy="fsdp-full", tp=s.tp, pp=s.pp)
         if s.pp > 1 and b is not None:
             out["pp_microbatches"] = b.micro
+    else:
+        out["strategy"] = s.name
     out.update(activation_checkpointing="full" if s.ac else "none", seq_len=plan.train.seq_len,
-               precision=plan.train.precision, compile=plan.train.compile)
+               precision=plan.train.precision, compile="on" if plan.train.compile else "off")
     if b is not None:
         out.update(micro_batch=b.micro, global_batch=b.global_batch)
     return out

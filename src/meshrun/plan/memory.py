@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .modelspec import ModelSpec
+from ..modelinfo.spec import LOSS_CHUNK_TOKENS, ModelSpec
 from .spec import ClusterSpec, TrainSpec
 
 
@@ -139,9 +139,7 @@ def logits_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
     tokens = micro * t.seq_len / (s.tp * s.cp)
     if m.fused_loss and s.tp == 1 and mode == "eager":
         # one chunk at a time: its fp32 logits, their exponentials, the fp32 and bf16 gradient
-        from ..train.losses import CHUNK_TOKENS
-
-        return int(14 * m.vocab * min(tokens, CHUNK_TOKENS))
+        return int(14 * m.vocab * min(tokens, LOSS_CHUNK_TOKENS))
     return int(calibration()["logits_vocab_bytes"][mode] * m.vocab * tokens)
 
 
@@ -201,7 +199,7 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
 def cast_copies(m: ModelSpec, t: TrainSpec, s: Strategy) -> float:
     """autocast's bf16 weight copies, saved by each matmul for its backward: alive from
     forward until that matmul's backward, so gone by the end of backward (the measured 1.3B
-    single-GPU row with activation checkpointing, whose peak is there: docs/benchmarks.md).
+    single-GPU row with activation checkpointing, whose peak is there: H200, torch 2.11).
     The input embedding lookup is not cast; a tied head is."""
     if not autocast(t, s):
         return 0.0
@@ -217,8 +215,8 @@ def persistent_grads(s: Strategy) -> bool:
     """DDP's gradient buckets (gradient_as_bucket_view), ZeRO-3's gradient partitions and
     Megatron's gradient buffers live through the whole step; single-device and FSDP2
     gradients are freed by ``zero_grad(set_to_none=True)`` and appear only during backward,
-    and so do ZeRO-1/2's reduce buckets and gradient partitions (measured: those rows' peak
-    is the start of backward with neither, docs/benchmarks.md, sixth session)."""
+    and so do ZeRO-1/2's reduce buckets and gradient partitions (measured on H200, torch 2.11,
+    DeepSpeed 0.19.8: those rows' peak is the start of backward with neither)."""
     if s.engine == "deepspeed":
         return s.shard == "params"
     return s.engine != "torch" or (s.shard == "none" and s.dp > 1)
@@ -239,8 +237,9 @@ def side_stream_grads(s: Strategy, grads: float) -> float:
     """Reserved, not allocated, at a peak reached with the activations: FSDP2 reduce-scatters
     the gradients on its own stream, into blocks that stream's cache keeps once zero_grad frees
     them, and the caching allocator never lends one stream's free blocks to another. The sharded
-    fp32 gradients' bytes (measured: GPT 1.3B on 4 x H200, 1.27 GiB on the reduce-scatter stream
-    against 1.21 GiB of gradient shards; docs/benchmarks.md, tenth session)."""
+    fp32 gradients' bytes (measured: GPT 1.3B on 4 x H200, torch 2.11, 1.27 GiB on the
+    reduce-scatter stream against 1.21 GiB of gradient shards;
+    docs/decisions.md#reserved-over-allocated)."""
     return grads if s.engine == "torch" and s.shard in ("grads", "params") else 0.0
 
 
@@ -251,8 +250,8 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
     states, cpu_per_gpu, notes = model_states(m, t, s)
     if s.engine == "deepspeed" and s.shard == "params" and t.precision == "bf16":
         # DeepSpeed's ZeRO-3 accumulates the gradient partitions in fp32, not the paper's
-        # 2 bytes (measured: the 1.3B ZeRO-3 rows sit 1.5 GB above a bf16 partition,
-        # docs/benchmarks.md, sixth session)
+        # 2 bytes (measured on H200, torch 2.11, DeepSpeed 0.19.8: the 1.3B ZeRO-3 rows sit
+        # 1.5 GB above a bf16 partition)
         states = dict(states, grads=int(4 * params_per_gpu(m, s) / s.shard_group))
     acts, transient = activations(m, t, s, micro)
     logits = logits_bytes(m, t, s, micro)

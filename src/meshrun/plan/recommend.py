@@ -1,85 +1,34 @@
-"""Evaluate every candidate and pick the first, in the flowchart's order, that fits."""
+"""Evaluate every candidate, in the flowchart's order, and pick one (``choose``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from ..errors import MeshrunError
 from .batch import Batch, check_divisible, micro_choices, solve
-from .memory import Memory, Strategy, estimate
-from .modelspec import ModelSpec
+from .candidate import Candidate, Plan, fitting_twin
+from .memory import Strategy, estimate
+from ..modelinfo.spec import ModelSpec
 from .spec import ClusterSpec, TrainSpec, validate_cluster, validate_train
 from .strategies import ENGINES, candidates, comm_bytes, model_parallel
-from .units import fmt_bytes
+from ..units import fmt_bytes
 
-ASSUMED_MFU = 0.50  # FSDP2's compute efficiency for the step-time estimate (meshrun measured 44-58%, 50.6% in
-# the layouts benchmark that layout_efficiency is relative to)
+# FSDP2's compute efficiency for the step-time estimate: 50.6% in the layouts benchmark that
+# layout_efficiency is relative to (GPT 1.3B, 4 x H200, torch 2.11); meshrun's defaults reach
+# 50-61% at GPT 124M-1.3B. docs/decisions.md#assumed-mfu
+ASSUMED_MFU = 0.50
 PCIE_BW = 25e9  # host <-> GPU bytes/s per GPU, for offload
 CPU_ADAM_BW = 10e9  # bytes of optimizer state per second a CPU Adam streams per GPU
-# torch's fused AdamW on an H200: 2.5 ms for GPT 124M, 26 ms for GPT 1.3B (profiled, docs/benchmarks.md),
-# once per optimizer step over the parameters this GPU updates: what makes accumulation pay for DDP.
+# torch's fused AdamW on an H200: 2.5 ms for GPT 124M, 26 ms for GPT 1.3B (profiled, torch 2.11;
+# docs/decisions.md#optimizer-time), once per optimizer step over the parameters this GPU
+# updates: what makes accumulation pay for DDP.
 OPTIMIZER_S_PER_PARAM = 2.0e-11
 
 
-@dataclass(frozen=True)
-class Candidate:
-    strategy: Strategy
-    batch: Batch | None
-    memory: Memory | None
-    fits: bool
-    why_not: str = ""
-    comm_bytes: float = 0.0
-    step_time_s: float = 0.0
-
-    def to_dict(self) -> dict:
-        s = self.strategy
-        out = {"strategy": s.label, "engine": s.engine, "activation_checkpointing": s.ac,
-               "dp": s.dp, "tp": s.tp, "pp": s.pp, "fits": self.fits}
-        if self.batch:
-            out.update(micro_batch=self.batch.micro, accumulation=self.batch.accum,
-                       global_batch=self.batch.global_batch)
-        if self.memory:
-            out.update(peak_bytes=self.memory.peak, allocator_peak_bytes=self.memory.allocator_peak,
-                       breakdown=dict(self.memory.breakdown), cpu_bytes_per_node=self.memory.cpu_bytes_per_node)
-        out.update(comm_bytes_per_step=int(self.comm_bytes), step_time_s=round(self.step_time_s, 4))
-        if self.why_not:
-            out["why_not"] = self.why_not
-        return out
-
-
-@dataclass(frozen=True)
-class Plan:
-    model: ModelSpec
-    cluster: ClusterSpec
-    train: TrainSpec
-    framework: str
-    margin: float
-    candidates: list[Candidate]
-    recommended: Candidate | None
-    reasons: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        m, c = self.model, self.cluster
-        return {
-            "model": {"name": m.name, "params": m.params, "layers": m.layers, "hidden": m.hidden,
-                      "vocab": m.vocab, "block_params": m.block_params, "source": m.source},
-            "cluster": {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu_mem_bytes": c.gpu_mem,
-                        "cpu_mem_bytes_per_node": c.cpu_mem, "sources": dict(c.sources)},
-            "train": {"seq_len": self.train.seq_len, "precision": self.train.precision,
-                      "optimizer": self.train.optimizer, "compile": self.train.compile},
-            "framework": self.framework, "margin": self.margin,
-            "candidates": [x.to_dict() for x in self.candidates],
-            "recommended": self.recommended.to_dict() if self.recommended else None,
-            "reasons": self.reasons, "warnings": self.warnings,
-        }
-
-
 def layout_efficiency(s: Strategy) -> float:
-    """Measured throughput of a layout relative to FSDP2 on the same GPUs (calibration.json,
-    from the issue-8 benchmark: tensor parallelism's smaller matmuls and blocking all-reduces,
-    ZeRO-3's eager parameter fetches, pipeline losses beyond the bubble). Measured at GPT 1.3B:
-    a wider model loses less to TP; unmeasured layouts count as 1."""
+    """Measured throughput of a layout relative to FSDP2 on the same GPUs (calibration.json;
+    GPT 1.3B on 4 x H200, torch 2.11, docs/decisions.md#layout-efficiency): tensor
+    parallelism's smaller matmuls and blocking all-reduces, ZeRO-3's eager parameter fetches,
+    pipeline losses beyond the bubble. Measured at GPT 1.3B: a wider model loses less to TP;
+    unmeasured layouts count as 1."""
     from .memory import calibration
 
     eff = calibration().get("layout_efficiency", {})
@@ -99,7 +48,7 @@ def work_efficiency() -> float:
     """ASSUMED_MFU in the units of the work the kernels do: the measurement behind it (GPT
     1.3B, 1024 tokens) counted attention whole, as MFU does; causal kernels did half of that
     part, so the same run used this share of the peak on real work (0.482)."""
-    from .modelspec import PRESETS
+    from ..modelinfo.spec import PRESETS
 
     ref = PRESETS["gpt-1.3b"]
     return ASSUMED_MFU * ref.work_flops_per_token(1024) / ref.flops_per_token(1024)
@@ -162,17 +111,6 @@ def _evaluate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, limit: fl
     return tried  # type: ignore[return-value]  # micros is never empty here
 
 
-TWINS = {"ddp": "fsdp-grad-op", "fsdp-grad-op": "ddp"}
-
-
-def fitting_twin(pick: Candidate, cands: list[Candidate]) -> Candidate | None:
-    """The other of DDP / FSDP2 grad_op, when it fits with the same batch and checkpointing."""
-    if pick.strategy.name not in TWINS:
-        return None
-    return next((x for x in cands if x.strategy.name == TWINS[pick.strategy.name]
-                 and x.strategy.ac == pick.strategy.ac and x.fits and x.batch == pick.batch), None)
-
-
 def _faster_twin(pick: Candidate | None, cands: list[Candidate]) -> Candidate | None:
     """DDP or FSDP2 grad_op, whichever the step-time estimate says is faster when both fit
     with the same batch: the guide leaves this choice to measurement, and the measurements
@@ -185,6 +123,39 @@ def _faster_twin(pick: Candidate | None, cands: list[Candidate]) -> Candidate | 
     if twin is not None and twin.step_time_s < 0.99 * pick.step_time_s:
         return twin
     return pick
+
+
+# Matmul efficiency grows with a micro-batch's tokens and saturates: modelled as T / (T + T0).
+# T0 fitted to two measurements on an H200 (torch 2.11): GPT 124M 64K -> 128K tokens gave +5%
+# (T0 = 6.7K), GPT 1.3B 16K -> 32K gave +8% (T0 = 2.8K). Past MAX_MICRO_TOKENS a bigger
+# micro-batch only costs memory. docs/decisions.md#micro-batch
+SATURATION_TOKENS = 4096
+MAX_MICRO_TOKENS = 128 * 1024
+
+
+def seconds_per_token(c: Candidate, seq_len: int) -> float:
+    """The step-time estimate per token, slowed by the micro-batch's matmul efficiency."""
+    micro_tokens = c.batch.micro * seq_len if c.batch else 1
+    tokens = micro_tokens * (c.batch.accum if c.batch else 1)
+    return c.step_time_s / tokens * (micro_tokens + SATURATION_TOKENS) / micro_tokens
+
+
+def choose(cands: list[Candidate], t: TrainSpec) -> Candidate | None:
+    """The pick among fitting candidates (in the flowchart's order): with the micro-batch the
+    planner's to size (a global batch given, no micro-batch), the fastest per token, the
+    flowchart's order breaking near-ties (within 1%): a sharded strategy that fits twice
+    DDP's micro-batch is faster (GPT 1.3B on 4 x H200, torch 2.11: FSDP2 grad_op at
+    micro-batch 32 beat DDP at 16 by 10%), and one that needs activation checkpointing for a
+    bigger micro-batch pays a third more compute for it. With the micro-batch fixed, the first
+    that fits, DDP and FSDP2 grad_op swapped when the estimate says the other is faster
+    (``_faster_twin``). docs/decisions.md#strategy"""
+    fitting = [x for x in cands if x.fits]
+    if not fitting:
+        return None
+    if t.micro_batch is None and t.global_batch is not None:
+        cost = [seconds_per_token(x, t.seq_len) for x in fitting]
+        return next(x for x, c in zip(fitting, cost) if c <= min(cost) * 1.01)
+    return _faster_twin(fitting[0], cands)
 
 
 def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torch", margin: float = 0.1) -> Plan:
@@ -201,7 +172,7 @@ def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torc
     if not any(x.fits and not x.strategy.offload_optimizer for x in cands):
         cands += [_evaluate(m, c, t, s, limit) for s in model_parallel(m, c)]
     engines = ENGINES[framework]
-    pick = _faster_twin(next((x for x in cands if x.fits and x.strategy.engine in engines), None), cands)
+    pick = choose([x for x in cands if x.strategy.engine in engines], t)
     warnings: list[str] = []
     if pick is None:
         pick = next((x for x in cands if x.fits), None)

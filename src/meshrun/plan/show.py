@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .memory import BREAKDOWN_KEYS, calibration, layer_activation_bytes
 from .recommend import Plan, work_efficiency
-from .units import fmt_bytes, fmt_count
+from ..units import fmt_bytes, fmt_count
 
 SHORT = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ", "logits": "logits",
          "comm_buffers": "buffers"}

@@ -1,47 +1,48 @@
-"""The candidate strategies, in the order the seed's flowchart prefers them: the least
-communication and complexity first (DDP; shard the optimizer; also the gradients; also the
-parameters), then the same with activation checkpointing, then CPU offload, then tensor x
+"""The candidate strategies, in the order the SkyPilot document's flowchart prefers them: the
+least communication and complexity first (DDP; shard the optimizer; also the gradients; also
+the parameters), then the same with activation checkpointing, then CPU offload, then tensor x
 pipeline parallelism."""
 
 from __future__ import annotations
 
+from ..modelinfo.spec import ModelSpec
+from ..vocab import STRATEGIES
 from .memory import Strategy
-from .modelspec import ModelSpec
 from .spec import ClusterSpec, TrainSpec
 
 # What each engine can run; meshrun train runs the torch ones.
 ENGINES = {"torch": ("torch", "megatron"), "deepspeed": ("deepspeed",), "any": ("torch", "deepspeed", "megatron")}
-# Measured (docs/benchmarks.md, GPT 1.3B on 4 x H200, no accumulation): from here FSDP2 keeping
+# Measured (GPT 1.3B on 4 x H200, torch 2.11, no accumulation; docs/decisions.md#strategy): from here FSDP2 keeping
 # parameters gathered beat DDP even when a replica fits, so it ranks first among torch
 # strategies; when both fit, the step-time estimate has the last word (recommend._faster_twin).
 FSDP_FIRST_FROM_PARAMS = 1_000_000_000
 
 
+def named(name: str, dp: int, shard_group: int, ac: bool) -> Strategy:
+    """A data-parallel strategy of vocab.STRATEGIES over ``dp`` ranks, its states sharded
+    over ``shard_group`` of them."""
+    kind = STRATEGIES[name]
+    return Strategy(name, kind.engine, kind.shard, dp, shard_group, ac=ac, keep_gathered=kind.fsdp == "grad_op",
+                    offload_optimizer=kind.offload != "none", offload_params=kind.offload == "all")
+
+
 def _dp_family(c: ClusterSpec, ac: bool, m: ModelSpec) -> list[Strategy]:
     w, g = c.world, c.gpus_per_node
     if w == 1:
-        return [Strategy("single", "torch", "none", 1, 1, ac=ac)]
-    ddp = Strategy("ddp", "torch", "none", w, 1, ac=ac)
-    grad_op = Strategy("fsdp-grad-op", "torch", "grads", w, w, ac=ac, keep_gathered=True)
+        return [named("single", 1, 1, ac)]
+    ddp, grad_op = named("ddp", w, 1, ac), named("fsdp-grad-op", w, w, ac)
     out = [grad_op, ddp] if m.params >= FSDP_FIRST_FROM_PARAMS else [ddp, grad_op]
-    out += [Strategy("zero1", "deepspeed", "optimizer", w, w, ac=ac),
-            Strategy("zero2", "deepspeed", "grads", w, w, ac=ac)]
+    out += [named("zero1", w, w, ac), named("zero2", w, w, ac)]
     if c.nodes > 1 and g > 1:
-        out.append(Strategy("fsdp-hybrid", "torch", "params", w, g, ac=ac))
-    out += [Strategy("fsdp-full", "torch", "params", w, w, ac=ac),
-            Strategy("zero3", "deepspeed", "params", w, w, ac=ac)]
+        out.append(named("fsdp-hybrid", w, g, ac))
+    out += [named("fsdp-full", w, w, ac), named("zero3", w, w, ac)]
     return out
 
 
 def _offload(c: ClusterSpec) -> list[Strategy]:
     w = c.world
-    out: list[Strategy] = []
-    for ac in (False, True):
-        out += [Strategy("zero2-offload", "deepspeed", "grads", w, w, ac=ac, offload_optimizer=True),
-                Strategy("zero3-offload", "deepspeed", "params", w, w, ac=ac, offload_optimizer=True),
-                Strategy("zero3-offload-all", "deepspeed", "params", w, w, ac=ac, offload_optimizer=True,
-                         offload_params=True)]
-    return out
+    return [named(name, w, w, ac) for ac in (False, True)
+            for name in ("zero2-offload", "zero3-offload", "zero3-offload-all")]
 
 
 def _tp_pp(m: ModelSpec, c: ClusterSpec) -> list[Strategy]:

@@ -4,6 +4,23 @@ The entry point of every spec is ``meshrun``: detection happens on the nodes, fr
 variables each platform sets, so a spec never hard-codes ranks or addresses it cannot know.
 """
 
-from .spec import TARGETS, RenderSpec, render
+from __future__ import annotations
 
-__all__ = ["RenderSpec", "TARGETS", "render"]
+from typing import Callable
+
+from . import hostfile, kubernetes, saturn, skypilot, slurm
+from .spec import TARGETS, RenderSpec, validate
+
+RENDERERS: dict[str, Callable[[RenderSpec], str]] = {
+    "slurm": slurm.render, "skypilot": skypilot.render, "kubernetes": kubernetes.render, "saturn": saturn.render,
+    "hostfile": hostfile.render,
+}
+
+
+def render(spec: RenderSpec) -> str:
+    """The spec's text for its target (validated first)."""
+    validate(spec)
+    return RENDERERS[spec.target](spec)
+
+
+__all__ = ["RENDERERS", "RenderSpec", "TARGETS", "render"]

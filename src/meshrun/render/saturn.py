@@ -1,4 +1,4 @@
-"""Saturn Cloud (seed 000): a Job resource whose command is the same on every instance and
+"""Saturn Cloud (the Saturn Cloud document): a Job resource whose command is the same on every instance and
 whose instance count is the number of nodes. Saturn sets SATURN_JOB_SCALE, SATURN_JOB_RANK,
 SATURN_JOB_LEADER and the pieces of every peer's DNS name, which meshrun reads.
 

@@ -1,4 +1,4 @@
-"""A SkyPilot task YAML as in seed 001: num_nodes, resources.accelerators, network_tier: best.
+"""A SkyPilot task YAML as in the SkyPilot document: num_nodes, resources.accelerators, network_tier: best.
 
 SkyPilot runs ``run`` on every node with SKYPILOT_NODE_IPS / NUM_NODES / NODE_RANK /
 NUM_GPUS_PER_NODE set, which meshrun reads; the DeepSpeed native launcher's head-only rule
@@ -23,7 +23,7 @@ def _literal(dumper: yaml.SafeDumper, value: _Literal) -> yaml.Node:
 def render(spec: RenderSpec) -> str:
     resources: dict = {"accelerators": f"{spec.accelerator}:{spec.gpus_per_node}"} if spec.gpus_per_node else {}
     if spec.nodes > 1:
-        resources["network_tier"] = "best"  # InfiniBand / EFA / GPUDirect-TCPX: seed 001
+        resources["network_tier"] = "best"  # InfiniBand / EFA / GPUDirect-TCPX: the SkyPilot document
     if spec.image:
         resources["image_id"] = f"docker:{spec.image}"
     task: dict = {"name": spec.name, "num_nodes": spec.nodes, "resources": resources, "workdir": "."}

@@ -1,4 +1,5 @@
-"""An sbatch script in seed 002's pattern: one task per node, srun, rendezvous on the head.
+"""An sbatch script in the pattern of the PyTorch Distributed slides' Slurm script: one task
+per node, srun, rendezvous on the head.
 
 meshrun on each node reads SLURM_JOB_NODELIST (head = its first host), SLURM_NNODES,
 SLURM_NODEID and SLURM_GPUS_ON_NODE, and derives the port from SLURM_JOB_ID (15000 + id mod

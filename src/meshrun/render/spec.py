@@ -1,4 +1,5 @@
-"""What to render, validated; and the dispatch to each platform's renderer."""
+"""What to render (a RenderSpec), validated. The renderers are in the modules beside this
+one; ``meshrun.render.render`` dispatches to them."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import shlex
 from dataclasses import dataclass, field
 
 from ..errors import bad_value
+from ..vocab import FRAMEWORKS
 
 TARGETS = ("slurm", "skypilot", "kubernetes", "saturn", "hostfile")
-FRAMEWORKS = ("torch", "deepspeed", "accelerate", "jax", "tensorflow")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")
 
 
@@ -87,11 +88,3 @@ def validate(spec: RenderSpec) -> RenderSpec:
     if spec.target == "hostfile" and not spec.hosts:
         raise bad_value("--hosts", "", "a hostfile needs the node addresses", "e.g. --hosts 10.0.0.1,10.0.0.2")
     return spec
-
-
-def render(spec: RenderSpec) -> str:
-    from . import hostfile, kubernetes, saturn, skypilot, slurm
-
-    validate(spec)
-    return {"slurm": slurm.render, "skypilot": skypilot.render, "kubernetes": kubernetes.render,
-            "saturn": saturn.render, "hostfile": hostfile.render}[spec.target](spec)

@@ -11,26 +11,16 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from ..defaults import COMPILE_CHOICES, compile_enabled, seq_len_for
 from ..errors import MeshrunError, bad_value
+from ..vocab import AC_MODES, GPT_PRESETS, POLICIES, PP_SCHEDULES, PRECISIONS, STRATEGIES
 
-STRATEGIES = ("auto", "single", "ddp", "fsdp", "deepspeed")
-OFFLOAD = ("none", "optimizer", "all")
-FSDP_FLAVOURS = ("auto", "full", "grad_op", "hybrid", "no_shard")
-PRECISIONS = ("auto", "bf16", "fp32")
+STRATEGY_CHOICES = (*POLICIES, *STRATEGIES)
 REDUCE_PRECISIONS = ("fp32", "bf16")
-ATTENTION = ("auto", "cudnn", "flash", "efficient", "math")  # SDPA kernel first in line (train/attention.py)
+ATTENTION = ("auto", "cudnn", "flash", "efficient", "math")  # SDPA kernel first in line (models/attention.py)
 KERNELS = ("auto", "plain")  # the built-in GPT's own kernels where they run, or none
-AC_MODES = ("none", "full")
 EXAMPLES = ("gpt", "toy")
 BUILTIN_DATA = ("stdlib", "random", "toy")
-# GPT presets (d_model, n_layers, n_heads); the benchmarks use gpt-124m and gpt-1.3b.
-GPT_PRESETS = {
-    "gpt-tiny": dict(d_model=64, n_layers=2, n_heads=4),
-    "gpt-small": dict(d_model=256, n_layers=4, n_heads=4),  # the default job's model
-    "gpt-124m": dict(d_model=768, n_layers=12, n_heads=12),
-    "gpt-350m": dict(d_model=1024, n_layers=24, n_heads=16),
-    "gpt-1.3b": dict(d_model=2048, n_layers=24, n_heads=16),
-}
 
 
 @dataclass(frozen=True)
@@ -39,9 +29,8 @@ class TrainConfig:
     model: str | None = None  # "module:factory" returning an nn.Module
     data: str | None = None  # built-in name, or "module:factory" returning a Dataset or (train, val)
     model_size: str = "gpt-small"
-    strategy: str = "auto"
-    fsdp: str = "auto"  # full (ZeRO-3) | grad_op (ZeRO-2) | hybrid (HSDP) | no_shard | auto
-    fsdp_shard_size: int | None = None  # hybrid: ranks per shard group (default: processes per node)
+    strategy: str = "auto"  # auto, fsdp (flavour by size) or a name of vocab.STRATEGIES
+    fsdp_shard_size: int | None = None  # fsdp-hybrid: ranks per shard group (default: processes per node)
     tp: int = 1  # tensor-parallel degree (DTensor); data parallel takes the rest of the world
     sequence_parallel: bool = True  # under --tp: norms on a sequence shard (meshrun's GPT, without --pp)
     pp: int = 1  # pipeline stages (torch.distributed.pipelining), meshrun's GPT
@@ -50,24 +39,24 @@ class TrainConfig:
     experts: int = 0  # built-in GPT: a mixture of this many experts (top-2) in every block
     ep: int = 1  # expert-parallel degree: each rank of an ep group holds experts/ep experts
     cp: int = 1  # context-parallel degree: each sequence sharded over cp ranks (meshrun's GPT)
-    zero: int = 2  # --strategy deepspeed: ZeRO stage 1, 2 or 3
-    offload: str = "none"  # --strategy deepspeed: none | optimizer | all (optimizer and parameters, ZeRO-3)
     steps: int = 200
-    micro_batch: int | None = None  # default: 8 for gpt, 32 for toy
-    global_batch: int | None = None  # default: micro_batch x data-parallel size (no accumulation)
-    seq_len: int = 256
+    # Neither given, on GPUs: a global batch of defaults.GLOBAL_BATCH_TOKENS and the largest
+    # micro-batch that fits (the planner's); on the CPU: micro-batch 8 (32 for toy), no accumulation
+    micro_batch: int | None = None
+    global_batch: int | None = None  # given without micro_batch: the planner sizes the micro-batch on GPUs
+    seq_len: int | None = None  # None: the model's context (defaults.seq_len_for)
     lr: float = 1e-3
     warmup: int | None = None  # default: 10% of steps, at most 100
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
     precision: str = "auto"  # bf16 on GPUs that have it, fp32 elsewhere
-    compile: bool = False
-    # Inductor's coordinate-descent tuning of its kernels (implies compile): a step up to 2% faster
-    # for minutes more compiling (train/parallelize.py: compile_options)
+    compile: str = "auto"  # auto (on GPUs, defaults.compile_enabled) | on | off; True/False taken too
+    # Inductor's coordinate-descent tuning of its kernels (implies compile on): a step up to 2%
+    # faster for minutes more compiling (parallel/apply.py: compile_options)
     compile_tune: bool = False
     activation_checkpointing: str = "none"
-    # None: 1000 MB compiled on one host, else 100 MB (train/parallelize.py: ddp_bucket_mb)
+    # None: 1000 MB compiled on one host, else 100 MB (parallel/ddp.py: ddp_bucket_mb)
     ddp_bucket_mb: int | None = None
     reduce_precision: str = "fp32"  # gradients' data-parallel reduction: fp32, or bf16 (half the bytes)
     fused_loss: bool = False  # built-in GPT: the loss chunk by chunk, the logits never whole (long sequences)
@@ -95,6 +84,16 @@ class TrainConfig:
         if self.micro_batch is not None:
             return self.micro_batch
         return 32 if self.example == "toy" else 8
+
+    @property
+    def seq(self) -> int:
+        """The sequence length; resolved (``resolve_seq_len``) before training starts."""
+        if self.seq_len is None:
+            raise MeshrunError("the sequence length is not resolved yet (hint: set --seq-len)")
+        return self.seq_len
+
+    def compiles(self, cuda: bool) -> bool:
+        return compile_enabled(self.compile, cuda) or self.compile_tune
 
     @property
     def warmup_steps(self) -> int:
@@ -140,34 +139,38 @@ def _check_choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Checks that need no torch and no process group (the batch arithmetic needs the world
     size and is checked by ``accumulation``)."""
+    if isinstance(cfg.compile, bool) or str(cfg.compile).lower() in _BOOL_WORDS:
+        cfg = dataclasses.replace(cfg, compile=_compile_word(cfg.compile))
+    _check_choice(cfg, "compile", COMPILE_CHOICES)
     _check_choice(cfg, "example", EXAMPLES)
-    _check_choice(cfg, "strategy", STRATEGIES)
-    _check_choice(cfg, "fsdp", FSDP_FLAVOURS)
-    _check_choice(cfg, "precision", PRECISIONS)
+    _check_choice(cfg, "strategy", STRATEGY_CHOICES)
+    _check_choice(cfg, "precision", ("auto", *PRECISIONS))
     _check_choice(cfg, "reduce_precision", REDUCE_PRECISIONS)
     _check_choice(cfg, "attention", ATTENTION)
     _check_choice(cfg, "kernels", KERNELS)
     _check_choice(cfg, "activation_checkpointing", AC_MODES)
-    _check_choice(cfg, "pp_schedule", ("1f1b", "gpipe", "interleaved"))
-    _check_choice(cfg, "offload", OFFLOAD)
-    if cfg.zero not in (1, 2, 3):
-        raise bad_value(cfg.source("zero"), cfg.zero, "is not a ZeRO stage", "1, 2 or 3")
-    if cfg.offload == "all" and cfg.zero != 3:
-        raise bad_value(cfg.source("offload"), cfg.offload, f"parameter offload needs ZeRO-3, not ZeRO-{cfg.zero}",
-                        "--zero 3, or --offload optimizer")
+    _check_choice(cfg, "pp_schedule", PP_SCHEDULES)
+    kind = STRATEGIES.get(cfg.strategy)
     if cfg.experts < 0:
         raise bad_value(cfg.source("experts"), cfg.experts, "must be >= 0")
-    if cfg.ep > 1 and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.strategy in ("deepspeed", "single")):
+    if cfg.ep > 1 and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.strategy == "single"
+                       or (kind is not None and kind.engine == "deepspeed")):
         raise bad_value(cfg.source("ep"), cfg.ep, "runs with data parallelism (DDP-style or FSDP2) for the rest",
-                        "--strategy auto, ddp or fsdp, without --tp/--pp/--cp")
+                        "--strategy auto, ddp or fsdp-*, without --tp/--pp/--cp")
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:
+        what = " and ".join(f"--{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp), ("cp", cfg.cp)) if v > 1)
+        if cfg.strategy in ("single", "ddp", "fsdp-no-shard") or (kind is not None and kind.engine == "deepspeed"):
+            raise bad_value(cfg.source("strategy"), cfg.strategy, f"does not compose with {what}: tensor, "
+                            "pipeline and context parallelism run with FSDP2 over the data-parallel ranks",
+                            "--strategy auto, fsdp, fsdp-full or fsdp-grad-op")
+        if cfg.strategy == "fsdp-hybrid":
+            raise bad_value(cfg.source("strategy"), cfg.strategy, f"does not compose with {what} yet",
+                            "--strategy fsdp-full or fsdp-grad-op")
     if cfg.cp > 1 and (cfg.tp > 1 or cfg.pp > 1):
         raise bad_value(cfg.source("cp"), cfg.cp, "does not combine with --tp/--pp yet", "context parallel with FSDP2")
-    if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
+    if cfg.cp > 1 and cfg.seq_len is not None and cfg.seq_len % (2 * cfg.cp):
         raise bad_value(cfg.source("seq_len"), cfg.seq_len, f"context parallelism over {cfg.cp} ranks cuts sequences "
                         f"into {2 * cfg.cp} equal chunks", f"a multiple of {2 * cfg.cp}")
-    if cfg.strategy == "deepspeed" and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1):
-        raise bad_value(cfg.source("strategy"), cfg.strategy, "does not combine with --tp/--pp/--cp here",
-                        "use --strategy fsdp with them, or DeepSpeed alone")
     if cfg.pp > 1 and cfg.micro % (cfg.pp_microbatches or cfg.pp):
         n = cfg.pp_microbatches or cfg.pp
         raise bad_value(cfg.source("micro_batch"), cfg.micro, f"does not split into {n} pipeline micro-batches",
@@ -204,9 +207,32 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise bad_value(cfg.source("min_lr_ratio"), cfg.min_lr_ratio, "must be between 0 and 1")
     if cfg.grad_clip < 0:
         raise bad_value(cfg.source("grad_clip"), cfg.grad_clip, "must be >= 0 (0 disables clipping)")
-    if cfg.compile_tune and not cfg.compile:  # tuning is of compiled kernels: it asks for them
-        cfg = dataclasses.replace(cfg, compile=True)
+    if cfg.compile_tune and cfg.compile == "off":
+        raise bad_value(cfg.source("compile_tune"), True, "tunes compiled kernels, but --compile is off",
+                        "drop one of them")
+    if cfg.seq_len is None and cfg.model is None and cfg.example == "gpt":  # a preset's own context
+        cfg = dataclasses.replace(cfg, seq_len=seq_len_for(GPT_PRESETS[cfg.model_size].context),
+                                  sources={**cfg.sources, "seq_len": "the preset's context"})
     return cfg
+
+
+_BOOL_WORDS = {"true": "on", "1": "on", "yes": "on", "on": "on", "false": "off", "0": "off", "no": "off",
+               "off": "off"}
+
+
+def _compile_word(value: object) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return _BOOL_WORDS[str(value).lower()]
+
+
+def resolve_seq_len(cfg: TrainConfig, context: int | None) -> TrainConfig:
+    """The config with its sequence length: the one given, else the model's ``context``
+    (defaults.seq_len_for); checked again now that it is known."""
+    if cfg.seq_len is not None:
+        return cfg
+    src = "the model's context" if context else "the default for a model that states no context"
+    return validate(dataclasses.replace(cfg, seq_len=seq_len_for(context), sources={**cfg.sources, "seq_len": src}))
 
 
 def load_file(path: str) -> dict[str, Any]:

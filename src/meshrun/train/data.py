@@ -1,4 +1,4 @@
-"""Data: the default corpus, random tokens, the seeds' toy set, and distributed loaders."""
+"""Data: the default corpus, random tokens, the PyTorch Distributed slides' toy set, and distributed loaders."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class RandomTokens(Dataset):
 
 
 class ToyRegression(Dataset):
-    """The seeds' MyTrainDataset: 20 features -> 1 target, a noisy linear function."""
+    """The PyTorch Distributed slides' MyTrainDataset: 20 features -> 1 target, a noisy linear function."""
 
     def __init__(self, n: int = 2048, seed: int = 1234) -> None:
         g = torch.Generator().manual_seed(seed)

@@ -119,8 +119,8 @@ def _fmt(key: str, value: Any) -> str:
         return f"{key} {value:,.0f}"
     if key == "mfu":
         return f"mfu {100 * value:.1f}%"
-    if key == "peak_mem_bytes":
-        return f"peak_mem {value / 2**30:.2f} GiB"
+    if key in ("peak_mem_bytes", "peak_reserved_bytes"):
+        return f"{key[:-6]} {value / 2**30:.2f} GiB"
     if isinstance(value, float):
         return f"{key} {value:.4g}"
     return f"{key} {value}"

@@ -44,7 +44,8 @@ def create_state(opt: torch.optim.Optimizer) -> None:
     step, into blocks the activations freed; the second step's activations then move into
     the loss's freed blocks. With cuBLAS's backward workspace (runtime.take_blas_workspaces)
     that cascade cost GPT 124M FSDP2 without checkpointing one more logits-sized segment
-    (1.5 GiB reserved at micro-batch 8, 6.1 at 32; docs/benchmarks.md, tenth session). One
+    (1.5 GiB reserved at micro-batch 8, 6.1 at 32; 4 x H200, torch 2.11;
+    docs/decisions.md#optimizer-state). One
     step with zero gradients and a zero learning rate creates the state and changes no
     parameter (AdamW's decay multiplies by 1 - 0); the step counts go back to zero, so the
     first real step is still step 1."""

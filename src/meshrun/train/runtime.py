@@ -58,10 +58,11 @@ def init_runtime(timeout_s: float = 600) -> Runtime:
 def take_blas_workspaces(device: torch.device) -> None:
     """Have cuBLAS take its workspaces now, while nothing large is free. cuBLAS takes one
     (32 MiB on Hopper) from the caching allocator the first time a thread multiplies on a
-    stream and keeps it for good; the backward runs on autograd's own thread, so its
-    workspace used to be taken at the first backward matmul, the head's, just after the
-    loss freed its logits-sized blocks, and it pinned one of them: the next steps then took
-    a new logits-sized segment (allocator traces, docs/benchmarks.md, tenth session). A
+    stream and keeps it for good; the backward runs on autograd's own thread, so without
+    this its workspace is taken at the first backward matmul, the head's, just after the
+    loss freed its logits-sized blocks, and it pins one of them: the next steps then take
+    a new logits-sized segment (allocator traces, 4 x H200, torch 2.11;
+    docs/decisions.md#cublas-workspaces). A
     small product and its backward, in fp32 and under bf16 autocast (cuBLASLt's path), take
     the forward thread's and autograd's workspaces on the current stream."""
     if device.type != "cuda":

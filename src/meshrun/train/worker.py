@@ -23,7 +23,8 @@ def _report(exc: MeshrunError) -> None:
 
 
 def main() -> int:
-    from .config import TrainConfig
+    from ..modelinfo.read import context_of
+    from .config import TrainConfig, resolve_seq_len
     from .factories import build_data, build_model
     from .runtime import init_runtime, teardown
     from .trainer import Trainer
@@ -32,6 +33,7 @@ def main() -> int:
     try:
         rt = init_runtime()
         model = build_model(cfg)
+        cfg = resolve_seq_len(cfg, context_of(model))  # (a user's model states its own context)
         vocab = getattr(getattr(model, "cfg", None), "vocab", None)
         train, val = build_data(cfg, vocab)
         Trainer(model, train, val, cfg, rt).fit()

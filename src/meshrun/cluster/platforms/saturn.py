@@ -1,4 +1,4 @@
-"""Saturn Cloud jobs (seed 000).
+"""Saturn Cloud jobs (the Saturn Cloud document).
 
 Every pod gets SATURN_JOB_SCALE (pods in the job), SATURN_JOB_RANK (this pod's index) and
 SATURN_JOB_LEADER (DNS name of pod 0). Peers resolve at

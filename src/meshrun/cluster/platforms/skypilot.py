@@ -1,4 +1,4 @@
-"""SkyPilot tasks (seed 001).
+"""SkyPilot tasks (the SkyPilot document).
 
 SKYPILOT_NODE_IPS lists every node's IP, one per line, head first; SKYPILOT_NUM_NODES,
 SKYPILOT_NODE_RANK and SKYPILOT_NUM_GPUS_PER_NODE complete the picture, and

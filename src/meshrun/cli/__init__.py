@@ -1,0 +1,79 @@
+"""meshrun: take a training script from one GPU to many nodes, on any cluster.
+
+  meshrun env [--json]                 show the topology meshrun detects here, and why
+  meshrun launch [options] script.py   start the script on this node for its framework
+  meshrun train [options]              train with meshrun's trainer (default: a small GPT
+                                       on the Python standard library's source)
+  meshrun plan [options]               per-GPU memory of each strategy, the one that fits,
+                                       and its ds_config.json / accelerate / train configs
+  meshrun render TARGET -- COMMAND     a Slurm / SkyPilot / Kubernetes / Saturn Cloud job spec
+                                       (or a DeepSpeed hostfile) that runs COMMAND via meshrun
+  meshrun doctor [--json]              check GPUs, versions, the master, interfaces, NCCL settings
+  meshrun bench comm|matmul|train      collectives' bus bandwidth, matmul TFLOP/s, training MFU
+  meshrun export SNAPSHOT --to FILE    a snapshot's weights as one safetensors file
+
+Run ``meshrun COMMAND --help`` for each command's manual. Every option accepts dashes or
+underscores (--master-port, --master_port) and can also be set through the environment as
+MESHRUN_<NAME> (MESHRUN_MASTER_PORT=29600); a flag wins over its variable, and either wins
+over what the platform says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Mapping, Sequence
+
+from .. import __version__
+from ..errors import MeshrunError
+from . import bench, doctor, env, launch, plan, render, train
+from .options import Parser, fill_env_defaults
+
+COMMANDS = (env, launch, train, plan, render, doctor, bench)  # each registers its parser(s)
+
+
+def make_parser() -> Parser:
+    parser = Parser(prog="meshrun", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"meshrun {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    parser = make_parser()
+    environ = dict(os.environ if env is None else env)
+    try:
+        args = list(sys.argv[1:] if argv is None else argv)
+        tail = None
+        if args and args[0] == "render" and "--" in args:  # argparse mangles `--` inside subcommands
+            cut = args.index("--")
+            args, tail = args[:cut], args[cut + 1:]
+        ns, extra = parser.parse_known_args(args)
+        if extra:
+            hint = ("put the command after --, e.g. meshrun render slurm -- meshrun train"
+                    if ns.command == "render" else f"see 'meshrun {ns.command or ''} --help'")
+            raise MeshrunError(f"unrecognized arguments: {' '.join(extra)} (hint: {hint})")
+        if tail is not None:
+            ns.cmd = tail
+        if ns.command is None:
+            parser.print_help()
+            return 0
+        fill_env_defaults(ns, environ, command_parser(parser, ns.command)._actions)
+        return int(ns.func(ns, environ))
+    except MeshrunError as exc:
+        print(f"meshrun: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The argument machinery every command shares: one-line errors, options spelled with dashes
+or underscores whose defaults may come from MESHRUN_<NAME>, the topology options, and small
+parsers for numeric option values."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..cluster.detect import PLATFORMS, resolve
+from ..cluster.net import free_port
+from ..cluster.options import ENV_PREFIX, parse_int, user_topology
+from ..cluster.reach import DEFAULT_TIMEOUT_S
+from ..cluster.topology import Topology
+from ..errors import MeshrunError, bad_value
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one line and exit code 2, as meshrun does everywhere."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise MeshrunError(f"{message} (see '{self.prog} --help')")
+
+
+@dataclass(frozen=True)
+class EnvDefault:
+    """An option whose default may come from MESHRUN_<DEST> before its built-in default."""
+
+    flag: str
+    default: object
+    kind: str  # "bool" | "int" | "str"
+    choices: tuple[str, ...] | None
+
+
+# add_option hangs an EnvDefault on each action it creates (as ``meshrun_env``), so that
+# commands sharing an option name (--model, --precision, --framework) keep their own
+# defaults and choices. Topology options have none: cluster/options.py reads their variables
+# itself, so that their sources can be reported separately.
+
+
+def add_option(p: argparse._ActionsContainer, name: str, *aliases: str, from_env: bool = True,
+               **kw: object) -> None:
+    """Register --a-b and --a_b (torchrun's convention) plus any aliases.
+
+    With ``from_env`` the option's default is looked up in MESHRUN_<DEST> first, so that
+    every flag can be set from the environment (a flag on the command line still wins)."""
+    spellings = []
+    for n in (name, *aliases):
+        if n.startswith("--"):
+            dash, under = n.replace("_", "-"), "--" + n[2:].replace("-", "_")
+            spellings += [dash] + ([under] if under != dash else [])
+        else:
+            spellings.append(n)
+    kw.setdefault("dest", name[2:].replace("-", "_"))
+    env_default = None
+    if from_env:
+        kind = "bool" if kw.get("action") == "store_true" else "int" if kw.get("type") is int else "str"
+        choices = tuple(kw["choices"]) if "choices" in kw else None  # type: ignore[call-overload]
+        env_default = EnvDefault(name, kw.pop("default", False if kind == "bool" else None), kind, choices)
+        kw["default"] = None
+    action = p.add_argument(*spellings, **kw)  # type: ignore[arg-type]
+    action.meshrun_env = env_default  # type: ignore[attr-defined]
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def fill_env_defaults(ns: argparse.Namespace, env: Mapping[str, str],
+                      actions: Sequence[argparse.Action]) -> None:
+    """Give every option of the command (its parser's ``actions``) left unset on the command
+    line its MESHRUN_<DEST> value or default."""
+    for action in actions:
+        opt: EnvDefault | None = getattr(action, "meshrun_env", None)
+        dest = action.dest
+        if opt is None or not hasattr(ns, dest) or getattr(ns, dest) is not None:
+            continue
+        var = ENV_PREFIX + dest.upper()
+        raw = env.get(var)
+        if raw is None:
+            setattr(ns, dest, opt.default)
+            continue
+        src = f"env {var}"
+        env_sourced = getattr(ns, "_env_sources", {})
+        env_sourced[dest] = src
+        ns._env_sources = env_sourced
+        if opt.kind == "bool":
+            if raw.strip().lower() not in _TRUE + _FALSE:
+                raise bad_value(src, raw, "not a yes/no value", "use 1 or 0")
+            value: object = raw.strip().lower() in _TRUE
+        elif opt.kind == "int":
+            value = parse_int(raw, src)
+        else:
+            value = raw
+        if opt.choices and value not in opt.choices:
+            raise bad_value(src, raw, f"not one of {', '.join(opt.choices)}", f"see {opt.flag} in --help")
+        setattr(ns, dest, value)
+
+
+def add_topology_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("topology (override what the platform says)")
+    add_option(g, "--platform", from_env=False, metavar="NAME", help=f"skip detection: one of {', '.join(PLATFORMS)}")
+    add_option(g, "--nnodes", from_env=False, metavar="N|MIN:MAX", help="number of nodes; MIN:MAX for an elastic job")
+    add_option(g, "--node-rank", from_env=False, metavar="R", help="this node's rank, 0..nnodes-1")
+    add_option(g, "--nproc", "--nproc-per-node", from_env=False, metavar="G", dest="nproc_per_node",
+               help="processes on this node (default: one per visible GPU; 2 on a CPU-only machine)")
+    add_option(g, "--master-addr", from_env=False, metavar="HOST", help="node 0's address (rendezvous host)")
+    add_option(g, "--master-port", from_env=False, metavar="PORT", help="rendezvous port (default 29500)")
+    add_option(g, "--hosts", from_env=False, metavar="H0,H1,..", help="every node's address in node-rank order")
+    add_option(g, "--run-id", from_env=False, metavar="ID", help="rendezvous id shared by the job's nodes")
+
+
+def add_rdzv_timeout_option(g: argparse._ActionsContainer) -> None:
+    add_option(g, "--rdzv-timeout", type=int, metavar="S",
+               help=f"multi-node: seconds to wait for the master and the other nodes before a one-line "
+                    f"error saying why (default {DEFAULT_TIMEOUT_S})")
+
+
+def topology_from_args(ns: argparse.Namespace, env: Mapping[str, str],
+                       gpus: int) -> tuple[Topology, tuple[int, int] | None]:
+    user = user_topology(vars(ns), env)
+    topo = resolve(env, gpus, user.platform, user.overrides, free_port=free_port)
+    return topo, user.elastic
+
+
+def int_option(ns: argparse.Namespace, name: str, minimum: int = 0) -> int | None:
+    """An option given as text (or from MESHRUN_<NAME>) as an integer >= ``minimum``, or None
+    when unset; a bad value names where it came from."""
+    raw = getattr(ns, name)
+    if raw is None:
+        return None
+    src = getattr(ns, "_env_sources", {}).get(name, "--" + name.replace("_", "-"))
+    value = parse_int(str(raw), src)
+    if value < minimum:
+        raise bad_value(src, raw, f"must be >= {minimum}")
+    return value
+
+
+def require_packages(command: str, modules: tuple[str, ...], extra: str) -> None:
+    """A one-line error naming what to install when a command's packages are missing."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MeshrunError(f"meshrun {command} needs {', '.join(missing)}, not installed here "
+                           f"(hint: pip install 'meshrun[{extra}]')")

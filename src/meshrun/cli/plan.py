@@ -1,0 +1,182 @@
+"""`meshrun plan`: which strategy fits, how much memory each needs, and the config files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+from typing import Mapping
+
+from ..cluster.gpus import count_visible_gpus
+from ..defaults import COMPILE_CHOICES, compile_enabled, global_batch_for, seq_len_for
+from ..errors import bad_value
+from ..modelinfo.read import resolve_model
+from ..modelinfo.spec import PRESETS
+from ..plan import ClusterSpec, TrainSpec, make_plan
+from ..plan.advice import check_choice
+from ..plan.recommend import MAX_MICRO_TOKENS
+from ..plan.spec import INTER_NODE, INTRA_NODE, OPTIMIZERS
+from ..units import parse_bytes
+from ..vocab import AC_MODES, PRECISIONS
+from .options import add_option, int_option
+
+PLAN_HELP = f"""\
+Plan a training run before it wastes a cluster: the per-GPU memory of every strategy
+(parameters, gradients, optimizer state, activations, the loss's logits spike, buffers,
+CUDA context), whether it fits, the communication per step and an estimated step time;
+then the recommendation the documents' flowchart gives, with its reasons:
+
+  does a replica fit?           -> DDP (or gradient accumulation on one GPU)
+  with optimizer + grads sharded -> ZeRO-2 / FSDP grad_op
+  with everything sharded       -> ZeRO-3 / FSDP full shard
+  still out of memory           -> + activation checkpointing, CPU offload, or TP x PP
+
+Models: a preset ({', '.join(PRESETS)}), a HuggingFace config.json (or its folder; nothing is
+downloaded), or module:factory for any nn.Module (built on the meta device: no memory used).
+
+examples:
+  meshrun plan --model llama-7b --gpus-per-node 8 --gpu-mem 80GiB
+  meshrun plan --model gpt-1.3b --gpu-mem 80GiB --gpus-per-node 4 --global-batch 256 --write plans/
+  meshrun plan --model ./llama/config.json --nodes 4 --gpus-per-node 8 --gpu-mem 80GiB --inter ib
+  meshrun plan --model llama-70b --gpus-per-node 8 --gpu-mem 80GiB --framework deepspeed --json
+  meshrun plan --model llama-13b --gpu-mem 40GiB --strategy zero3-offload   # check a choice
+  meshrun plan --explain                                   # the formulas, with this plan's numbers
+
+The GPU's memory and count are read from this machine when it has GPUs; elsewhere give
+--gpu-mem. Memory predictions are calibrated against measured runs
+(docs/decisions.md#planner-constants).
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="per-GPU memory of each strategy, the one to use, and its config files",
+                       description=PLAN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    add_option(g, "--model", "--model-size", metavar="PRESET|CONFIG.JSON|MODULE:FACTORY", default="gpt-small",
+               help="what to plan for (default gpt-small, meshrun train's default job)")
+    g = p.add_argument_group("cluster")
+    add_option(g, "--nodes", metavar="N", help="nodes (default 1)")
+    add_option(g, "--gpus-per-node", metavar="G", help="GPUs per node (default: this machine's, else 8)")
+    add_option(g, "--gpu-mem", metavar="SIZE", help="memory per GPU, e.g. 80GiB (default: this machine's GPU)")
+    add_option(g, "--cpu-mem", metavar="SIZE", help="CPU memory per node, for offload (e.g. 1TiB)")
+    add_option(g, "--intra", metavar="nvlink|pcie|GB/s", default="nvlink", help="GPU-to-GPU within a node (default nvlink)")
+    add_option(g, "--inter", metavar="ib|efa|ethernet|GB/s", default="ib", help="between nodes, per GPU (default ib)")
+    g = p.add_argument_group("training")
+    add_option(g, "--seq-len", metavar="T", help="tokens per sample (default: the model's context, at most 4096, "
+               "as meshrun train)")
+    add_option(g, "--micro-batch", metavar="B", help="per-GPU batch (default: the largest that fits, as meshrun train)")
+    add_option(g, "--global-batch", metavar="B", help="samples per optimizer step over all GPUs (default: about 512K "
+               "tokens' worth when no batch size is given, as meshrun train; a micro-batch alone: no accumulation)")
+    add_option(g, "--precision", choices=PRECISIONS, default="bf16", help="bf16 (mixed, default) or fp32")
+    add_option(g, "--optimizer", choices=tuple(OPTIMIZERS), default="adamw", help="adamw (default), sgd, adam8bit")
+    add_option(g, "--activation-checkpointing", choices=("auto", *AC_MODES), default="auto",
+               help="auto: plan with and without (default), none, full")
+    add_option(g, "--compile", choices=COMPILE_CHOICES, default="auto",
+               help="plan for compiled training: auto (default: on, as meshrun train on GPUs), on, off (eager)")
+    g = p.add_argument_group("choice and output")
+    add_option(g, "--framework", choices=("torch", "deepspeed", "any"), default="torch", dest="plan_framework",
+               help="recommend among torch-native strategies (default), DeepSpeed's, or any")
+    add_option(g, "--strategy", metavar="NAME", help="check this strategy (a table name): fits? needed?")
+    add_option(g, "--margin", metavar="F", default="0.1", help="fraction of GPU memory kept free (default 0.1)")
+    add_option(g, "--json", action="store_true", help="print one JSON object")
+    add_option(g, "--explain", action="store_true", help="show the formulas, with this plan's numbers")
+    add_option(g, "--write", metavar="DIR", help="write ds_config.json, accelerate.yaml and train.yaml there")
+    p.set_defaults(func=cmd_plan)
+
+
+def _bandwidth(text: str, table: Mapping[str, float], where: str) -> float:
+    if text in table:
+        return table[text]
+    try:
+        value = float(text.lower().removesuffix("gb/s")) * 1e9
+    except ValueError:
+        raise bad_value(where, text, "unknown", f"one of {', '.join(table)}, or a number of GB/s") from None
+    if value <= 0:
+        raise bad_value(where, text, "must be positive")
+    return value
+
+
+def detect_gpu_memory() -> int | None:
+    """The first GPU's memory in bytes: from torch when it is installed and sees a GPU, else
+    from nvidia-smi; None on a machine without GPUs."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except ImportError:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20).stdout.split()
+            return int(out[0]) * 2**20 if out else None
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return None
+    return None
+
+
+def cluster_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> ClusterSpec:
+    gpus_here = count_visible_gpus(env)
+    sources = []
+    gpn = int_option(ns, "gpus_per_node", 1)
+    if gpn is None:
+        gpn = gpus_here or 8
+        sources.append(("gpus_per_node", "this machine" if gpus_here else "assumed: an 8-GPU node"))
+    if ns.gpu_mem is not None:
+        mem = parse_bytes(ns.gpu_mem, "--gpu-mem")
+    else:
+        found = detect_gpu_memory() if gpus_here else None
+        if found is None:
+            raise bad_value("--gpu-mem", None, "no GPU on this machine to read it from",
+                            "give the memory of the GPUs you plan for, e.g. --gpu-mem 80GiB")
+        mem = found
+        sources.append(("gpu_mem", "this machine's GPU 0"))
+    cpu = parse_bytes(ns.cpu_mem, "--cpu-mem") if ns.cpu_mem is not None else None
+    return ClusterSpec(nodes=int_option(ns, "nodes", 1) or 1, gpus_per_node=gpn, gpu_mem=mem, cpu_mem=cpu,
+                       intra_bw=_bandwidth(ns.intra, INTRA_NODE, "--intra"),
+                       inter_bw=_bandwidth(ns.inter, INTER_NODE, "--inter"), sources=tuple(sources))
+
+
+def train_from_args(ns: argparse.Namespace, context: int | None, world: int) -> TrainSpec:
+    """The training settings, with meshrun train's defaults (defaults.py) for what is not
+    given: the model's context as the sequence length, compiled, and with no batch size a
+    global batch of about 512K tokens with the largest micro-batch that fits."""
+    seq = int_option(ns, "seq_len", 1) or seq_len_for(context)
+    micro, global_batch = int_option(ns, "micro_batch", 1), int_option(ns, "global_batch", 1)
+    if micro is None and global_batch is None:
+        global_batch = global_batch_for(seq, world)
+    ac = None if ns.activation_checkpointing == "auto" else ns.activation_checkpointing
+    return TrainSpec(seq_len=seq, micro_batch=micro, global_batch=global_batch, precision=ns.precision,
+                     optimizer=ns.optimizer, activation_checkpointing=ac, compile=compile_enabled(ns.compile, cuda=True),
+                     max_micro_batch=max(1, MAX_MICRO_TOKENS // seq) if micro is None else None)
+
+
+def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
+    try:
+        margin = float(ns.margin)
+    except ValueError:
+        raise bad_value("--margin", ns.margin, "not a number", "e.g. 0.1 keeps 10% of GPU memory free") from None
+    if not 0 <= margin < 1:
+        raise bad_value("--margin", ns.margin, "must be in [0, 1)", "e.g. 0.1")
+    model = resolve_model(ns.model, "--model")
+    cluster = cluster_from_args(ns, env)
+    train = train_from_args(ns, model.context, cluster.world)
+    plan = make_plan(model, cluster, train, ns.plan_framework, margin)
+    if ns.strategy:
+        plan.warnings.extend(check_choice(ns.strategy, plan.candidates, plan.recommended))
+    written = []
+    if ns.write:
+        from ..plan.configs import write_all
+
+        written = write_all(plan, ns.write)
+    if ns.json:
+        out = plan.to_dict()
+        out["written"] = written
+        print(json.dumps(out, indent=2))
+    else:
+        from ..plan.show import print_plan
+
+        print_plan(plan, written, ns.explain)
+    return 0

@@ -1,0 +1,96 @@
+"""`meshrun render`: write a ready-to-submit job spec whose entry point is meshrun."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Mapping
+
+from ..cluster.options import parse_int
+from ..errors import bad_value
+from ..render import TARGETS, render
+from ..render.spec import RenderSpec
+from ..vocab import FRAMEWORKS
+from .options import add_option
+
+RENDER_HELP = """\
+Write a job spec for a platform; every node runs the command after `--` through meshrun,
+which detects its rank, the head node and the port from the platform's own variables.
+
+  slurm       sbatch script: one task per node, srun, head node rendezvous
+  skypilot    task YAML: num_nodes, resources.accelerators, network_tier: best
+  kubernetes  Indexed Job + headless Service (or a Kubeflow PyTorchJob with --pytorchjob)
+  saturn      Saturn Cloud Job settings: command and instance count
+  hostfile    DeepSpeed hostfile from --hosts
+
+A command that does not start with `meshrun` is a script: it is run as
+`meshrun launch [-f FRAMEWORK] SCRIPT ARGS`.
+
+examples:
+  meshrun render slurm --nodes 4 --gpus-per-node 8 -- meshrun train --model-size gpt-1.3b --out /shared/run1
+  meshrun render skypilot --nodes 2 --accelerator H100 -o task.yaml -- train.py --epochs 3
+  meshrun render kubernetes --nodes 2 --image ghcr.io/me/train:1 --name gpt -- meshrun train --steps 500
+  meshrun render saturn --nodes 2 --image saturncloud/saturn-python-pytorch:2024.08.01 -f deepspeed -- train.py
+  meshrun render hostfile --hosts 10.0.0.1,10.0.0.2 --gpus-per-node 8 -o hostfile
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("render", help="write a Slurm / SkyPilot / Kubernetes / Saturn Cloud job spec or a hostfile",
+                       description=RENDER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", metavar="TARGET", help=f"one of {', '.join(TARGETS)}")
+    g = p.add_argument_group("the job")
+    add_option(g, "--nodes", metavar="N", default="2", help="nodes (default 2)")
+    add_option(g, "--gpus-per-node", metavar="G", default="8", help="GPUs per node (default 8)")
+    add_option(g, "--framework", "-f", metavar="NAME", default="torch",
+               help=f"for a script command: {', '.join(FRAMEWORKS)} (default torch)")
+    add_option(g, "--name", metavar="NAME", default="meshrun-job", help="job name (default meshrun-job)")
+    add_option(g, "--image", metavar="IMAGE", help="container image with meshrun installed")
+    add_option(g, "--port", metavar="PORT", default="29500", help="rendezvous port where the spec sets one")
+    add_option(g, "--setup", metavar="CMD", help="shell command run before the job (pip install ...)")
+    g = p.add_argument_group("platform options")
+    add_option(g, "--accelerator", metavar="GPU", default="H100", help="SkyPilot accelerator name (default H100)")
+    add_option(g, "--partition", metavar="P", help="Slurm partition")
+    add_option(g, "--time", metavar="HH:MM:SS", help="Slurm time limit")
+    add_option(g, "--cpus-per-task", metavar="C", help="Slurm CPUs per node task (default 8 per GPU)")
+    add_option(g, "--namespace", metavar="NS", help="Kubernetes namespace")
+    add_option(g, "--pytorchjob", action="store_true", help="Kubernetes: a Kubeflow PyTorchJob instead")
+    add_option(g, "--hosts", metavar="H0,H1,..", help="hostfile: node addresses in node-rank order")
+    add_option(p, "--output", "-o", metavar="FILE", help="write here (default: standard output)")
+    # nargs="*" rather than REMAINDER: options may sit anywhere before `--`, and everything
+    # after it is the command, options and all.
+    p.add_argument("cmd", nargs="*", metavar="-- COMMAND", help="what every node runs (after --)")
+    p.set_defaults(func=cmd_render)
+
+
+def _int(ns: argparse.Namespace, name: str, flag: str) -> int | None:
+    raw = getattr(ns, name)
+    return None if raw is None else parse_int(str(raw), flag)
+
+
+def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
+    if ns.target not in TARGETS:
+        raise bad_value("target", ns.target, "unknown", f"one of {', '.join(TARGETS)}")
+    cmd = list(ns.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    spec = RenderSpec(
+        target=ns.target, command=tuple(cmd), nodes=_int(ns, "nodes", "--nodes") or 0,
+        gpus_per_node=_int(ns, "gpus_per_node", "--gpus-per-node") or 0, framework=ns.framework,
+        name=ns.name, image=ns.image, accelerator=ns.accelerator, port=_int(ns, "port", "--port") or 0,
+        setup=ns.setup, partition=ns.partition, time=ns.time, cpus_per_task=_int(ns, "cpus_per_task", "--cpus-per-task"),
+        namespace=ns.namespace, pytorchjob=ns.pytorchjob,
+        hosts=tuple(h.strip() for h in (ns.hosts or "").split(",") if h.strip()))
+    text = render(spec)
+    if ns.output:
+        tmp = ns.output + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        if spec.target == "slurm":
+            os.chmod(tmp, 0o755)
+        os.replace(tmp, ns.output)  # never a half-written spec
+        print(f"wrote {ns.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,35 @@
+"""What `--dry-run` prints: the command each process would run, with the variables meshrun
+sets for it, as shell lines or one JSON object."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from ..errors import MeshrunError
+from .command import Command
+
+
+def dry_run_text(cmd: Command, as_json: bool) -> str:
+    from .run import resolve_program
+
+    def exact(argv: tuple[str, ...]) -> list[str]:
+        # Show the program meshrun would really start; fall back to its name if missing.
+        try:
+            return [resolve_program(argv[0]), *argv[1:]]
+        except MeshrunError:
+            return list(argv)
+
+    procs = [{"argv": exact(p.argv), "env": cmd.env_of(i)} for i, p in enumerate(cmd.processes)]
+    if as_json:
+        out = {"argv": procs[0]["argv"] if procs else [], "env": procs[0]["env"] if procs else dict(cmd.env),
+               "processes": procs, "files": dict(cmd.files), "note": cmd.note}
+        return json.dumps(out, indent=2)
+    lines = [f"# {cmd.note}"] if cmd.note else []
+    for path, text in cmd.files.items():
+        lines.append(f"# file {path}:")
+        lines += [f"#   {line}" for line in text.splitlines()]
+    for p in procs:
+        assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p["env"].items()))  # type: ignore[union-attr]
+        lines.append(f"{assigns} {shlex.join(p['argv'])}".strip())  # type: ignore[arg-type]
+    return "\n".join(lines)

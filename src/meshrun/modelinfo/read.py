@@ -1,0 +1,154 @@
+"""Read a model's shape: a preset name, a Hugging Face ``config.json`` (or its folder), or a
+user's ``module:factory`` built on the meta device. Nothing is ever downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from typing import Any
+
+from ..errors import bad_value
+from .blocks import find_blocks
+from .factory import load_factory
+from .spec import PRESETS, ModelSpec, gpt_spec, llama_spec
+
+
+def resolve_model(text: str, where: str = "--model") -> ModelSpec:
+    """A preset name, a path to a HuggingFace ``config.json`` (or its folder), or ``module:factory``."""
+    if text in PRESETS:
+        return PRESETS[text]
+    path = os.path.join(text, "config.json") if os.path.isdir(text) else text
+    if path.endswith(".json"):
+        if not os.path.isfile(path):
+            raise bad_value(where, text, "no such file", "give a preset, a config.json path, or module:factory")
+        return from_hf_config(path, where)
+    if ":" in text and not os.path.exists(text):
+        return from_factory(text, where)
+    raise bad_value(where, text, "is not a preset, a config.json, or module:factory",
+                    f"presets: {', '.join(PRESETS)}")
+
+
+def _need(cfg: dict, where: str, *keys: str) -> int:
+    for key in keys:
+        value = cfg.get(key)
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise bad_value(f"{where} {key}", value, "must be a positive integer")
+            return value
+    raise bad_value(where, "(missing)", f"has none of {', '.join(keys)}",
+                    "give a decoder model's config.json (Llama, Mistral, Qwen, GPT-2, GPT-NeoX ...)")
+
+
+def from_hf_config(path: str, where: str = "--model") -> ModelSpec:
+    """Shape from the config's fields; the exact parameter count from transformers on the
+    meta device when transformers is installed (no weights are read or downloaded)."""
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise bad_value(where, path, f"cannot read it as JSON ({exc})".replace("\n", " ")) from None
+    if not isinstance(cfg, dict):
+        raise bad_value(where, path, "is not a JSON object")
+    hidden = _need(cfg, path, "hidden_size", "n_embd", "d_model")
+    layers = _need(cfg, path, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _need(cfg, path, "num_attention_heads", "n_head")
+    vocab = _need(cfg, path, "vocab_size")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    act = str(cfg.get("hidden_act") or cfg.get("activation_function") or "")
+    gated = act in ("silu", "swiglu") or cfg.get("model_type") in ("llama", "mistral", "qwen2", "qwen3", "gemma")
+    ffn = cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * hidden
+    seq = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+    tied = bool(cfg.get("tie_word_embeddings", not gated))
+    name = cfg.get("_name_or_path") or cfg.get("model_type") or os.path.basename(os.path.dirname(os.path.abspath(path)))
+    if gated:
+        spec = llama_spec(str(name), hidden, layers, heads, kv_heads, ffn, vocab, tied, seq)
+    else:
+        spec = gpt_spec(str(name), hidden, layers, heads, vocab, seq or 1024, seq, context=seq)
+        spec = replace(spec, ffn=ffn)
+    spec = replace(spec, source=f"config {path} (parameters counted from its shapes)", block_class=None,
+                   bf16_residual=False, learned_positions=0)  # the config's table, whatever the sequence
+    exact = _count_with_transformers(cfg)
+    if exact is not None:
+        total, block, cls = exact
+        spec = replace(spec, params=total, block_params=block, outer_params=max(0, total - layers * block),
+                       block_class=cls, source=f"config {path} (transformers on the meta device)")
+    return spec
+
+
+def _count_with_transformers(cfg: dict) -> tuple[int, int, str | None] | None:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    try:
+        conf = transformers.AutoConfig.for_model(**cfg)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(conf)
+    except Exception:  # an architecture this transformers does not know: the formula stands
+        return None
+    return _count(model)
+
+
+def _count(model: Any) -> tuple[int, int, str | None]:
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    found = find_blocks(model)
+    block = max((sum(p.numel() for p in b.parameters()) for b in found[1]), default=0) if found else 0
+    return total, block, type(found[1][0]).__name__ if found else None
+
+
+def from_factory(text: str, where: str = "--model") -> ModelSpec:
+    """Build the user's model on the meta device (no memory, no init cost) and read it."""
+    import torch
+    import torch.nn as nn
+
+    factory = load_factory(text, where)
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise bad_value(where, text, f"returned {type(model).__name__}, not an nn.Module")
+    return from_module(model, text, f"factory {text} on the meta device")
+
+
+def from_module(model: Any, name: str, source: str) -> ModelSpec:
+    """Count a module's parameters, find its block list and read the widths from the first
+    block's Linear layers (hidden = the first one's input; MLP width = the widest output; a
+    gated MLP has two Linears of that width). meshrun's own GPT is read exactly."""
+    import torch.nn as nn
+
+    cfg = getattr(model, "cfg", None)
+    if all(hasattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "vocab", "seq_len")):
+        spec = gpt_spec(name, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.vocab, cfg.seq_len, context=cfg.seq_len)
+        return replace(spec, source=source, bf16_residual=bool(getattr(cfg, "low_precision_residual", False)),
+                       fused_loss=bool(getattr(cfg, "fused_loss", False)),
+                       learned_positions=0)  # built: its table stays the size the factory gave it
+    total, block, cls = _count(model)
+    found = find_blocks(model)
+    layers = len(found[1]) if found else 1
+    first = found[1][0] if found else model
+    linears = [m for m in first.modules() if isinstance(m, nn.Linear)]
+    hidden = linears[0].in_features if linears else max(1, int((total / 12) ** 0.5))
+    ffn = max((m.out_features for m in linears), default=4 * hidden)
+    gated = sum(1 for m in linears if m.out_features == ffn) >= 2 and ffn != 3 * hidden
+    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = max((e.num_embeddings for e in embeds), default=0)
+    tied = any(isinstance(m, nn.Linear) and any(m.weight is e.weight for e in embeds) for m in model.modules())
+    heads = next((int(getattr(m, a)) for m in first.modules() for a in ("n_heads", "num_heads", "num_attention_heads")
+                  if isinstance(getattr(m, a, None), int)), max(1, hidden // 64))
+    return ModelSpec(name, total, layers, hidden, heads, heads, ffn, vocab, block or total, total - layers * block,
+                     gated_mlp=gated, tied=tied, block_class=cls,
+                     source=f"{source} (activations estimated as a transformer with hidden {hidden}, MLP {ffn})")
+
+
+def context_of(model: Any) -> int | None:
+    """The sequence length a live model is made for: meshrun's GPT's ``cfg.seq_len``, a
+    Hugging Face model's ``config.max_position_embeddings`` (or ``n_positions``); None when it
+    states none."""
+    for holder, keys in ((getattr(model, "cfg", None), ("seq_len",)),
+                         (getattr(model, "config", None), ("max_position_embeddings", "n_positions"))):
+        for key in keys:
+            value = getattr(holder, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None

@@ -1,0 +1,121 @@
+"""A model's shape as the planner uses it, and the presets: meshrun's GPT sizes and the
+Llama families' published shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..vocab import GPT_PRESETS
+
+# Tokens per chunk of meshrun's chunked loss (its GPT's ``fused_loss``): the chunk's fp32
+# logits stay near 1 GB at a 50K vocabulary, while each chunk's matmuls stay large enough to
+# run at full speed. The planner counts one chunk's logits.
+LOSS_CHUNK_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-style model's shape. ``params`` counts each parameter once (tied embeddings
+    once); ``block_params`` is one repeated block (the unit FSDP gathers and AC recomputes);
+    ``outer_params`` is everything outside the blocks (embeddings, final norm, head)."""
+
+    name: str
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    block_params: int
+    outer_params: int
+    gated_mlp: bool = False  # SwiGLU (Llama): three MLP matrices, two f-wide activations more
+    tied: bool = True
+    max_seq: int | None = None  # the most positions the model can take (None: no limit)
+    context: int | None = None  # the sequence length it is made for: the default seq len
+    source: str = "preset"
+    block_class: str | None = None  # the class FSDP wraps (accelerate's transformer_layer_cls_to_wrap)
+    experts: int = 0  # mixture of experts: experts per block (their parameters are in params)
+    top_k: int = 2
+    # meshrun's GPT casts its residual stream to the autocast dtype (train/models/gpt.py); other
+    # models under autocast keep it fp32 (type promotion from the fp32 embeddings).
+    bf16_residual: bool = False
+    # meshrun's GPT with fused_loss: the loss taken chunk by chunk (train/models/losses.py)
+    fused_loss: bool = False
+    # Rows of a learned position table that meshrun's GPT builds at the training sequence
+    # length (train/models/gpt.py), counted in params and outer_params; 0: none, or a table of
+    # fixed size (a Hugging Face config's n_positions). at_seq() resizes it.
+    learned_positions: int = 0
+
+    def at_seq(self, seq: int) -> ModelSpec:
+        """The model as meshrun's GPT builds it for ``seq`` tokens: at 512K tokens GPT 1.3B's
+        position table is 1.07B parameters, as many as the rest of the model (measured on
+        4 x H200, torch 2.11: leaving them out under-predicts FSDP2 x CP4 by 17-18%)."""
+        if not self.learned_positions or seq == self.learned_positions:
+            return self
+        extra = (seq - self.learned_positions) * self.hidden
+        return replace(self, params=self.params + extra, outer_params=self.outer_params + extra,
+                       learned_positions=seq)
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters inside the experts (what expert parallelism splits)."""
+        return self.layers * self.experts * (2 * self.hidden * self.ffn + self.ffn + self.hidden) if self.experts else 0
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    def flops_per_token(self, seq: int) -> float:
+        """6N + 12·L·h·s: forward + backward matmul FLOPs per token, attention included; for a
+        mixture of experts N counts the top-k experts a token visits, not all of them."""
+        active = self.params - self.expert_params * (1 - self.top_k / self.experts) if self.experts else self.params
+        # a position table the sequence sizes is looked up, not multiplied: beyond the
+        # 1024-token table of the benchmarks' convention it adds no FLOPs
+        active -= max(self.learned_positions - 1024, 0) * self.hidden
+        return 6 * active + 12 * self.layers * self.hidden * seq
+
+    def work_flops_per_token(self, seq: int) -> float:
+        """What the kernels compute: 6N + 6·L·h·s. Causal attention needs half of the score
+        and value products, and fused attention kernels skip the masked blocks; the MFU
+        convention above counts them whole (the benchmarks' formula, PaLM's). At 1024 tokens the
+        two differ by 3-7%; at 256K tokens by 1.9x (what a long-sequence step time follows)."""
+        return self.flops_per_token(seq) - 6 * self.layers * self.hidden * seq
+
+
+def gpt_spec(name: str, hidden: int, layers: int, heads: int, vocab: int = 50304, seq: int = 1024,
+             max_seq: int | None = None, context: int | None = None) -> ModelSpec:
+    """meshrun's GPT (train/models/gpt.py): learned positions, biases, LayerNorm, GELU 4x, tied head."""
+    block = 12 * hidden * hidden + 13 * hidden
+    outer = vocab * hidden + seq * hidden + 2 * hidden
+    return ModelSpec(name, layers * block + outer, layers, hidden, heads, heads, 4 * hidden, vocab,
+                     block, outer, gated_mlp=False, tied=True, max_seq=max_seq, context=context, block_class="Block",
+                     bf16_residual=True, learned_positions=seq)
+
+
+def llama_spec(name: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+               tied: bool = False, seq: int | None = None) -> ModelSpec:
+    """Llama-style: RMSNorm, no biases, grouped-query attention, SwiGLU MLP, rotary positions."""
+    kv = hidden // heads * kv_heads
+    block = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
+    outer = vocab * hidden * (1 if tied else 2) + hidden
+    return ModelSpec(name, layers * block + outer, layers, hidden, heads, kv_heads, ffn, vocab, block, outer,
+                     gated_mlp=True, tied=tied, max_seq=seq, context=seq, block_class="LlamaDecoderLayer")
+
+
+_EXTRA_GPT = {"gpt-2.7b": (2560, 32, 32), "gpt-6.7b": (4096, 32, 32), "gpt-13b": (5120, 40, 40),
+              "gpt-175b": (12288, 96, 96)}
+PRESETS: dict[str, ModelSpec] = {
+    **{n: gpt_spec(n, p.d_model, p.n_layers, p.n_heads, context=p.context) for n, p in GPT_PRESETS.items()},
+    **{n: gpt_spec(n, *dims) for n, dims in _EXTRA_GPT.items()},
+    # 8 experts (top-2) in each of gpt-1.3b's 24 blocks: ~7B parameters, ~2.1B active per token
+    "gpt-moe-8x1.3b": replace(gpt_spec("gpt-moe-8x1.3b", 2048, 24, 16), experts=8,
+                              params=gpt_spec("x", 2048, 24, 16).params + 7 * 24 * (2 * 2048 * 8192 + 8192 + 2048),
+                              block_params=gpt_spec("x", 2048, 24, 16).block_params + 7 * (2 * 2048 * 8192 + 8192 + 2048)),
+    "llama-7b": llama_spec("llama-7b", 4096, 32, 32, 32, 11008, 32000, seq=4096),
+    "llama-13b": llama_spec("llama-13b", 5120, 40, 40, 40, 13824, 32000, seq=4096),
+    "llama-70b": llama_spec("llama-70b", 8192, 80, 64, 8, 28672, 32000, seq=4096),
+    "llama3-8b": llama_spec("llama3-8b", 4096, 32, 32, 8, 14336, 128256, seq=8192),
+    "llama3-70b": llama_spec("llama3-70b", 8192, 80, 64, 8, 28672, 128256, seq=8192),
+    "llama3-405b": llama_spec("llama3-405b", 16384, 126, 128, 8, 53248, 128256, seq=8192),
+}

@@ -1,0 +1,75 @@
+"""A planned candidate (one strategy at one batch, its memory and time) and the plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..modelinfo.spec import ModelSpec
+from .batch import Batch
+from .memory import Memory, Strategy
+from .spec import ClusterSpec, TrainSpec
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: Strategy
+    batch: Batch | None
+    memory: Memory | None
+    fits: bool
+    why_not: str = ""
+    comm_bytes: float = 0.0
+    step_time_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        s = self.strategy
+        out = {"strategy": s.label, "engine": s.engine, "activation_checkpointing": s.ac,
+               "dp": s.dp, "tp": s.tp, "pp": s.pp, "fits": self.fits}
+        if self.batch:
+            out.update(micro_batch=self.batch.micro, accumulation=self.batch.accum,
+                       global_batch=self.batch.global_batch)
+        if self.memory:
+            out.update(peak_bytes=self.memory.peak, allocator_peak_bytes=self.memory.allocator_peak,
+                       breakdown=dict(self.memory.breakdown), cpu_bytes_per_node=self.memory.cpu_bytes_per_node)
+        out.update(comm_bytes_per_step=int(self.comm_bytes), step_time_s=round(self.step_time_s, 4))
+        if self.why_not:
+            out["why_not"] = self.why_not
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    cluster: ClusterSpec
+    train: TrainSpec
+    framework: str
+    margin: float
+    candidates: list[Candidate]
+    recommended: Candidate | None
+    reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        m, c = self.model, self.cluster
+        return {
+            "model": {"name": m.name, "params": m.params, "layers": m.layers, "hidden": m.hidden,
+                      "vocab": m.vocab, "block_params": m.block_params, "source": m.source},
+            "cluster": {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu_mem_bytes": c.gpu_mem,
+                        "cpu_mem_bytes_per_node": c.cpu_mem, "sources": dict(c.sources)},
+            "train": {"seq_len": self.train.seq_len, "precision": self.train.precision,
+                      "optimizer": self.train.optimizer, "compile": self.train.compile},
+            "framework": self.framework, "margin": self.margin,
+            "candidates": [x.to_dict() for x in self.candidates],
+            "recommended": self.recommended.to_dict() if self.recommended else None,
+            "reasons": self.reasons, "warnings": self.warnings,
+        }
+
+
+TWINS = {"ddp": "fsdp-grad-op", "fsdp-grad-op": "ddp"}
+
+
+def fitting_twin(pick: Candidate, cands: list[Candidate]) -> Candidate | None:
+    """The other of DDP / FSDP2 grad_op, when it fits with the same batch and checkpointing."""
+    if pick.strategy.name not in TWINS:
+        return None
+    return next((x for x in cands if x.strategy.name == TWINS[pick.strategy.name]
+                 and x.strategy.ac == pick.strategy.ac and x.fits and x.batch == pick.batch), None)

@@ -1,0 +1,42 @@
+"""Plain parameters that hold only this rank's part of a larger tensor (the experts under
+expert parallelism), wrapped as DTensors of the whole for torch.distributed.checkpoint, so
+that every rank's part is saved and can be resharded on load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def shards_as_dtensors(sd: dict[str, Any], local_shards: Any) -> dict[str, Any]:
+    """The model and optimizer entries of per-rank parts, wrapped (no copy) as DTensors of
+    their global tensor, so DCP saves every rank's part and can reshard them on load."""
+    if local_shards is None:
+        return sd
+    from torch.distributed.tensor import DTensor
+
+    def wrap(fqn: str, t: Any, param_shape: Any) -> Any:
+        spec = local_shards(fqn)
+        if spec is None or not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.shape != param_shape:
+            return t  # not a part, or a scalar optimizer entry (Adam's step)
+        mesh, placements = spec
+        d = DTensor.from_local(t, mesh, placements, run_check=False)
+        d._meshrun_part = True  # type: ignore[attr-defined]  # ours to unwrap after a load
+        return d
+
+    shapes = {k: getattr(v, "shape", None) for k, v in sd["model"].items()}
+    model_sd = {k: wrap(k, v, shapes[k]) for k, v in sd["model"].items()}
+    optim = dict(sd["optim"])
+    optim["state"] = {k: {n: wrap(k, v, shapes.get(k)) for n, v in st.items()} for k, st in optim["state"].items()}
+    return {**sd, "model": model_sd, "optim": optim}
+
+
+def shards_as_local(sd: dict[str, Any]) -> dict[str, Any]:
+    """Undo ``shards_as_dtensors`` after a load: the parts, now holding the snapshot's values."""
+    def unwrap(v: Any) -> Any:
+        return v.to_local() if getattr(v, "_meshrun_part", False) else v
+
+    optim = dict(sd["optim"])
+    optim["state"] = {k: {n: unwrap(v) for n, v in st.items()} for k, st in optim["state"].items()}
+    return {**sd, "model": {k: unwrap(v) for k, v in sd["model"].items()}, "optim": optim}

@@ -1,0 +1,290 @@
+"""Parallelisms as plain functions, applied to a model in one fixed order (torchtitan's):
+
+    tensor parallel -> context parallel -> activation checkpointing -> compile -> FSDP2 / DDP
+
+Tensor parallelism rewrites the blocks' Linear layers into DTensor shards first, on the raw
+modules (checkpoint wrappers would change their paths); context parallelism then swaps each
+block's attention. Checkpointing wraps each block so that compile sees (and FSDP2 shards) the
+wrapped blocks; compile comes before the FSDP2 wrap so each block compiles as a unit and
+FSDP2's hooks stay outside the graphs; DDP is compiled after wrapping so its buckets are
+visible to the compiler (it splits the graph at bucket boundaries to overlap all-reduces).
+Pipelines cut the model into stages after compile and shard each stage; expert parallelism
+shares out the experts first; DeepSpeed takes the checkpointed model as it is.
+
+``parallelize`` is the one place a layout is built; each step it takes is named in the
+layout's description, which the run prints first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from ...errors import MeshrunError, bad_value
+from ...modelinfo.blocks import find_blocks
+from ...vocab import STRATEGIES, StrategyKind
+from ..config import TrainConfig
+from ..optim import build_optimizer, create_state
+from ..runtime import Runtime, take_blas_workspaces
+from .auto import Choice
+from .dims import Meshes, make_dims
+from .layouts import DataParallel, DeepSpeedZeRO, ExpertParallel, Layout, Pipelined, takes_targets
+
+
+def same_initial_weights(model: nn.Module) -> None:
+    """Rank 0's initial weights everywhere, before anything is sharded or split."""
+    for t in model.state_dict().values():
+        dist.broadcast(t, src=0)
+
+
+def checkpoint_blocks(blocks: nn.ModuleList | None) -> None:
+    if blocks is None:
+        raise MeshrunError("--activation-checkpointing: no block list found in the model "
+                           "(hint: name it with --blocks, e.g. model.layers)")
+    apply_activation_checkpointing(blocks)
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
+    """Recompute each block's activations in backward instead of storing them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(blocks):
+        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def compile_options(tune: bool) -> dict[str, bool]:
+    """``torch.compile(options=...)`` for ``--compile-tune``: Inductor's coordinate-descent
+    search of its Triton kernels' block sizes; empty without it.
+
+    Measured (H200, torch 2.11): at GPT 124M +1.0-1.9% on one GPU and +1.0% on four; at 1.3B
+    +0.7% on one and +0.3% on four; for ~4 minutes more compiling (a minute from Inductor's
+    cache): not a default, a short run loses more than it gains. Max-autotune matmuls are left
+    out: cuBLAS beat every Triton template at these shapes, and they cost ~100 s more
+    compiling and a 12 GiB transient at the first step. docs/decisions.md#compile-tune"""
+    return {"coordinate_descent_tuning": True} if tune else {}
+
+
+def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, per_block: bool, tune: bool = False) -> None:
+    """``Module.compile()`` compiles in place, so parameter names (and checkpoints) do not
+    change. Per block under FSDP (identical blocks share one compiled graph). ``tune``: the
+    Inductor settings of ``compile_options``, for these graphs only."""
+    options = compile_options(tune)
+    kwargs = {"options": options} if options else {}
+    if per_block and blocks is not None:
+        for block in blocks:
+            block.compile(**kwargs)
+    else:
+        model.compile(**kwargs)
+
+
+def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice, accum: int, bf16: bool) -> Layout:
+    """Lay ``model`` out as ``choice`` says, on this rank's device; returns the layout, its
+    optimizer built over the laid-out parameters."""
+    kind = STRATEGIES[choice.strategy]
+    found = find_blocks(model, cfg.blocks)
+    blocks = found[1] if found else None
+    zero3 = kind.engine == "deepspeed" and kind.zero == 3  # its partitioned weights take the plain paths
+    kernels = model.meshrun_kernels(rt.device, cfg.tp, cfg.pp) if hasattr(model, "meshrun_kernels") and not zero3 else []
+    common: dict[str, Any] = dict(accum=accum, max_norm=cfg.grad_clip or float("inf"), device=rt.device,
+                                  with_targets=takes_targets(model), attention=cfg.attention)
+    model = model.to(rt.device)
+    if rt.world_size > 1:  # MoE load balancing over the global batch: any layout trains like one process
+        for m in model.modules():
+            if hasattr(m, "shard_experts"):
+                m.stats_group = dist.group.WORLD
+    build = Build(model, blocks, cfg, rt, choice, kind, bf16, common)
+    if kind.engine == "deepspeed":
+        layout = build.deepspeed()
+    elif cfg.ep > 1:
+        layout = build.expert_parallel()
+    elif cfg.pp > 1:
+        layout = build.pipelined()
+    else:
+        layout = build.data_parallel()
+    if kind.engine != "deepspeed":
+        # long-lived allocations made before the first step, not between its large blocks
+        create_state(layout.optimizer)
+        take_blas_workspaces(rt.device)
+    layout.description = ", ".join([layout.description, *kernels])
+    return layout
+
+
+class Build:
+    """The steps of ``parallelize`` for each kind of layout, in the module's order."""
+
+    def __init__(self, model: nn.Module, blocks: nn.ModuleList | None, cfg: TrainConfig, rt: Runtime,
+                 choice: Choice, kind: StrategyKind, bf16: bool, common: dict[str, Any]) -> None:
+        self.model, self.blocks, self.cfg, self.rt = model, blocks, cfg, rt
+        self.choice, self.kind, self.bf16, self.common = choice, kind, bf16, common
+        self.compiled, self.tune = cfg.compiles(rt.cuda), cfg.compile_tune
+        self.bf16_reduce = cfg.reduce_precision == "bf16"
+        self.done: list[str] = []
+
+    def _optimizer(self, module: nn.Module) -> Any:
+        return build_optimizer(module, self.cfg.lr, self.cfg.weight_decay)
+
+    def _checkpointing(self) -> None:
+        if self.choice.activation_checkpointing:
+            checkpoint_blocks(self.blocks)
+            self.done.append("activation checkpointing")
+
+    def _compile(self, per_block: bool) -> None:
+        if self.compiled:
+            apply_compile(self.model, self.blocks, per_block=per_block, tune=self.tune)
+            self.done.append(("compiled per block" if per_block and self.blocks is not None else "compiled")
+                             + (", tuned" if self.tune else ""))
+
+    def _tensor_parallel(self, meshes: Meshes, sequence_parallel: bool) -> bool:
+        """Returns whether the loss is vocabulary-parallel."""
+        from .tp import apply_loss_parallel, apply_tp, can_loss_parallel
+
+        cfg = self.cfg
+        if self.blocks is None:
+            raise MeshrunError("--tp/--pp: no block list found in the model (hint: name it with --blocks)")
+        loss_parallel = cfg.pp == 1 and can_loss_parallel(self.model)  # the tied rows sharded over TP
+        what = f"tensor parallel {cfg.tp}"
+        if apply_tp(self.blocks, meshes["tp"], sequence_parallel=sequence_parallel, gather_output=not loss_parallel):
+            what += " (sequence parallel)"
+            if cfg.seq % cfg.tp:  # (checked after the layout and the heads: those errors come first)
+                raise bad_value(cfg.source("seq_len"), cfg.seq, f"does not split over --tp {cfg.tp} for sequence "
+                                "parallelism", f"a multiple of {cfg.tp}, or --sequence-parallel off")
+        if loss_parallel:
+            apply_loss_parallel(self.model, meshes["tp"], sequence_parallel)
+            what += " (loss parallel)"
+        self.done.append(what)
+        return loss_parallel
+
+    def data_parallel(self) -> Layout:
+        """single, DDP or FSDP2 (with TP and CP inside)."""
+        cfg, rt, kind, model = self.cfg, self.rt, self.kind, self.model
+        flavour = kind.fsdp
+        if flavour is None and (cfg.tp > 1 or cfg.cp > 1):
+            raise MeshrunError(f"--strategy={kind.name}: tensor and context parallelism run with FSDP2")
+        meshes, dp_rank, dp_size, loss_parallel, cp_index = None, rt.rank, rt.world_size, False, None
+        if flavour is not None:
+            replicate = 1
+            if flavour == "hybrid":
+                shard = cfg.fsdp_shard_size or rt.local_world_size
+                if rt.world_size % shard:
+                    raise bad_value("--fsdp-shard-size", shard, f"does not divide the world size {rt.world_size}",
+                                    "hybrid sharding needs equal shard groups")
+                replicate = rt.world_size // shard
+            elif flavour == "no_shard":
+                replicate = rt.world_size
+            dims = make_dims(rt.world_size, dp_replicate=replicate, tp=cfg.tp, cp=cfg.cp,
+                             source=f"--tp {cfg.tp} --cp {cfg.cp} on {rt.world_size} processes")
+            meshes = dims.build(rt.device.type)
+            dp_rank, dp_size = meshes.data_rank(), dims.dp
+            same_initial_weights(model)
+            if cfg.tp > 1:
+                loss_parallel = self._tensor_parallel(meshes, cfg.sequence_parallel)
+            if cfg.cp > 1:
+                from .context import apply_cp
+
+                cp_index = apply_cp(model, self.blocks, meshes["cp"].get_group(), cfg.cp,
+                                    meshes["cp"].get_local_rank(), cfg.seq, rt.device)
+                self.done.append(f"context parallel {cfg.cp} (zig-zag shards)")
+        self._checkpointing()
+        ddp = None
+        if flavour is not None:
+            from .fsdp import apply_fsdp
+
+            self._compile(per_block=True)
+            apply_fsdp(model, self.blocks, meshes.fsdp(), flavour, self.bf16, self.bf16_reduce)  # type: ignore[union-attr]
+            self.done.append(f"FSDP2 {flavour} over {dims.dp * cfg.cp} ranks")
+            wrapped: nn.Module = model
+        elif kind.name == "ddp":
+            from .ddp import apply_ddp, ddp_bucket_mb
+
+            ddp = apply_ddp(model, rt, ddp_bucket_mb(cfg.ddp_bucket_mb, self.compiled, rt), self.bf16_reduce)
+            self.done.append(f"DDP, buckets of {ddp.bucket_bytes_cap // 2**20} MB")
+            wrapped = ddp
+            self._compile(per_block=False)  # after the wrap: the compiler sees DDP's buckets
+        else:
+            self._compile(per_block=False)
+            wrapped = model
+        return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, cp_index=cp_index,
+                            loss_parallel=loss_parallel, description=self._describe(), dp_rank=dp_rank,
+                            dp_size=dp_size, autocast=self.bf16 and flavour is None, token_share=cfg.tp,
+                            loss_ranks=rt.world_size, **self.common)
+
+    def pipelined(self) -> Layout:
+        """Pipeline stages, tensor parallel inside, FSDP2 per stage over the data-parallel rest."""
+        from .pipeline import Pipeline
+
+        cfg, rt, model = self.cfg, self.rt, self.model
+        if self.blocks is None:
+            raise MeshrunError("--tp/--pp: no block list found in the model (hint: name it with --blocks)")
+        dims = make_dims(rt.world_size, tp=cfg.tp, pp=cfg.pp,
+                         source=" and ".join(f"--{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp)) if v > 1)
+                         + f" on {rt.world_size} processes")
+        meshes = dims.build(rt.device.type, keep=("pp", "dp_shard", "tp"))
+        same_initial_weights(model)
+        if cfg.tp > 1:  # sequence parallelism needs the whole block list in one piece: not here
+            self._tensor_parallel(meshes, sequence_parallel=False)
+        self._checkpointing()
+        self._compile(per_block=True)
+        pipe = Pipeline(model, meshes.world, cfg.pp_schedule, cfg.pp_microbatches or cfg.pp,
+                        self.common["accum"], rt.device)
+        self.done.append(f"pipeline {cfg.pp} ({cfg.pp_schedule})")
+        # Under TP every parameter must be a DTensor of one mesh (clipping, snapshots): FSDP2
+        # over the data-parallel ranks even when there is one; under PP alone with one
+        # data-parallel rank the stages stay plain modules.
+        sharded = dims.tp > 1 or dims.dp_shard > 1
+        if sharded:
+            from .fsdp import apply_fsdp
+
+            flavour = self.kind.fsdp or "full"
+            for stage in pipe.stages:
+                apply_fsdp(stage, nn.ModuleList(stage.blocks.values()), meshes["dp_shard"], flavour, self.bf16,
+                           self.bf16_reduce)
+            self.done.append(f"FSDP2 {flavour} over {dims.dp_shard} data-parallel rank(s)")
+        return Pipelined(pipe.union, self._optimizer(pipe.union), pipe=pipe, sharded=sharded,
+                         description=self._describe(), dp_rank=meshes["dp_shard"].get_local_rank(),
+                         dp_size=dims.dp_shard, autocast=self.bf16 and not sharded, token_share=cfg.tp * cfg.pp,
+                         loss_ranks=rt.world_size // cfg.pp, **self.common)
+
+    def expert_parallel(self) -> Layout:
+        """Experts shared out over ep groups of consecutive ranks (rank 0's initial weights
+        first); the rest replicated, or FSDP2-sharded over all ranks."""
+        from .expert import is_expert, shard_experts
+
+        cfg, rt, model, flavour = self.cfg, self.rt, self.model, self.kind.fsdp
+        dims = make_dims(rt.world_size, ep=cfg.ep, source=f"--ep {cfg.ep} on {rt.world_size} processes")
+        meshes = dims.build(rt.device.type)
+        same_initial_weights(model)
+        shard_experts(model, meshes["ep"].get_group(), cfg.ep)
+        self.done.append(f"expert parallel {cfg.ep}")
+        self._checkpointing()
+        self._compile(per_block=True)
+        if flavour is not None:  # every parameter but the experts (each rank's own)
+            from .fsdp import apply_fsdp
+
+            apply_fsdp(model, self.blocks, meshes.fsdp(), flavour, self.bf16, self.bf16_reduce,
+                       ignored={p for n, p in model.named_parameters() if is_expert(n)})
+            self.done.append(f"FSDP2 {flavour} over all {rt.world_size} ranks for the rest")
+        else:
+            self.done.append(f"data parallel over all {rt.world_size} ranks for the rest")
+        # fused AdamW takes the tensors of a device and dtype in one call, and DTensor refuses
+        # plain tensors beside its own there (the experts beside FSDP2's shards): build_optimizer
+        # falls back to the unfused one then
+        return ExpertParallel(model, self._optimizer(model), meshes=meshes, fsdp=flavour, world=rt.world_size,
+                              description=self._describe(), dp_rank=rt.rank, dp_size=rt.world_size,
+                              autocast=self.bf16, loss_ranks=rt.world_size, **self.common)
+
+    def deepspeed(self) -> Layout:
+        from .deepspeed import deepspeed_engine
+
+        cfg, rt, kind = self.cfg, self.rt, self.kind
+        self._checkpointing()
+        engine, optimizer = deepspeed_engine(self.model, kind, self.choice.micro_batch, self.common["accum"],
+                                             rt.world_size, self.bf16, cfg.grad_clip, cfg.lr, cfg.weight_decay, rt.cuda)
+        self.done.append(f"DeepSpeed ZeRO-{kind.zero}" + (f", {kind.offload} offloaded" if kind.offload != "none"
+                                                          else ""))
+        return DeepSpeedZeRO(engine, optimizer, description=self._describe(), dp_rank=rt.rank,
+                             dp_size=rt.world_size, loss_ranks=rt.world_size, **self.common)
+
+    def _describe(self) -> str:
+        return f"{self.kind.name}: " + " -> ".join(self.done) if self.done else self.kind.name

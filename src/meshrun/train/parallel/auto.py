@@ -1,0 +1,138 @@
+"""What a run gets that the user left to meshrun: its strategy, activation checkpointing,
+micro-batch and global batch. One policy for every layout, asked once, before anything is
+built; its reasons become the run's first line.
+
+- Composite layouts (``--tp/--pp/--cp``) run FSDP2 over the data-parallel rest; expert
+  parallelism (``--ep``) runs beside DDP (or FSDP2 when asked). Their batches are the user's,
+  else micro-batch 8 without accumulation.
+- On the CPU: one process trains alone (``single``), several with DDP; memory is not the
+  constraint there, and the batches are the user's or micro-batch 8 (32 for the toy model).
+- On GPUs: the planner's pick (``meshrun plan``'s memory model and step-time estimate over
+  the strategies the trainer runs), with activation checkpointing when it is needed to fit
+  and the user did not set it. With no batch size given the global batch is
+  ``defaults.GLOBAL_BATCH_TOKENS`` of sequences, and with no micro-batch given the planner
+  sizes the largest that fits (``plan.recommend.choose``). A strategy the user named is
+  planned too, for its micro-batch. docs/decisions.md#strategy
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...defaults import GLOBAL_BATCH_TOKENS, global_batch_for
+from ...errors import bad_value
+from ...modelinfo.blocks import find_blocks
+from ...modelinfo.read import from_module
+from ...plan import ClusterSpec, TrainSpec, make_plan
+from ...plan.candidate import Candidate
+from ...plan.recommend import MAX_MICRO_TOKENS, choose
+from ...units import fmt_bytes
+from ...vocab import STRATEGIES
+from ..config import TrainConfig
+
+# What `--strategy auto` chooses among on GPUs: the data-parallel strategies of meshrun's
+# own trainer (DeepSpeed's are run when named).
+AUTO_STRATEGIES = ("single", "ddp", "fsdp-grad-op", "fsdp-full", "fsdp-hybrid")
+
+# FSDP2 keeps the parameters gathered from forward to backward (fsdp-grad-op) when a bf16
+# copy of them takes under this share of the GPU: one all-gather per block per step less
+# (+5% at GPT 1.3B on 4 x H200, torch 2.11), at the cost of that copy. docs/decisions.md#fsdp-flavour
+GATHERED_COPY_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class Choice:
+    strategy: str  # a name of vocab.STRATEGIES
+    activation_checkpointing: bool
+    micro_batch: int
+    global_batch: int | None  # None: micro-batch x data-parallel ranks
+    reasons: tuple[str, ...] = ()  # what was chosen and why, for the run's first line
+
+
+def fsdp_flavour(n_params: int, gpu_mem: int | None) -> tuple[str, str]:
+    """(fsdp-grad-op or fsdp-full, why) for ``--strategy fsdp``."""
+    if gpu_mem is None:
+        return "fsdp-full", "FSDP2 on the CPU: full shard"
+    if 2 * n_params < GATHERED_COPY_SHARE * gpu_mem:
+        return "fsdp-grad-op", f"a bf16 copy of the parameters takes under {GATHERED_COPY_SHARE:.0%} of the GPU"
+    return "fsdp-full", "the parameters are too large to keep gathered"
+
+
+def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, gpu_mem: int | None,
+           bf16: bool) -> Choice:
+    """The choice for ``model`` trained with ``cfg`` on ``world`` processes (``local_world``
+    per node) whose data-parallel size is ``dp``; ``gpu_mem`` is one GPU's memory (None on
+    the CPU). Pure: no process group, no device (the model may live on the meta device)."""
+    if cfg.strategy == "single" and world > 1:
+        raise bad_value(cfg.source("strategy"), "single", f"runs one process, but the world has {world}",
+                        "use --nproc 1, or --strategy ddp/fsdp")
+    ac = cfg.activation_checkpointing == "full"
+    n_params = sum(p.numel() for p in model.parameters())
+    named = cfg.strategy if cfg.strategy in STRATEGIES else None
+    if cfg.strategy == "fsdp":
+        named, why = fsdp_flavour(n_params, gpu_mem)
+        reasons = [f"--strategy fsdp: {named} ({why})"]
+    else:
+        reasons = []
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.ep > 1:
+        if named is None:  # auto
+            if cfg.ep > 1:
+                named = "ddp"
+            elif cfg.pp > 1:
+                named = "fsdp-full"
+            else:
+                named, why = fsdp_flavour(n_params, gpu_mem)
+                reasons.append(f"{named}: {why}")
+        return Choice(named, ac, cfg.micro, cfg.global_batch, tuple(reasons))
+    if gpu_mem is None or find_blocks(model, cfg.blocks) is None:  # the CPU, or nothing the planner can read
+        if named is None:
+            named = "single" if world == 1 else "ddp"
+            reasons.append("one process" if world == 1 else "DDP: on the CPU memory is not the constraint"
+                           if gpu_mem is None else "DDP: the model has no block list for the planner to read")
+        return Choice(named, ac, cfg.micro, cfg.global_batch, tuple(reasons))
+    global_batch = cfg.global_batch
+    if cfg.micro_batch is None and global_batch is None:
+        global_batch = global_batch_for(cfg.seq, dp)
+        reasons.append(f"global batch {global_batch} x {cfg.seq} tokens (about {GLOBAL_BATCH_TOKENS // 1024}K "
+                       "tokens, the default on GPUs; set --global-batch or --micro-batch to change it)")
+    names = (named,) if named else AUTO_STRATEGIES
+    pick, usable = _planned(model, cfg, world, local_world, gpu_mem, bf16, global_batch, names,
+                            ac_open=named is None and "activation_checkpointing" not in cfg.sources)
+    if pick is None or pick.batch is None:  # a strategy the planner does not plan (fsdp-no-shard)
+        named = named or ("single" if world == 1 else "ddp")
+        return Choice(named, ac, cfg.micro, global_batch, tuple(reasons))
+    peak = fmt_bytes(pick.memory.peak) if pick.memory else "?"
+    if pick.fits:
+        reasons.insert(0, f"planner: {pick.strategy.name} predicted {peak} per GPU of {fmt_bytes(usable)} usable")
+    else:
+        reasons.insert(0, f"planner: nothing fits; {pick.strategy.name} needs the least, {peak} of "
+                          f"{fmt_bytes(usable)} (hint: --activation-checkpointing full, a smaller batch, more GPUs)")
+    micro = cfg.micro_batch
+    if micro is None:
+        micro = pick.batch.micro
+        reasons.append(f"micro-batch {micro} x {pick.batch.accum} accumulation (the largest that fits; "
+                       "--micro-batch to set it)")
+    if pick.strategy.ac and not ac:
+        reasons.append("activation checkpointing on to fit (--activation-checkpointing none to refuse it)")
+    return Choice(pick.strategy.name, ac or pick.strategy.ac, micro, global_batch, tuple(reasons))
+
+
+def _planned(model: Any, cfg: TrainConfig, world: int, local_world: int, gpu_mem: int, bf16: bool,
+             global_batch: int | None, names: tuple[str, ...], ac_open: bool) -> tuple[Candidate | None, float]:
+    """The planner's pick among ``names`` (the smallest predicted peak when none fits), and
+    the usable bytes per GPU. With ``ac_open`` the planner may turn on checkpointing."""
+    spec = from_module(model, type(model).__name__, "the model")
+    cluster = ClusterSpec(nodes=max(1, world // max(1, local_world)), gpus_per_node=max(1, local_world),
+                          gpu_mem=gpu_mem)
+    train = TrainSpec(seq_len=cfg.seq, micro_batch=cfg.micro_batch, global_batch=global_batch,
+                      max_micro_batch=max(1, MAX_MICRO_TOKENS // cfg.seq), precision="bf16" if bf16 else "fp32",
+                      compile=cfg.compiles(True),
+                      activation_checkpointing=None if ac_open else cfg.activation_checkpointing)
+    plan = make_plan(spec, cluster, train, framework="any")
+    ours = [x for x in plan.candidates if x.strategy.name in names and x.memory is not None]
+    usable = gpu_mem * (1 - plan.margin)
+    pick = choose(ours, train)
+    if pick is None and ours:
+        pick = min(ours, key=lambda x: x.memory.peak)  # type: ignore[union-attr]
+    return pick, usable

@@ -1,0 +1,97 @@
+"""Context parallelism: each rank of a ``cp`` group holds a shard of every sequence.
+
+Sharding is zig-zag for causal balance: the sequence is cut into 2·cp chunks and rank r keeps
+chunks r and 2·cp-1-r, so every rank has as many early (cheap) as late (expensive) query
+positions. Attention all-gathers the keys and values of the group (autograd-aware: the
+backward sums their gradients over the group), puts them back in sequence order, and masks by
+true position. This is the all-gather form of ring attention: one collective per layer
+instead of cp-1 ring steps, and a full K/V per rank (activation memory of the queries and
+everything else stays 1/cp). Gradients are averaged over data- and context-parallel ranks
+together (FSDP2 over both), which is the gradient of the mean over all tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...errors import MeshrunError
+
+
+def zigzag_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    if seq_len % (2 * cp):
+        raise MeshrunError(f"--seq-len={seq_len}: context parallelism over {cp} ranks cuts sequences into "
+                           f"{2 * cp} equal chunks (hint: a multiple of {2 * cp})")
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence dimension (dim 2) over a group; backward all-reduces
+    the gradient and keeps this rank's slice (all-reduce runs on gloo and NCCL alike; a
+    reduce-scatter would move half the bytes on NCCL)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank, ctx.n = group, dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(ctx.n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.n, dim=2)[ctx.rank].contiguous(), None
+
+
+class ContextAttention:
+    """The ``attend`` of a block under context parallelism.
+
+    Each of this rank's two chunks (positions [a, a + c)) attends to the keys [0, a + c): a
+    causal mask aligned to the lower right of that (c, a + c) block. torch's
+    ``causal_lower_right`` lets SDPA run it with its fused kernels; a dense boolean mask over
+    the whole sequence forces the masked kernel, which reads a (seq/cp) x seq mask per layer
+    and runs 3x slower per GPU than FSDP alone at 128K tokens (4 x H200, torch 2.11)."""
+
+    def __init__(self, group: Any, cp: int, rank: int, seq_len: int, device: torch.device) -> None:
+        self.group, self.cp = group, cp
+        self.local = zigzag_index(seq_len, cp, rank).to(device)  # this rank's positions
+        order = torch.cat([zigzag_index(seq_len, cp, r) for r in range(cp)])
+        self.unshuffle = torch.argsort(order).to(device)  # gathered order -> sequence order
+        from torch.nn.attention.bias import causal_lower_right
+
+        c = seq_len // (2 * cp)
+        self.chunk = c
+        ends = ((rank + 1) * c, (2 * cp - rank) * c)  # where each of the two chunks ends
+        # built here, not per call: torch.compile cannot trace their construction (a graph break)
+        self.masks = [(end, causal_lower_right(c, end)) for end in ends]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_all = _GatherSeq.apply(k, self.group)[:, :, self.unshuffle]
+        v_all = _GatherSeq.apply(v, self.group)[:, :, self.unshuffle]
+        c = self.chunk
+        out = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k_all[:, :, :end], v_all[:, :, :end],
+                                              attn_mask=mask)
+               for i, (end, mask) in enumerate(self.masks)]
+        return torch.cat(out, dim=2)
+
+
+def apply_cp(model: nn.Module, blocks: nn.ModuleList, group: Any, cp: int, rank: int, seq_len: int,
+             device: torch.device) -> torch.Tensor:
+    """Give every block the context-parallel attention and the model this rank's positions;
+    returns the index of this rank's tokens in a full sequence (to shard the batches)."""
+    if not hasattr(model, "positions") or not all(hasattr(b, "attend") for b in blocks):
+        raise MeshrunError("--cp: context parallelism is built for meshrun's GPT so far "
+                           "(hint: use --tp or FSDP for other models)")
+    attention = ContextAttention(group, cp, rank, seq_len, device)
+    for block in blocks:
+        block.attend = attention
+    model.positions = attention.local
+    return attention.local

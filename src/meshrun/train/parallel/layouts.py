@@ -1,0 +1,274 @@
+"""The training step as each parallel layout runs it, behind one small interface.
+
+The loop (trainer.py) knows nothing of strategies: for every micro-batch it calls
+``micro_step`` (forward and backward, gradients synchronised only on the last micro-batch of
+the step), then ``step`` once (gradients combined where the layout needs it, the global norm,
+clipping, the optimizer's update), ``eval_loss`` to validate, and hands ``model``,
+``optimizer`` and ``local_shards`` to the snapshots. The layouts:
+
+- ``DataParallel``: one process, DDP, or FSDP2 in any flavour, with tensor and context
+  parallelism inside;
+- ``Pipelined``: pipeline stages (with tensor parallelism, FSDP2 per stage);
+- ``ExpertParallel``: experts shared out over ranks, the rest replicated or FSDP2-sharded;
+- ``DeepSpeedZeRO``: a DeepSpeed engine, which accumulates, clips and steps itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...errors import MeshrunError
+from ..models.attention import attention_kernels
+from .gradnorm import clip_grad_norm, clip_grad_norm_sharded
+
+
+def takes_targets(module: nn.Module) -> bool:
+    """Models whose forward(x, targets) returns the loss (meshrun's GPT, HF models with labels)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 2 and params[1] in ("targets", "labels", "target", "y")
+
+
+def model_loss(model: nn.Module, with_targets: bool, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The model's own loss when it takes targets; else cross-entropy over its logits (integer
+    targets) or the mean squared error (float targets), in fp32."""
+    if with_targets:
+        return model(x, y)
+    out = model(x)
+    if not y.is_floating_point():
+        return F.cross_entropy(out.float().view(-1, out.shape[-1]), y.reshape(-1))
+    return F.mse_loss(out.float(), y.float())
+
+
+def _replicate_plain_tensors() -> contextlib.AbstractContextManager:
+    """The plain ``found_inf`` flag beside DTensor parameters (FSDP2, TP) in the fused
+    optimizer: torch 2.13 takes it as it is, earlier DTensor dispatch refused plain tensors
+    mixed with its own (github.com/pytorch/pytorch/issues/126670); replicated is what it is
+    (every rank holds the same)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
+
+
+class Layout:
+    """What the loop calls. ``dp_rank``/``dp_size`` say which data this rank reads;
+    ``token_share`` how many ranks work on the same tokens (tensor and pipeline parallel
+    groups: throughput per GPU divides by it); ``loss_ranks`` how many ranks hold the loss."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, *, description: str, dp_rank: int, dp_size: int,
+                 accum: int, max_norm: float, device: torch.device, with_targets: bool, autocast: bool = False,
+                 attention: str = "auto", token_share: int = 1, loss_ranks: int = 1) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.description = description
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.accum, self.max_norm, self.device = accum, max_norm, device
+        self.with_targets, self.autocast, self.attention = with_targets, autocast, attention
+        self.token_share, self.loss_ranks = token_share, loss_ranks
+        self._bad_step = torch.zeros((), dtype=torch.long, device=device)  # the first non-finite step (0: none)
+
+    # ---- what the loop calls ------------------------------------------------------------
+    def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a micro-batch (all of it but under context parallelism)."""
+        return x, y
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch; its loss / accumulation, detached."""
+        with self.grad_sync(last), self.compute():
+            loss = self.loss(x, y) / self.accum
+            loss.backward()
+        return loss.detach()
+
+    def step(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """Finish optimizer step number ``step``: the global gradient norm (clipped to
+        ``max_norm``; inf: measured only), then the update. Returns the norm."""
+        norm = clip_grad_norm(self.model.parameters(), self.max_norm)
+        self.update(norm, step)
+        return norm
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        with self.compute():
+            return self.loss(x, y)
+
+    def local_shards(self) -> Callable[[str], Any] | None:
+        """For snapshots: (mesh, placements) of plain parameters that hold only this rank's
+        part of a larger tensor."""
+        return None
+
+    def check_finite(self, step: int) -> None:
+        """Stop if a step since the start had non-finite gradients: one host sync, which the
+        loop makes at log lines, before snapshots and every so many steps. That update and any
+        later such ones were skipped, so neither the weights nor a snapshot hold them."""
+        bad = int(self._bad_step.item())
+        if bad:
+            raise MeshrunError(
+                f"non-finite loss or gradients at step {bad}; its update was skipped and training stopped at step "
+                f"{step}, so no snapshot holds poisoned weights (hint: lower --lr, check the data)")
+
+    # ---- pieces for the layouts ---------------------------------------------------------
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return model_loss(self.model, self.with_targets, x, y)
+
+    def grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def compute(self) -> contextlib.ExitStack:
+        """Forward and backward run under bf16 autocast where the layout keeps fp32 weights
+        (single, DDP, plain pipeline stages; FSDP2 casts its parameters itself), with the
+        chosen attention kernel first (recomputation must pick the forward's)."""
+        stack = contextlib.ExitStack()
+        if self.autocast:
+            stack.enter_context(torch.autocast(device_type=self.device.type, dtype=torch.bfloat16))
+        stack.enter_context(attention_kernels(self.attention, self.device))
+        return stack
+
+    def update(self, norm: torch.Tensor, step: int) -> None:
+        """The optimizer's update, skipped where the global norm is not finite. With the fused
+        AdamW that takes no host sync: the optimizer skips the update on the device
+        (``found_inf``) and the step is remembered for ``check_finite``, so the host runs ahead
+        and the next micro-batch loads while the GPU still computes this step."""
+        if self.optimizer.defaults.get("fused"):
+            bad = ~torch.isfinite(norm)
+            self.optimizer.found_inf = bad.float()
+            self._bad_step = torch.where(bad & (self._bad_step == 0), step, self._bad_step)
+            with _replicate_plain_tensors():
+                self.optimizer.step()
+        else:
+            if not torch.isfinite(norm).item():
+                raise MeshrunError(
+                    f"non-finite loss or gradients (gradient norm {norm.item()}) at step {step}; stopped "
+                    "before the optimizer step, so no snapshot holds poisoned weights "
+                    "(hint: lower --lr, check the data)")
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _fsdp_sync(modules: list[nn.Module], flavour: str | None, sync: bool) -> None:
+    """FSDP2: no reduce-scatter before the step's last micro-batch. grad_op holds every block
+    gathered from forward to backward anyway, so holding them on to the next micro-step's
+    forward costs no extra peak memory and saves an all-gather per block per micro-step."""
+    for module in modules:
+        module.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        if flavour == "grad_op":
+            module.set_reshard_after_backward(sync)  # type: ignore[operator]
+
+
+class DataParallel(Layout):
+    """One process, DDP or FSDP2, with tensor parallelism (``loss_parallel``: the loss reduced
+    over vocabulary shards) and context parallelism (``cp_index``: this rank's positions of
+    every sequence) inside."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, *, ddp: Any = None, fsdp: str | None = None,
+                 cp_index: torch.Tensor | None = None, loss_parallel: bool = False, **kw: Any) -> None:
+        super().__init__(model, optimizer, **kw)
+        self.ddp, self.fsdp, self.cp_index, self.loss_parallel = ddp, fsdp, cp_index, loss_parallel
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cp_index is None:
+            return x, y
+        return x[:, self.cp_index], y[:, self.cp_index]
+
+    def grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        if self.ddp is not None and not sync:
+            return self.ddp.no_sync()
+        if self.fsdp is not None:
+            _fsdp_sync([self.model], self.fsdp, sync)
+        return contextlib.nullcontext()
+
+    def compute(self) -> contextlib.ExitStack:
+        stack = super().compute()
+        if self.loss_parallel:  # forward and backward of a loss-parallel model run inside it
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            stack.enter_context(loss_parallel())
+        return stack
+
+
+class Pipelined(Layout):
+    """Pipeline stages (``parallel/pipeline.py``): each micro-batch cut into the schedule's
+    pieces; the tied embedding/head gradient summed between the first and last stage; the
+    norm summed over the stages."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, *, pipe: Any, sharded: bool, **kw: Any) -> None:
+        super().__init__(model, optimizer, **kw)
+        self.pipe, self.sharded = pipe, sharded
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+        if self.sharded:
+            _fsdp_sync(self.pipe.stages, None, last)
+        with self.compute():
+            return self.pipe.step(x, y)  # forward and backward, piece by piece: the loss / accum
+
+    def step(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        pipe = self.pipe
+        pipe.sync_tied_grads()
+        # the first stage counts the tied weight; the last scales its copy without counting it
+        uncounted = (pipe.union.head.weight,) if pipe.tied_group is not None and pipe.last and not pipe.first else ()
+        norm = clip_grad_norm(self.model.parameters(), self.max_norm, across=pipe.group, uncounted=uncounted)
+        self.update(norm, step)
+        return norm
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        with self.compute():
+            return self.pipe.evaluate(x, y)  # on the last stage; None on the others
+
+
+class ExpertParallel(Layout):
+    """Experts shared out over ep ranks (``parallel/expert.py``). No DDP wrapper: dense
+    gradients are averaged over all ranks, expert gradients over the ranks holding the same
+    experts; the norm counts the shared-out part once per group."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, *, meshes: Any, fsdp: str | None, world: int,
+                 **kw: Any) -> None:
+        super().__init__(model, optimizer, **kw)
+        self.meshes, self.fsdp, self.world = meshes, fsdp, world
+
+    def grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        if self.fsdp is not None:
+            _fsdp_sync([self.model], self.fsdp, sync)
+        return contextlib.nullcontext()
+
+    def step(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        from .expert import is_expert, sync_expert_grads
+
+        sync_expert_grads(self.model, self.meshes["edp"].get_group(), self.world)
+        norm = clip_grad_norm_sharded(self.model.named_parameters(), is_expert, self.meshes["ep"].get_group(),
+                                      self.max_norm)
+        self.update(norm, step)
+        return norm
+
+    def local_shards(self) -> Callable[[str], Any] | None:
+        from .expert import expert_shards
+
+        return expert_shards(self.meshes.world)
+
+
+class DeepSpeedZeRO(Layout):
+    """A DeepSpeed engine: it accumulates (its own boundary), clips and steps at every
+    micro-batch's ``engine.step()``. Its global norm is the pre-clip one; a non-finite norm or
+    loss stops the run at once (DeepSpeed has taken the step: the last committed snapshot is
+    the clean state to go back to)."""
+
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+        with self.compute():
+            loss = self.loss(x, y)
+            self.model.backward(loss)
+        self.model.step()
+        return loss.detach() / self.accum
+
+    def step(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        norm = self.model.get_global_grad_norm()
+        norm_t = torch.tensor(float(norm) if norm is not None else 0.0)
+        if not torch.isfinite(norm_t) or not torch.isfinite(loss).item():
+            raise MeshrunError(f"non-finite loss or gradients (gradient norm {float(norm_t)}) at step {step} "
+                               "(hint: lower --lr, check the data; resume from the last snapshot)")
+        return norm_t

@@ -1,0 +1,238 @@
+"""The codebase's own rules, checked on its source: imports point one way between layers and
+never form a cycle (imports inside functions counted too), command modules stand alone, and
+comments and docstrings say what the code does, not when or in which round of work it
+became so, nor point outside the repository."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(ROOT, "src")
+PACKAGE = os.path.join(SRC, "meshrun")
+
+# Highest first: a module may import its own package and the layers below it, never a layer
+# above; the packages of the launch layer do not import each other; the shared names at the
+# bottom import nothing above them (and no cycle among them, like everywhere).
+LAYERS = (
+    ("meshrun.__main__",),
+    ("meshrun.cli",),
+    ("meshrun.doctor",),
+    ("meshrun.train",),
+    ("meshrun.plan",),
+    ("meshrun.modelinfo",),
+    ("meshrun.integrations",),
+    ("meshrun.launch", "meshrun.render", "meshrun.api"),
+    ("meshrun.cluster",),
+    ("meshrun.errors", "meshrun.vocab", "meshrun.defaults", "meshrun.units", "meshrun"),
+)
+SHARED = len(LAYERS) - 1
+
+
+def _modules() -> dict[str, str]:
+    """module name -> file, for every module of the package (a package by its __init__)."""
+    out = {}
+    for dirpath, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, name), SRC)[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = os.path.join(dirpath, name)
+    return out
+
+
+MODULES = _modules()
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skip
+
+
+def _imports(module: str) -> list[tuple[str, bool]]:
+    """(imported meshrun module, imported inside a function) for every import statement."""
+    path = MODULES[module]
+    tree = ast.parse(open(path).read(), path)
+    skip = _type_checking_only(tree)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    in_function: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            in_function |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                up = parts[:len(parts) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            for alias in node.names:  # `from pkg import module` imports that module
+                full = f"{base}.{alias.name}"
+                targets.append(full if full in MODULES else base)
+        for target in targets:
+            if target == "meshrun" or target.startswith("meshrun."):
+                while target not in MODULES:  # an attribute path: the module that holds it
+                    target = target.rpartition(".")[0]
+                out.append((target, id(node) in in_function))
+    return out
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _layer(module: str) -> tuple[int, str]:
+    """(layer index, the layer's package) of a module: the longest package prefix listed."""
+    best = None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > len(best[1])):
+                best = (i, name)
+    assert best is not None, module
+    return best
+
+
+def test_the_check_sees_imports_inside_functions():
+    inside = sum(1 for edges in GRAPH.values() for _, local in edges if local)
+    assert inside > 20, inside  # the trainer's CLI imports torch-side modules only when it runs
+    assert ("meshrun.train.parallel.dims", True) in GRAPH["meshrun.cli.train"]
+
+
+def test_no_import_cycle_between_meshrun_modules():
+    edges = {m: sorted({t for t, _ in GRAPH[m] if t != m}) for m in GRAPH}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_imports_point_down_the_layers():
+    """cli -> doctor -> train -> plan -> modelinfo -> integrations -> launch, render, api ->
+    cluster -> the shared names (errors, vocab, defaults, units)."""
+    wrong = []
+    for module, edges in GRAPH.items():
+        mine, my_pkg = _layer(module)
+        for target, _ in edges:
+            theirs, their_pkg = _layer(target)
+            if theirs < mine or (theirs == mine and their_pkg != my_pkg and mine != SHARED):
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, wrong
+
+
+def test_command_modules_import_no_other_command_nor_the_cli_package():
+    commands = [m for m in MODULES if m.startswith("meshrun.cli.") and m != "meshrun.cli.options"]
+    assert len(commands) >= 7
+    wrong = [f"{m} imports {t}" for m in commands for t, _ in GRAPH[m]
+             if t == "meshrun.cli" or (t.startswith("meshrun.cli.") and t != "meshrun.cli.options")]
+    assert not wrong, wrong
+
+
+# ---- comments and docstrings --------------------------------------------------------------
+
+# Words that date a line instead of explaining it: an ordinal naming a round of work, a lettered
+# run ("call BO"), an issue number, the documents' numbers ("seed 002"), and paths outside the
+# repository.
+HISTORY = [
+    (re.compile(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
+                r"thirteenth|fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth)\s+"
+                r"(session|round|call|pass|iteration|attempt)s?\b", re.I), "an ordinal round of work"),
+    (re.compile(r"\b(session|round)\s+\d+\b", re.I), "a numbered round of work"),
+    (re.compile(r"\bcalls?\s+[A-Z]{1,2}\b(?:\s*[,/-]\s*[A-Z]{1,2}\b)*"), "a lettered call"),
+    (re.compile(r"\bissue[\s-]*#?\d+", re.I), "an issue number"),
+    (re.compile(r"(?<![\w/])#\d{2,}\b"), "an issue number"),
+    (re.compile(r"\bseeds?\s+0\d\d\b", re.I), "a document's number"),
+    (re.compile(r"\.\./(shared|\.library)\b|/work/|\.\./\.\./"), "a path outside the repository"),
+]
+CHECKED = [os.path.join(dp, f) for top in ("src", "tests", "bench", "examples")
+           for dp, _, fs in os.walk(os.path.join(ROOT, top)) for f in fs
+           if f.endswith((".py", ".sh", ".md")) and "__pycache__" not in dp]
+
+
+def _history(text: str) -> list[str]:
+    return [why for pattern, why in HISTORY if pattern.search(text)]
+
+
+@pytest.mark.parametrize("line,why", [
+    ("# Measured in the sixteenth session on 4 x H200", "an ordinal round of work"),
+    ("# (calls BO-BT) the defaults", "a lettered call"),
+    ("# see call AZ", "a lettered call"),
+    ("# fixed for issue 5", "an issue number"),
+    ("# as seed 002 does", "a document's number"),
+    ("# from ../shared/BASELINE.md", "a path outside the repository"),
+])
+def test_the_history_check_catches_each_kind(line, why):
+    assert why in _history(line)
+
+
+@pytest.mark.parametrize("line", [
+    "# the first step pays for compilation", "# a second rank", "# the call returns the loss",
+    "torch 2.11 on an H200: 28% MFU eager", "# pytorch#126670, fused AdamW under FSDP2",
+])
+def test_the_history_check_lets_plain_text_through(line):
+    assert _history(line) == [], line
+
+
+def _comments_and_docstrings(path: str) -> list[tuple[int, str]]:
+    """(line, text) of a Python file's comments and docstrings; every line of other files."""
+    text = open(path, encoding="utf-8").read()
+    if not path.endswith(".py"):
+        return list(enumerate(text.splitlines(), 1))
+    out = [(i, line[line.index("#"):]) for i, line in enumerate(text.splitlines(), 1)
+           if "#" in line and not line.lstrip().startswith(("'", '"'))]
+    for node in ast.walk(ast.parse(text, path)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                first = node.body[0].lineno
+                out += [(first + k, line) for k, line in enumerate(doc.splitlines())]
+    return out
+
+
+def test_comments_and_docstrings_carry_no_history():
+    """Comments and docstrings in src/, tests/, bench/ and examples/ say what the code does
+    now and why; a measurement names its number, card and torch version, not the round of
+    work that took it (docs/decisions.md keeps the measurements)."""
+    found = []
+    for path in CHECKED:
+        if path == os.path.abspath(__file__):
+            continue  # this file's own patterns and examples
+        for lineno, text in _comments_and_docstrings(path):
+            for why in _history(text):
+                found.append(f"{os.path.relpath(path, ROOT)}:{lineno}: {why}: {text.strip()[:100]}")
+    assert not found, "\n".join(found[:60]) + f"\n({len(found)} in all)"
