@@ -69,7 +69,7 @@ def main() -> int:
     wall = time.perf_counter() - t0
     text = open(log, errors="replace").read().splitlines()
     rows = [r for r in map(parse_line, text) if r]
-    first = next((line for line in text if line.startswith("meshrun train:")), "")
+    first = next((line for line in text if line.startswith("meshrun train: strategy")), "")
     chosen = [line.strip() for line in text[text.index(first) + 1:] if line.startswith("  ")][:4] if first else []
     kept = steady(rows, a.skip)
     result = {"label": a.label, "args": args, "rc": rc, "wall_s": round(wall, 1), "first_line": first,

@@ -17,8 +17,8 @@
 #               GPT 124M and 1.3B on NG GPUs, timed from its log lines (bench/cli_train.py); with
 #               PREV_SRC=DIR also another meshrun source tree with hand-set flags, in the same call
 #   checks      the GPU correctness scripts: tests/scripts/head_loss_check.py (the head loss's
-#               Triton kernel) and tests/scripts/fused_mlp_check.py (the GELU epilogues; needs
-#               nvmath-python)
+#               Triton kernel), tests/scripts/fused_mlp_check.py (the GELU epilogues; needs
+#               nvmath-python) and tests/scripts/liger_check.py (Liger Kernel on a Llama)
 #
 # Options (environment):
 #   DEADLINE_S=540      a suite starts no run after this many seconds (each run has its own limit too)
@@ -265,6 +265,7 @@ checks)
   check 200 tests/scripts/head_loss_check.py "$OUT/head_loss_check.log" "^ok|Error|^ALL OK" || ok=1
   check 240 tests/scripts/fused_mlp_check.py "$OUT/fused_mlp_check.log" \
     "relative error|bitwise|ms, peak|against Inductor|256 tokens|Error|fused_mlp_check|^ALL OK" || ok=1
+  check 120 tests/scripts/liger_check.py "$OUT/liger_check.log" "applied|loss plain|Error|liger_check|^ALL OK" || ok=1
   [ "$ok" = 0 ] && echo "checks: ALL OK" | tee -a "$S" || echo "checks: FAILED (logs in $OUT)" | tee -a "$S"
   ;;
 esac

@@ -162,6 +162,37 @@ def test_checkpointed_activations_are_the_block_inputs():
     assert sum(seen.values()) == stored == 4 * h * b * t * layers
 
 
+def test_selective_checkpointing_keeps_what_the_planner_counts():
+    """Selective checkpointing keeps each block's input and the outputs of its matmuls and of
+    attention (the policy in train/parallel/apply.py): summed over one GPT block's forward (fp32,
+    on the CPU), exactly the planner's selective term."""
+    require("torch")
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshrun.plan import memory
+    from meshrun.train.models.gpt import Block, GPTConfig
+    from meshrun.train.parallel.apply import _kept_ops
+
+    h, b, t, heads = 64, 2, 16, 4
+    block = Block(GPTConfig(vocab=32, seq_len=t, d_model=h, n_layers=1, n_heads=heads, fused_mlp=False))
+    kept, outputs = _kept_ops(), []
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in kept:
+                outputs.extend(o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor))
+            return out
+
+    x = torch.randn(b, t, h, requires_grad=True)
+    with Outputs():
+        block(x)
+    got = x.nbytes + sum(o.nbytes for o in outputs)
+    spec = gpt_spec("x", h, 1, heads, 32, t)
+    assert got == memory.selective_layer_bytes(spec, "fp32") * b * t
+
+
 def test_calibration_points_within_five_percent():
     """The allocated peaks measured on an H200 (tests/data/calibration) against the model."""
     path = os.path.join(CALIBRATION, "h200_train-bench-peaks_2026-11-26.jsonl")
@@ -686,14 +717,14 @@ def test_train_auto_asks_the_planner():
     with torch.device("meta"):
         model = gpt("gpt-1.3b", 1024)
     roomy = decide(model, validate(TrainConfig(micro_batch=16, seq_len=1024)), 4, 4, 4, 141 * GiB, True)
-    assert (roomy.strategy, roomy.activation_checkpointing, roomy.micro_batch) == ("fsdp-grad-op", False, 16)
+    assert (roomy.strategy, roomy.activation_checkpointing, roomy.micro_batch) == ("fsdp-grad-op", "none", 16)
     assert roomy.reasons[0].startswith("planner: fsdp-grad-op predicted")
     tight = decide(model, validate(TrainConfig(micro_batch=16, seq_len=1024)), 1, 1, 1, 40 * GiB, True)
-    assert (tight.strategy, tight.activation_checkpointing) == ("single", True)
+    assert (tight.strategy, tight.activation_checkpointing) == ("single", "full")
     assert any("activation checkpointing on to fit" in r for r in tight.reasons)
     said_none = build_config({}, {"activation_checkpointing": "none", "micro_batch": 16, "seq_len": 1024})
     kept = decide(model, said_none, 1, 1, 1, 40 * GiB, True)
-    assert not kept.activation_checkpointing and "nothing fits" in kept.reasons[0]
+    assert kept.activation_checkpointing == "none" and "nothing fits" in kept.reasons[0]
     on_cpu = decide(model, validate(TrainConfig(seq_len=1024)), 2, 2, 2, None, False)
     assert (on_cpu.strategy, on_cpu.micro_batch, on_cpu.global_batch) == ("ddp", 8, None)
 
@@ -720,14 +751,14 @@ def test_train_auto_chooses_the_micro_batch_for_a_global_batch():
         d = decide(model, validate(TrainConfig(seq_len=1024, **kw)), world, world, world, mem, True)
         return d.strategy, d.activation_checkpointing, d.micro_batch
 
-    assert pick("gpt-124m", 4, 141 * GiB) == ("ddp", False, MAX_MICRO_TOKENS // 1024)
-    assert pick("gpt-1.3b", 4, 141 * GiB) == ("ddp", False, 32)
-    assert pick("gpt-1.3b", 4, 80 * GiB) == ("ddp", False, 16)
-    assert pick("gpt-1.3b", 4, 141 * GiB, global_batch=64) == ("fsdp-grad-op", False, 16)
+    assert pick("gpt-124m", 4, 141 * GiB) == ("ddp", "none", MAX_MICRO_TOKENS // 1024)
+    assert pick("gpt-1.3b", 4, 141 * GiB) == ("ddp", "none", 32)
+    assert pick("gpt-1.3b", 4, 80 * GiB) == ("ddp", "none", 16)
+    assert pick("gpt-1.3b", 4, 141 * GiB, global_batch=64) == ("fsdp-grad-op", "none", 16)
     one = pick("gpt-1.3b", 1, 141 * GiB)[2]  # accumulation makes up the rest of the 512
     assert one >= 32 and 512 % one == 0, one
     assert pick("gpt-1.3b", 4, 141 * GiB, micro_batch=8)[2] == 8  # the user's micro-batch stands
-    assert pick("gpt-124m", 4, 141 * GiB, global_batch=None) == ("ddp", False, MAX_MICRO_TOKENS // 1024)
+    assert pick("gpt-124m", 4, 141 * GiB, global_batch=None) == ("ddp", "none", MAX_MICRO_TOKENS // 1024)
     with torch.device("meta"):
         default = decide(gpt("gpt-124m", 1024), validate(TrainConfig(model_size="gpt-124m")), 4, 4, 4, 141 * GiB, True)
     assert default.global_batch == 512 and any("512K tokens, the default on GPUs" in r for r in default.reasons)

@@ -339,9 +339,10 @@ def test_clipping_matches_single_process():
     (1, {"strategy": "single", "micro_batch": 8}),
     (2, {"strategy": "ddp", "micro_batch": 4}),
     (2, {"strategy": "fsdp", "micro_batch": 4}),
-], ids=["single", "ddp", "fsdp"])
+    (2, {"strategy": "fsdp", "micro_batch": 4, "activation_checkpointing": "selective"}),
+], ids=["single", "ddp", "fsdp", "fsdp-selective"])
 def test_activation_checkpointing_recomputes_the_same_training(reference, nproc, overrides):
-    close(run(nproc, activation_checkpointing="full", **overrides), reference)
+    close(run(nproc, **{"activation_checkpointing": "full", **overrides}), reference)
 
 
 @pytest.mark.parametrize("nproc,overrides", [

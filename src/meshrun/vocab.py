@@ -12,8 +12,10 @@ from dataclasses import dataclass
 # What `meshrun launch -f` starts, and what a rendered job spec's script runs under.
 FRAMEWORKS = ("torch", "deepspeed", "accelerate", "jax", "tensorflow")
 
-# Activation checkpointing: none, or every block recomputed in backward.
-AC_MODES = ("none", "full")
+# Activation checkpointing: none; full, every block's activations recomputed in backward from
+# its input; selective, each block keeps its matmuls' and attention's outputs and recomputes the
+# cheap operations between them (norms, activations, rotary embeddings).
+AC_MODES = ("none", "full", "selective")
 
 # Training precisions: bf16 mixed precision (fp32 master weights), or fp32 throughout.
 PRECISIONS = ("bf16", "fp32")

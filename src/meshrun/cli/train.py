@@ -65,7 +65,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("what to train")
     add_option(g, "--config", metavar="FILE", help="YAML or TOML with the same keys as these flags")
     add_option(g, "--example", choices=EXAMPLES, default=None, help="built-in job: gpt (default) or toy")
-    add_option(g, "--model", metavar="MODULE:FACTORY", default=None, help="your nn.Module factory")
+    add_option(g, "--model", metavar="DIR|CONFIG|MODULE:FACTORY", default=None,
+               help="a Hugging Face model directory (save_pretrained's: config.json, *.safetensors) or config.json "
+                    "(any causal LM transformers knows; local paths only, nothing is downloaded), or your nn.Module "
+                    "factory")
+    add_option(g, "--init", metavar="auto|pretrained|random", default=None,
+               help="a Hugging Face model's weights: auto (default: the directory's *.safetensors when it has "
+                    "them, else a random initialisation), pretrained, random")
     add_option(g, "--data", metavar="NAME|MODULE:FACTORY", default=None,
                help="stdlib (default for gpt), random (tokens), toy, or your Dataset factory (or (train, val))")
     add_option(g, "--model-size", metavar="PRESET", default=None, help=f"GPT preset: {', '.join(GPT_PRESETS)} "
@@ -155,13 +161,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_topology_options(p)
     p.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("export", help="write a snapshot's weights as one safetensors file",
-                       description="Consolidate the model weights of a meshrun train snapshot (sharded or not) "
-                                   "into one safetensors file for inference and Hugging Face tools.\n\n"
-                                   "example:\n  meshrun export runs/a/checkpoints/step-00000200 --to model.safetensors",
+    e = sub.add_parser("export", help="write a snapshot's weights as a Hugging Face model or one safetensors file",
+                       description="Consolidate the model weights of a meshrun train snapshot (sharded or not):\n"
+                                   "  hf           a Hugging Face model directory (config.json, sharded safetensors and "
+                                   "their index,\n               the tokenizer's files) that "
+                                   "AutoModelForCausalLM.from_pretrained loads\n"
+                                   "  safetensors  one .safetensors file of the weights\n\n"
+                                   "examples:\n  meshrun export runs/a/checkpoints --to exported/       # the newest "
+                                   "snapshot of a Hugging Face model\n"
+                                   "  meshrun export runs/a/checkpoints/step-00000200 --to model.safetensors",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("snapshot", help="a committed snapshot directory (OUT/checkpoints/step-N), or OUT/checkpoints")
-    add_option(e, "--to", required=True, metavar="FILE", from_env=False, help="the .safetensors file to write")
+    add_option(e, "--to", required=True, metavar="DIR|FILE", from_env=False,
+               help="where to write: a directory (--format hf) or a .safetensors file")
+    add_option(e, "--format", choices=("auto", "hf", "safetensors"), default="auto", from_env=False,
+               help="auto (default: safetensors for a --to ending in .safetensors, else hf), hf, safetensors")
     e.set_defaults(func=cmd_export)
 
 
@@ -176,8 +190,12 @@ def cmd_export(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         if found is None:
             raise MeshrunError(f"snapshot={path!r}: not a committed snapshot nor a directory of them")
         path = found
-    n = checkpoint.export_safetensors(path, ns.to)
-    print(f"meshrun export: {n} tensors from {path} -> {ns.to}")
+    fmt = ns.format if ns.format != "auto" else "safetensors" if ns.to.endswith(".safetensors") else "hf"
+    if fmt == "hf" and os.path.isfile(ns.to):
+        raise MeshrunError(f"--to={ns.to!r}: a file; --format hf writes a directory (hint: give a directory, or "
+                           "--format safetensors)")
+    n = (checkpoint.export_hf if fmt == "hf" else checkpoint.export_safetensors)(path, ns.to)
+    print(f"meshrun export: {n} tensors from {path} -> {ns.to} ({fmt})")
     return 0
 
 
@@ -212,6 +230,11 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
             from ..modelinfo.factory import load_factory
 
             load_factory(value, f"--{name}")  # import errors now, not in every rank
+    if cfg.model and ":" not in cfg.model:  # a Hugging Face model: read and built (on meta) now, not in every rank
+        from ..modelinfo import hf
+
+        hf.build_on_meta(hf.load_config(hf.locate(cfg.model, cfg.source("model")), cfg.source("model")),
+                         cfg.source("model"), cfg.model)
     if ns.max_restarts < 0:
         raise MeshrunError(f"--max-restarts={ns.max_restarts}: must be >= 0")
     if ns.max_restarts and not cfg.out:

@@ -15,17 +15,16 @@ from .spec import PRESETS, ModelSpec, gpt_spec, llama_spec
 
 
 def resolve_model(text: str, where: str = "--model") -> ModelSpec:
-    """A preset name, a path to a HuggingFace ``config.json`` (or its folder), or ``module:factory``."""
+    """A preset name, a Hugging Face model directory or ``config.json``, or ``module:factory``."""
+    from . import hf
+
     if text in PRESETS:
         return PRESETS[text]
-    path = os.path.join(text, "config.json") if os.path.isdir(text) else text
-    if path.endswith(".json"):
-        if not os.path.isfile(path):
-            raise bad_value(where, text, "no such file", "give a preset, a config.json path, or module:factory")
-        return from_hf_config(path, where)
     if ":" in text and not os.path.exists(text):
         return from_factory(text, where)
-    raise bad_value(where, text, "is not a preset, a config.json, or module:factory",
+    if os.path.isdir(text) or text.endswith(".json") or hf.looks_like_hub_id(text):
+        return from_hf_config(hf.locate(text, where).config_path, where)
+    raise bad_value(where, text, "is not a preset, a model directory, a config.json, or module:factory",
                     f"presets: {', '.join(PRESETS)}")
 
 
@@ -41,8 +40,9 @@ def _need(cfg: dict, where: str, *keys: str) -> int:
 
 
 def from_hf_config(path: str, where: str = "--model") -> ModelSpec:
-    """Shape from the config's fields; the exact parameter count from transformers on the
-    meta device when transformers is installed (no weights are read or downloaded)."""
+    """Shape from the config's fields; the exact parameter counts from the model as transformers
+    builds it on the meta device, when transformers is installed (nothing is read but the
+    config, nothing is downloaded)."""
     try:
         with open(path) as f:
             cfg = json.load(f)
@@ -68,7 +68,7 @@ def from_hf_config(path: str, where: str = "--model") -> ModelSpec:
         spec = replace(spec, ffn=ffn)
     spec = replace(spec, source=f"config {path} (parameters counted from its shapes)", block_class=None,
                    bf16_residual=False, learned_positions=0)  # the config's table, whatever the sequence
-    exact = _count_with_transformers(cfg)
+    exact = _count_with_transformers(path, where)
     if exact is not None:
         total, block, cls = exact
         spec = replace(spec, params=total, block_params=block, outer_params=max(0, total - layers * block),
@@ -76,19 +76,17 @@ def from_hf_config(path: str, where: str = "--model") -> ModelSpec:
     return spec
 
 
-def _count_with_transformers(cfg: dict) -> tuple[int, int, str | None] | None:
-    try:
-        import torch
-        import transformers
-    except ImportError:
+def _count_with_transformers(path: str, where: str) -> tuple[int, int, str | None] | None:
+    """Counts from the model itself, as `meshrun train` builds it (modelinfo/hf.py: the same
+    checks, the same errors); None where transformers or torch is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
         return None
-    try:
-        conf = transformers.AutoConfig.for_model(**cfg)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(conf)
-    except Exception:  # an architecture this transformers does not know: the formula stands
-        return None
-    return _count(model)
+    from . import hf
+
+    source = hf.locate(path, where)
+    return _count(hf.build_on_meta(hf.load_config(source, where), where, path))
 
 
 def _count(model: Any) -> tuple[int, int, str | None]:

@@ -22,7 +22,8 @@ class Candidate:
 
     def to_dict(self) -> dict:
         s = self.strategy
-        out = {"strategy": s.label, "engine": s.engine, "activation_checkpointing": s.ac,
+        out = {"strategy": s.label, "engine": s.engine,
+               "activation_checkpointing": "full" if s.ac else "selective" if s.sac else "none",
                "dp": s.dp, "tp": s.tp, "pp": s.pp, "fits": self.fits}
         if self.batch:
             out.update(micro_batch=self.batch.micro, accumulation=self.batch.accum,

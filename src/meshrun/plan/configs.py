@@ -109,7 +109,7 @@ def train_config(plan: Plan, c: Candidate, m: ModelSpec) -> dict[str, Any]:
             out["pp_microbatches"] = b.micro
     else:
         out["strategy"] = s.name
-    out.update(activation_checkpointing="full" if s.ac else "none", seq_len=plan.train.seq_len,
+    out.update(activation_checkpointing="full" if s.ac else "selective" if s.sac else "none", seq_len=plan.train.seq_len,
                precision=plan.train.precision, compile="on" if plan.train.compile else "off")
     if b is not None:
         out.update(micro_batch=b.micro, global_batch=b.global_batch)

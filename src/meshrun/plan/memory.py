@@ -52,11 +52,12 @@ class Strategy:
     offload_params: bool = False
     keep_gathered: bool = False  # FSDP2 reshard_after_forward=False: bf16 params live fwd -> bwd
     cp: int = 1  # context parallel: each sequence over cp ranks (activations / cp, K/V gathered)
+    sac: bool = False  # selective activation checkpointing: each block keeps its matmuls' outputs
     ep: int = 1  # expert parallel: experts over ep ranks
 
     @property
     def label(self) -> str:
-        return self.name + ("+ac" if self.ac else "")
+        return self.name + ("+ac" if self.ac else "+sac" if self.sac else "")
 
 
 BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "logits", "comm_buffers", "workspace",
@@ -107,6 +108,19 @@ def layer_activation_bytes(m: ModelSpec, precision: str, fp32_residual: bool = T
     return norms + attn + mlp
 
 
+def selective_layer_bytes(m: ModelSpec, precision: str, fp32_residual: bool = True) -> float:
+    """Bytes per token per layer under selective checkpointing (train/parallel/apply.py's
+    policy): the block's input (its norm is recomputed from it), the outputs of every matmul
+    (q/k/v, attention-out, the MLP's up and gate, down) and of attention with its log-sum-exp;
+    norms, activations, rotary embeddings and their products are recomputed."""
+    h, f, kv = m.hidden, m.ffn, m.kv_dim
+    a, r = (2, 4 if fp32_residual else 2) if precision == "bf16" else (4, 4)
+    mlp = (2 * a * f if m.gated_mlp else a * f) + a * h
+    if m.experts:
+        mlp = mlp * m.top_k + 2 * a * h * m.top_k
+    return r * h + a * (h + 2 * kv) + a * h + 4 * m.heads + a * h + mlp
+
+
 def activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[int, int]:
     """(stored for backward over all of this GPU's layers, transient of one layer's backward
     or recomputation). Tensor parallelism with sequence parallelism divides everything by tp;
@@ -114,6 +128,7 @@ def activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[in
     mode = "compiled" if t.compile and s.engine == "torch" else "eager"
     fp32_residual = autocast(t, s) and not m.bf16_residual
     per_layer = layer_activation_bytes(m, t.precision, fp32_residual) * calibration()["act_factor"][mode]
+    kept = selective_layer_bytes(m, t.precision, fp32_residual) * calibration()["act_factor"][mode]
     tokens = micro * t.seq_len / s.cp  # context parallel: this rank's shard of each sequence
     layers = m.layers  # L/pp layers x pp in-flight micro-batches on the first stage
     one_layer = per_layer * tokens / s.tp
@@ -122,6 +137,9 @@ def activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[in
     if s.ac:
         stored = (4 if fp32_residual or t.precision == "fp32" else 2) * m.hidden * tokens * layers / s.tp
         return int(stored), int(one_layer)
+    if s.sac:  # the kept outputs, and one layer's recomputed rest in its backward
+        stored = kept * tokens * layers / s.tp
+        return int(stored), int(one_layer - kept * tokens / s.tp)
     return int(one_layer * layers), int(one_layer / 4)
 
 

@@ -61,7 +61,9 @@ def step_time(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Batch,
     efficiency), plus FSDP2's fixed cost per micro-step, plus the optimizer step over this
     GPU's share of the parameters (or offload's PCIe and CPU-Adam time)."""
     tokens = b.micro * b.accum * t.seq_len  # per data-parallel replica, which spans tp x pp x cp GPUs
-    flops = m.work_flops_per_token(t.seq_len) * tokens / (s.tp * s.pp * s.cp) * (4 / 3 if s.ac else 1)
+    # full checkpointing runs each block's forward again (a third more); selective only its cheap,
+    # memory-bound operations (counted as 2% more)
+    flops = m.work_flops_per_token(t.seq_len) * tokens / (s.tp * s.pp * s.cp) * (4 / 3 if s.ac else 1.02 if s.sac else 1)
     compute = flops / (c.gpu_flops * work_efficiency() * layout_efficiency(s))
     if s.pp > 1:  # the 1F1B bubble: meshrun cuts each micro-batch into pp pieces (--pp-microbatches)
         compute *= 1 + (s.pp - 1) / (max(1, b.accum) * s.pp)

@@ -5,6 +5,8 @@ pipeline parallelism."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..modelinfo.spec import ModelSpec
 from ..vocab import STRATEGIES
 from .memory import Strategy
@@ -18,12 +20,12 @@ ENGINES = {"torch": ("torch", "megatron"), "deepspeed": ("deepspeed",), "any": (
 FSDP_FIRST_FROM_PARAMS = 1_000_000_000
 
 
-def named(name: str, dp: int, shard_group: int, ac: bool) -> Strategy:
+def named(name: str, dp: int, shard_group: int, ac: bool, sac: bool = False) -> Strategy:
     """A data-parallel strategy of vocab.STRATEGIES over ``dp`` ranks, its states sharded
     over ``shard_group`` of them."""
     kind = STRATEGIES[name]
     return Strategy(name, kind.engine, kind.shard, dp, shard_group, ac=ac, keep_gathered=kind.fsdp == "grad_op",
-                    offload_optimizer=kind.offload != "none", offload_params=kind.offload == "all")
+                    offload_optimizer=kind.offload != "none", offload_params=kind.offload == "all", sac=sac)
 
 
 def _dp_family(c: ClusterSpec, ac: bool, m: ModelSpec) -> list[Strategy]:
@@ -61,6 +63,8 @@ def _tp_pp(m: ModelSpec, c: ClusterSpec) -> list[Strategy]:
 
 
 def candidates(m: ModelSpec, c: ClusterSpec, t: TrainSpec) -> list[Strategy]:
+    """Without checkpointing, then with it (full), when the mode is open; else in the mode
+    given (selective checkpointing only when asked for)."""
     acs = [False, True] if t.activation_checkpointing is None else [t.activation_checkpointing == "full"]
     out: list[Strategy] = []
     for ac in acs:
@@ -68,6 +72,8 @@ def candidates(m: ModelSpec, c: ClusterSpec, t: TrainSpec) -> list[Strategy]:
         # weights are most of the model and FSDP would gather them all every step.
         out += (expert_parallel(m, c, [ac]) if m.experts else []) + _dp_family(c, ac, m)
     out += [s for s in _offload(c) if t.activation_checkpointing is None or s.ac == acs[0]]
+    if t.activation_checkpointing == "selective":
+        out = [replace(s, sac=True) for s in out]
     return out
 
 

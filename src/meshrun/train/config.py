@@ -13,12 +13,14 @@ from typing import Any, Mapping
 
 from ..defaults import COMPILE_CHOICES, compile_enabled, seq_len_for
 from ..errors import MeshrunError, bad_value
+from ..modelinfo.hf import is_hf_path, locate
 from ..vocab import AC_MODES, GPT_PRESETS, POLICIES, PP_SCHEDULES, PRECISIONS, STRATEGIES
 
 STRATEGY_CHOICES = (*POLICIES, *STRATEGIES)
 REDUCE_PRECISIONS = ("fp32", "bf16")
 ATTENTION = ("auto", "cudnn", "flash", "efficient", "math")  # SDPA kernel first in line (models/attention.py)
-KERNELS = ("auto", "plain")  # the built-in GPT's own kernels where they run, or none
+KERNELS = ("auto", "plain")  # the built-in GPT's own kernels (Liger's for a Hugging Face model) where they run, or none
+INITS = ("auto", "pretrained", "random")
 EXAMPLES = ("gpt", "toy")
 BUILTIN_DATA = ("stdlib", "random", "toy")
 
@@ -26,7 +28,8 @@ BUILTIN_DATA = ("stdlib", "random", "toy")
 @dataclass(frozen=True)
 class TrainConfig:
     example: str = "gpt"
-    model: str | None = None  # "module:factory" returning an nn.Module
+    model: str | None = None  # "module:factory" returning an nn.Module, or a Hugging Face model directory
+    init: str = "auto"  # a Hugging Face model's weights: auto (the directory's when it has them), pretrained, random
     data: str | None = None  # built-in name, or "module:factory" returning a Dataset or (train, val)
     model_size: str = "gpt-small"
     strategy: str = "auto"  # auto, fsdp (flavour by size) or a name of vocab.STRATEGIES
@@ -148,6 +151,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_choice(cfg, "reduce_precision", REDUCE_PRECISIONS)
     _check_choice(cfg, "attention", ATTENTION)
     _check_choice(cfg, "kernels", KERNELS)
+    _check_choice(cfg, "init", INITS)
     _check_choice(cfg, "activation_checkpointing", AC_MODES)
     _check_choice(cfg, "pp_schedule", PP_SCHEDULES)
     kind = STRATEGIES.get(cfg.strategy)
@@ -175,9 +179,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         n = cfg.pp_microbatches or cfg.pp
         raise bad_value(cfg.source("micro_batch"), cfg.micro, f"does not split into {n} pipeline micro-batches",
                         f"a micro-batch that is a multiple of {n}, or set --pp-microbatches")
-    if cfg.kernels != "auto" and (cfg.model is not None or cfg.example != "gpt"):
-        raise bad_value(cfg.source("kernels"), cfg.kernels, "chooses the kernels of meshrun's built-in GPT",
-                        "drop it with --model or --example toy")
+    hf_model = cfg.model is not None and is_hf_path(cfg.model)
+    if cfg.kernels != "auto" and ((cfg.model is not None and not hf_model) or cfg.example != "gpt"):
+        raise bad_value(cfg.source("kernels"), cfg.kernels, "chooses the kernels of meshrun's built-in GPT and "
+                        "of Hugging Face models", "drop it with a module:factory model or --example toy")
     if cfg.fused_loss and (cfg.model is not None or cfg.example != "gpt"):
         raise bad_value(cfg.source("fused_loss"), True, "is a loss of meshrun's built-in GPT",
                         "drop it, or compute your model's loss in chunks (e.g. Liger-Kernel's fused linear cross-entropy)")
@@ -187,11 +192,19 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.model is None and cfg.example == "gpt" and cfg.model_size not in GPT_PRESETS:
         raise bad_value(cfg.source("model_size"), cfg.model_size, "unknown GPT preset",
                         f"choose one of {', '.join(GPT_PRESETS)}")
-    for name in ("model", "data"):
-        value = getattr(cfg, name)
-        if value is not None and ":" not in value and not (name == "data" and value in BUILTIN_DATA):
-            hint = "module:factory" + (f", or one of {', '.join(BUILTIN_DATA)}" if name == "data" else "")
-            raise bad_value(cfg.source(name), value, "expected module:factory", f"write {hint}")
+    if cfg.model is not None and ":" not in cfg.model:
+        model = locate(cfg.model, cfg.source("model"))  # a Hugging Face directory or config, or a clear error
+        if cfg.init == "pretrained" and not model.has_weights:
+            raise bad_value(cfg.source("init"), "pretrained", f"{model.directory} holds no *.safetensors weights",
+                            "--init random to train from a random initialisation, or give the directory with weights")
+        if os.path.abspath(cfg.model) != cfg.model:  # the workers may start elsewhere
+            cfg = dataclasses.replace(cfg, model=os.path.abspath(cfg.model))
+    elif cfg.init != "auto":
+        raise bad_value(cfg.source("init"), cfg.init, "chooses the weights of a Hugging Face model directory",
+                        "drop it, or give --model a model directory")
+    if cfg.data is not None and ":" not in cfg.data and cfg.data not in BUILTIN_DATA:
+        raise bad_value(cfg.source("data"), cfg.data, "expected module:factory",
+                        f"write module:factory, or one of {', '.join(BUILTIN_DATA)}")
     positive = ("steps", "seq_len", "log_every", "eval_batches", "ddp_bucket_mb")
     for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size", "tp", "pp", "pp_microbatches", "cp", "ep"):
         value = getattr(cfg, name)

@@ -14,12 +14,19 @@ def data_name(cfg: TrainConfig) -> str:
 
 
 def build_model(cfg: TrainConfig) -> Any:
+    """The model: a Hugging Face model directory's (parameters on the meta device, filled once
+    laid out: ``pretrained_weights``), the user's factory's, or a built-in one."""
     import torch
 
     from .models.gpt import gpt
     from .models.toy import Toy
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    if cfg.model and ":" not in cfg.model:
+        from ..modelinfo import hf
+
+        source = hf.locate(cfg.model, cfg.source("model"))
+        return hf.build_on_meta(hf.load_config(source, cfg.source("model")), cfg.source("model"), cfg.model)
     if cfg.model:
         model = call_factory(cfg.model, "--model")
         if not isinstance(model, torch.nn.Module):
@@ -31,6 +38,33 @@ def build_model(cfg: TrainConfig) -> Any:
     auto = cfg.kernels == "auto"
     return gpt(cfg.model_size, seq_len=cfg.seq, vocab=vocab, n_experts=cfg.experts, fused_loss=cfg.fused_loss,
                head_loss=auto, fused_mlp="auto" if auto else False)
+
+
+def pretrained_weights(cfg: TrainConfig) -> Any:
+    """The weight files to fill a Hugging Face model from: the directory's unless --init
+    random or it has none (then a random initialisation)."""
+    if not cfg.model or ":" in cfg.model or cfg.init == "random":
+        return None
+    from ..modelinfo import hf
+    from .weights import Pretrained
+
+    source = hf.locate(cfg.model, cfg.source("model"))
+    return Pretrained(source.directory, source.weight_files) if source.has_weights else None
+
+
+def vocab_size(model: Any) -> int | None:
+    """The number of token ids a model takes: its input embedding's rows (a Hugging Face
+    model's ``get_input_embeddings()``, else its first nn.Embedding), else ``cfg.vocab``."""
+    import torch.nn as nn
+
+    getter = getattr(model, "get_input_embeddings", None)
+    embedding = getter() if callable(getter) else None
+    if not isinstance(embedding, nn.Embedding):
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if isinstance(embedding, nn.Embedding):
+        return int(embedding.num_embeddings)
+    vocab = getattr(getattr(model, "cfg", None), "vocab", None)
+    return int(vocab) if isinstance(vocab, int) else None
 
 
 def build_data(cfg: TrainConfig, vocab: int | None) -> tuple[Any, Any]:

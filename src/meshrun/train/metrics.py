@@ -44,6 +44,23 @@ def peak_flops(device: torch.device) -> float | None:
     return peak_for_name(torch.cuda.get_device_name(device))
 
 
+def flops_per_token(model: Any, seq: int) -> float | None:
+    """Training FLOPs per token for MFU: the model's own count when it has one (meshrun's GPT:
+    6N + 12·L·d·T); for a Hugging Face causal LM torchtitan's count, 6 x the parameters but the
+    input embedding (when untied: a lookup, no matmul) + 12·L·d·T; else None (MFU not reported)."""
+    if hasattr(model, "flops_per_token"):
+        return float(model.flops_per_token())
+    config = getattr(model, "config", None)
+    layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
+    if not (isinstance(layers, int) and isinstance(hidden, int)):
+        return None
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is not None and not getattr(config, "tie_word_embeddings", False):
+        n -= embed.weight.numel()
+    return 6.0 * n + 12.0 * layers * hidden * seq
+
+
 def mfu(tokens_per_s_per_gpu: float, flops_per_token: float | None, peak: float | None) -> float | None:
     """Model FLOPs utilisation: achieved model FLOP/s over the card's peak."""
     if not flops_per_token or not peak:
@@ -69,6 +86,9 @@ class MetricsSink:
             os.makedirs(out, exist_ok=True)
             self.jsonl = open(os.path.join(out, "metrics.jsonl"), "a", buffering=1)
             try:
+                # tensorboard imports TensorFlow where it is installed, whose C++ log lines say
+                # nothing about this run
+                os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(os.path.join(out, "tensorboard"))

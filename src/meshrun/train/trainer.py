@@ -21,17 +21,19 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset
 
 from ..errors import MeshrunError
+from ..modelinfo.hf import export_record
 from ..modelinfo.read import context_of
 from . import checkpoint
 from .checkpoint import Position
 from .config import TrainConfig, resolve_seq_len, validate
 from .data import BatchStream, LoaderSpec, make_loader
-from .metrics import MetricsSink, mfu, peak_flops
+from .metrics import MetricsSink, flops_per_token, mfu, peak_flops
 from .optim import build_scheduler
 from .parallel.apply import parallelize
 from .parallel.auto import Choice, decide
 from .parallel.dims import make_dims
 from .runtime import Runtime, init_runtime
+from .weights import Pretrained
 
 # A non-finite step is found at the next log line or snapshot, and at least this often: one
 # host sync per 50 steps costs nothing measurable, and a run with rare log lines stops soon.
@@ -40,7 +42,10 @@ FINITE_CHECK_EVERY = 50
 
 class Trainer:
     def __init__(self, model: torch.nn.Module, train_data: Dataset, val_data: Dataset | None = None,
-                 config: TrainConfig | None = None, runtime: Runtime | None = None) -> None:
+                 config: TrainConfig | None = None, runtime: Runtime | None = None,
+                 weights: Pretrained | None = None) -> None:
+        """``model`` may have its parameters on the meta device (a Hugging Face model built from
+        its config): it is then filled once laid out, from ``weights`` or a random initialisation."""
         cfg = validate(config or TrainConfig())
         if runtime is None:
             from .runtime import teardown_at_exit
@@ -53,7 +58,8 @@ class Trainer:
             raise MeshrunError("--precision='bf16': this run is on CPU, where meshrun trains in fp32 "
                                "(hint: use --precision auto or fp32)")
         cfg = resolve_seq_len(cfg, context_of(model))
-        self.flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else None
+        self.flops_per_token = flops_per_token(model, cfg.seq)
+        self.model_record = export_record(model, cfg.model)  # for `meshrun export --format hf`
         self.n_params = sum(p.numel() for p in model.parameters())
         dp = make_dims(rt.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
                        source=f"--tp {cfg.tp} --pp {cfg.pp} --cp {cfg.cp} on {rt.world_size} processes").dp
@@ -68,7 +74,7 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
             torch.use_deterministic_algorithms(True)
         self.accum = cfg.accumulation(dp)
-        self.layout = parallelize(model, cfg, rt, self.choice, self.accum, self.bf16)
+        self.layout = parallelize(model, cfg, rt, self.choice, self.accum, self.bf16, weights)
         self.scheduler = build_scheduler(self.layout.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
         self.train_data = train_data
         self.loader_spec = LoaderSpec(cfg.micro, self.dp_rank, self.dp_size, cfg.seed, pin_memory=rt.cuda)
@@ -297,7 +303,7 @@ class Trainer:
             group = self._async_group
         pending = checkpoint.begin_save(root, Position(self.step, data.epoch, data.samples), self.model,
                                         self.optimizer, self.cfg.to_json(), self.cfg.keep_last, group,
-                                        self.layout.local_shards())
+                                        self.layout.local_shards(), self.model_record)
         if group is None:
             checkpoint.commit(pending)
         else:

@@ -25,7 +25,7 @@ def _report(exc: MeshrunError) -> None:
 def main() -> int:
     from ..modelinfo.read import context_of
     from .config import TrainConfig, resolve_seq_len
-    from .factories import build_data, build_model
+    from .factories import build_data, build_model, pretrained_weights, vocab_size
     from .runtime import init_runtime, teardown
     from .trainer import Trainer
 
@@ -34,9 +34,8 @@ def main() -> int:
         rt = init_runtime()
         model = build_model(cfg)
         cfg = resolve_seq_len(cfg, context_of(model))  # (a user's model states its own context)
-        vocab = getattr(getattr(model, "cfg", None), "vocab", None)
-        train, val = build_data(cfg, vocab)
-        Trainer(model, train, val, cfg, rt).fit()
+        train, val = build_data(cfg, vocab_size(model))
+        Trainer(model, train, val, cfg, rt, weights=pretrained_weights(cfg)).fit()
     except MeshrunError as exc:
         _report(exc)
         return 2  # no teardown barrier: the peers may be stuck elsewhere; the launcher stops them

@@ -5,10 +5,10 @@ verifies and reads, export.py consolidates the weights into safetensors, staging
 the CPU buffers of asynchronous saves.
 """
 
-from .export import export_safetensors
+from .export import export_hf, export_safetensors
 from .layout import MARKER, Position, clear_partial, committed, latest, prune, wait_pruned
 from .load import load, verify
 from .save import PendingSave, begin_save, commit, save, slow_writer_advice
 
 __all__ = ["MARKER", "PendingSave", "Position", "begin_save", "clear_partial", "commit", "committed",
-           "export_safetensors", "latest", "load", "prune", "save", "slow_writer_advice", "verify", "wait_pruned"]
+           "export_hf", "export_safetensors", "latest", "load", "prune", "save", "slow_writer_advice", "verify", "wait_pruned"]

@@ -1,8 +1,12 @@
-"""A snapshot's model weights consolidated into one safetensors file."""
+"""A snapshot's model weights, consolidated from its shards: as one safetensors file, or as a
+Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained`` loads with no
+meshrun installed."""
 
 from __future__ import annotations
 
 import os
+import shutil
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -11,14 +15,13 @@ from ...errors import MeshrunError
 from .load import SafeLoadPlanner, verify
 
 
-def export_safetensors(path: str, target: str) -> int:
-    """Consolidate a snapshot's model weights into one safetensors file (one process, no
-    process group); returns the number of tensors written."""
-    from safetensors.torch import save_file
+def read_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The snapshot's model weights, whole, on the CPU (one process, no process group), and its
+    state.json (verified first: marker, hashes, metadata)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    verify(path)
+    state = verify(path)
     meta = FileSystemReader(path).read_metadata()  # safe: verify() vetted its classes
     sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
           if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
@@ -29,7 +32,61 @@ def export_safetensors(path: str, target: str) -> int:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(sd, checkpoint_id=path, planner=SafeLoadPlanner(), no_dist=True)
-    tensors = {k[len("model."):]: t.contiguous() for k, t in sd.items()}
+    return {k[len("model."):]: t.contiguous() for k, t in sd.items()}, state
+
+
+def export_safetensors(path: str, target: str) -> int:
+    """Consolidate a snapshot's model weights into one safetensors file; returns the number of
+    tensors written."""
+    from safetensors.torch import save_file
+
+    tensors, _ = read_weights(path)
     os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
     save_file(tensors, target, metadata={"format": "pt", "source": os.path.abspath(path)})
+    return len(tensors)
+
+
+def export_hf(path: str, target: str, max_shard_size: str = "5GB") -> int:
+    """A Hugging Face model directory from a snapshot of one: ``config.json`` (the weights' dtype,
+    fp32 as trained, recorded in it), ``generation_config.json``, sharded safetensors with their
+    index (transformers' own ``save_pretrained``, which also leaves tied weights stored once),
+    and the tokenizer's files when the model's source directory still has them. Returns the
+    number of tensors written."""
+    from ...modelinfo import hf
+
+    tensors, state = read_weights(path)
+    record = state.get("model") or {}
+    if not record.get("hf_config"):
+        raise MeshrunError(f"{path}: not a snapshot of a Hugging Face model (hint: --format safetensors writes its "
+                           "weights as one file)")
+    try:
+        import transformers
+    except ImportError:
+        raise MeshrunError("--format hf needs transformers, not installed here (hint: pip install transformers)") \
+            from None
+    values = dict(record["hf_config"])
+    config = transformers.AutoConfig.for_model(**values)
+    for key in ("dtype", "torch_dtype"):  # what the weights are: from_pretrained keeps them exactly
+        if hasattr(config, key):
+            setattr(config, key, torch.float32)
+    with hf.parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    unknown = sorted(set(tensors) - names)
+    if unknown:
+        raise MeshrunError(f"{path}: the snapshot's tensor {unknown[0]} is not in the {config.model_type} model "
+                           "its config builds (hint: export with the transformers version that trained it)")
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()
+    missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
+    if missing:
+        raise MeshrunError(f"{path}: the snapshot lacks {missing[0]} of the model")
+    os.makedirs(target, exist_ok=True)
+    model.save_pretrained(target, max_shard_size=max_shard_size, safe_serialization=True)
+    source = record.get("source")
+    if source and os.path.isdir(source):
+        for name in hf.SIDE_FILES:
+            src = os.path.join(source, name)
+            if os.path.isfile(src) and not os.path.exists(os.path.join(target, name)):
+                shutil.copyfile(src, os.path.join(target, name))
     return len(tensors)

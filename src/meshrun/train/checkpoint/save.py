@@ -35,6 +35,7 @@ class PendingSave:
     position: Position
     config_json: str
     keep_last: int
+    model_meta: Any = None  # what an export needs to rebuild the model (a Hugging Face config), in state.json
     hasher: Any = None  # an asynchronous save's background thread: wait for the writes, hash them
     error: str | None = None  # what stopped that thread, if anything
     # where the training loop's time went (seconds), for benchmarks: state_dict_s, stage_s
@@ -46,7 +47,8 @@ class PendingSave:
 
 
 def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               config_json: str, keep_last: int, async_group: Any = None, local_shards: Any = None) -> PendingSave:
+               config_json: str, keep_last: int, async_group: Any = None, local_shards: Any = None,
+               model_meta: Any = None) -> PendingSave:
     """Every rank writes its shards and RNG state into the temporary directory. With
     ``async_group`` (a gloo group), the tensors are staged to CPU memory now and written by
     a background thread while training goes on. ``local_shards(fqn)`` gives (mesh,
@@ -56,7 +58,7 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
     rank = dist.get_rank()
     tmp = os.path.join(root, TMP_PREFIX + f"{position.step:08d}")
     pending = PendingSave(root, tmp, os.path.join(root, snapshot_name(position.step)), position, config_json,
-                          keep_last, started=time.perf_counter())
+                          keep_last, model_meta, started=time.perf_counter())
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt's leftovers
         os.makedirs(tmp)
@@ -188,7 +190,8 @@ def _commit(p: PendingSave) -> str:
     if dist.get_rank() == 0:
         write_json(os.path.join(p.tmp, "state.json"), {"format": FORMAT, "position": asdict(p.position),
                                                        "world_size": dist.get_world_size(),
-                                                       "config": json.loads(p.config_json)})
+                                                       "config": json.loads(p.config_json),
+                                                       **({"model": p.model_meta} if p.model_meta else {})})
         files = {}
         for name in sorted(os.listdir(p.tmp)):
             if name.startswith(".hashes-rank"):
@@ -212,6 +215,7 @@ def _commit(p: PendingSave) -> str:
 
 
 def save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         config_json: str, keep_last: int, local_shards: Any = None) -> str:
+         config_json: str, keep_last: int, local_shards: Any = None, model_meta: Any = None) -> str:
     """Write and commit a snapshot (collective); returns its path."""
-    return commit(begin_save(root, position, model, optimizer, config_json, keep_last, local_shards=local_shards))
+    return commit(begin_save(root, position, model, optimizer, config_json, keep_last, local_shards=local_shards,
+                             model_meta=model_meta))

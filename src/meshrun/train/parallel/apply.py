@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -28,9 +29,10 @@ from ...vocab import STRATEGIES, StrategyKind
 from ..config import TrainConfig
 from ..optim import build_optimizer, create_state
 from ..runtime import Runtime, take_blas_workspaces
+from ..weights import Pretrained, materialize, on_meta
 from .auto import Choice
 from .dims import Meshes, make_dims
-from .layouts import DataParallel, DeepSpeedZeRO, ExpertParallel, Layout, Pipelined, takes_targets
+from .layouts import DataParallel, DeepSpeedZeRO, ExpertParallel, Layout, Pipelined, loss_mode
 
 
 def same_initial_weights(model: nn.Module) -> None:
@@ -39,19 +41,44 @@ def same_initial_weights(model: nn.Module) -> None:
         dist.broadcast(t, src=0)
 
 
-def checkpoint_blocks(blocks: nn.ModuleList | None) -> None:
+def checkpoint_blocks(blocks: nn.ModuleList | None, mode: str = "full") -> None:
     if blocks is None:
         raise MeshrunError("--activation-checkpointing: no block list found in the model "
                            "(hint: name it with --blocks, e.g. model.layers)")
-    apply_activation_checkpointing(blocks)
+    apply_activation_checkpointing(blocks, mode)
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
-    """Recompute each block's activations in backward instead of storing them."""
+# What selective checkpointing keeps: the outputs of the matmuls and of attention, the
+# operations whose recomputation would cost most of a block's forward again. Everything between
+# them (norms, activations, rotary embeddings, residual adds: memory-bound) is recomputed.
+def _kept_ops() -> set[Any]:
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+def _selective_context() -> Any:
+    """torch.utils.checkpoint's selective checkpointing: the ops of ``_kept_ops`` saved, the
+    rest recomputed in backward."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    kept = _kept_ops()
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str = "full") -> None:
+    """Each block's activations recomputed in backward instead of stored: all of them from the
+    block's input (``full``), or all but its matmuls' and attention's outputs (``selective``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
     for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
 def compile_options(tune: bool) -> dict[str, bool]:
@@ -79,22 +106,33 @@ def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, per_block: boo
         model.compile(**kwargs)
 
 
-def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice, accum: int, bf16: bool) -> Layout:
+def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice, accum: int, bf16: bool,
+                weights: Pretrained | None = None) -> Layout:
     """Lay ``model`` out as ``choice`` says, on this rank's device; returns the layout, its
-    optimizer built over the laid-out parameters."""
+    optimizer built over the laid-out parameters. A model whose parameters are on the meta
+    device is laid out first and filled after (``weights``: from those files, else a random
+    initialisation; train/weights.py), so that no rank holds more of it than its layout needs."""
     kind = STRATEGIES[choice.strategy]
     found = find_blocks(model, cfg.blocks)
     blocks = found[1] if found else None
     zero3 = kind.engine == "deepspeed" and kind.zero == 3  # its partitioned weights take the plain paths
     kernels = model.meshrun_kernels(rt.device, cfg.tp, cfg.pp) if hasattr(model, "meshrun_kernels") and not zero3 else []
+    if cfg.kernels == "auto" and not zero3 and not kernels:
+        from ..kernels.liger import apply_liger
+
+        kernels = apply_liger(model, rt.device, cfg.tp, cfg.pp)
     common: dict[str, Any] = dict(accum=accum, max_norm=cfg.grad_clip or float("inf"), device=rt.device,
-                                  with_targets=takes_targets(model), attention=cfg.attention)
-    model = model.to(rt.device)
+                                  loss_mode=loss_mode(model), attention=cfg.attention)
+    deferred = on_meta(model)
+    if not deferred:
+        model = model.to(rt.device)
+    elif weights is None and cfg.init == "pretrained":
+        raise MeshrunError("--init pretrained: no weight files were given for the model")
     if rt.world_size > 1:  # MoE load balancing over the global batch: any layout trains like one process
         for m in model.modules():
             if hasattr(m, "shard_experts"):
                 m.stats_group = dist.group.WORLD
-    build = Build(model, blocks, cfg, rt, choice, kind, bf16, common)
+    build = Build(model, blocks, cfg, rt, choice, kind, bf16, common, weights if deferred else None, deferred)
     if kind.engine == "deepspeed":
         layout = build.deepspeed()
     elif cfg.ep > 1:
@@ -115,20 +153,38 @@ class Build:
     """The steps of ``parallelize`` for each kind of layout, in the module's order."""
 
     def __init__(self, model: nn.Module, blocks: nn.ModuleList | None, cfg: TrainConfig, rt: Runtime,
-                 choice: Choice, kind: StrategyKind, bf16: bool, common: dict[str, Any]) -> None:
+                 choice: Choice, kind: StrategyKind, bf16: bool, common: dict[str, Any],
+                 weights: Pretrained | None, deferred: bool) -> None:
         self.model, self.blocks, self.cfg, self.rt = model, blocks, cfg, rt
+        self.weights, self.deferred = weights, deferred
         self.choice, self.kind, self.bf16, self.common = choice, kind, bf16, common
         self.compiled, self.tune = cfg.compiles(rt.cuda), cfg.compile_tune
         self.bf16_reduce = cfg.reduce_precision == "bf16"
         self.done: list[str] = []
 
+    def _materialize(self) -> None:
+        """A model built on the meta device gets its storage and values here: after its
+        sharding, where the layout shards it."""
+        if not self.deferred:
+            return
+        materialize(self.model, self.rt.device, self.cfg.seed, self.weights, log=self.rt.is_main)
+        self.deferred = False
+        self.done.append("pretrained weights read" if self.weights else "initialised")
+
+    def _same_weights(self) -> None:
+        """Rank 0's initial weights on every rank before sharding; a model filled after its
+        sharding gets the same weights everywhere by construction."""
+        if not self.deferred:
+            same_initial_weights(self.model)
+
     def _optimizer(self, module: nn.Module) -> Any:
         return build_optimizer(module, self.cfg.lr, self.cfg.weight_decay)
 
     def _checkpointing(self) -> None:
-        if self.choice.activation_checkpointing:
-            checkpoint_blocks(self.blocks)
-            self.done.append("activation checkpointing")
+        mode = self.choice.activation_checkpointing
+        if mode != "none":
+            checkpoint_blocks(self.blocks, mode)
+            self.done.append(f"{mode} activation checkpointing")
 
     def _compile(self, per_block: bool) -> None:
         if self.compiled:
@@ -177,7 +233,7 @@ class Build:
                              source=f"--tp {cfg.tp} --cp {cfg.cp} on {rt.world_size} processes")
             meshes = dims.build(rt.device.type)
             dp_rank, dp_size = meshes.data_rank(), dims.dp
-            same_initial_weights(model)
+            self._same_weights()
             if cfg.tp > 1:
                 loss_parallel = self._tensor_parallel(meshes, cfg.sequence_parallel)
             if cfg.cp > 1:
@@ -194,15 +250,18 @@ class Build:
             self._compile(per_block=True)
             apply_fsdp(model, self.blocks, meshes.fsdp(), flavour, self.bf16, self.bf16_reduce)  # type: ignore[union-attr]
             self.done.append(f"FSDP2 {flavour} over {dims.dp * cfg.cp} ranks")
+            self._materialize()
             wrapped: nn.Module = model
         elif kind.name == "ddp":
             from .ddp import apply_ddp, ddp_bucket_mb
 
+            self._materialize()
             ddp = apply_ddp(model, rt, ddp_bucket_mb(cfg.ddp_bucket_mb, self.compiled, rt), self.bf16_reduce)
             self.done.append(f"DDP, buckets of {ddp.bucket_bytes_cap // 2**20} MB")
             wrapped = ddp
             self._compile(per_block=False)  # after the wrap: the compiler sees DDP's buckets
         else:
+            self._materialize()
             self._compile(per_block=False)
             wrapped = model
         return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, cp_index=cp_index,
@@ -217,6 +276,9 @@ class Build:
         cfg, rt, model = self.cfg, self.rt, self.model
         if self.blocks is None:
             raise MeshrunError("--tp/--pp: no block list found in the model (hint: name it with --blocks)")
+        if self.deferred:
+            raise MeshrunError(f"--pp={cfg.pp}: pipeline stages are built for meshrun's GPT "
+                               "(hint: --tp or an FSDP2 strategy for this model)")
         dims = make_dims(rt.world_size, tp=cfg.tp, pp=cfg.pp,
                          source=" and ".join(f"--{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp)) if v > 1)
                          + f" on {rt.world_size} processes")
@@ -252,6 +314,9 @@ class Build:
         from .expert import is_expert, shard_experts
 
         cfg, rt, model, flavour = self.cfg, self.rt, self.model, self.kind.fsdp
+        if self.deferred:
+            raise MeshrunError(f"--ep={cfg.ep}: expert parallelism is built for meshrun's GPT with --experts "
+                               "(hint: an FSDP2 strategy for this model)")
         dims = make_dims(rt.world_size, ep=cfg.ep, source=f"--ep {cfg.ep} on {rt.world_size} processes")
         meshes = dims.build(rt.device.type)
         same_initial_weights(model)
@@ -279,6 +344,7 @@ class Build:
 
         cfg, rt, kind = self.cfg, self.rt, self.kind
         self._checkpointing()
+        self._materialize()  # DeepSpeed partitions a whole model
         engine, optimizer = deepspeed_engine(self.model, kind, self.choice.micro_batch, self.common["accum"],
                                              rt.world_size, self.bf16, cfg.grad_clip, cfg.lr, cfg.weight_decay, rt.cuda)
         self.done.append(f"DeepSpeed ZeRO-{kind.zero}" + (f", {kind.offload} offloaded" if kind.offload != "none"

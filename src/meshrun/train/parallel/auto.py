@@ -44,7 +44,7 @@ GATHERED_COPY_SHARE = 0.1
 @dataclass(frozen=True)
 class Choice:
     strategy: str  # a name of vocab.STRATEGIES
-    activation_checkpointing: bool
+    activation_checkpointing: str  # none | full | selective (vocab.AC_MODES)
     micro_batch: int
     global_batch: int | None  # None: micro-batch x data-parallel ranks
     reasons: tuple[str, ...] = ()  # what was chosen and why, for the run's first line
@@ -67,7 +67,7 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
     if cfg.strategy == "single" and world > 1:
         raise bad_value(cfg.source("strategy"), "single", f"runs one process, but the world has {world}",
                         "use --nproc 1, or --strategy ddp/fsdp")
-    ac = cfg.activation_checkpointing == "full"
+    ac = cfg.activation_checkpointing
     n_params = sum(p.numel() for p in model.parameters())
     named = cfg.strategy if cfg.strategy in STRATEGIES else None
     if cfg.strategy == "fsdp":
@@ -113,9 +113,10 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
         micro = pick.batch.micro
         reasons.append(f"micro-batch {micro} x {pick.batch.accum} accumulation (the largest that fits; "
                        "--micro-batch to set it)")
-    if pick.strategy.ac and not ac:
+    if pick.strategy.ac and ac != "full":
         reasons.append("activation checkpointing on to fit (--activation-checkpointing none to refuse it)")
-    return Choice(pick.strategy.name, ac or pick.strategy.ac, micro, global_batch, tuple(reasons))
+        ac = "full"
+    return Choice(pick.strategy.name, ac, micro, global_batch, tuple(reasons))
 
 
 def _planned(model: Any, cfg: TrainConfig, world: int, local_world: int, gpu_mem: int, bf16: bool,

@@ -28,21 +28,55 @@ from ..models.attention import attention_kernels
 from .gradnorm import clip_grad_norm, clip_grad_norm_sharded
 
 
-def takes_targets(module: nn.Module) -> bool:
-    """Models whose forward(x, targets) returns the loss (meshrun's GPT, HF models with labels)."""
+def loss_mode(module: nn.Module) -> str:
+    """How the loss is taken from a model: ``targets``, its forward(x, targets) returns the loss
+    (meshrun's GPT); ``labels``, its forward takes ``labels`` and returns the loss among its
+    outputs, shifting the labels itself (Hugging Face causal LMs); ``labels-nocache``, the same
+    with ``use_cache=False`` (a Hugging Face model would otherwise fill a cache of every layer's
+    keys and values, which training never reads: memory lost, and a recomputed layer under
+    checkpointing would find the cache changed); ``logits``, anything else, whose output is
+    scored here."""
     try:
         params = list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
-        return False
-    return len(params) >= 2 and params[1] in ("targets", "labels", "target", "y")
+        return "logits"
+    if len(params) >= 2 and params[1] in ("targets", "target", "y"):
+        return "targets"
+    if "labels" in params:
+        return "labels-nocache" if "use_cache" in params else "labels"
+    return "logits"
 
 
-def model_loss(model: nn.Module, with_targets: bool, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The model's own loss when it takes targets; else cross-entropy over its logits (integer
-    targets) or the mean squared error (float targets), in fp32."""
-    if with_targets:
+def _field(out: Any, name: str) -> Any:
+    """``name`` (loss, logits) of a model's output: a tensor as it is, a ModelOutput's or a
+    dict's entry, a tuple's first element."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        return out.get(name) if hasattr(out, "get") else out[name]
+    if isinstance(out, (tuple, list)) and out:
+        return out[0]
+    return getattr(out, name, None)
+
+
+def model_loss(model: nn.Module, mode: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss of one micro-batch: the model's own (``targets``: the next tokens ``y``;
+    ``labels``: the inputs themselves, which the model shifts, so the loss is exactly its own),
+    else cross-entropy over its logits (integer targets) or the mean squared error (float
+    targets), in fp32."""
+    if mode == "targets":
         return model(x, y)
-    out = model(x)
+    if mode.startswith("labels"):
+        extra = {"use_cache": False} if mode == "labels-nocache" else {}
+        loss = _field(model(input_ids=x, labels=x, **extra), "loss")
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise MeshrunError(f"the model took labels but returned no scalar loss ({type(loss).__name__}) "
+                               "(hint: a causal-LM model, e.g. transformers' *ForCausalLM)")
+        return loss
+    out = _field(model(x), "logits")
+    if not isinstance(out, torch.Tensor):
+        raise MeshrunError(f"the model returned {type(out).__name__}, not logits or a prediction "
+                           "(hint: return a tensor, or a dict or ModelOutput with 'logits')")
     if not y.is_floating_point():
         return F.cross_entropy(out.float().view(-1, out.shape[-1]), y.reshape(-1))
     return F.mse_loss(out.float(), y.float())
@@ -64,13 +98,13 @@ class Layout:
     groups: throughput per GPU divides by it); ``loss_ranks`` how many ranks hold the loss."""
 
     def __init__(self, model: nn.Module, optimizer: Any, *, description: str, dp_rank: int, dp_size: int,
-                 accum: int, max_norm: float, device: torch.device, with_targets: bool, autocast: bool = False,
+                 accum: int, max_norm: float, device: torch.device, loss_mode: str, autocast: bool = False,
                  attention: str = "auto", token_share: int = 1, loss_ranks: int = 1) -> None:
         self.model, self.optimizer = model, optimizer
         self.description = description
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.accum, self.max_norm, self.device = accum, max_norm, device
-        self.with_targets, self.autocast, self.attention = with_targets, autocast, attention
+        self.loss_mode, self.autocast, self.attention = loss_mode, autocast, attention
         self.token_share, self.loss_ranks = token_share, loss_ranks
         self._bad_step = torch.zeros((), dtype=torch.long, device=device)  # the first non-finite step (0: none)
 
@@ -115,7 +149,7 @@ class Layout:
 
     # ---- pieces for the layouts ---------------------------------------------------------
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return model_loss(self.model, self.with_targets, x, y)
+        return model_loss(self.model, self.loss_mode, x, y)
 
     def grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

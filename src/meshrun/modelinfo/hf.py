@@ -1,0 +1,187 @@
+"""A Hugging Face causal language model from a local directory or `config.json`: its config
+read by transformers (nothing is ever downloaded), checked to be a causal decoder, and built
+with its parameters on the meta device (no memory, no initialisation), which `meshrun plan`
+reads and `meshrun train` shards and then fills (with the directory's weights, or a random
+initialisation). One path for both commands, so they read the same model the same way."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from ..errors import bad_value
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+# Files of a model directory that describe the model or its tokenizer: copied beside exported weights.
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja")
+# Encoders that transformers can also build as a causal LM (``is_decoder=True``): without that
+# flag their attention is bidirectional, and a causal LM would train on the future.
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie", "rembert", "roc_bert",
+                 "megatron-bert", "big_bird", "data2vec-text", "xmod", "bert-generation", "markuplm")
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """Where a Hugging Face model comes from: its directory, the config file, and the weight
+    files the directory holds (empty: a config alone)."""
+
+    directory: str
+    config_path: str
+    weight_files: tuple[str, ...]
+
+    @property
+    def has_weights(self) -> bool:
+        return bool(self.weight_files)
+
+
+def is_hf_path(text: str) -> bool:
+    """A model directory (it holds config.json) or a path to a ``.json`` config."""
+    return os.path.isfile(os.path.join(text, CONFIG)) or (text.endswith(".json") and os.path.isfile(text))
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """``org/name``: what a Hugging Face Hub id looks like, when no such path exists here."""
+    parts = text.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and ":" not in text \
+        and not os.path.exists(text)
+
+
+def locate(text: str, where: str = "--model") -> HFModel:
+    """The model at ``text`` (a directory or a config file), or a one-line error that says what
+    is there instead: a hub id (download it first), no config, not a directory."""
+    if os.path.isdir(text):
+        config = os.path.join(text, CONFIG)
+        if not os.path.isfile(config):
+            raise bad_value(where, text, f"a directory without {CONFIG}",
+                            "give a Hugging Face model directory (save_pretrained's output) or its config.json")
+        directory = text
+    elif text.endswith(".json") and os.path.isfile(text):
+        config, directory = text, os.path.dirname(os.path.abspath(text))
+    elif looks_like_hub_id(text):
+        raise bad_value(where, text, "looks like a Hugging Face Hub id; meshrun never downloads",
+                        f"download it first (huggingface-cli download {text} --local-dir DIR) and give DIR")
+    else:
+        raise bad_value(where, text, "no such file or directory", "give a model directory, a config.json, "
+                        "a preset or module:factory")
+    weights = weight_files(directory) if os.path.samefile(os.path.dirname(os.path.abspath(config)), directory) \
+        else ()
+    return HFModel(directory, config, weights)
+
+
+def weight_files(directory: str) -> tuple[str, ...]:
+    """The safetensors files of a model directory: those its index names (a sharded save), else
+    every ``*.safetensors`` in it."""
+    index = os.path.join(directory, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise bad_value(index, "", f"not a safetensors index ({type(exc).__name__})",
+                            "save the model again with save_pretrained") from None
+        missing = [n for n in names if not os.path.isfile(os.path.join(directory, n))]
+        if missing:
+            raise bad_value(index, missing[0], "names a weight file that is not in the directory",
+                            "copy every model-*.safetensors file the index lists")
+        return tuple(os.path.join(directory, n) for n in names)
+    return tuple(sorted(glob.glob(os.path.join(directory, "*.safetensors"))))
+
+
+def load_config(model: HFModel, where: str = "--model") -> Any:
+    """transformers' config of the model (local files only), checked to be a causal decoder."""
+    try:
+        import transformers
+    except ImportError:
+        raise bad_value(where, model.config_path, "a Hugging Face model needs transformers, not installed here",
+                        "pip install transformers") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(model.config_path, local_files_only=True)
+    except Exception as exc:  # an unknown model_type, a malformed file: transformers' own words
+        raise bad_value(where, model.config_path, f"transformers cannot read it ({_first_line(exc)})",
+                        "a config.json of an architecture this transformers knows") from None
+    check_causal(config, model.config_path, where)
+    return config
+
+
+def check_causal(config: Any, path: str, where: str = "--model") -> None:
+    """A causal decoder: not an encoder-decoder, not an encoder without ``is_decoder``, and a
+    type transformers maps to a causal LM."""
+    kind = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        raise bad_value(where, path, f"an encoder-decoder model ({kind}); meshrun trains causal decoders",
+                        "give a decoder-only model (Llama, Mistral, Qwen, Gemma, Phi, GPT-2, GPT-NeoX ...)")
+    if kind in ENCODER_TYPES and not getattr(config, "is_decoder", False):
+        raise bad_value(where, path, f"an encoder ({kind}): its attention sees the whole sequence, so a "
+                        "causal LM head would learn from the tokens it predicts",
+                        "give a decoder-only model, or set is_decoder: true in the config")
+    from transformers import AutoModelForCausalLM
+
+    mapping = getattr(AutoModelForCausalLM, "_model_mapping", None)
+    if mapping is not None and type(config) not in mapping:
+        raise bad_value(where, path, f"transformers has no causal-LM model for {kind}",
+                        "give a decoder-only model (Llama, Mistral, Qwen, Gemma, Phi, GPT-2, GPT-NeoX ...)")
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device and keep their buffers
+    real: the rotary embeddings' frequencies and similar tables are computed at construction
+    and not recomputed later, so they must hold values (they are small)."""
+    import torch
+    import torch.nn as nn
+
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: Any) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kind = type(module._parameters[name])
+            attrs = dict(module._parameters[name].__dict__)
+            meta = kind(module._parameters[name].to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(attrs)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def build_on_meta(config: Any, where: str = "--model", path: str = "") -> Any:
+    """transformers' causal LM of ``config`` with its parameters on the meta device, attention
+    through torch's SDPA where the architecture has it."""
+    import transformers
+
+    errors = []
+    for attn in ("sdpa", None):
+        try:
+            with parameters_on_meta():
+                kwargs = {"attn_implementation": attn} if attn else {}
+                return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        except Exception as exc:  # an architecture without SDPA, or one transformers cannot build
+            errors.append(_first_line(exc))
+    raise bad_value(where, path or getattr(config, "model_type", "?"), f"transformers cannot build it ({errors[-1]})",
+                    "a config this transformers version knows, with consistent sizes")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+def export_record(model: Any, source: str | None) -> dict[str, Any] | None:
+    """What a snapshot keeps to export a Hugging Face model again (state.json's "model"): its
+    config, and the directory it came from (for the tokenizer's files); None for other models."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_json_string") or not getattr(config, "model_type", None):
+        return None
+    return {"hf_config": json.loads(config.to_json_string(use_diff=False)),
+            "source": os.path.abspath(source) if source and is_hf_path(source) else None}

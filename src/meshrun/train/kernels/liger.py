@@ -1,0 +1,33 @@
+"""Liger Kernel's Triton kernels for Hugging Face models (``--kernels auto`` where it is
+installed, the ``liger`` extra): RMSNorm, SwiGLU, rotary embeddings, and the fused linear
+cross-entropy that takes the loss from the last hidden states chunk by chunk, never holding
+the vocabulary-wide logits. Liger patches the model instance and the architecture's module
+functions (``_apply_liger_kernel_to_instance``), for the model types it knows.
+
+Applied on CUDA only, to a model that is not tensor- or pipeline-parallel: its kernels take
+whole tensors, not DTensor shards, and its loss is the model's whole forward."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def apply_liger(model: Any, device: torch.device, tp: int, pp: int) -> list[str]:
+    """Patch ``model`` with Liger's kernels where they apply; what was applied, for the run's
+    first line ([] when nothing was)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if device.type != "cuda" or tp > 1 or pp > 1 or not model_type or not liger_available():
+        return []
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return []
+    _apply_liger_kernel_to_instance(model=model)
+    return [f"Liger kernels for {model_type} (RMSNorm, SwiGLU, rotary, fused linear cross-entropy)"]
