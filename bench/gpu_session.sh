@@ -16,6 +16,11 @@
 #   defaults    `meshrun train` exactly as the README runs it (no batch, sequence or compile flag),
 #               GPT 124M and 1.3B on NG GPUs, timed from its log lines (bench/cli_train.py); with
 #               PREV_SRC=DIR also another meshrun source tree with hand-set flags, in the same call
+#   hf          Hugging Face models through `meshrun train --model DIR`: a Llama-3-8B shape from its
+#               config (random init, FSDP2 + full AC at 8192 tokens) on NG GPUs and, with PEERBENCH set,
+#               the plain FSDP2 peer on the same shape; then the same shape with random bf16 weights
+#               written as save_pretrained does, loaded (the rank-0 reading line); HF_LAYOUTS=1: an
+#               8-layer cut of it under CP and PP over 2 GPUs and FSDP2 at 32K tokens beside
 #   checks      the GPU correctness scripts: tests/scripts/head_loss_check.py (the head loss's
 #               Triton kernel), tests/scripts/fused_mlp_check.py (the GELU epilogues; needs
 #               nvmath-python) and tests/scripts/liger_check.py (Liger Kernel on a Llama)
@@ -37,6 +42,8 @@
 #   DEFAULTS_SIZES="gpt-124m gpt-1.3b"  defaults: the models
 #   PREV_SRC=DIR        defaults: also run meshrun from DIR (another version's src/) with PREV_ARGS
 #   PREV_ARGS="--seq-len 1024 --global-batch 512 --compile"  defaults: that version's flags
+#   PEERBENCH=FILE      hf: the plain peer script (peerbench.py: --mode fsdp2 --arch llama3-8b)
+#   HF_LAYOUTS=1        hf: the CP / PP / FSDP2 rows of the 8-layer cut instead
 #
 # Wheels in .whl/ (run's carry) are installed first: nvmath-python for the GELU epilogues (throughput,
 # checks), DeepSpeed and its pure-Python dependencies for ZeRO (layouts, memory).
@@ -49,8 +56,8 @@ SUITE=${1:-}; OUT=${2:-/tmp/meshrun-gpu}; mkdir -p "$OUT"
 DEADLINE_S=${DEADLINE_S:-540}
 T0=$SECONDS
 S="$OUT/summary.txt"
-case "$SUITE" in throughput|memory|snapshots|layouts|defaults|checks) ;;
-  *) echo "usage: bash bench/gpu_session.sh throughput|memory|snapshots|layouts|defaults|checks [OUT]" >&2; exit 2 ;;
+case "$SUITE" in throughput|memory|snapshots|layouts|defaults|hf|checks) ;;
+  *) echo "usage: bash bench/gpu_session.sh throughput|memory|snapshots|layouts|defaults|hf|checks [OUT]" >&2; exit 2 ;;
 esac
 NG=$(nvidia-smi -L | wc -l)
 if [ -d .whl ]; then  # wheels carried for this call: every suite sees them
@@ -259,6 +266,32 @@ defaults)
         ${PREV_ARGS:---seq-len 1024 --global-batch 512 --compile} $st
     fi
   done
+  ;;
+hf)
+  if [ -n "${HF_LAYOUTS:-}" ]; then
+    python3 bench/hf_config.py llama3-8b /tmp/meshrun-l8x8 --layers 8 --seq 32768 | tee -a "$S"
+    long="--activation-checkpointing full --seq-len 32768 --micro-batch 1 --steps 8 --log-every 4"
+    CUDA_VISIBLE_DEVICES=0,1 cl 150 hf-cp2 -- --model /tmp/meshrun-l8x8 --data random --strategy fsdp-full --cp 2 \
+      --global-batch 1 $long
+    CUDA_VISIBLE_DEVICES=0,1 cl 150 hf-fsdp-32k -- --model /tmp/meshrun-l8x8 --data random --strategy fsdp-full \
+      --global-batch 2 $long
+    CUDA_VISIBLE_DEVICES=0,1 cl 150 hf-pp2 -- --model /tmp/meshrun-l8x8 --data random --strategy fsdp-full --pp 2 \
+      --seq-len 4096 --micro-batch 4 --global-batch 4 --steps 8 --log-every 4
+  else
+    python3 bench/hf_config.py llama3-8b /tmp/meshrun-l8 | tee -a "$S"
+    eightk="--strategy fsdp-full --activation-checkpointing full --seq-len 8192 --micro-batch 2 --global-batch $((2 * NG))"
+    cl 300 hf-8b -- --model /tmp/meshrun-l8 --data random $eightk --steps 15 --log-every 3
+    if [ -n "${PEERBENCH:-}" ]; then
+      timeout 200 torchrun --standalone --nproc_per_node="$NG" "$PEERBENCH" --mode fsdp2 --arch llama3-8b --seq 8192 \
+        --batch 2 --ac --steps 10 --warmup 5 > "$OUT/peer-8b.log" 2>&1
+      grep -E "^\{" "$OUT/peer-8b.log" | tail -1 | tee -a "$S"
+    fi
+    late 300 "hf-8b-pretrained" || {
+      python3 bench/hf_config.py llama3-8b /tmp/meshrun-l8w --weights | tee -a "$S"
+      cl 300 hf-8b-pretrained -- --model /tmp/meshrun-l8w --data random $eightk --steps 9 --log-every 3
+      grep -E "rank 0 read" "$OUT/hf-8b-pretrained.log" | tee -a "$S"
+    }
+  fi
   ;;
 checks)
   ok=0

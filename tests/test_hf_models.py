@@ -87,6 +87,21 @@ def test_every_layout_trains_a_family_as_one_process(references, family):
         close(run(family, 2, strategy="fsdp-full", tp=2, micro_batch=8), one)
 
 
+@pytest.mark.parametrize("family,layouts", [
+    ("llama", [(2, {"cp": 2}), (4, {"pp": 2, "micro_batch": 4})]),  # dp2 x pp2: FSDP2 per stage
+    ("qwen2", [(2, {"cp": 2}), (2, {"pp": 2})]),  # tied: the head's copy from the first stage
+    ("gpt2", [(2, {"cp": 2})]),  # learned positions read from position_ids
+    ("mixtral", [(2, {"pp": 2})]),
+])
+def test_context_and_pipeline_parallel_train_a_family_as_one_process(references, family, layouts):
+    """Context parallel 2 (zig-zag shards through transformers' attention interface, the
+    true positions as position_ids) and pipeline parallel 2 (stages built on the meta device,
+    each filled on its own rank): the losses and norms of one process."""
+    one = run(family, 1, strategy="single", micro_batch=8)
+    for nproc, overrides in layouts:
+        close(run(family, nproc, **{"strategy": "fsdp-full", "micro_batch": 8, **overrides}), one)
+
+
 def test_checkpointing_and_deepspeed_train_a_llama_as_one_process():
     require("deepspeed")
     one = run("llama", 1, strategy="single", micro_batch=8)
@@ -98,8 +113,12 @@ def test_checkpointing_and_deepspeed_train_a_llama_as_one_process():
 def test_a_layout_that_does_not_apply_says_so_in_one_line():
     with pytest.raises(meshrun.api.RankError, match="--tp=2: no tensor-parallel plan for block MixtralDecoderLayer"):
         run("mixtral", 2, strategy="fsdp-full", tp=2, micro_batch=8)
-    with pytest.raises(meshrun.api.RankError, match="--pp=2: pipeline stages are built for meshrun's GPT"):
-        run("llama", 2, strategy="fsdp-full", pp=2, micro_batch=8)
+    with pytest.raises(meshrun.api.RankError, match="--pp=2: pipeline stages are built for meshrun's GPT and the "
+                       "llama/mistral/mixtral/qwen2/qwen3 families, not gpt2"):
+        run("gpt2", 2, strategy="fsdp-full", pp=2, micro_batch=8)
+    with pytest.raises(meshrun.api.RankError, match="--cp: this mistral model attends within a sliding window of 8 "
+                       "tokens, shorter than --seq-len 16"):
+        run("mistral", 2, strategy="fsdp-full", cp=2, micro_batch=8)
 
 
 # ---- pretrained weights in -------------------------------------------------------------------
@@ -233,23 +252,54 @@ def test_save_pretrained_train_export_from_pretrained_round_trip(tmp_path):
     assert not torch.equal(original.model.layers[0].mlp.up_proj.weight, exported.model.layers[0].mlp.up_proj.weight)
 
 
-def test_the_first_step_loss_is_transformers_own(tmp_path):
+def _losses(out) -> dict[int, float]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def test_a_run_resumes_from_its_snapshot_on_another_layout(tmp_path):
+    """`meshrun train --model DIR --out X` snapshots at step 3 of 6; a run resumed from that
+    snapshot as a 2-stage pipeline (the stages keep the model's own names; the last stage's
+    tied head takes the embedding's optimizer state) continues with the losses of the run
+    that never stopped."""
+    require("transformers")
+    path = _saved(tmp_path, "qwen2")
+    common = ["train", "--model", path, "--data", "random", "--seq-len", "16", "--micro-batch", "4",
+              "--global-batch", "8", "--log-every", "1", "--precision", "fp32", "--nproc", "2", "--steps", "6"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    res = run_cli(*common, "--strategy", "fsdp-full", "--save-every", "3", "--out", str(whole), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    snapshot = whole / "checkpoints" / "step-00000003"
+    res = run_cli(*common, "--strategy", "fsdp-full", "--pp", "2", "--resume", str(snapshot), "--out", str(resumed),
+                  timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want, got = _losses(whole), _losses(resumed)
+    assert sorted(got) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(want[step], rel=2e-4), step
+
+
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen2", {"cp": 2}), ("qwen2", {"pp": 2})],
+                         ids=["fsdp2", "cp2-tied", "pp2-tied"])
+def test_the_first_step_loss_is_transformers_own(tmp_path, family, overrides):
     """Every sample the same sequence: the first logged loss (before any update) is
-    `model(input_ids, labels=input_ids).loss` of the saved model, computed by transformers."""
+    `model(input_ids, labels=input_ids).loss` of the saved model, computed by transformers,
+    also where the sequence or the layers are split over ranks (the tied head's weights are
+    not in the files: the last pipeline stage takes the first's)."""
     require("transformers")
     import torch
     import transformers
 
-    path = _saved(tmp_path)
+    path = _saved(tmp_path, family)
     seq = [7, 3, 9, 1, 4, 4, 2, 8, 6, 5, 3, 1, 0, 2, 9, 7, 5]
-    got = meshrun.run(_first_loss, path, seq, nproc=2, timeout_s=300)
+    got = meshrun.run(_first_loss, path, seq, overrides, nproc=2, timeout_s=300)
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         want = model(input_ids=torch.tensor([seq[:-1]]), labels=torch.tensor([seq[:-1]])).loss.item()
     assert got == pytest.approx(want, rel=1e-5)
 
 
-def _first_loss(path: str, seq: list[int]) -> float:
+def _first_loss(path: str, seq: list[int], overrides: dict) -> float:
     import torch
     from torch.utils.data import Dataset
 
@@ -269,9 +319,53 @@ def _first_loss(path: str, seq: list[int]) -> float:
     source = hf.locate(path)
     model = hf.build_on_meta(hf.load_config(source))
     cfg = TrainConfig(steps=1, seq_len=16, micro_batch=2, precision="fp32", strategy="fsdp-full", log_every=1,
-                      model=path)
+                      model=path, **overrides)
     records = Trainer(model, Same(), None, cfg, weights=Pretrained(source.directory, source.weight_files)).fit()
     return records[0]["loss"] if records else None  # (rank 0 keeps the records)
+
+
+# ---- your own module -------------------------------------------------------------------------------
+
+FACTORIES = """
+import torch
+import torch.nn as nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama():
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+
+
+class Plain(nn.Module):  # a vocabulary of 1000, logits out
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 32)
+        self.out = nn.Linear(32, 1000)
+
+    def forward(self, x):
+        return self.out(self.emb(x))
+
+
+def plain():
+    return Plain()
+"""
+
+
+def test_your_own_module_trains_whatever_it_returns(tmp_path):
+    """A factory that returns transformers' LlamaForCausalLM (its output a ModelOutput) trains on
+    the default data; a plain module with a vocabulary of 1000 trains on `--data random`, whose
+    tokens come from its input embeddings' size."""
+    require("transformers")
+    (tmp_path / "mymodels.py").write_text(FACTORIES)
+    env = {**clean_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{clean_env().get('PYTHONPATH', '')}"}
+    for args in (["--model", "mymodels:tiny_llama"], ["--model", "mymodels:plain", "--data", "random"]):
+        out = tmp_path / args[1].split(":")[1]
+        res = run_cli("train", *args, "--steps", "4", "--log-every", "2", "--seq-len", "32", "--out", str(out),
+                      env=env, timeout=300)
+        assert res.returncode == 0, (args, res.stderr[-2000:])
+        losses = _losses(out)
+        assert sorted(losses) == [2, 4] and all(0 < v < 8 for v in losses.values()), losses
 
 
 # ---- bad input, one line each ----------------------------------------------------------------------
@@ -307,12 +401,18 @@ def _bad_inputs(tmp_path):
         (["--model", str(truncated)], f"{shard}: cannot read it as safetensors"),
         (["--model", str(empty), "--init", "random"], "a directory without config.json"),
         (["--init", "pretrained"], "--init='pretrained': chooses the weights of a Hugging Face model directory"),
+        (["--model", truncated, "--data", None], "--data='stdlib': the default data is the standard library's source "
+                                                  "as bytes"),
     ]
 
 
 def test_bad_models_are_one_line_each(tmp_path):
     require("transformers")
     for args, said in _bad_inputs(tmp_path):
+        if "--data" in args:  # left out: the default
+            args = args[:args.index("--data")]
+        else:
+            args = [*args, "--data", "random"]
         res = run_cli("train", *args, "--steps", "1", "--seq-len", "16", env=clean_env(), timeout=300)
         last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
         assert res.returncode == 2 and last.startswith("meshrun: error: ") and said in last, (args, res.stderr[-1500:])

@@ -10,7 +10,7 @@ from typing import Mapping
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.topology import Topology
 from ..defaults import GLOBAL_BATCH_TOKENS
-from ..errors import MeshrunError
+from ..errors import MeshrunError, bad_value
 from ..launch.build import build
 from ..launch.command import Command, LaunchSpec
 from ..launch.dryrun import dry_run_text
@@ -28,6 +28,13 @@ here, or 2 CPU processes when there is none; on a cluster, run it on every node)
 
 With no arguments: a small GPT-style byte-level decoder trained on the source of this
 Python's standard library (nothing to download), with a held-out validation split.
+
+A Hugging Face model (--model DIR or its config.json: any causal LM transformers builds) is
+built on the meta device and filled after it is sharded: each rank reads only its slices of
+the directory's safetensors files, or draws a random initialisation that is the same under
+every layout (--init). Its decoder layers are the blocks every strategy shards, checkpoints
+and compiles; on GPUs Liger Kernel's fused kernels run when it is installed (the liger extra).
+`meshrun export SNAPSHOT --to DIR` writes a trained one back as save_pretrained does.
 
 strategies (--strategy; the names meshrun plan uses):
   auto            (the default) on GPUs, the planner's pick among single, ddp and the FSDP2
@@ -55,6 +62,8 @@ examples:
   meshrun train --example toy                      # the documents' Linear(20 -> 1)
   meshrun train --model-size gpt-1.3b --strategy fsdp-full --activation-checkpointing full
   meshrun train --model mypkg.models:build --data mypkg.data:train_set --global-batch 256
+  meshrun train --model ~/models/Llama-3.2-1B --data random --out runs/llama   # its weights, sharded in
+  meshrun export runs/llama/checkpoints --to llama-trained   # a directory from_pretrained loads
   meshrun train --config train.yaml --lr 3e-4      # flags override the file's keys
 """
 
@@ -87,9 +96,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                help="tensor-parallel degree (DTensor, Megatron-style); FSDP2 shards over the remaining ranks")
     add_option(g, "--sequence-parallel", metavar="on|off", choices=("on", "off"), default=None,
                help="with --tp: keep the residual stream sharded along the sequence between the "
-                    "tensor-parallel layers (meshrun's GPT, without --pp; default on)")
+                    "tensor-parallel layers (meshrun's GPT and Llama-style blocks, without --pp; default on)")
     add_option(g, "--pp", type=int, metavar="N", default=None,
-               help="pipeline stages (torch.distributed.pipelining; meshrun's GPT)")
+               help="pipeline stages (torch.distributed.pipelining; meshrun's GPT and Hugging Face models of the "
+                    "Llama, Mistral, Mixtral and Qwen2/3 families)")
     add_option(g, "--pp-schedule", metavar="S", default=None, help="1f1b (default), gpipe, interleaved")
     add_option(g, "--pp-microbatches", type=int, metavar="N", default=None,
                help="pieces each micro-batch is cut into for the pipeline (default: --pp)")
@@ -99,7 +109,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                help="expert parallel: experts sharded over N ranks, tokens exchanged by all-to-all; the rest "
                     "replicated, or sharded by FSDP2 with an FSDP2 --strategy")
     add_option(g, "--cp", type=int, metavar="N", default=None,
-               help="context parallel: each sequence sharded over N ranks (zig-zag, all-gathered K/V; meshrun's GPT)")
+               help="context parallel: each sequence sharded over N ranks (zig-zag, all-gathered K/V; meshrun's GPT and "
+                    "Hugging Face models with causal SDPA attention)")
     add_option(g, "--precision", metavar="P", default=None, help=f"auto, {', '.join(PRECISIONS)} (default auto: bf16 "
                "on GPUs that have it)")
     add_option(g, "--compile", metavar="auto|on|off", nargs="?", const="on", default=None,
@@ -233,8 +244,13 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     if cfg.model and ":" not in cfg.model:  # a Hugging Face model: read and built (on meta) now, not in every rank
         from ..modelinfo import hf
 
+
         hf.build_on_meta(hf.load_config(hf.locate(cfg.model, cfg.source("model")), cfg.source("model")),
                          cfg.source("model"), cfg.model)
+        if not cfg.data:
+            raise bad_value("--data", "stdlib", "the default data is the standard library's source as bytes, not "
+                            "text in this model's vocabulary", "--data random (random tokens of its vocabulary), "
+                            "or --data pkg.mod:factory for your Dataset of token ids")
     if ns.max_restarts < 0:
         raise MeshrunError(f"--max-restarts={ns.max_restarts}: must be >= 0")
     if ns.max_restarts and not cfg.out:

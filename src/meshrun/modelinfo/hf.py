@@ -99,7 +99,7 @@ def load_config(model: HFModel, where: str = "--model") -> Any:
         import transformers
     except ImportError:
         raise bad_value(where, model.config_path, "a Hugging Face model needs transformers, not installed here",
-                        "pip install transformers") from None
+                        "pip install 'meshrun[hf]'") from None
     try:
         config = transformers.AutoConfig.from_pretrained(model.config_path, local_files_only=True)
     except Exception as exc:  # an unknown model_type, a malformed file: transformers' own words

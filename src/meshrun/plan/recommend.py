@@ -62,7 +62,7 @@ def step_time(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Batch,
     GPU's share of the parameters (or offload's PCIe and CPU-Adam time)."""
     tokens = b.micro * b.accum * t.seq_len  # per data-parallel replica, which spans tp x pp x cp GPUs
     # full checkpointing runs each block's forward again (a third more); selective only its cheap,
-    # memory-bound operations (counted as 2% more)
+    # memory-bound operations (assumed 2% more: not yet measured)
     flops = m.work_flops_per_token(t.seq_len) * tokens / (s.tp * s.pp * s.cp) * (4 / 3 if s.ac else 1.02 if s.sac else 1)
     compute = flops / (c.gpu_flops * work_efficiency() * layout_efficiency(s))
     if s.pp > 1:  # the 1F1B bubble: meshrun cuts each micro-batch into pp pieces (--pp-microbatches)

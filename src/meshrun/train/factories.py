@@ -73,6 +73,9 @@ def build_data(cfg: TrainConfig, vocab: int | None) -> tuple[Any, Any]:
 
     name = data_name(cfg)
     if name == "stdlib":
+        if vocab is not None and vocab < 256:
+            raise bad_value(cfg.source("data"), "stdlib", f"bytes (0-255) do not fit the model's vocabulary of {vocab}",
+                            "--data random, or your Dataset factory")
         return stdlib_splits(cfg.seq)
     if name == "random":
         return RandomTokens(1 << 20, cfg.seq, vocab or 50304), RandomTokens(256, cfg.seq, vocab or 50304)

@@ -266,7 +266,8 @@ class Trainer:
         dist.barrier()
         position = Position()
         if path:
-            position, saved_world = checkpoint.load(path, self.model, self.optimizer, self.layout.local_shards())
+            position, saved_world = checkpoint.load(path, self.model, self.optimizer, self.layout.local_shards(),
+                                                      self.layout.ties())
             self.step = position.step
             for _ in range(position.step):  # the schedule is a pure function of the step
                 self.scheduler.step()

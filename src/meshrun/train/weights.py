@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -63,8 +63,10 @@ def _chunks(p: torch.Tensor) -> Iterator[tuple[tuple[slice, ...], torch.Tensor]]
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, pretrained: Pretrained | None,
-                log: bool = False) -> None:
-    """Storage, buffers, ties, then values (see the module's docstring)."""
+                log: bool = False, optional: set[str] | None = None, whole: nn.Module | None = None) -> None:
+    """Storage, buffers, ties, then values (see the module's docstring); ``optional``: names
+    the weight files may lack (a tied copy the caller fills); ``whole``: the model that
+    ``model`` is a part of (a pipeline rank's stages), whose initialiser it takes."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     ties = [(name, names[id(p)]) for name, p in model.named_parameters(remove_duplicate=False)
@@ -81,20 +83,20 @@ def materialize(model: nn.Module, device: torch.device, seed: int, pretrained: P
         if getattr(holder, attr) is not target:
             setattr(holder, attr, target)
     if pretrained is not None:
-        load_pretrained(model, pretrained, log)
+        load_pretrained(model, pretrained, log, optional or set())
     else:
-        init_deterministic(model, seed)
+        init_deterministic(model, seed, getattr(whole if whole is not None else model, "_init_weights", None))
 
 
 def _seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def init_deterministic(model: nn.Module, seed: int) -> None:
-    """Each module's own parameters drawn whole by the model's initialiser, seeded by the
+def init_deterministic(model: nn.Module, seed: int, hf_init: Callable[[nn.Module], None] | None = None) -> None:
+    """Each module's own parameters drawn whole by the model's initialiser (``hf_init``:
+    transformers' ``_init_weights``, else the module's ``reset_parameters``), seeded by the
     module's name, and sliced into this rank's shards. A value the initialiser leaves unset
     (a parameter it does not know) is drawn from N(0, 0.02), or set to zero for a vector."""
-    hf_init = getattr(model, "_init_weights", None)
     device = next(iter(model.parameters())).device
     done: set[int] = set()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
@@ -126,7 +128,8 @@ def init_deterministic(model: nn.Module, seed: int) -> None:
                 done.add(id(p))
 
 
-def load_pretrained(model: nn.Module, weights: Pretrained, log: bool = False) -> None:
+def load_pretrained(model: nn.Module, weights: Pretrained, log: bool = False,
+                    optional: set[str] | None = None) -> None:
     """Fill every parameter from the files: each rank reads, tensor by tensor, only the slices
     its shards hold (safetensors reads a slice from the file without the rest of the tensor).
     A tensor the model has and the files lack is an error; one the files have and the model
@@ -166,7 +169,7 @@ def load_pretrained(model: nn.Module, weights: Pretrained, log: bool = False) ->
                                "(hint: copy the file again; save_pretrained writes it)") from None
         if log and sys.stderr.isatty():
             print(f"\rmeshrun train: weights {i + 1}/{len(weights.files)} files", end="", file=sys.stderr, flush=True)
-    missing = sorted(n for n, p in params.items() if id(p) not in filled)
+    missing = sorted(n for n, p in params.items() if id(p) not in filled and n not in (optional or set()))
     if missing:
         raise MeshrunError(f"{weights.directory}: the weight files lack {len(missing)} of the model's tensors, "
                            f"{missing[0]} first (hint: the weights are not this config's, or transformers renames "

@@ -62,7 +62,7 @@ def export_hf(path: str, target: str, max_shard_size: str = "5GB") -> int:
     try:
         import transformers
     except ImportError:
-        raise MeshrunError("--format hf needs transformers, not installed here (hint: pip install transformers)") \
+        raise MeshrunError("--format hf needs transformers, not installed here (hint: pip install 'meshrun[hf]')") \
             from None
     values = dict(record["hf_config"])
     config = transformers.AutoConfig.for_model(**values)

@@ -104,11 +104,33 @@ def verify(path: str, part: int = 0, parts: int = 1) -> dict[str, Any]:
         return json.load(f)
 
 
+def _saved_keys(path: str) -> set[str]:
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        return set(_AllowListUnpickler(f).load().state_dict_metadata)
+
+
+def _borrow_tied_state(path: str, optim_sd: dict[str, Any], ties: dict[str, str]) -> dict[str, str]:
+    """A tied parameter held under another of its names here (a pipeline's last stage holds
+    the head, tied to the first stage's embedding) reads its optimizer state from the name the
+    snapshot keeps it under, where the snapshot has it under that name only (a layout that held
+    the model whole). Returns {the name read: this rank's name}, to put back after loading."""
+    if not ties or not optim_sd.get("state"):
+        return {}
+    saved = _saved_keys(path)
+    moved = {}
+    for mine, theirs in ties.items():
+        if mine in optim_sd["state"] and not any(k.startswith(f"optim.state.{mine}.") for k in saved):
+            optim_sd["state"][theirs] = optim_sd["state"].pop(mine)
+            moved[theirs] = mine
+    return moved
+
+
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         local_shards: Any = None) -> tuple[Position, int]:
+         local_shards: Any = None, ties: dict[str, str] | None = None) -> tuple[Position, int]:
     """Load a snapshot collectively; returns the position and the world size it was saved
     with. The ranks verify a share of the files each; any failure stops every rank.
-    ``local_shards`` as for ``begin_save``."""
+    ``local_shards`` as for ``begin_save``; ``ties``: {this rank's name of a tied parameter:
+    the name the whole model gives it first}."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         state: Any = verify(path, rank, world)
@@ -132,9 +154,12 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             raise MeshrunError(f"{path}: a DeepSpeed snapshot (hint: resume it with --strategy deepspeed)")
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        moved = _borrow_tied_state(path, optim_sd, ties or {})
         sd = shards_as_dtensors({"model": model_sd, "optim": optim_sd}, local_shards)
         dcp.load(sd, checkpoint_id=path, planner=SafeLoadPlanner())  # into the wrapped local tensors, in place
         sd = shards_as_local(sd)
+        for theirs, mine in moved.items():
+            sd["optim"]["state"][mine] = sd["optim"]["state"].pop(theirs)
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         # Under pipeline parallelism (torch 2.13) the groups come back without the
         # hyperparameters DCP keys by parameter name (lr, betas, eps, weight decay): they

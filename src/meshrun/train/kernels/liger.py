@@ -10,6 +10,7 @@ whole tensors, not DTensor shards, and its loss is the model's whole forward."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
 
 import torch
@@ -25,6 +26,9 @@ def apply_liger(model: Any, device: torch.device, tp: int, pp: int) -> list[str]
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if device.type != "cuda" or tp > 1 or pp > 1 or not model_type or not liger_available():
         return []
+    # Liger tries a backend per op for other hardware (Ascend, CuTe DSL) and warns, per op and
+    # per rank, when one does not import: not this run's concern
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
 
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:

@@ -162,12 +162,14 @@ class Build:
         self.bf16_reduce = cfg.reduce_precision == "bf16"
         self.done: list[str] = []
 
-    def _materialize(self) -> None:
+    def _materialize(self, module: nn.Module | None = None, optional: set[str] | None = None) -> None:
         """A model built on the meta device gets its storage and values here: after its
-        sharding, where the layout shards it."""
+        sharding, where the layout shards it (``module``: the part of it this rank holds;
+        ``optional``: parameters the weight files may lack, filled otherwise)."""
         if not self.deferred:
             return
-        materialize(self.model, self.rt.device, self.cfg.seed, self.weights, log=self.rt.is_main)
+        materialize(self.model if module is None else module, self.rt.device, self.cfg.seed, self.weights,
+                    log=self.rt.is_main, optional=optional or set(), whole=self.model)
         self.deferred = False
         self.done.append("pretrained weights read" if self.weights else "initialised")
 
@@ -264,7 +266,7 @@ class Build:
             self._materialize()
             self._compile(per_block=False)
             wrapped = model
-        return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, cp_index=cp_index,
+        return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, cp_index=cp_index, cp=cfg.cp,
                             loss_parallel=loss_parallel, description=self._describe(), dp_rank=dp_rank,
                             dp_size=dp_size, autocast=self.bf16 and flavour is None, token_share=cfg.tp,
                             loss_ranks=rt.world_size, **self.common)
@@ -276,20 +278,18 @@ class Build:
         cfg, rt, model = self.cfg, self.rt, self.model
         if self.blocks is None:
             raise MeshrunError("--tp/--pp: no block list found in the model (hint: name it with --blocks)")
-        if self.deferred:
-            raise MeshrunError(f"--pp={cfg.pp}: pipeline stages are built for meshrun's GPT "
-                               "(hint: --tp or an FSDP2 strategy for this model)")
         dims = make_dims(rt.world_size, tp=cfg.tp, pp=cfg.pp,
                          source=" and ".join(f"--{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp)) if v > 1)
                          + f" on {rt.world_size} processes")
         meshes = dims.build(rt.device.type, keep=("pp", "dp_shard", "tp"))
-        same_initial_weights(model)
+        self._same_weights()
         if cfg.tp > 1:  # sequence parallelism needs the whole block list in one piece: not here
             self._tensor_parallel(meshes, sequence_parallel=False)
         self._checkpointing()
         self._compile(per_block=True)
         pipe = Pipeline(model, meshes.world, cfg.pp_schedule, cfg.pp_microbatches or cfg.pp,
-                        self.common["accum"], rt.device)
+                        self.common["accum"], rt.device, cfg.seq,
+                        ignore_last=self.common["loss_mode"].startswith("labels"))
         self.done.append(f"pipeline {cfg.pp} ({cfg.pp_schedule})")
         # Under TP every parameter must be a DTensor of one mesh (clipping, snapshots): FSDP2
         # over the data-parallel ranks even when there is one; under PP alone with one
@@ -300,9 +300,13 @@ class Build:
 
             flavour = self.kind.fsdp or "full"
             for stage in pipe.stages:
-                apply_fsdp(stage, nn.ModuleList(stage.blocks.values()), meshes["dp_shard"], flavour, self.bf16,
+                apply_fsdp(stage, nn.ModuleList(stage.stage_blocks()), meshes["dp_shard"], flavour, self.bf16,
                            self.bf16_reduce)
             self.done.append(f"FSDP2 {flavour} over {dims.dp_shard} data-parallel rank(s)")
+        if self.deferred:  # this rank's stages only; the tied head's copy from the first stage
+            head_elsewhere = pipe.tied_group is not None and pipe.last and not pipe.first
+            self._materialize(pipe.union, optional={pipe.kind.HEAD} if head_elsewhere else set())
+            pipe.share_tied_weight()
         return Pipelined(pipe.union, self._optimizer(pipe.union), pipe=pipe, sharded=sharded,
                          description=self._describe(), dp_rank=meshes["dp_shard"].get_local_rank(),
                          dp_size=dims.dp_shard, autocast=self.bf16 and not sharded, token_share=cfg.tp * cfg.pp,

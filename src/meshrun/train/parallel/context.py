@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import MeshrunError
+from ..models.hf import check_whole_prefix, is_transformers_model
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -73,25 +74,72 @@ class ContextAttention:
         # built here, not per call: torch.compile cannot trace their construction (a graph break)
         self.masks = [(end, causal_lower_right(c, end)) for end in ends]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                 dropout: float = 0.0) -> torch.Tensor:
         k_all = _GatherSeq.apply(k, self.group)[:, :, self.unshuffle]
         v_all = _GatherSeq.apply(v, self.group)[:, :, self.unshuffle]
+        if k_all.shape[1] != q.shape[1]:  # grouped-query attention: gathered with its fewer heads, then repeated
+            k_all = k_all.repeat_interleave(q.shape[1] // k_all.shape[1], dim=1)
+            v_all = v_all.repeat_interleave(q.shape[1] // v_all.shape[1], dim=1)
         c = self.chunk
         out = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k_all[:, :, :end], v_all[:, :, :end],
-                                              attn_mask=mask)
+                                              attn_mask=mask, dropout_p=dropout, scale=scale)
                for i, (end, mask) in enumerate(self.masks)]
         return torch.cat(out, dim=2)
+
+    def transformers_attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+                               dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """transformers' attention-function signature: (batch, heads, seq, dim) in, (batch,
+        seq, heads, dim) out. The mask is ignored: it is causal by true position here."""
+        return self(query, key, value, scale=scaling, dropout=dropout).transpose(1, 2).contiguous(), None
+
+
+NAME = "meshrun_cp"
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _check_transformers_model(model: nn.Module, seq_len: int) -> None:
+    import inspect
+
+    check_whole_prefix(model, seq_len, "--cp")
+    params = inspect.signature(model.forward).parameters
+    if "position_ids" not in params or not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise MeshrunError(f"--cp: {type(model).__name__}.forward takes no position_ids and loss arguments "
+                           "(hint: FSDP2 without --cp)")
+
+
+def _use_in_transformers(model: nn.Module, attention: ContextAttention, seq_len: int) -> None:
+    from transformers import AttentionInterface
+
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        raise MeshrunError("--cp with a Hugging Face model needs transformers' attention-mask interface "
+                           "(hint: pip install 'transformers>=4.53')") from None
+    _check_transformers_model(model, seq_len)
+    AttentionInterface.register(NAME, attention.transformers_attention)
+    AttentionMaskInterface.register(NAME, _no_mask)  # the mask is the attention's own: none built per layer
+    model.config._attn_implementation = NAME  # type: ignore[attr-defined]
 
 
 def apply_cp(model: nn.Module, blocks: nn.ModuleList, group: Any, cp: int, rank: int, seq_len: int,
              device: torch.device) -> torch.Tensor:
-    """Give every block the context-parallel attention and the model this rank's positions;
-    returns the index of this rank's tokens in a full sequence (to shard the batches)."""
-    if not hasattr(model, "positions") or not all(hasattr(b, "attend") for b in blocks):
-        raise MeshrunError("--cp: context parallelism is built for meshrun's GPT so far "
-                           "(hint: use --tp or FSDP for other models)")
+    """Give every block the context-parallel attention (meshrun's GPT: this rank's positions
+    too; a Hugging Face model takes them as ``position_ids`` from the layout); returns the
+    index of this rank's tokens in a full sequence (to shard the batches)."""
+    gpt = hasattr(model, "positions") and all(hasattr(b, "attend") for b in blocks)
+    if not gpt and not is_transformers_model(model):
+        raise MeshrunError(f"--cp: context parallelism needs meshrun's GPT or a Hugging Face model, not "
+                           f"{type(model).__name__} (hint: --tp or FSDP2 for this model)")
     attention = ContextAttention(group, cp, rank, seq_len, device)
-    for block in blocks:
-        block.attend = attention
-    model.positions = attention.local
+    if gpt:
+        for block in blocks:
+            block.attend = attention
+        model.positions = attention.local
+    else:
+        _use_in_transformers(model, attention, seq_len)
     return attention.local

@@ -59,16 +59,18 @@ def _field(out: Any, name: str) -> Any:
     return getattr(out, name, None)
 
 
-def model_loss(model: nn.Module, mode: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def model_loss(model: nn.Module, mode: str, x: torch.Tensor, y: torch.Tensor,
+               extra: dict[str, Any] | None = None) -> torch.Tensor:
     """The loss of one micro-batch: the model's own (``targets``: the next tokens ``y``;
-    ``labels``: the inputs themselves, which the model shifts, so the loss is exactly its own),
-    else cross-entropy over its logits (integer targets) or the mean squared error (float
-    targets), in fp32."""
+    ``labels``: the inputs themselves, which the model shifts, so the loss is exactly its own;
+    ``extra``: more keyword arguments for it), else cross-entropy over its logits (integer
+    targets) or the mean squared error (float targets), in fp32."""
     if mode == "targets":
         return model(x, y)
     if mode.startswith("labels"):
-        extra = {"use_cache": False} if mode == "labels-nocache" else {}
-        loss = _field(model(input_ids=x, labels=x, **extra), "loss")
+        extra = {**(extra or {}), **({"use_cache": False} if mode == "labels-nocache" else {})}
+        labels = extra.pop("labels", x)
+        loss = _field(model(input_ids=x, labels=labels, **extra), "loss")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise MeshrunError(f"the model took labels but returned no scalar loss ({type(loss).__name__}) "
                                "(hint: a causal-LM model, e.g. transformers' *ForCausalLM)")
@@ -137,6 +139,11 @@ class Layout:
         part of a larger tensor."""
         return None
 
+    def ties(self) -> dict[str, str]:
+        """For resuming: {this rank's name of a tied parameter: the whole model's first name
+        of it}, where the two differ."""
+        return {}
+
     def check_finite(self, step: int) -> None:
         """Stop if a step since the start had non-finite gradients: one host sync, which the
         loop makes at log lines, before snapshots and every so many steps. That update and any
@@ -201,14 +208,31 @@ class DataParallel(Layout):
     every sequence) inside."""
 
     def __init__(self, model: nn.Module, optimizer: Any, *, ddp: Any = None, fsdp: str | None = None,
-                 cp_index: torch.Tensor | None = None, loss_parallel: bool = False, **kw: Any) -> None:
+                 cp_index: torch.Tensor | None = None, cp: int = 1, loss_parallel: bool = False,
+                 **kw: Any) -> None:
         super().__init__(model, optimizer, **kw)
-        self.ddp, self.fsdp, self.cp_index, self.loss_parallel = ddp, fsdp, cp_index, loss_parallel
+        self.ddp, self.fsdp, self.cp_index, self.cp, self.loss_parallel = ddp, fsdp, cp_index, cp, loss_parallel
 
     def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cp_index is None:
             return x, y
+        if self.loss_mode.startswith("labels"):
+            # a model that shifts its labels has no target for a sequence's last token; its
+            # shard comes with the targets already shifted, that one ignored, so the loss stays its own
+            y = y.clone()
+            y[:, -1] = -100
         return x[:, self.cp_index], y[:, self.cp_index]
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.cp_index is None or not self.loss_mode.startswith("labels"):
+            return super().loss(x, y)
+        # A Hugging Face model's shard: its true positions, its targets unshifted, and the
+        # divisor a 1/cp share of the sequence's targets, so the mean over the group is the
+        # whole sequence's mean
+        seq = x.shape[1] * self.cp
+        extra = {"labels": y, "shift_labels": y, "position_ids": self.cp_index[None].expand(x.shape[0], -1),
+                 "num_items_in_batch": x.shape[0] * (seq - 1) / self.cp}
+        return model_loss(self.model, self.loss_mode, x, y, extra)
 
     def grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         if self.ddp is not None and not sync:
@@ -245,7 +269,7 @@ class Pipelined(Layout):
         pipe = self.pipe
         pipe.sync_tied_grads()
         # the first stage counts the tied weight; the last scales its copy without counting it
-        uncounted = (pipe.union.head.weight,) if pipe.tied_group is not None and pipe.last and not pipe.first else ()
+        uncounted = (pipe.tied_weight(),) if pipe.tied_group is not None and pipe.last and not pipe.first else ()
         norm = clip_grad_norm(self.model.parameters(), self.max_norm, across=pipe.group, uncounted=uncounted)
         self.update(norm, step)
         return norm
@@ -254,6 +278,12 @@ class Pipelined(Layout):
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         with self.compute():
             return self.pipe.evaluate(x, y)  # on the last stage; None on the others
+
+    def ties(self) -> dict[str, str]:
+        pipe = self.pipe
+        if pipe.tied_group is None or not pipe.last or pipe.first:
+            return {}
+        return {pipe.kind.HEAD: pipe.kind.EMBEDDING}
 
 
 class ExpertParallel(Layout):

@@ -1,0 +1,35 @@
+"""What the parallel layouts need to know of a Hugging Face causal LM beyond its block list:
+whether it is one, and whether its attention is plain causal attention over the whole prefix
+(the one that context parallelism and pipeline stages compute without transformers' masks)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ...errors import MeshrunError
+
+# Families whose causal LM is embed_tokens -> decoder layers (rotary positions) -> norm ->
+# lm_head and nothing more (no embedding scale, no logit cap), under ``model`` and ``lm_head``.
+LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral"})
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(getattr(model, "config"), "_attn_implementation")
+
+
+def model_type(model: nn.Module) -> str:
+    return str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
+
+
+def check_whole_prefix(model: nn.Module, seq_len: int, flag: str) -> None:
+    """Refuse, in one line, a model whose attention is not causal over the whole prefix at
+    ``seq_len`` (a sliding window shorter than it, capped logits)."""
+    config, kind = model.config, model_type(model)  # type: ignore[attr-defined]
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < seq_len:
+        raise MeshrunError(f"{flag}: this {kind} model attends within a sliding window of {window} tokens, shorter "
+                           f"than --seq-len {seq_len}; {flag} attends to the whole prefix "
+                           f"(hint: --seq-len {window} or less, or FSDP2 without {flag})")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise MeshrunError(f"{flag}: this {kind} model caps its attention logits, which SDPA does not "
+                           f"(hint: FSDP2 without {flag})")
