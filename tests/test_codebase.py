@@ -23,6 +23,7 @@ LAYERS = (
     ("meshrun.cli",),
     ("meshrun.doctor",),
     ("meshrun.train",),
+    ("meshrun.data",),
     ("meshrun.plan",),
     ("meshrun.modelinfo",),
     ("meshrun.integrations",),

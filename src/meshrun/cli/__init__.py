@@ -4,13 +4,16 @@
   meshrun launch [options] script.py   start the script on this node for its framework
   meshrun train [options]              train with meshrun's trainer (default: a small GPT
                                        on the Python standard library's source)
+  meshrun data prepare IN --tokenizer T --out DIR
+                                       tokenize a text corpus once into token shards
   meshrun plan [options]               per-GPU memory of each strategy, the one that fits,
                                        and its ds_config.json / accelerate / train configs
   meshrun render TARGET -- COMMAND     a Slurm / SkyPilot / Kubernetes / Saturn Cloud job spec
                                        (or a DeepSpeed hostfile) that runs COMMAND via meshrun
   meshrun doctor [--json]              check GPUs, versions, the master, interfaces, NCCL settings
   meshrun bench comm|matmul|train      collectives' bus bandwidth, matmul TFLOP/s, training MFU
-  meshrun export SNAPSHOT --to FILE    a snapshot's weights as one safetensors file
+  meshrun export SNAPSHOT --to DIR     a snapshot's weights as a Hugging Face model directory
+                                       (or --to FILE.safetensors: one file)
 
 Run ``meshrun COMMAND --help`` for each command's manual. Every option accepts dashes or
 underscores (--master-port, --master_port) and can also be set through the environment as
@@ -27,10 +30,10 @@ from typing import Mapping, Sequence
 
 from .. import __version__
 from ..errors import MeshrunError
-from . import bench, doctor, env, launch, plan, render, train
+from . import bench, data, doctor, env, launch, plan, render, train
 from .options import Parser, fill_env_defaults
 
-COMMANDS = (env, launch, train, plan, render, doctor, bench)  # each registers its parser(s)
+COMMANDS = (env, launch, train, data, plan, render, doctor, bench)  # each registers its parser(s)
 
 
 def make_parser() -> Parser:

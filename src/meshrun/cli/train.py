@@ -81,8 +81,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--init", metavar="auto|pretrained|random", default=None,
                help="a Hugging Face model's weights: auto (default: the directory's *.safetensors when it has "
                     "them, else a random initialisation), pretrained, random")
-    add_option(g, "--data", metavar="NAME|MODULE:FACTORY", default=None,
-               help="stdlib (default for gpt), random (tokens), toy, or your Dataset factory (or (train, val))")
+    add_option(g, "--data", metavar="PATH|NAME|MODULE:FACTORY", default=None,
+               help="a corpus: a directory meshrun data prepare wrote, token files (nanoGPT's train.bin/val.bin, "
+                    "or a folder of .bin), or text (.txt, .jsonl, .parquet, a folder of them, a saved dataset: "
+                    "tokenized once into a cache); or stdlib (default for gpt), random (tokens), toy, or your "
+                    "Dataset factory (or (train, val))")
+    add_option(g, "--tokenizer", metavar="DIR|FILE|NAME", default=None,
+               help="text data: a tokenizer directory, tokenizer.json or tiktoken encoding (default: the "
+                    "Hugging Face model directory's)")
+    add_option(g, "--text-field", metavar="NAME", default=None, help="text data: the field of .jsonl, .parquet and "
+               "saved datasets (default text)")
+    add_option(g, "--data-dtype", metavar="uint16|uint32", default=None,
+               help="flat token files: the token type (default uint16, nanoGPT's)")
+    add_option(g, "--document-mask", action="store_const", const=True, default=None,
+               help="attend and predict within documents: position ids restart at each document and a target "
+                    "across a document's end is ignored (a prepared corpus or text; default: sequences cut "
+                    "across documents)")
     add_option(g, "--model-size", metavar="PRESET", default=None, help=f"GPT preset: {', '.join(GPT_PRESETS)} "
                "(default gpt-small)")
     add_option(g, "--blocks", metavar="ATTR.PATH", default=None,
@@ -221,6 +235,55 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     return build_config(file_values, flags, ns.config, env_sources)
 
 
+def count_visible_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainConfig:
+    """A corpus given by path, ready for the ranks: text tokenized into the cache (with the
+    tokenizer named, else the Hugging Face model directory's), token files opened and their
+    ids checked against a Hugging Face model's vocabulary; the config pointed at the tokens."""
+    from ..data.sources import data_kind
+    from ..train.config import BUILTIN_DATA
+
+    kind = data_kind(cfg.data) if cfg.data and cfg.data not in BUILTIN_DATA else None
+    if kind is None:
+        if cfg.tokenizer:
+            raise bad_value(cfg.source("tokenizer"), cfg.tokenizer, "tokenizes text given with --data",
+                            "drop it, or give --data a text corpus")
+        return cfg
+    if kind == "text":
+        from ..data.cache import tokens_for_text
+
+        tokenizer = cfg.tokenizer or _model_tokenizer(cfg)
+        if tokenizer is None:
+            raise bad_value(cfg.source("data"), cfg.data, "text needs a tokenizer",
+                            "--tokenizer DIR|FILE|NAME, or --model a Hugging Face directory with tokenizer.json")
+        cfg = cfg.replace(data=tokens_for_text(cfg.data, tokenizer, cfg.text_field, env, cpus, cfg.source("data")))
+    if cfg.model and ":" not in cfg.model:  # a Hugging Face model's vocabulary is known here: check before starting
+        from ..data.store import check_ids, open_tokens
+        from ..modelinfo import hf
+
+        config = hf.load_config(hf.locate(cfg.model, cfg.source("model")), cfg.source("model"))
+        vocab = getattr(config, "vocab_size", None)
+        if isinstance(vocab, int):  # (else the ranks check it against the built model's embeddings)
+            check_ids(open_tokens(cfg.data, cfg.data_dtype, cfg.source("data")), vocab, cfg.source("data"))
+    return cfg
+
+
+def _model_tokenizer(cfg: TrainConfig) -> str | None:
+    if cfg.model and ":" not in cfg.model:
+        from ..modelinfo import hf
+
+        directory = hf.locate(cfg.model, cfg.source("model")).directory
+        if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+            return directory
+    return None
+
+
 def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     require_packages("train", TRAINER_PACKAGES, "torch")
     cfg = config_from_args(ns)
@@ -237,7 +300,7 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     cfg.accumulation(dp)  # the batch arithmetic, checked before anything starts
     for name in ("model", "data"):
         value = getattr(cfg, name)
-        if value and ":" in value:
+        if value and ":" in value and not os.path.exists(value):
             from ..modelinfo.factory import load_factory
 
             load_factory(value, f"--{name}")  # import errors now, not in every rank
@@ -251,6 +314,8 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
             raise bad_value("--data", "stdlib", "the default data is the standard library's source as bytes, not "
                             "text in this model's vocabulary", "--data random (random tokens of its vocabulary), "
                             "or --data pkg.mod:factory for your Dataset of token ids")
+    if not ns.dry_run:  # (a dry run tokenizes nothing: its command names the corpus as given)
+        cfg = corpus_ready(cfg, env, count_visible_cpus())
     if ns.max_restarts < 0:
         raise MeshrunError(f"--max-restarts={ns.max_restarts}: must be >= 0")
     if ns.max_restarts and not cfg.out:

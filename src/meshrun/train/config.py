@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from ..data.sources import data_kind
 from ..defaults import COMPILE_CHOICES, compile_enabled, seq_len_for
 from ..errors import MeshrunError, bad_value
 from ..modelinfo.hf import is_hf_path, locate
@@ -30,7 +31,13 @@ class TrainConfig:
     example: str = "gpt"
     model: str | None = None  # "module:factory" returning an nn.Module, or a Hugging Face model directory
     init: str = "auto"  # a Hugging Face model's weights: auto (the directory's when it has them), pretrained, random
-    data: str | None = None  # built-in name, or "module:factory" returning a Dataset or (train, val)
+    # built-in name, a path (token files, a prepared corpus, text, a saved dataset), or
+    # "module:factory" returning a Dataset or (train, val)
+    data: str | None = None
+    tokenizer: str | None = None  # text data: a tokenizer directory or file, or a tiktoken name (default: the model's)
+    text_field: str = "text"  # the text of .jsonl, .parquet and saved datasets
+    data_dtype: str = "uint16"  # flat token files (nanoGPT's train.bin): uint16 or uint32
+    document_mask: bool = False  # attention and targets within documents (position ids restart per document)
     model_size: str = "gpt-small"
     strategy: str = "auto"  # auto, fsdp (flavour by size) or a name of vocab.STRATEGIES
     fsdp_shard_size: int | None = None  # fsdp-hybrid: ranks per shard group (default: processes per node)
@@ -202,9 +209,22 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     elif cfg.init != "auto":
         raise bad_value(cfg.source("init"), cfg.init, "chooses the weights of a Hugging Face model directory",
                         "drop it, or give --model a model directory")
-    if cfg.data is not None and ":" not in cfg.data and cfg.data not in BUILTIN_DATA:
-        raise bad_value(cfg.source("data"), cfg.data, "expected module:factory",
-                        f"write module:factory, or one of {', '.join(BUILTIN_DATA)}")
+    kind = data_kind(cfg.data) if cfg.data is not None and cfg.data not in BUILTIN_DATA else None
+    if kind is not None:
+        if os.path.abspath(os.path.expanduser(cfg.data)) != cfg.data:  # type: ignore[arg-type]
+            cfg = dataclasses.replace(cfg, data=os.path.abspath(os.path.expanduser(cfg.data)))  # type: ignore[arg-type]
+    elif cfg.data is not None and ":" not in cfg.data and cfg.data not in BUILTIN_DATA:
+        raise bad_value(cfg.source("data"), cfg.data, "neither a file or directory here nor module:factory",
+                        f"a corpus path, module:factory, or one of {', '.join(BUILTIN_DATA)}")
+    if cfg.data_dtype not in ("uint16", "uint32"):
+        raise bad_value(cfg.source("data_dtype"), cfg.data_dtype, "unknown token type", "uint16 or uint32")
+    if cfg.document_mask:
+        if kind != "tokens" and kind != "text":
+            raise bad_value(cfg.source("document_mask"), True, "needs document boundaries: a corpus given by path",
+                            "--data DIR prepared by meshrun data prepare, or text")
+        if cfg.cp > 1 or cfg.pp > 1:
+            raise bad_value(cfg.source("document_mask"), True, "does not combine with --cp/--pp",
+                            "FSDP2 or TP with document masking")
     positive = ("steps", "seq_len", "log_every", "eval_batches", "ddp_bucket_mb")
     for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size", "tp", "pp", "pp_microbatches", "cp", "ep"):
         value = getattr(cfg, name)

@@ -1,4 +1,5 @@
-"""Data: the default corpus, random tokens, the PyTorch Distributed slides' toy set, and distributed loaders."""
+"""Data: the default corpus, token corpora (``meshrun.data``'s shards, flat token files) packed into
+sequences, random tokens, the PyTorch Distributed slides' toy set, and distributed loaders."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+from ..errors import MeshrunError
 
 VAL_FRACTION = 0.05
 
@@ -52,6 +55,52 @@ def stdlib_splits(seq_len: int) -> tuple[TokenChunks, TokenChunks]:
     data = torch.frombuffer(bytearray(stdlib_corpus_bytes()), dtype=torch.uint8)
     cut = int(len(data) * (1 - VAL_FRACTION))
     return TokenChunks(data[:cut], seq_len), TokenChunks(data[cut:], seq_len)
+
+
+class PackedTokens(Dataset):
+    """Sequences of exactly ``seq_len`` tokens cut end to end from a token stream, across
+    documents and shards (targets: the inputs shifted by one). With ``document_mask`` each
+    sample also carries position ids that restart at every document's first token (and at the
+    sample's first: a document begun earlier could pass the model's context), and the
+    target of a document's last token (the next document's first) is ignored (-100): the
+    model attends and predicts within documents only."""
+
+    def __init__(self, split: Any, seq_len: int, document_mask: bool = False) -> None:
+        self.split, self.seq_len, self.document_mask = split, seq_len, document_mask
+
+    def __len__(self) -> int:
+        return max(0, (len(self.split) - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        start = i * self.seq_len
+        window = torch.from_numpy(self.split.window(start, self.seq_len + 1).astype("int64"))
+        x, y = window[:-1], window[1:].clone()
+        if not self.document_mask:
+            return x, y
+        starts = torch.from_numpy(self.split.starts_in(start, self.seq_len + 1))
+        begins = torch.zeros(self.seq_len + 1, dtype=torch.bool)
+        begins[starts] = True
+        y[begins[1:]] = -100  # a target in the next document
+        index = torch.arange(self.seq_len)
+        last_start = torch.cummax(torch.where(begins[:-1], index, torch.zeros_like(index)), dim=0).values
+        return x, y, index - last_start
+
+
+def corpus_splits(path: str, seq_len: int, document_mask: bool, dtype: str = "uint16",
+                  vocab: int | None = None) -> tuple[PackedTokens, PackedTokens | None]:
+    """(train, validation) of a token corpus (a prepared directory or flat token files),
+    checked against the model's vocabulary; validation None when the corpus has none."""
+    from ..data.store import check_ids, open_tokens
+
+    corpus = open_tokens(path, dtype)
+    if vocab is not None:
+        check_ids(corpus, vocab)
+    if document_mask and corpus.splits["train"].doc_starts is None:
+        raise MeshrunError(f"--document-mask: {path} records no document boundaries (flat token files) "
+                           "(hint: prepare the corpus with meshrun data prepare)")
+    val = corpus.splits.get("val")
+    return (PackedTokens(corpus.splits["train"], seq_len, document_mask),
+            PackedTokens(val, seq_len, document_mask) if val is not None and len(val) > seq_len else None)
 
 
 class RandomTokens(Dataset):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..data.sources import data_kind
 from ..errors import bad_value
 from ..modelinfo.factory import call_factory
-from .config import TrainConfig
+from .config import BUILTIN_DATA, TrainConfig
 
 
 def data_name(cfg: TrainConfig) -> str:
@@ -34,10 +35,22 @@ def build_model(cfg: TrainConfig) -> Any:
         return model
     if cfg.example == "toy":
         return Toy()
-    vocab = 256 if data_name(cfg) == "stdlib" else 50304  # bytes, or GPT-2's padded vocabulary
+    vocab = 256 if data_name(cfg) == "stdlib" else corpus_vocab(cfg) or 50304  # bytes, the data's, GPT-2's padded
     auto = cfg.kernels == "auto"
     return gpt(cfg.model_size, seq_len=cfg.seq, vocab=vocab, n_experts=cfg.experts, fused_loss=cfg.fused_loss,
                head_loss=auto, fused_mlp="auto" if auto else False)
+
+
+def corpus_vocab(cfg: TrainConfig) -> int | None:
+    """The built-in GPT's vocabulary for a prepared corpus: its tokenizer's, rounded up to a
+    multiple of 64 (matmul-friendly rows; the extra ids are never seen)."""
+    name = data_name(cfg)
+    if name in BUILTIN_DATA or data_kind(name) != "tokens":
+        return None
+    from ..data.store import open_tokens
+
+    size = open_tokens(cfg.data, cfg.data_dtype, cfg.source("data")).vocab_size
+    return None if size is None else -(-size // 64) * 64
 
 
 def pretrained_weights(cfg: TrainConfig) -> Any:
@@ -72,6 +85,13 @@ def build_data(cfg: TrainConfig, vocab: int | None) -> tuple[Any, Any]:
     from .data import RandomTokens, ToyRegression, stdlib_splits
 
     name = data_name(cfg)
+    kind = None if name in BUILTIN_DATA else data_kind(name)
+    if kind == "tokens":
+        from .data import corpus_splits
+
+        return corpus_splits(name, cfg.seq, cfg.document_mask, cfg.data_dtype, vocab)
+    if kind == "text":  # `meshrun train` tokenizes text into its cache before it starts the ranks
+        raise bad_value(cfg.source("data"), name, "text, not tokens", "meshrun data prepare it, and give that directory")
     if name == "stdlib":
         if vocab is not None and vocab < 256:
             raise bad_value(cfg.source("data"), "stdlib", f"bytes (0-255) do not fit the model's vocabulary of {vocab}",

@@ -32,6 +32,7 @@ from .optim import build_scheduler
 from .parallel.apply import parallelize
 from .parallel.auto import Choice, decide
 from .parallel.dims import make_dims
+from .parallel.layouts import Batch
 from .runtime import Runtime, init_runtime
 from .weights import Pretrained
 
@@ -79,11 +80,21 @@ class Trainer:
         self.train_data = train_data
         self.loader_spec = LoaderSpec(cfg.micro, self.dp_rank, self.dp_size, cfg.seed, pin_memory=rt.cuda)
         self.train_loader = make_loader(train_data, self.loader_spec)
-        self.val_loader = make_loader(val_data, LoaderSpec(cfg.micro, self.dp_rank, self.dp_size, cfg.seed,
-                                                           rt.cuda, shuffle=False)) if val_data is not None else None
-        if not isinstance(train_data, IterableDataset) and len(self.train_loader) == 0:
-            raise MeshrunError(f"the training data has {len(train_data)} samples: too few for one micro-batch of "
-                               f"{cfg.micro} on each of {self.dp_size} data-parallel ranks (hint: lower --micro-batch)")
+        self.val_loader = None
+        if val_data is not None:
+            # a validation set smaller than a micro-batch per rank is read in smaller ones (a
+            # pipeline's schedule is cut for the micro-batch: it keeps it)
+            small = not isinstance(val_data, IterableDataset) and cfg.pp == 1
+            micro = max(1, min(cfg.micro, len(val_data) // self.dp_size)) if small else cfg.micro  # type: ignore[arg-type]
+            self.val_loader = make_loader(val_data, LoaderSpec(micro, self.dp_rank, self.dp_size, cfg.seed, rt.cuda,
+                                                               shuffle=False))
+        if not isinstance(train_data, IterableDataset) and len(train_data) < cfg.micro * self.accum * self.dp_size:
+            raise MeshrunError(
+                f"the training data has {len(train_data)} samples" + (f" of {cfg.seq} tokens" if cfg.example == "gpt"
+                                                                      else "")
+                + f": fewer than one global batch of {cfg.micro * self.accum * self.dp_size} (micro-batch {cfg.micro} "
+                f"x {self.accum} x {self.dp_size} data-parallel ranks) (hint: a smaller --global-batch or "
+                "--seq-len, or more data)")
 
     @property
     def model(self) -> torch.nn.Module:
@@ -106,12 +117,13 @@ class Trainer:
         return self.layout.dp_size
 
     step = 0  # optimizer steps done
+    data_s = 0.0  # host seconds spent reading batches and starting their copies, since the last log line
 
     # ---- the step -----------------------------------------------------------------------
-    def _to_device(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = batch
-        x, y = x.to(self.rt.device, non_blocking=True), y.to(self.rt.device, non_blocking=True)
-        return self.layout.batch(x, y)
+    def _to_device(self, batch: Any) -> Batch:
+        """(inputs, targets, document positions or None) on the device, this rank's part."""
+        x, y, *positions = (t.to(self.rt.device, non_blocking=True) for t in batch)
+        return self.layout.batch(x, y, positions[0] if positions else None)
 
     def train_step(self, data: Iterator) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """One optimizer step over ``accum`` micro-batches. Returns this rank's mean loss (a
@@ -120,9 +132,11 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.rt.device)
         tokens = 0
         for micro in range(self.accum):
-            x, y = self._to_device(next(data))
+            t0 = time.perf_counter()
+            x, y, positions = self._to_device(next(data))
+            self.data_s += time.perf_counter() - t0
             tokens += x.numel() if not x.is_floating_point() else x.shape[0]
-            loss_sum += self.layout.micro_step(x, y, last=micro == self.accum - 1)
+            loss_sum += self.layout.micro_step(x, y, last=micro == self.accum - 1, positions=positions)
         norm = self.layout.step(self.step + 1, loss_sum)
         self.scheduler.step()
         self.step += 1
@@ -151,7 +165,8 @@ class Trainer:
         for i, batch in enumerate(self.val_loader):
             if i >= self.cfg.eval_batches:
                 break
-            loss = self.layout.eval_loss(*self._to_device(batch))
+            x, y, positions = self._to_device(batch)
+            loss = self.layout.eval_loss(x, y, positions)
             if loss is not None:  # (a pipeline's loss is on its last stage only)
                 total += torch.stack([loss.float(), one])
         self.model.train()
@@ -183,6 +198,8 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": None if norm is None else float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm),
             "step_time_s": elapsed / steps,
+            # the loader's share: while the device computes, the host reads ahead; this is what it took
+            "data_time_s": self.data_s / steps,
             "tokens_per_s": per_gpu * rt.world_size,
             "tokens_per_s_per_gpu": per_gpu,
             "mfu": mfu(per_gpu, self.flops_per_token, peak_flops(rt.device)),
@@ -228,8 +245,9 @@ class Trainer:
                     t0 = time.perf_counter()
                     record["val_loss"] = self.evaluate()
                     extra["val_time_s"] = time.perf_counter() - t0
-                sink.log({**record, **extra})
+                sink.log({**record, "epoch": data.epoch, **extra})
                 loss_sum.zero_()
+                self.data_s = 0.0
                 tokens, steps, start, paused = 0, 0, time.perf_counter(), 0.0
         finally:
             sink.close()

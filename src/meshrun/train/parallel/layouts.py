@@ -27,6 +27,8 @@ from ...errors import MeshrunError
 from ..models.attention import attention_kernels
 from .gradnorm import clip_grad_norm, clip_grad_norm_sharded
 
+Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # inputs, targets, document positions
+
 
 def loss_mode(module: nn.Module) -> str:
     """How the loss is taken from a model: ``targets``, its forward(x, targets) returns the loss
@@ -60,13 +62,21 @@ def _field(out: Any, name: str) -> Any:
 
 
 def model_loss(model: nn.Module, mode: str, x: torch.Tensor, y: torch.Tensor,
-               extra: dict[str, Any] | None = None) -> torch.Tensor:
+               extra: dict[str, Any] | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """The loss of one micro-batch: the model's own (``targets``: the next tokens ``y``;
     ``labels``: the inputs themselves, which the model shifts, so the loss is exactly its own;
     ``extra``: more keyword arguments for it), else cross-entropy over its logits (integer
-    targets) or the mean squared error (float targets), in fp32."""
+    targets) or the mean squared error (float targets), in fp32. ``positions`` (document
+    masking): each token's position in its document, for the model to attend within documents;
+    ``y`` then ignores (-100) the targets across a document's end."""
     if mode == "targets":
-        return model(x, y)
+        return model(x, y) if positions is None else model(x, y, positions=positions)
+    if positions is not None and mode.startswith("labels"):
+        # transformers reads documents from position ids that restart; the targets come shifted
+        extra = {"labels": y, "shift_labels": y, "position_ids": positions, **(extra or {})}
+    elif positions is not None:
+        raise MeshrunError(f"--document-mask: {type(model).__name__} takes no position ids "
+                           "(hint: meshrun's GPT or a Hugging Face model, or drop --document-mask)")
     if mode.startswith("labels"):
         extra = {**(extra or {}), **({"use_cache": False} if mode == "labels-nocache" else {})}
         labels = extra.pop("labels", x)
@@ -111,14 +121,15 @@ class Layout:
         self._bad_step = torch.zeros((), dtype=torch.long, device=device)  # the first non-finite step (0: none)
 
     # ---- what the loop calls ------------------------------------------------------------
-    def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> Batch:
         """This rank's part of a micro-batch (all of it but under context parallelism)."""
-        return x, y
+        return x, y, positions
 
-    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one micro-batch; its loss / accumulation, detached."""
         with self.grad_sync(last), self.compute():
-            loss = self.loss(x, y) / self.accum
+            loss = self.loss(x, y, positions) / self.accum
             loss.backward()
         return loss.detach()
 
@@ -130,9 +141,10 @@ class Layout:
         return norm
 
     @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor,
+                  positions: torch.Tensor | None = None) -> torch.Tensor | None:
         with self.compute():
-            return self.loss(x, y)
+            return self.loss(x, y, positions)
 
     def local_shards(self) -> Callable[[str], Any] | None:
         """For snapshots: (mesh, placements) of plain parameters that hold only this rank's
@@ -155,8 +167,8 @@ class Layout:
                 f"{step}, so no snapshot holds poisoned weights (hint: lower --lr, check the data)")
 
     # ---- pieces for the layouts ---------------------------------------------------------
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return model_loss(self.model, self.loss_mode, x, y)
+    def loss(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return model_loss(self.model, self.loss_mode, x, y, positions=positions)
 
     def grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -213,19 +225,19 @@ class DataParallel(Layout):
         super().__init__(model, optimizer, **kw)
         self.ddp, self.fsdp, self.cp_index, self.cp, self.loss_parallel = ddp, fsdp, cp_index, cp, loss_parallel
 
-    def batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> Batch:
         if self.cp_index is None:
-            return x, y
+            return x, y, positions
         if self.loss_mode.startswith("labels"):
             # a model that shifts its labels has no target for a sequence's last token; its
             # shard comes with the targets already shifted, that one ignored, so the loss stays its own
             y = y.clone()
             y[:, -1] = -100
-        return x[:, self.cp_index], y[:, self.cp_index]
+        return x[:, self.cp_index], y[:, self.cp_index], None  # (document masking is refused with CP)
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.cp_index is None or not self.loss_mode.startswith("labels"):
-            return super().loss(x, y)
+            return super().loss(x, y, positions)
         # A Hugging Face model's shard: its true positions, its targets unshifted, and the
         # divisor a 1/cp share of the sequence's targets, so the mean over the group is the
         # whole sequence's mean
@@ -259,7 +271,8 @@ class Pipelined(Layout):
         super().__init__(model, optimizer, **kw)
         self.pipe, self.sharded = pipe, sharded
 
-    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.sharded:
             _fsdp_sync(self.pipe.stages, None, last)
         with self.compute():
@@ -275,7 +288,8 @@ class Pipelined(Layout):
         return norm
 
     @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor,
+                  positions: torch.Tensor | None = None) -> torch.Tensor | None:
         with self.compute():
             return self.pipe.evaluate(x, y)  # on the last stage; None on the others
 
@@ -322,9 +336,10 @@ class DeepSpeedZeRO(Layout):
     loss stops the run at once (DeepSpeed has taken the step: the last committed snapshot is
     the clean state to go back to)."""
 
-    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool) -> torch.Tensor:
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
         with self.compute():
-            loss = self.loss(x, y)
+            loss = self.loss(x, y, positions)
             self.model.backward(loss)
         self.model.step()
         return loss.detach() / self.accum

@@ -1,0 +1,163 @@
+"""The documents of a text corpus, in a fixed order (files sorted by path), so that a
+preparation interrupted and run again sees the same sequence:
+
+- ``.txt``/``.md``/``.text``: a file is one document;
+- ``.jsonl``: a line is one document, its ``text`` field (or the one named);
+- ``.parquet``: a row is one document, its text column (pyarrow);
+- a directory written by ``datasets``' ``save_to_disk``: a row is one document (its ``train``
+  split when it holds several);
+- a directory: every such file under it, recursively.
+
+Empty documents are skipped (they would be an end-of-document token alone)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..errors import MeshrunError, bad_value
+from . import INDEX
+
+TEXT_SUFFIXES = (".txt", ".md", ".text")
+SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
+
+
+@dataclass(frozen=True)
+class Source:
+    """A corpus: its files (or a saved dataset directory) and the text field."""
+
+    paths: tuple[str, ...]
+    dataset: bool  # a `datasets` save_to_disk directory
+    text_field: str
+
+    def fingerprint(self) -> list[list]:
+        """What a prepared corpus was made from: each input's path, size and modification time."""
+        out = []
+        for p in self.paths:
+            files = [p] if os.path.isfile(p) else sorted(
+                os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs)
+            for f in files:
+                st = os.stat(f)
+                out.append([os.path.abspath(f), st.st_size, int(st.st_mtime)])
+        return out
+
+
+def data_kind(path: str) -> str | None:
+    """What a ``--data`` path holds: ``tokens`` (a prepared corpus, a ``.bin`` token file or a
+    directory of them), ``text`` (a corpus file or directory, or a saved dataset), or None."""
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, INDEX)) or any(f.endswith(".bin") for f in os.listdir(path)):
+            return "tokens"
+        return "text"
+    if os.path.isfile(path):
+        return "tokens" if path.endswith(".bin") else "text"
+    return None
+
+
+def is_saved_dataset(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n))
+                                       for n in ("dataset_info.json", "dataset_dict.json", "state.json"))
+
+
+def find_source(path: str, text_field: str = "text", where: str = "--data") -> Source:
+    """The corpus at ``path``, or a one-line error naming what is wrong with it."""
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise bad_value(where, path, "no such file or directory")
+    if is_saved_dataset(path):
+        return Source((path,), True, text_field)
+    if os.path.isfile(path):
+        if not path.endswith(SUFFIXES):
+            raise bad_value(where, path, "not a text corpus file", f"one of {', '.join(SUFFIXES)}, or a directory")
+        return Source((path,), False, text_field)
+    files = sorted(os.path.join(d, f) for d, dirs, fs in os.walk(path) for f in fs if f.endswith(SUFFIXES))
+    if not files:
+        raise bad_value(where, path, f"a directory with no {', '.join(SUFFIXES)} file in it",
+                        "point at the corpus' files or folder")
+    return Source(tuple(files), False, text_field)
+
+
+def _field(record: object, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        keys = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else type(record).__name__
+        raise MeshrunError(f"{where}: no {field!r} field (it has {keys}) (hint: --text-field NAME)")
+    value = record[field]
+    if not isinstance(value, str):
+        raise MeshrunError(f"{where}: the {field!r} field is {type(value).__name__}, not text (hint: --text-field NAME)")
+    return value
+
+
+def _read_text(path: str) -> str:
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MeshrunError(f"{path}: not UTF-8 text at byte {exc.start} (hint: convert it, e.g. iconv -t utf-8)") \
+            from None
+
+
+def _jsonl(path: str, field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise MeshrunError(f"{path}:{n}: not a JSON line ({exc.msg})") from None
+            yield _field(record, field, f"{path}:{n}")
+
+
+def _parquet(path: str, field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise MeshrunError(f"{path}: reading parquet needs pyarrow, not installed here "
+                           "(hint: pip install 'meshrun[data]')") from None
+    pf = pq.ParquetFile(path)
+    if field not in pf.schema_arrow.names:
+        raise MeshrunError(f"{path}: no {field!r} column (it has {', '.join(pf.schema_arrow.names[:8])}) "
+                           "(hint: --text-field NAME)")
+    for batch in pf.iter_batches(columns=[field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield text
+
+
+def _dataset(path: str, field: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise MeshrunError(f"{path}: a saved dataset needs the datasets library, not installed here "
+                           "(hint: pip install 'meshrun[data]')") from None
+    ds = datasets.load_from_disk(path)
+    if isinstance(ds, datasets.DatasetDict):
+        split = "train" if "train" in ds else sorted(ds)[0]
+        ds = ds[split]
+    if field not in ds.column_names:
+        raise MeshrunError(f"{path}: no {field!r} column (it has {', '.join(ds.column_names[:8])}) "
+                           "(hint: --text-field NAME)")
+    for batch in ds.iter(batch_size=1024):
+        for text in batch[field]:
+            if text is not None:
+                yield text
+
+
+def documents(source: Source) -> Iterator[str]:
+    """Every non-empty document of the corpus, in order."""
+    for path in source.paths:
+        if source.dataset:
+            texts: Iterator[str] = _dataset(path, source.text_field)
+        elif path.endswith(".jsonl"):
+            texts = _jsonl(path, source.text_field)
+        elif path.endswith(".parquet"):
+            texts = _parquet(path, source.text_field)
+        else:
+            texts = iter([_read_text(path)])
+        for text in texts:
+            if text:
+                yield text
