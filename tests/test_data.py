@@ -463,7 +463,7 @@ def _bad(tmp_path, corpus):
          "no 'text' field (it has body)"),
         (["data", "prepare", str(empty), "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o2")],
          "a directory without tokenizer.json"),
-        (["train", "--data", str(tmp_path / "missing"), *gpt], "neither a file or directory here nor module:factory"),
+        (["train", "--data", str(tmp_path / "missing"), *gpt], "no such file or directory, and not module:factory"),
         (["train", "--data", str(corpus["root"] / "corpus"), *gpt], "text needs a tokenizer"),
         (["train", "--data", str(tiny / "train.bin"), "--document-mask", *gpt], "records no document boundaries"),
     ]

@@ -77,7 +77,7 @@ ERRORS = [
     (["--model", "userpkg.factories:nothing"], "module 'userpkg.factories' has no callable 'nothing'"),
     (["--model-size", "gpt-9t"], "--model-size='gpt-9t': unknown GPT preset"),
     (["--steps", "0"], "--steps=0: must be at least 1"),
-    (["--data", "wikipedia"], "--data='wikipedia': expected module:factory"),
+    (["--data", "wikipedia"], "--data='wikipedia': no such file or directory, and not module:factory"),
     (["--strategy", "single"], "--strategy='single': runs one process, but the world has 2"),
     (["--tp", "3"], "dp_replicate(1) * dp_shard(?) * tp(3) * pp(1) cannot equal WORLD_SIZE(2)"),
     (["--tp", "0"], "--tp=0: must be at least 1"),

@@ -214,7 +214,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if os.path.abspath(os.path.expanduser(cfg.data)) != cfg.data:  # type: ignore[arg-type]
             cfg = dataclasses.replace(cfg, data=os.path.abspath(os.path.expanduser(cfg.data)))  # type: ignore[arg-type]
     elif cfg.data is not None and ":" not in cfg.data and cfg.data not in BUILTIN_DATA:
-        raise bad_value(cfg.source("data"), cfg.data, "neither a file or directory here nor module:factory",
+        raise bad_value(cfg.source("data"), cfg.data, "no such file or directory, and not module:factory",
                         f"a corpus path, module:factory, or one of {', '.join(BUILTIN_DATA)}")
     if cfg.data_dtype not in ("uint16", "uint32"):
         raise bad_value(cfg.source("data_dtype"), cfg.data_dtype, "unknown token type", "uint16 or uint32")
