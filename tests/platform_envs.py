@@ -27,12 +27,13 @@ TORCHRUN_WORKER = {
     "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2",
     "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29400",
 }
+# Open MPI 4.1's mpirun sets the job id below in every process of one job.
 MPI_PER_NODE = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
                 "OMPI_COMM_WORLD_LOCAL_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-                "MASTER_ADDR": "10.2.0.1"}
+                "OMPI_MCA_ess_base_jobid": "137297921", "MASTER_ADDR": "10.2.0.1"}
 MPI_PER_GPU = {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "6",
                "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
-               "MASTER_ADDR": "10.2.0.1"}
+               "OMPI_MCA_ess_base_jobid": "137297921", "MASTER_ADDR": "10.2.0.1"}
 SAGEMAKER = {"SM_HOSTS": '["algo-1","algo-2"]', "SM_CURRENT_HOST": "algo-2", "SM_NUM_GPUS": "8",
              "TRAINING_JOB_NAME": "sm-job"}
 GENERIC = {"MASTER_ADDR": "head.example", "MASTER_PORT": "6000", "NNODES": "2", "NODE_RANK": "1"}

@@ -19,8 +19,8 @@ CASES = [
     (SLURM_PER_TASK, 4, ("slurm", 2, 1, 4, "n1", 15077, ("n1", "n2"), "77", 3)),
     (KUBEFLOW, 4, ("kubeflow", 2, 1, 4, "pj-master-0", 23456, (), "kubeflow", None)),
     (TORCHRUN_WORKER, 4, ("torchrun", 2, 1, 4, "10.1.1.1", 29400, (), "none", 1)),
-    (MPI_PER_NODE, 2, ("mpi", 2, 1, 2, "10.2.0.1", 29500, (), "mpi", None)),
-    (MPI_PER_GPU, 4, ("mpi", 2, 1, 4, "10.2.0.1", 29500, (), "mpi", 2)),
+    (MPI_PER_NODE, 2, ("mpi", 2, 1, 2, "10.2.0.1", 20808, (), "137297921", None)),
+    (MPI_PER_GPU, 4, ("mpi", 2, 1, 4, "10.2.0.1", 20808, (), "137297921", 2)),
     (SAGEMAKER, 8, ("sagemaker", 2, 1, 8, "algo-1", 29500, ("algo-1", "algo-2"), "sm-job", None)),
     (GENERIC, 2, ("generic", 2, 1, 2, "head.example", 6000, (), "meshrun", None)),
     ({}, 0, ("local", 1, 0, 2, "127.0.0.1", 29500, (), "local", None)),
@@ -85,6 +85,45 @@ def test_slurm_port_outside_ephemeral_range():
         assert 1024 < port < 32768
 
 
+def test_mpi_port_and_run_id_come_from_the_job_id_every_rank_shares():
+    """Every rank of one mpirun job derives the same port from its job id (two jobs on one
+    node get different ones); an older Open MPI's variable, Open MPI 5's PMIx namespace or
+    none at all (the fixed default, still the same on every rank) also do."""
+    ranks = [resolve({**MPI_PER_GPU, "OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_RANK": str(r % 4)}, 4)
+             for r in range(8)]
+    assert {(t.master_port, t.run_id) for t in ranks} == {(20808, "137297921")}
+    assert [t.rank for t in ranks] == list(range(8))
+    t = ranks[0]
+    assert t.source("master_port") == "derived from env OMPI_MCA_ess_base_jobid (15000 + CRC-32 % 10000)"
+    assert t.source("run_id") == "env OMPI_MCA_ess_base_jobid"
+    assert resolve({**MPI_PER_GPU, "OMPI_MCA_ess_base_jobid": "137363457"}, 4).master_port != 20808
+    env = {k: v for k, v in MPI_PER_GPU.items() if k != "OMPI_MCA_ess_base_jobid"}
+    old = resolve({**env, "OMPI_MCA_orte_ess_jobid": "137297921"}, 4)
+    assert (old.master_port, old.source("run_id")) == (20808, "env OMPI_MCA_orte_ess_jobid")
+    five = resolve({**env, "PMIX_NAMESPACE": "prterun-node0-4242@1"}, 4)
+    assert 15000 <= five.master_port < 25000 and five.run_id == "prterun-node0-4242@1"
+    assert (resolve(env, 4).master_port, resolve(env, 4).run_id) == (29500, "mpi")
+    assert resolve({**MPI_PER_GPU, "MASTER_PORT": "31000"}, 4).master_port == 31000
+
+
+def test_mpi_workers_on_one_node_share_a_port_not_a_free_one_each():
+    """`mpirun -np 2` on one machine: the single-node free-port pick is per process, so a
+    worker must not take it; without a job id the ranks agree on the default port."""
+    one = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    ports = {resolve({**one, "OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_RANK": str(r)}, 0,
+                     free_port=lambda n, r=r: 40001 + r).master_port for r in range(2)}
+    assert ports == {29500}
+    assert resolve({**one, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                    "OMPI_MCA_ess_base_jobid": "137297921"}, 0, free_port=lambda n: 40001).master_port == 20808
+
+
+def test_mpi_without_master_addr_says_how_to_pass_it_to_every_rank():
+    env = {k: v for k, v in MPI_PER_GPU.items() if k != "MASTER_ADDR"}
+    with pytest.raises(MeshrunError, match=r"2-node job on platform mpi.*mpirun -x MASTER_ADDR="):
+        resolve(env, 4)
+    assert resolve(env, 4, overrides=Overrides(master_addr="n0")).master_addr == "n0"
+
+
 def test_skypilot_zero_gpus_means_one_cpu_process():
     t = resolve({**SKYPILOT, "SKYPILOT_NUM_GPUS_PER_NODE": "0"}, 0)
     assert t.nproc_per_node == 1
@@ -134,6 +173,8 @@ BAD = [
     ({**SAGEMAKER, "SM_CURRENT_HOST": "algo-9"}, 8, "SM_CURRENT_HOST", "not in SM_HOSTS"),
     ({**SAGEMAKER, "SM_HOSTS": "algo-1"}, 8, "SM_HOSTS", "JSON list"),
     ({**MPI_PER_GPU, "OMPI_COMM_WORLD_SIZE": "7"}, 4, "OMPI_COMM_WORLD_SIZE", "multiple"),
+    # mpirun --map-by node: rank 5 on node 1 as its local rank 2 (by slot it would be 1)
+    ({**MPI_PER_GPU, "OMPI_COMM_WORLD_RANK": "5"}, 4, "OMPI_COMM_WORLD_LOCAL_RANK", "not placed node by node"),
     ({"MASTER_ADDR": "h", "NNODES": "2", "NODE_RANK": "-1"}, 0, "NODE_RANK", ">= 0"),
     ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": ""}, 0, "master address", "--master-addr"),
     ({**KUBEFLOW, "PET_NNODES": "1:4"}, 4, "PET_NNODES", "elastic"),

@@ -24,3 +24,9 @@ def bad_value(name: str, value: object, problem: str, hint: str = "") -> Meshrun
     if hint:
         msg += f" (hint: {hint})"
     return MeshrunError(msg)
+
+
+# The exit code of a `meshrun train` run stopped by a preemption signal after writing its
+# snapshot: EX_TEMPFAIL of sysexits.h ("try again later"). Running the same command again
+# resumes; a job script requeues on it, and `--max-restarts` does not count it as a crash.
+PREEMPTED = 75

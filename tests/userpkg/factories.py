@@ -1,4 +1,7 @@
 """User code for `meshrun train --model ... --data ...` tests."""
+import os
+import time
+
 import torch
 from torch.utils.data import TensorDataset
 
@@ -60,3 +63,28 @@ class TinyLlama(torch.nn.Module):
 
 def tiny_llama():
     return TinyLlama()
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Seeded random token sequences (x, y = x shifted), as a user's map-style dataset; an
+    item takes USERPKG_ITEM_DELAY_S seconds on a job's first run (a slow loader, so a
+    scheduler's signal finds the job mid-run) and none once Slurm has requeued it."""
+
+    def __init__(self, n: int, seq: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, 256, (n, seq + 1), generator=g)
+        first_run = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+        self.delay = float(os.environ.get("USERPKG_ITEM_DELAY_S", "0")) if first_run else 0.0
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        if self.delay:
+            time.sleep(self.delay)
+        row = self.tokens[i]
+        return row[:-1], row[1:]
+
+
+def slow_tokens():
+    return _Tokens(4096, 32, 1), _Tokens(64, 32, 2)

@@ -25,13 +25,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Mapping, Sequence
 
-from .. import __version__
-from ..errors import MeshrunError
-from . import bench, data, doctor, env, launch, plan, render, train
-from .options import Parser, fill_env_defaults
+if sys.argv[1:2] == ["train"]:  # before the imports below: a preemption signal may come at once
+    from ..launch.early import hold
+
+    hold((signal.SIGTERM, signal.SIGUSR1))
+
+from .. import __version__  # noqa: E402
+from ..errors import MeshrunError  # noqa: E402
+from . import bench, data, doctor, env, launch, plan, render, train  # noqa: E402
+from .options import Parser, fill_env_defaults  # noqa: E402
 
 COMMANDS = (env, launch, train, data, plan, render, doctor, bench)  # each registers its parser(s)
 

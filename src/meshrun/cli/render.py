@@ -10,7 +10,7 @@ from typing import Mapping
 from ..cluster.options import parse_int
 from ..errors import bad_value
 from ..render import TARGETS, render
-from ..render.spec import RenderSpec
+from ..render.spec import SIGNAL_BEFORE_S, RenderSpec
 from ..vocab import FRAMEWORKS
 from .options import add_option
 
@@ -29,6 +29,7 @@ A command that does not start with `meshrun` is a script: it is run as
 
 examples:
   meshrun render slurm --nodes 4 --gpus-per-node 8 -- meshrun train --model-size gpt-1.3b --out /shared/run1
+  meshrun render slurm --nodes 4 --time 04:00:00 --requeue -- meshrun train --out /shared/run1   # runs until done
   meshrun render skypilot --nodes 2 --accelerator H100 -o task.yaml -- train.py --epochs 3
   meshrun render kubernetes --nodes 2 --image ghcr.io/me/train:1 --name gpt -- meshrun train --steps 500
   meshrun render saturn --nodes 2 --image saturncloud/saturn-python-pytorch:2024.08.01 -f deepspeed -- train.py
@@ -54,6 +55,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--partition", metavar="P", help="Slurm partition")
     add_option(g, "--time", metavar="HH:MM:SS", help="Slurm time limit")
     add_option(g, "--cpus-per-task", metavar="C", help="Slurm CPUs per node task (default 8 per GPU)")
+    add_option(g, "--requeue", action="store_true",
+               help="Slurm: before the time limit, have Slurm send SIGUSR1 to meshrun on every node; meshrun "
+                    "train then stops after a step all ranks agree on, writes a snapshot and exits with 75, and "
+                    "the job requeues itself; the requeued job runs the same command, which resumes (give "
+                    "meshrun train --out on a shared filesystem)")
+    add_option(g, "--signal-before", metavar="SECONDS",
+               help=f"with --requeue: how long before the time limit SIGUSR1 comes (default {SIGNAL_BEFORE_S}; "
+                    "enough for a step and a snapshot)")
+    add_option(g, "--max-restarts", metavar="N",
+               help="Slurm: when the job step fails (a node lost, a process killed), run it again in the same "
+                    "allocation, up to N times; meshrun train resumes from its newest snapshot (default 0)")
     add_option(g, "--namespace", metavar="NS", help="Kubernetes namespace")
     add_option(g, "--pytorchjob", action="store_true", help="Kubernetes: a Kubeflow PyTorchJob instead")
     add_option(g, "--hosts", metavar="H0,H1,..", help="hostfile: node addresses in node-rank order")
@@ -69,6 +81,22 @@ def _int(ns: argparse.Namespace, name: str, flag: str) -> int | None:
     return None if raw is None else parse_int(str(raw), flag)
 
 
+def _seconds(ns: argparse.Namespace, name: str) -> int | None:
+    """A positive whole number of seconds, or None when unset; a bad one names its source."""
+    raw = getattr(ns, name)
+    if raw is None:
+        return None
+    source = getattr(ns, "_env_sources", {}).get(name, "--" + name.replace("_", "-"))
+    try:
+        value = int(str(raw))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise bad_value(source, raw, "must be a positive whole number of seconds",
+                        f"e.g. {SIGNAL_BEFORE_S}: time for a step and a snapshot before the time limit")
+    return value
+
+
 def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     if ns.target not in TARGETS:
         raise bad_value("target", ns.target, "unknown", f"one of {', '.join(TARGETS)}")
@@ -80,7 +108,8 @@ def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         gpus_per_node=_int(ns, "gpus_per_node", "--gpus-per-node") or 0, framework=ns.framework,
         name=ns.name, image=ns.image, accelerator=ns.accelerator, port=_int(ns, "port", "--port") or 0,
         setup=ns.setup, partition=ns.partition, time=ns.time, cpus_per_task=_int(ns, "cpus_per_task", "--cpus-per-task"),
-        namespace=ns.namespace, pytorchjob=ns.pytorchjob,
+        namespace=ns.namespace, pytorchjob=ns.pytorchjob, requeue=ns.requeue,
+        signal_before=_seconds(ns, "signal_before"), max_restarts=_int(ns, "max_restarts", "--max-restarts") or 0,
         hosts=tuple(h.strip() for h in (ns.hosts or "").split(",") if h.strip()))
     text = render(spec)
     if ns.output:

@@ -55,6 +55,10 @@ defaults meshrun chooses (the run's first lines say what it chose and why):
   global batch = micro-batch x accumulation x data-parallel size; one that does not split is
   refused with the nearest valid sizes
 
+preemption: SIGTERM or SIGUSR1 (Slurm's --signal, scontrol requeue, Kubernetes, SkyPilot) stops
+every rank after the same step; with --out that step's snapshot is written, and meshrun train
+exits with code 75. The same command resumes it (meshrun render slurm --requeue requeues on 75).
+
 examples:
   meshrun train                                    # the default job
   meshrun train --steps 50 --out runs/a            # metrics.jsonl, TensorBoard, loss.png in runs/a
@@ -175,7 +179,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                help="start fresh even if OUT holds snapshots")
     add_rdzv_timeout_option(g)
     add_option(g, "--max-restarts", type=int, metavar="N", default=0,
-               help="after a crash, start the job again (a fresh rendezvous) up to N times; it resumes")
+               help="after a crash, start the job again (a fresh rendezvous) up to N times; it resumes "
+                    "(a preempted job, exit 75, is not restarted)")
     add_option(g, "--async-save", action="store_const", const=True, default=None,
                help="write snapshots in the background while training continues (one in flight)")
     add_option(g, "--deterministic", action="store_const", const=True, default=None,
@@ -322,7 +327,9 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         raise MeshrunError("--max-restarts: a restarted job resumes from its snapshots, which need --out DIR "
                            "(hint: add --out)")
     error_file = os.path.join(tempfile.gettempdir(), f"meshrun-train-{os.getpid()}.err")
-    extra = {"MESHRUN_TRAIN_CONFIG": cfg.to_json(), "MESHRUN_ERROR_FILE": error_file}
+    preempt_file = os.path.join(tempfile.gettempdir(), f"meshrun-train-{os.getpid()}.preempted")
+    extra = {"MESHRUN_TRAIN_CONFIG": cfg.to_json(), "MESHRUN_ERROR_FILE": error_file,
+             "MESHRUN_PREEMPT_FILE": preempt_file}
 
     def command(attempt: int) -> tuple[Command, LaunchSpec, Topology]:
         t = attempt_topology(topo, attempt)
@@ -336,4 +343,6 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         print(dry_run_text(cmd, ns.json))
         return 0
     check_ports(topo, cmd, spec)
-    return run_with_restarts(command, env, ns.max_restarts, ns.rdzv_timeout, error_file)
+    from ..train.preempt import SIGNALS  # (signal numbers only: no torch import here)
+
+    return run_with_restarts(command, env, ns.max_restarts, ns.rdzv_timeout, error_file, preempt_file, SIGNALS)

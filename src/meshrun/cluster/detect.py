@@ -106,8 +106,9 @@ def validate(topo: Topology, gpus: int) -> Topology:
     if not 1 <= topo.master_port <= 65535:
         raise bad_value(s("master_port"), topo.master_port, "is not a TCP port (1-65535)")
     if topo.nnodes > 1 and not topo.master_addr:
-        raise bad_value("master address", "", f"unknown for a {topo.nnodes}-node job on platform {topo.platform}",
-                        "pass --master-addr (or set MASTER_ADDR) to node 0's address")
+        hint = getattr(PLATFORMS.get(topo.platform), "MASTER_HINT",
+                       "pass --master-addr (or set MASTER_ADDR) to node 0's address")
+        raise bad_value("master address", "", f"unknown for a {topo.nnodes}-node job on platform {topo.platform}", hint)
     if topo.local_rank is not None and not 0 <= topo.local_rank < topo.nproc_per_node:
         raise bad_value(s("local_rank"), topo.local_rank,
                         f"must be below nproc_per_node={topo.nproc_per_node} (from {s('nproc_per_node')})")
@@ -128,8 +129,9 @@ def resolve(
     """Detect, override, validate. Pure unless ``free_port`` is given: on a single node whose
     port nobody chose, that callable picks a free one (the first of ``nproc_per_node`` free
     consecutive ports, enough for any framework's listeners) so parallel local runs do not
-    collide."""
+    collide. Not for a worker: the platform started every rank, and each would pick its own."""
     topo = apply_overrides(detect_platform(env, gpus, platform), overrides)
-    if free_port is not None and topo.nnodes == 1 and topo.source("master_port") == "default":
+    if (free_port is not None and topo.nnodes == 1 and not topo.is_worker
+            and topo.source("master_port") == "default"):
         topo = topo.replace(master_port=free_port(topo.nproc_per_node), sources={"master_port": "free port (single node)"})
     return validate(topo, gpus)

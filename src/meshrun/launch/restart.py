@@ -1,5 +1,6 @@
 """A job that restarts itself: after a crash the whole job is launched again, up to N times,
-each attempt with a fresh rendezvous, and a rank's one-line error ends it at once."""
+each attempt with a fresh rendezvous, and a rank's one-line error ends it at once, as does a
+preemption: the job stopped because its machines are going away, not because it failed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Callable, Mapping
 
 from ..cluster.net import free_port
 from ..cluster.topology import Topology
-from ..errors import MeshrunError
+from ..errors import PREEMPTED, MeshrunError
 from .command import Command, LaunchSpec
 from .node import prepare_network, run_job
 
@@ -29,13 +30,22 @@ def attempt_topology(topo: Topology, attempt: int) -> Topology:
 
 
 def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topology]], env: Mapping[str, str],
-                      max_restarts: int, rdzv_timeout: int | None, error_file: str) -> int:
+                      max_restarts: int, rdzv_timeout: int | None, error_file: str,
+                      preempt_file: str | None = None, preempt_signals: tuple[int, ...] = ()) -> int:
     """Run attempt 0, 1, ... of ``command(attempt)`` until one succeeds or ``max_restarts``
     restarts are spent; returns the last exit code. A rank that explains a bad input in
     ``error_file`` (the first line is the message) ends the job with that message: a restart
-    would fail the same way. Once it is written, torchrun's failure report is noise, and the
+    would fail the same way. A job whose ranks wrote ``preempt_file`` stopped on one of
+    ``preempt_signals`` (sent to the workers themselves) after its snapshot: its line is
+    printed and the job ends with PREEMPTED, not restarted here; the same command resumes it
+    later. Once either file is written, torchrun's failure report is noise, and the
     children's stderr stops being relayed."""
     code = 0
+    said = [path for path in (error_file, preempt_file) if path]
+
+    def mute() -> bool:
+        return any(os.path.exists(path) for path in said)
+
     try:
         for attempt in range(max_restarts + 1):
             if attempt:
@@ -43,7 +53,11 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
                       "resuming from the newest snapshot", file=sys.stderr, flush=True)
             cmd, spec, topo = command(attempt)
             cmd = prepare_network(topo, cmd, env, rdzv_timeout)
-            code = run_job(cmd, env, topo, spec, mute_stderr=lambda: os.path.exists(error_file))
+            code = run_job(cmd, env, topo, spec, mute_stderr=mute, to_workers=preempt_signals)
+            if preempt_file and os.path.exists(preempt_file):
+                with open(preempt_file) as f:
+                    print(f"meshrun: {f.readline().strip()}", file=sys.stderr, flush=True)
+                return PREEMPTED
             if code == 0:
                 return 0
             if os.path.exists(error_file):
@@ -53,5 +67,6 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
                     raise MeshrunError(first)
         return code
     finally:
-        if os.path.exists(error_file):
-            os.unlink(error_file)
+        for path in said:
+            if os.path.exists(path):
+                os.unlink(path)

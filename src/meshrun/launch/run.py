@@ -6,6 +6,14 @@ meshrun: a Ctrl-C or a scheduler's SIGTERM (or Slurm's SIGUSR1 before the time l
 is forwarded to the child's whole process group, as a terminal would have delivered it.
 When one of several processes (JAX, TensorFlow) fails, the rest are stopped: a
 collective would otherwise wait for the dead peer forever.
+
+`meshrun train` names its preemption signals (SIGTERM, SIGUSR1) ``to_workers``: those go to
+the training processes themselves, not to torchrun. torchrun starts each worker in a session
+of its own, so a signal to torchrun's group never reaches them; torchrun would die of SIGUSR1
+(its default action, leaving the workers behind) and answers SIGTERM by killing its workers
+30 s later, while a snapshot may take longer. So meshrun signals torchrun's children, each
+one alone: the worker stops after a step, writes its snapshot and exits, and torchrun sees it
+exit.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import time
 from typing import Callable, Mapping
 
 from ..errors import MeshrunError
+from . import early
 from .command import Command
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -58,6 +67,74 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+LAUNCHERS = ("torchrun", "accelerate", "deepspeed")  # programs whose children are the workers
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``, read from /proc."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat.rpartition(")")[2].split()  # after "pid (command name)": state, ppid, ...
+        if len(fields) > 1 and fields[1] == str(pid):
+            out.append(int(name))
+    return out
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+class WorkerSignals:
+    """Signals for the training processes alone: a launcher's children, or the process itself
+    when it is no launcher. Each worker gets each signal once, as soon as it has its handler:
+    torchrun's workers may not exist yet when the signal comes, and a worker still starting
+    would die of it. ``deliver()`` runs again at every tick of the supervision loop until the
+    job ends. Without /proc (not Linux) the signal goes to each process group at once."""
+
+    def __init__(self, procs: list[subprocess.Popen], argvs: list[list[str]]) -> None:
+        self.procs, self.argvs = procs, argvs
+        self.signals: list[int] = []
+        self.sent: set[tuple[int, int]] = set()  # (pid, signal)
+
+    def note(self, sig: int) -> None:
+        if not os.path.isdir("/proc"):
+            for p in self.procs:
+                _signal_group(p, sig)
+            return
+        if sig not in self.signals:
+            self.signals.append(sig)
+        self.deliver()
+
+    def deliver(self) -> None:
+        for p, argv in zip(self.procs, self.argvs):
+            if p.poll() is not None:
+                continue
+            pids = children(p.pid) if os.path.basename(argv[0]) in LAUNCHERS else [p.pid]
+            for pid in pids:
+                for sig in self.signals:
+                    if (pid, sig) not in self.sent and catches(pid, sig):
+                        self.sent.add((pid, sig))
+                        try:
+                            os.kill(pid, sig)
+                        except (ProcessLookupError, PermissionError):
+                            pass
 
 
 def _relay_stderr(proc: subprocess.Popen, mute: Callable[[], bool] | None, watch: object | None) -> threading.Thread:
@@ -99,13 +176,17 @@ def _relay_stderr(proc: subprocess.Popen, mute: Callable[[], bool] | None, watch
 
 
 def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
-            mute_stderr: Callable[[], bool] | None = None, watch: object | None = None) -> int:
+            mute_stderr: Callable[[], bool] | None = None, watch: object | None = None,
+            to_workers: tuple[int, ...] = ()) -> int:
     """Run the command; returns the job's exit code.
 
     ``mute_stderr``: when given, the children's stderr is relayed through this process and
     dropped once it returns True. `meshrun train` uses it to keep torchrun's own failure
     report (a traceback) off the screen after a rank has explained a bad input in one line.
-    ``watch``: a RendezvousWatch the relayed stderr passes through (multi-node torchrun)."""
+    ``watch``: a RendezvousWatch the relayed stderr passes through (multi-node torchrun).
+    ``to_workers``: signals sent to the training processes only (see above); they start no
+    grace period: the workers end on their own once their snapshot is written, and whatever
+    sent the signal enforces its own deadline."""
     for path, text in cmd.files.items():
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
@@ -118,7 +199,12 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
     procs: list[subprocess.Popen] = []
     stopping_since: list[float] = []
 
+    workers = WorkerSignals(procs, argvs)
+
     def forward(signum: int, _frame: object) -> None:
+        if signum in to_workers:
+            workers.note(signum)
+            return
         if not stopping_since:
             stopping_since.append(time.monotonic())
         for p in procs:
@@ -131,7 +217,9 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
             procs.append(subprocess.Popen(argv, env=env, start_new_session=True,
                                           stderr=subprocess.PIPE if (mute_stderr or watch) else None))
         relays = [_relay_stderr(p, mute_stderr, watch) for p in procs] if (mute_stderr or watch) else []
-        code = _supervise(procs, stopping_since, grace_s)
+        for sig in early.take():  # came while meshrun was starting: passed on now
+            forward(sig, None)
+        code = _supervise(procs, stopping_since, grace_s, workers)
         for relay in relays:
             relay.join(timeout=5)
         return code
@@ -144,9 +232,12 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
             signal.signal(s, h)
 
 
-def _supervise(procs: list[subprocess.Popen], stopping_since: list[float], grace_s: float) -> int:
+def _supervise(procs: list[subprocess.Popen], stopping_since: list[float], grace_s: float,
+               workers: WorkerSignals) -> int:
     first_failure: int | None = None
     while True:
+        if workers.signals:
+            workers.deliver()
         codes = [p.poll() for p in procs]
         for code in codes:
             if code not in (None, 0) and first_failure is None:

@@ -5,13 +5,27 @@ meshrun on each node reads SLURM_JOB_NODELIST (head = its first host), SLURM_NNO
 SLURM_NODEID and SLURM_GPUS_ON_NODE, and derives the port from SLURM_JOB_ID (15000 + id mod
 10000, outside the ephemeral range) unless MASTER_PORT is set. The command runs under
 ``bash -c '...'`` on each node, so per-node variables expand there, not on the batch host.
+
+With ``requeue``: ``--signal=USR1@S`` has Slurm send SIGUSR1 S seconds before the time limit
+to every job step's tasks, which are each node's meshrun (``bash -c 'exec meshrun ...'``);
+the ``B:`` form would signal only this batch shell, which waits for srun and would have to
+pass it on. meshrun train stops after a step every rank agrees on, writes its snapshot and
+exits with PREEMPTED; on that code the script requeues the job (``--requeue`` allows it),
+and the requeued job runs the same command, which resumes from the snapshot.
+
+With ``max_restarts`` N: a step that fails (a node lost, a process killed; srun's
+``--kill-on-bad-exit`` ends the other nodes' part) is run again, up to N times, in the same
+allocation; meshrun train resumes from its newest committed snapshot. A restart inside
+meshrun (``meshrun train --max-restarts``) survives a worker that dies; only a new step
+survives a node whose meshrun itself is gone.
 """
 
 from __future__ import annotations
 
 import shlex
 
-from .spec import RenderSpec
+from ..errors import PREEMPTED
+from .spec import SIGNAL_BEFORE_S, RenderSpec
 
 
 def render(spec: RenderSpec) -> str:
@@ -27,6 +41,10 @@ def render(spec: RenderSpec) -> str:
     if spec.time:
         lines.append(f"#SBATCH --time={spec.time}")
     lines.append(f"#SBATCH --output={spec.name}-%j.out")
+    if spec.requeue:
+        # (append: the requeued job keeps its job id, so it writes to the same file)
+        lines += ["#SBATCH --open-mode=append", "#SBATCH --requeue",
+                  f"#SBATCH --signal=USR1@{spec.signal_before or SIGNAL_BEFORE_S}"]
     lines += [
         "",
         "# Rendered by `meshrun render slurm`. Each node's meshrun finds its rank, the head node",
@@ -39,7 +57,29 @@ def render(spec: RenderSpec) -> str:
     srun = ["srun", "--nodes", str(spec.nodes), "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     if spec.image:
         srun.append(f"--container-image={spec.image}")  # pyxis/enroot
-    lines += ["", " ".join(srun) + " \\", f"  bash -c {shlex.quote(node_cmd)}", ""]
+    step = [" ".join(srun) + " \\", f"  bash -c {shlex.quote(node_cmd)}"]
+    if not spec.requeue and not spec.max_restarts:
+        return "\n".join(lines + ["", *step, ""])
+    lines += ["", "status=0"]
+    if spec.max_restarts:
+        n = spec.max_restarts
+        lines += [f"for attempt in $(seq 0 {n}); do",
+                  "  status=0",
+                  *(f"  {line}" for line in step[:-1]), f"  {step[-1]} || status=$?",
+                  f"  # a node or a process failed: run the step again ({PREEMPTED} means preempted, below); meshrun",
+                  "  # train resumes from its newest committed snapshot",
+                  f'  if [ "$status" -eq 0 ] || [ "$status" -eq {PREEMPTED} ] || [ "$attempt" -eq {n} ]; then break; fi',
+                  f'  echo "meshrun: job step exited with code $status; restart $((attempt + 1)) of {n}" >&2',
+                  "done"]
+    else:
+        lines += [*step[:-1], f"{step[-1]} || status=$?"]
+    if spec.requeue:
+        lines += [f"# {PREEMPTED}: meshrun train stopped on SIGUSR1 or SIGTERM after writing a snapshot; the requeued",
+                  "# job runs this script again, and the same command resumes from that snapshot",
+                  f'if [ "$status" -eq {PREEMPTED} ]; then',
+                  '  scontrol requeue "$SLURM_JOB_ID"',
+                  "fi"]
+    lines += ['exit "$status"', ""]
     return "\n".join(lines)
 
 
@@ -49,5 +89,5 @@ def node_command(script: str) -> str:
     for line in script.splitlines():
         line = line.strip()
         if line.startswith("bash -c "):
-            return shlex.split(line)[2]
+            return shlex.split(line)[2]  # (a requeued job's line goes on with `|| status=$?`)
     raise ValueError("no srun command in the script")

@@ -11,6 +11,7 @@ from ..errors import bad_value
 from ..vocab import FRAMEWORKS
 
 TARGETS = ("slurm", "skypilot", "kubernetes", "saturn", "hostfile")
+SIGNAL_BEFORE_S = 120  # Slurm's warning before the time limit: a step and a snapshot fit in it
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")
 
 
@@ -30,6 +31,9 @@ class RenderSpec:
     partition: str | None = None
     time: str | None = None
     cpus_per_task: int | None = None
+    requeue: bool = False  # stop on SIGUSR1 before the time limit, snapshot, requeue the job
+    signal_before: int | None = None  # seconds before the time limit; None: SIGNAL_BEFORE_S
+    max_restarts: int = 0  # run a failed job step again, up to this many times
     # Kubernetes
     namespace: str | None = None
     pytorchjob: bool = False
@@ -85,6 +89,20 @@ def validate(spec: RenderSpec) -> RenderSpec:
                             "e.g. --image ghcr.io/you/train:latest (with meshrun installed)")
     if spec.target == "saturn" and not spec.image:
         raise bad_value("--image", None, "a Saturn Cloud job needs an image", "e.g. --image saturncloud/saturn-python-pytorch:2024.08.01")
+    if spec.requeue and spec.target != "slurm":
+        raise bad_value("--requeue", True, f"is for Slurm jobs, not {spec.target}",
+                        "drop it: run the same command again and meshrun train resumes from its newest snapshot")
+    if spec.signal_before is not None:
+        if not spec.requeue:
+            raise bad_value("--signal-before", spec.signal_before, "has no effect without --requeue", "add --requeue")
+        if spec.signal_before < 1:
+            raise bad_value("--signal-before", spec.signal_before, "must be a positive number of seconds",
+                            f"e.g. {SIGNAL_BEFORE_S}: time for a step and a snapshot before the time limit")
+    if spec.max_restarts and spec.target != "slurm":
+        raise bad_value("--max-restarts", spec.max_restarts, f"is for Slurm jobs, not {spec.target}",
+                        "meshrun train --max-restarts N restarts the job on any platform")
+    if spec.max_restarts < 0:
+        raise bad_value("--max-restarts", spec.max_restarts, "must be 0 or more", "e.g. --max-restarts 2")
     if spec.target == "hostfile" and not spec.hosts:
         raise bad_value("--hosts", "", "a hostfile needs the node addresses", "e.g. --hosts 10.0.0.1,10.0.0.2")
     return spec

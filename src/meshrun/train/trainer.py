@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, IterableDataset
 from ..errors import MeshrunError
 from ..modelinfo.hf import export_record
 from ..modelinfo.read import context_of
-from . import checkpoint
+from . import checkpoint, preempt
 from .checkpoint import Position
 from .config import TrainConfig, resolve_seq_len, validate
 from .data import BatchStream, LoaderSpec, make_loader
@@ -211,7 +211,9 @@ class Trainer:
     def fit(self) -> list[dict[str, Any]]:
         """Train to ``cfg.steps`` optimizer steps, resuming from a snapshot when there is one;
         with --out, snapshot every ``save_every`` steps and at the end. Returns rank 0's log
-        records (other ranks: [])."""
+        records (other ranks: []). A preemption signal (``preempt.install()``) stops every
+        rank after the same step, with a snapshot and a log line of that step, and raises
+        ``preempt.Preempted``."""
         cfg, rt = self.cfg, self.rt
         data = self.restore()
         sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main)
@@ -219,6 +221,7 @@ class Trainer:
             print(self.describe(), flush=True)
         loss_sum = torch.zeros((), device=rt.device)
         tokens, steps, start, paused = 0, 0, time.perf_counter(), 0.0
+        vote, stop, saved = preempt.StopVote(rt.device), 0, None
         try:
             first_step = self.step + 1
             for step in range(first_step, cfg.steps + 1):
@@ -226,8 +229,9 @@ class Trainer:
                 loss_sum += loss
                 tokens, steps = tokens + n, steps + 1
                 last = step == cfg.steps
-                snapshot = (cfg.save_every and step % cfg.save_every == 0) or last
-                log = step % cfg.log_every == 0 or last
+                stop = 0 if last else vote()  # a run at its last step finishes instead
+                snapshot = (cfg.save_every and step % cfg.save_every == 0) or last or stop
+                log = step % cfg.log_every == 0 or last or stop
                 if not (log or snapshot or step % FINITE_CHECK_EVERY == 0):
                     continue
                 self.layout.check_finite(self.step)  # a host sync: the device has done the steps so far
@@ -235,7 +239,7 @@ class Trainer:
                 extra: dict[str, Any] = {}
                 if snapshot and self.checkpoint_root:
                     t0 = time.perf_counter()
-                    self.save(data, final=last)
+                    saved = self.save(data, final=last or bool(stop))
                     extra["snapshot_time_s"] = time.perf_counter() - t0
                     paused += extra["snapshot_time_s"]
                 if not log:
@@ -249,6 +253,9 @@ class Trainer:
                 loss_sum.zero_()
                 self.data_s = 0.0
                 tokens, steps, start, paused = 0, 0, time.perf_counter(), 0.0
+                if stop:
+                    raise preempt.Preempted(stop, self.step, saved)  # saved: this step's snapshot
+            vote.close()
         finally:
             sink.close()
             checkpoint.wait_pruned()
@@ -300,12 +307,13 @@ class Trainer:
     _pending: checkpoint.PendingSave | None = None
     _async_group: Any = None
 
-    def save(self, data: BatchStream, final: bool = False) -> None:
-        """Snapshot now. Asynchronous saves commit the previous snapshot first (one in
+    def save(self, data: BatchStream, final: bool = False) -> str | None:
+        """Snapshot now; returns its path (committed on return unless it is an asynchronous
+        save still in flight). Asynchronous saves commit the previous snapshot first (one in
         flight at a time, so two never interleave), and the last one before returning."""
         root = self.checkpoint_root
         if root is None:
-            return
+            return None
         if self._pending is not None:
             previous = self._pending
             apart = time.perf_counter() - previous.started  # training time between the two saves
@@ -324,6 +332,6 @@ class Trainer:
                                         self.optimizer, self.cfg.to_json(), self.cfg.keep_last, group,
                                         self.layout.local_shards(), self.model_record)
         if group is None:
-            checkpoint.commit(pending)
-        else:
-            self._pending = pending
+            return checkpoint.commit(pending)
+        self._pending = pending
+        return pending.final

@@ -3,6 +3,9 @@
 It reads the validated TrainConfig from MESHRUN_TRAIN_CONFIG. A MeshrunError (bad factory,
 out of memory at step 1, ...) is written to MESHRUN_ERROR_FILE for the launching
 `meshrun train`, which prints it as its one-line error, and the rank exits with code 2.
+SIGTERM and SIGUSR1 stop the run after a step all ranks agree on, with a snapshot
+(preempt.py): the rank exits with PREEMPTED (75), and the local rank 0 writes the one-line
+account to MESHRUN_PREEMPT_FILE for `meshrun train` to print.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
-from ..errors import MeshrunError
+from ..errors import PREEMPTED, MeshrunError
+from . import preempt
 
 
 def _report(exc: MeshrunError) -> None:
@@ -22,7 +26,20 @@ def _report(exc: MeshrunError) -> None:
         print(f"meshrun: error: {exc}", file=sys.stderr, flush=True)
 
 
+def _report_preempted(stop: preempt.Preempted) -> None:
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    path = os.environ.get("MESHRUN_PREEMPT_FILE")
+    if path:  # whole or not at all: `meshrun train` reads it as soon as it exists
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{stop.message()}\n")
+        os.replace(path + ".tmp", path)
+    elif os.environ.get("RANK", "0") == "0":
+        print(f"meshrun: {stop.message()}", file=sys.stderr, flush=True)
+
+
 def main() -> int:
+    preempt.install()  # first: from here on a preemption signal stops the run at a step boundary
     from ..modelinfo.read import context_of
     from .config import TrainConfig, resolve_seq_len
     from .factories import build_data, build_model, pretrained_weights, vocab_size
@@ -39,6 +56,10 @@ def main() -> int:
     except MeshrunError as exc:
         _report(exc)
         return 2  # no teardown barrier: the peers may be stuck elsewhere; the launcher stops them
+    except preempt.Preempted as stop:  # every rank stopped at the same step, past the snapshot's commit
+        _report_preempted(stop)
+        teardown()
+        return PREEMPTED
     teardown()
     return 0
 
