@@ -13,7 +13,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # fixtu
 
 # Variables of the machine running the tests that would change detection.
 _CLUSTER_PREFIXES = ("SLURM_", "SATURN_", "SKYPILOT_", "PET_", "OMPI_", "SM_", "TORCHELASTIC_", "MESHRUN_",
-                     "TF_CONFIG", "JAX_")
+                     "TF_CONFIG", "JAX_", "LSB_", "JSM_", "KUBERNETES_")
 _CLUSTER_NAMES = {"MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE",
                   "LOCAL_WORLD_SIZE", "GROUP_RANK", "NPROC_PER_NODE", "CUDA_VISIBLE_DEVICES"}
 

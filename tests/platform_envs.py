@@ -37,3 +37,14 @@ MPI_PER_GPU = {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "6",
 SAGEMAKER = {"SM_HOSTS": '["algo-1","algo-2"]', "SM_CURRENT_HOST": "algo-2", "SM_NUM_GPUS": "8",
              "TRAINING_JOB_NAME": "sm-job"}
 GENERIC = {"MASTER_ADDR": "head.example", "MASTER_PORT": "6000", "NNODES": "2", "NODE_RANK": "1"}
+# IBM LSF with jsrun (CSM): LSB_MCPU_HOSTS starts with the launch node's one slot.
+LSF_PER_NODE = {"LSB_JOBID": "1234", "LSB_MCPU_HOSTS": "batch1 1 c01n01 42 c01n02 42",  # jsrun -r 1 -a 1
+                "JSM_NAMESPACE_SIZE": "2", "JSM_NAMESPACE_RANK": "1", "JSM_NAMESPACE_LOCAL_RANK": "0",
+                "JSM_NAMESPACE_LOCAL_SIZE": "1"}
+LSF_PER_GPU = {"LSB_JOBID": "1234", "LSB_MCPU_HOSTS": "batch1 1 c01n01 42 c01n02 42",  # jsrun -r 1 -a 4
+               "JSM_NAMESPACE_SIZE": "8", "JSM_NAMESPACE_RANK": "6", "JSM_NAMESPACE_LOCAL_RANK": "2",
+               "JSM_NAMESPACE_LOCAL_SIZE": "4"}
+# A PyTorchJob without PET_* (no nprocPerNode): WORLD_SIZE pods, RANK this pod's index.
+KUBEFLOW_POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_PORT": "tcp://10.96.0.1:443",
+                "MASTER_ADDR": "pj-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "2",
+                "PYTHONUNBUFFERED": "0"}

@@ -502,6 +502,8 @@ def test_resume_path_and_no_resume(snapshot, tmp_path):
                   "--resume", str(snapshot))
     assert res.returncode == 0 and f"resumed from {snapshot} at step 4" in res.stdout
     res = run_cli("train", "--example", "toy", "--steps", "6", "--out", str(snapshot.parent.parent), "--no-resume")
+    assert res.returncode == 2 and "--overwrite" in res.stderr.splitlines()[-1]  # a new run would mix with them
+    res = run_cli("train", "--example", "toy", "--steps", "6", "--out", str(snapshot.parent.parent), "--overwrite")
     assert res.returncode == 0 and "resumed" not in res.stdout
     res = run_cli("train", "--example", "toy", "--steps", "6", "--resume", str(tmp_path / "nothing"))
     assert res.returncode == 2 and "not a committed snapshot" in res.stderr.splitlines()[-1]

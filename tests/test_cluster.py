@@ -165,7 +165,7 @@ def test_train_two_nodes_equals_one_node(hosts, tmp_path, reference, platform, s
     if platform == "slurm":
         cmd = _rendered_slurm_node_command(tmp_path).replace("exec meshrun", f"exec {sys.executable} -m meshrun")
         argv = lambda i, h: ["bash", "-c", cmd]  # noqa: E731
-        out = tmp_path / "run-4242"
+        out = tmp_path / "run-$SLURM_JOB_ID"  # the command reaches the node as given: no expansion there
         env_for = slurm_env(2)
     elif platform == "kubernetes":
         argv = meshrun_argv(*train)

@@ -6,8 +6,8 @@ from meshrun.cluster.detect import Overrides, resolve
 from meshrun.cluster.topology import Topology
 from meshrun.errors import MeshrunError
 
-from platform_envs import (GENERIC, KUBEFLOW, MPI_PER_GPU, MPI_PER_NODE, SAGEMAKER, SATURN, SKYPILOT,
-                           SLURM, SLURM_PER_TASK, TORCHRUN_WORKER)
+from platform_envs import (GENERIC, KUBEFLOW, KUBEFLOW_POD, LSF_PER_GPU, LSF_PER_NODE, MPI_PER_GPU, MPI_PER_NODE,
+                           SAGEMAKER, SATURN, SKYPILOT, SLURM, SLURM_PER_TASK, TORCHRUN_WORKER)
 
 SATURN_HOSTS = ("train-0.jobs.team.svc.cluster.local", "train-1.jobs.team.svc.cluster.local")
 
@@ -18,6 +18,9 @@ CASES = [
     (SLURM, 4, ("slurm", 3, 2, 4, "gpu07", 15000 + 123456 % 10000, ("gpu07", "gpu08", "login2"), "123456", None)),
     (SLURM_PER_TASK, 4, ("slurm", 2, 1, 4, "n1", 15077, ("n1", "n2"), "77", 3)),
     (KUBEFLOW, 4, ("kubeflow", 2, 1, 4, "pj-master-0", 23456, (), "kubeflow", None)),
+    (KUBEFLOW_POD, 4, ("kubeflow", 3, 2, 4, "pj-master-0", 23456, (), "kubeflow", None)),
+    (LSF_PER_NODE, 4, ("lsf", 2, 1, 4, "c01n01", 16234, ("c01n01", "c01n02"), "1234", None)),
+    (LSF_PER_GPU, 4, ("lsf", 2, 1, 4, "c01n01", 16234, ("c01n01", "c01n02"), "1234", 2)),
     (TORCHRUN_WORKER, 4, ("torchrun", 2, 1, 4, "10.1.1.1", 29400, (), "none", 1)),
     (MPI_PER_NODE, 2, ("mpi", 2, 1, 2, "10.2.0.1", 20808, (), "137297921", None)),
     (MPI_PER_GPU, 4, ("mpi", 2, 1, 4, "10.2.0.1", 20808, (), "137297921", 2)),
@@ -178,6 +181,15 @@ BAD = [
     ({"MASTER_ADDR": "h", "NNODES": "2", "NODE_RANK": "-1"}, 0, "NODE_RANK", ">= 0"),
     ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": ""}, 0, "master address", "--master-addr"),
     ({**KUBEFLOW, "PET_NNODES": "1:4"}, 4, "PET_NNODES", "elastic"),
+    ({**KUBEFLOW_POD, "RANK": "3"}, 4, "RANK", "must be below WORLD_SIZE=3"),
+    ({**KUBEFLOW_POD, "WORLD_SIZE": "three"}, 4, "WORLD_SIZE", "not an integer"),
+    ({**KUBEFLOW_POD, "WORLD_SIZE": "0"}, 4, "WORLD_SIZE", ">= 1"),
+    ({**KUBEFLOW_POD, "MASTER_PORT": "http"}, 4, "MASTER_PORT", "not an integer"),
+    ({**LSF_PER_GPU, "JSM_NAMESPACE_SIZE": "eight"}, 4, "JSM_NAMESPACE_SIZE", "not an integer"),
+    ({**LSF_PER_GPU, "JSM_NAMESPACE_RANK": "6.0"}, 4, "JSM_NAMESPACE_RANK", "not an integer"),
+    ({**LSF_PER_GPU, "JSM_NAMESPACE_LOCAL_RANK": "x"}, 4, "JSM_NAMESPACE_LOCAL_RANK", "not an integer"),
+    ({**LSF_PER_GPU, "JSM_NAMESPACE_LOCAL_SIZE": "-4"}, 4, "JSM_NAMESPACE_LOCAL_SIZE", ">= 1"),
+    ({**LSF_PER_GPU, "LSB_JOBID": "job7"}, 4, "LSB_JOBID", "not an integer"),
 ]
 
 

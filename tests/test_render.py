@@ -1,6 +1,6 @@
 """meshrun render: each spec checked by the platform's own tools where they install
 (bash -n for sbatch, SkyPilot's task schema, the Kubernetes and Kubeflow API models), plus
-its content: the node command is meshrun's, per-node variables expand on the node."""
+its content: the node command is meshrun's, with the user's arguments as given."""
 
 from __future__ import annotations
 
@@ -34,15 +34,15 @@ def test_slurm_script_is_valid_bash_with_well_formed_sbatch_lines(tmp_path):
             "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00"} <= set(sbatch)
 
 
-def test_slurm_per_node_variables_expand_on_the_node(tmp_path):
-    """The batch host has SLURM_JOB_ID=1 ... but the node command is quoted, so it is the
-    node's bash that expands $SLURM_NODEID."""
+def test_slurm_node_command_is_the_argv_as_given(tmp_path):
+    """A `$` in the command is the user's text: neither the batch host's bash nor the node's
+    expands it (meshrun finds the node's rank and head from Slurm's variables itself)."""
     text = render(RenderSpec("slurm", ("meshrun", "train", "--out", "/runs/$SLURM_NODEID"), nodes=2))
     cmd = node_command(text)
-    assert cmd == 'exec meshrun train --out "/runs/$SLURM_NODEID"'
+    assert cmd == "exec meshrun train --out '/runs/$SLURM_NODEID'"
     out = subprocess.run(["bash", "-c", cmd.replace("exec meshrun train", "echo")],
                          env={"SLURM_NODEID": "7", "PATH": os.environ["PATH"]}, capture_output=True, text=True)
-    assert out.stdout.strip() == "--out /runs/7"
+    assert out.stdout.strip() == "--out /runs/$SLURM_NODEID"
 
 
 def _skypilot_python() -> str | None:

@@ -218,15 +218,17 @@ def test_scontrol_requeue_snapshots_and_the_requeued_job_resumes(cluster, one_no
 
 
 def test_time_limit_signal_snapshots_requeues_and_resumes(cluster, one_node_long, tmp_path):
-    """A job with a one-minute --time and --requeue: Slurm sends SIGUSR1 before the limit
+    """A job with a two-minute --time and --requeue: Slurm sends SIGUSR1 before the limit
     (`--signal=USR1@S`), meshrun train snapshots and exits 75, the script requeues the
     job, and the requeued run resumes; the losses equal the uninterrupted run's. Slurm
-    checks time limits every 30 s, so S=58 puts the warning 0-30 s into each run."""
+    checks time limits every 30 s, so S=60 puts the warning 60-90 s into each run: the
+    first run is still training then, and the requeued one (no item delay) has 60 s to
+    finish. Each further warning would only requeue once more from a newer snapshot."""
     out = tmp_path / "run"
-    job = render(tmp_path, "--requeue", "--time", "1", "--signal-before", "58",
+    job = render(tmp_path, "--requeue", "--time", "2", "--signal-before", "60",
                  command=["meshrun", "train", "--nproc", "1", *LONG, "--out", str(out)])
-    # 0.4 s a step on the first run: 120 steps outlast the warning, which comes 0-30 s in
-    job_id = cluster.sbatch(str(job), str(tmp_path), env={**ONE_PER_NODE, "USERPKG_ITEM_DELAY_S": "0.1"})
+    # 0.8 s a step on the first run: 120 steps outlast the warning, which comes 60-90 s in
+    job_id = cluster.sbatch(str(job), str(tmp_path), env={**ONE_PER_NODE, "USERPKG_ITEM_DELAY_S": "0.2"})
     info = cluster.wait(job_id, timeout=600, until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
     log = job_output(tmp_path, job_id)
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, log[-3000:]

@@ -177,3 +177,31 @@ def test_out_of_memory_at_step_one_suggests_another_strategy():
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("meshrun: error: out of memory at the first step with strategy ddp, micro-batch 32")
     assert "--strategy fsdp" in last
+
+
+# Writes an error file and a preemption file at guessable per-pid paths in the shared temp
+# directory (/tmp/meshrun-train-PID.err, .preempted), then runs meshrun as this very process
+# (exec keeps the pid): meshrun must read neither.
+PLANT_THEN_EXEC = """
+import os, sys, tempfile
+for suffix, text in ((".err", "planted error"), (".preempted", "planted preemption")):
+    with open(os.path.join(tempfile.gettempdir(), f"meshrun-train-{os.getpid()}{suffix}"), "w") as f:
+        f.write(text + "\\n")
+os.execv(sys.executable, [sys.executable, "-m", "meshrun", *sys.argv[1:]])
+"""
+
+
+def test_planted_report_files_are_not_read_and_the_run_leaves_none(tmp_path):
+    import subprocess
+    import sys
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = subprocess.run([sys.executable, "-c", PLANT_THEN_EXEC, "train", "--data", "userpkg.factories:broken",
+                          "--steps", "2"], env=clean_env(PYTHONPATH=HERE, TMPDIR=str(tmp)),
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "meshrun: error: --data='userpkg.factories:broken': the factory raised RuntimeError: database unreachable")
+    assert "planted" not in out.stderr
+    assert not [p.name for p in tmp.iterdir() if p.is_dir() and p.name.startswith("meshrun-train-")]

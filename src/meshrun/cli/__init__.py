@@ -37,7 +37,7 @@ if sys.argv[1:2] == ["train"]:  # before the imports below: a preemption signal 
 from .. import __version__  # noqa: E402
 from ..errors import MeshrunError  # noqa: E402
 from . import bench, data, doctor, env, launch, plan, render, train  # noqa: E402
-from .options import Parser, fill_env_defaults  # noqa: E402
+from .options import Parser, fill_env_defaults, warn_unknown_env  # noqa: E402
 
 COMMANDS = (env, launch, train, data, plan, render, doctor, bench)  # each registers its parser(s)
 
@@ -75,7 +75,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if ns.command is None:
             parser.print_help()
             return 0
-        fill_env_defaults(ns, environ, command_parser(parser, ns.command)._actions)
+        command = command_parser(parser, ns.command)
+        fill_env_defaults(ns, environ, command._actions)
+        warn_unknown_env(environ, command, ns.command)
         return int(ns.func(ns, environ))
     except MeshrunError as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)
@@ -85,4 +87,14 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
 
 def entry() -> None:
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        # The reader went away (`meshrun env --json | head -2`): what it wanted it got. As
+        # Python's signal documentation advises, the rest of the output goes to devnull, so that
+        # the flush at exit does not fail again, and the exit code is 1.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(1)
+    sys.exit(code)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from typing import Mapping
@@ -109,23 +110,25 @@ def cmd_bench(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     topo, elastic = topology_from_args(ns, env, gpus)
     if elastic is not None:
         raise bad_value("--nnodes", ns.nnodes, "a benchmark runs on a fixed number of nodes", "give N, not MIN:MAX")
-    out = os.path.join(tempfile.gettempdir(), f"meshrun-bench-{os.getpid()}.json")
-    spec = LaunchSpec(framework="torch", script="meshrun.doctor.benchworker", module=True,
-                      script_args=(ns.kind, json.dumps(opts)), rdzv_timeout=ns.rdzv_timeout)
-    launch = build(topo, spec)
-    cmd = Command(processes=launch.processes, env={**launch.env, "MESHRUN_BENCH_OUT": out}, files=launch.files,
-                  note=launch.note)
-    check_ports(topo, cmd, spec)
-    cmd = prepare_network(topo, cmd, env, ns.rdzv_timeout)
+    # Rank 0 writes its result into a directory only this user can enter, under a name nobody
+    # can guess in advance: a fixed or pid-derived path in a shared /tmp could be planted first.
+    private = tempfile.mkdtemp(prefix="meshrun-bench-")
+    out = os.path.join(private, "result.json")
     try:
+        spec = LaunchSpec(framework="torch", script="meshrun.doctor.benchworker", module=True,
+                          script_args=(ns.kind, json.dumps(opts)), rdzv_timeout=ns.rdzv_timeout)
+        launch = build(topo, spec)
+        cmd = Command(processes=launch.processes, env={**launch.env, "MESHRUN_BENCH_OUT": out}, files=launch.files,
+                      note=launch.note)
+        check_ports(topo, cmd, spec)
+        cmd = prepare_network(topo, cmd, env, ns.rdzv_timeout)
         code = run_job(cmd, env, topo, spec)
         if code or not os.path.exists(out):
             return code or (0 if topo.node_rank else 1)  # only node 0 holds rank 0's result
         with open(out) as f:
             result = json.load(f)
     finally:
-        if os.path.exists(out):
-            os.unlink(out)
+        shutil.rmtree(private, ignore_errors=True)
     if ns.json:
         print(json.dumps(result, indent=2))
     else:

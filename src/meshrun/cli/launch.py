@@ -19,7 +19,7 @@ LAUNCH_HELP = """\
 Start a training script on this node, for its framework, on the topology meshrun detects.
 
 Run the same command on every node; meshrun reads where it is (Saturn Cloud, SkyPilot,
-Slurm, Kubeflow, MPI, SageMaker, a torchrun worker, MASTER_ADDR/NNODES/NODE_RANK, or a
+Slurm, Kubeflow, MPI, LSF, SageMaker, a torchrun worker, MASTER_ADDR/NNODES/NODE_RANK, or a
 plain machine) and builds the launcher command the documents prescribe:
 
   torch       torchrun --nproc_per_node=G --nnodes=N --node_rank=R --master_addr=A ...

@@ -5,13 +5,15 @@ parsers for numeric option values."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
+import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..cluster.detect import PLATFORMS, resolve
 from ..cluster.net import free_port
-from ..cluster.options import ENV_PREFIX, parse_int, user_topology
+from ..cluster.options import ENV_PREFIX, INTERNAL_VARIABLES, TOPOLOGY_OPTIONS, parse_int, user_topology
 from ..cluster.reach import DEFAULT_TIMEOUT_S
 from ..cluster.topology import Topology
 from ..errors import MeshrunError, bad_value
@@ -96,6 +98,45 @@ def fill_env_defaults(ns: argparse.Namespace, env: Mapping[str, str],
         if opt.choices and value not in opt.choices:
             raise bad_value(src, raw, f"not one of {', '.join(opt.choices)}", f"see {opt.flag} in --help")
         setattr(ns, dest, value)
+
+
+def option_variables(parser: argparse.ArgumentParser) -> set[str]:
+    """The MESHRUN_<NAME> variables a command reads: its options' (those of its own
+    subcommands too) and the topology options' (which meshrun also exports to the workers
+    it launches, so a command run inside one sees them)."""
+    names = {ENV_PREFIX + name.upper() for name in TOPOLOGY_OPTIONS}
+    for action in parser._actions:
+        if getattr(action, "meshrun_env", None) is not None:
+            names.add(ENV_PREFIX + action.dest.upper())
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                names |= option_variables(sub)
+    return names
+
+
+def nearest_variable(var: str, known: set[str]) -> str | None:
+    """The known variable ``var`` most likely meant: one it abbreviates (MESHRUN_NPROC for
+    MESHRUN_NPROC_PER_NODE), else the closest spelling of the name after the prefix (the
+    shared prefix would make every short name look close)."""
+    name = var[len(ENV_PREFIX):]
+    by_name = {k[len(ENV_PREFIX):]: k for k in known}
+    longer = sorted(n for n in by_name if n.startswith(name + "_"))
+    if longer:
+        return by_name[min(longer, key=len)]
+    close = difflib.get_close_matches(name, sorted(by_name), n=1)
+    return by_name[close[0]] if close else None
+
+
+def warn_unknown_env(env: Mapping[str, str], parser: argparse.ArgumentParser, command: str) -> None:
+    """One warning line per MESHRUN_* variable that no option of ``command`` reads and that is
+    not one of meshrun's own: a misspelled variable would otherwise be ignored without a word."""
+    known = option_variables(parser)
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in known or var in INTERNAL_VARIABLES:
+            continue
+        near = nearest_variable(var, known)
+        hint = f"did you mean {near}?" if near else f"see 'meshrun {command} --help' for its options"
+        print(f"meshrun: warning: {var} is not a variable of meshrun {command}; ignored ({hint})", file=sys.stderr)
 
 
 def add_topology_options(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from ..cluster.gpus import count_visible_gpus
 from ..defaults import COMPILE_CHOICES, compile_enabled, global_batch_for, seq_len_for
 from ..errors import bad_value
 from ..modelinfo.read import resolve_model
+from ..paths import check_output_dir
 from ..modelinfo.spec import PRESETS
 from ..plan import ClusterSpec, TrainSpec, make_plan
 from ..plan.advice import check_choice
@@ -160,6 +161,8 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         raise bad_value("--margin", ns.margin, "not a number", "e.g. 0.1 keeps 10% of GPU memory free") from None
     if not 0 <= margin < 1:
         raise bad_value("--margin", ns.margin, "must be in [0, 1)", "e.g. 0.1")
+    if ns.write:
+        check_output_dir(ns.write, "--write")
     model = resolve_model(ns.model, "--model")
     cluster = cluster_from_args(ns, env)
     train = train_from_args(ns, model.context, cluster.world)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 from typing import Mapping
 
@@ -16,6 +17,7 @@ from ..launch.command import Command, LaunchSpec
 from ..launch.dryrun import dry_run_text
 from ..launch.node import check_ports
 from ..launch.restart import attempt_topology, run_with_restarts
+from ..paths import check_output_dir, check_output_file
 from ..train.config import EXAMPLES, STRATEGY_CHOICES, TrainConfig, build_config, load_file
 from ..vocab import AC_MODES, GPT_PRESETS, PRECISIONS, STRATEGIES
 from .options import add_option, add_rdzv_timeout_option, add_topology_options, require_packages, topology_from_args
@@ -54,6 +56,12 @@ defaults meshrun chooses (the run's first lines say what it chose and why):
                   planner sizes the micro-batch; on the CPU: micro-batch 8, no accumulation
   global batch = micro-batch x accumulation x data-parallel size; one that does not split is
   refused with the nearest valid sizes
+
+one run per --out: a second meshrun train on the same directory is refused while the first
+runs (OUT/.meshrun.lock). Each run has an id (OUT/run.json, and in every snapshot): a
+resume continues only a snapshot of OUT's run, --no-resume is refused where OUT holds
+snapshots (--overwrite moves them aside first), and a resume on another number of processes
+keeps the snapshot's global batch by changing the gradient accumulation.
 
 preemption: SIGTERM or SIGUSR1 (Slurm's --signal, scontrol requeue, Kubernetes, SkyPilot) stops
 every rank after the same step; with --out that step's snapshot is written, and meshrun train
@@ -176,7 +184,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--resume", metavar="auto|none|PATH", default=None,
                help="auto (default): continue from the newest snapshot in OUT/checkpoints; none; or a snapshot")
     add_option(g, "--no-resume", action="store_const", const="none", dest="resume", from_env=False,
-               help="start fresh even if OUT holds snapshots")
+               help="start a new run instead of resuming; refused where OUT holds snapshots (see --overwrite)")
+    add_option(g, "--overwrite", action="store_true", from_env=False,
+               help="start a new run in OUT, first moving the earlier run's checkpoints/, metrics.jsonl, "
+                    "loss.png, tensorboard/ and run.json into OUT/previous-<UTC time>/ (nothing is deleted; "
+                    "implies --no-resume). Not for job scripts that requeue: each start would set aside the "
+                    "progress so far")
     add_rdzv_timeout_option(g)
     add_option(g, "--max-restarts", type=int, metavar="N", default=0,
                help="after a crash, start the job again (a fresh rendezvous) up to N times; it resumes "
@@ -214,16 +227,18 @@ def cmd_export(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     require_packages("export", TRAINER_PACKAGES, "torch")
     from ..train import checkpoint
 
+    fmt = ns.format if ns.format != "auto" else "safetensors" if ns.to.endswith(".safetensors") else "hf"
+    if fmt == "hf" and os.path.isfile(ns.to):
+        raise MeshrunError(f"--to={ns.to!r}: a file; --format hf writes a directory (hint: give a directory, or "
+                           "--format safetensors)")
+    # the target is checked before the snapshot is read: reading a large one takes minutes
+    (check_output_dir if fmt == "hf" else check_output_file)(ns.to, "--to")
     path = ns.snapshot
     if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
         found = checkpoint.latest(path) if os.path.isdir(path) else None
         if found is None:
             raise MeshrunError(f"snapshot={path!r}: not a committed snapshot nor a directory of them")
         path = found
-    fmt = ns.format if ns.format != "auto" else "safetensors" if ns.to.endswith(".safetensors") else "hf"
-    if fmt == "hf" and os.path.isfile(ns.to):
-        raise MeshrunError(f"--to={ns.to!r}: a file; --format hf writes a directory (hint: give a directory, or "
-                           "--format safetensors)")
     n = (checkpoint.export_hf if fmt == "hf" else checkpoint.export_safetensors)(path, ns.to)
     print(f"meshrun export: {n} tensors from {path} -> {ns.to} ({fmt})")
     return 0
@@ -319,24 +334,68 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
             raise bad_value("--data", "stdlib", "the default data is the standard library's source as bytes, not "
                             "text in this model's vocabulary", "--data random (random tokens of its vocabulary), "
                             "or --data pkg.mod:factory for your Dataset of token ids")
-    if not ns.dry_run:  # (a dry run tokenizes nothing: its command names the corpus as given)
-        cfg = corpus_ready(cfg, env, count_visible_cpus())
     if ns.max_restarts < 0:
         raise MeshrunError(f"--max-restarts={ns.max_restarts}: must be >= 0")
     if ns.max_restarts and not cfg.out:
         raise MeshrunError("--max-restarts: a restarted job resumes from its snapshots, which need --out DIR "
                            "(hint: add --out)")
-    error_file = os.path.join(tempfile.gettempdir(), f"meshrun-train-{os.getpid()}.err")
-    preempt_file = os.path.join(tempfile.gettempdir(), f"meshrun-train-{os.getpid()}.preempted")
-    extra = {"MESHRUN_TRAIN_CONFIG": cfg.to_json(), "MESHRUN_ERROR_FILE": error_file,
-             "MESHRUN_PREEMPT_FILE": preempt_file}
+    if ns.overwrite and not cfg.out:
+        raise MeshrunError("--overwrite: sets aside an earlier run's files in --out, and there is no --out "
+                           "(hint: add --out DIR, or drop --overwrite)")
+    # Node rank 0 owns OUT for the run's whole life, restarts included (on shared storage
+    # every node names the same OUT; the other nodes leave it to node 0).
+    lock = None
+    if cfg.out and topo.node_rank == 0 and not ns.dry_run:
+        from ..train.runlock import OutputLock
+
+        lock = OutputLock(cfg.out, cfg.source("out"))
+        lock.acquire()
+    try:
+        if not ns.dry_run:  # (a dry run tokenizes nothing: its command names the corpus as given)
+            cfg = corpus_ready(cfg, env, count_visible_cpus())
+        run_id = None
+        if lock is not None:
+            from ..train import outdir
+
+            prepared = outdir.prepare(lock.out, cfg.resume, ns.overwrite, cfg.source("resume"))
+            if prepared.note:
+                print(prepared.note, flush=True)
+            cfg, run_id = cfg.replace(resume=prepared.resume), prepared.run_id
+        elif ns.overwrite:  # the other nodes start afresh, as node 0 does
+            cfg = cfg.replace(resume="none")
+        # The ranks' one-line error and preemption account go to a directory of this run's own
+        # (mkdtemp: a fresh name, mode 0700), so no file another user planted, or an earlier run
+        # left behind, can stand in for them; it is removed when the run ends, however it ends.
+        run_dir = tempfile.mkdtemp(prefix="meshrun-train-")
+        try:
+            return _launch(ns, env, cfg, topo, run_dir, run_id)
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _launch(ns: argparse.Namespace, env: Mapping[str, str], cfg: TrainConfig, topo: Topology, run_dir: str,
+            run_id: str | None = None) -> int:
+    """Launch the workers (or print the command, under --dry-run) with their report files in
+    ``run_dir``; ``run_id``: the run the snapshots belong to (node rank 0 knows it)."""
+    error_file = os.path.join(run_dir, "error")
+    preempt_file = os.path.join(run_dir, "preempted")
+    extra = {"MESHRUN_ERROR_FILE": error_file, "MESHRUN_PREEMPT_FILE": preempt_file}
+    if run_id:
+        from ..train.outdir import RUN_ID_ENV
+
+        extra[RUN_ID_ENV] = run_id
 
     def command(attempt: int) -> tuple[Command, LaunchSpec, Topology]:
         t = attempt_topology(topo, attempt)
         spec = LaunchSpec(framework="torch", script="meshrun.train.worker", module=True, rdzv_timeout=ns.rdzv_timeout)
         launch = build(t, spec)
-        return Command(processes=launch.processes, env={**launch.env, **extra}, files=launch.files,
-                       note=launch.note), spec, t
+        # a restart continues this run: from its own snapshots, even when it started afresh
+        attempt_cfg = cfg.replace(resume="auto") if attempt and cfg.resume == "none" else cfg
+        return Command(processes=launch.processes, env={**launch.env, "MESHRUN_TRAIN_CONFIG": attempt_cfg.to_json(),
+                                                        **extra}, files=launch.files, note=launch.note), spec, t
 
     cmd, spec, _ = command(0)
     if ns.dry_run:

@@ -4,16 +4,20 @@ Probe order (first match wins), and why:
 
 1. ``torchrun``   a TorchElastic worker: torchrun runs inside every platform below, and its
                   per-worker variables are then the truth.
-2. ``mpi``        mpirun may start meshrun inside a Slurm allocation; MPI's layout is the
+2. ``lsf``        LSB_JOBID (IBM LSF); jsrun's JSM_NAMESPACE_* say which job step placed this
+                  process. Before ``mpi`` because jsrun also sets Open MPI's variables; mpirun
+                  inside an LSF job (no JSM_*) is left to ``mpi``.
+3. ``mpi``        mpirun may start meshrun inside a Slurm allocation; MPI's layout is the
                   one that actually placed this process.
-3. ``skypilot``   SKYPILOT_* describe this task even on Kubernetes or Slurm infrastructure.
-4. ``saturn``     SATURN_JOB_* (Saturn Cloud runs on Kubernetes).
-5. ``kubeflow``   PET_* from the training operator; before ``generic`` because it also sets
+4. ``skypilot``   SKYPILOT_* describe this task even on Kubernetes or Slurm infrastructure.
+5. ``saturn``     SATURN_JOB_* (Saturn Cloud runs on Kubernetes).
+6. ``kubeflow``   PET_* from the training operator, or, in a Kubernetes pod, MASTER_ADDR with
+                  WORLD_SIZE and RANK counting pods; before ``generic`` because it also sets
                   MASTER_ADDR, and its RANK/WORLD_SIZE count pods, not processes.
-6. ``sagemaker``  SM_HOSTS / SM_CURRENT_HOST.
-7. ``slurm``      SLURM_JOB_ID.
-8. ``generic``    MASTER_ADDR (+ NNODES, NODE_RANK, MASTER_PORT, NPROC_PER_NODE).
-9. ``local``      nothing found: this machine alone.
+7. ``sagemaker``  SM_HOSTS / SM_CURRENT_HOST.
+8. ``slurm``      SLURM_JOB_ID.
+9. ``generic``    MASTER_ADDR (+ NNODES, NODE_RANK, MASTER_PORT, NPROC_PER_NODE).
+10. ``local``     nothing found: this machine alone.
 
 ``--platform NAME`` skips the probing. Flags (or their MESHRUN_* variables) then override
 single values, and the result is validated as a whole.
@@ -26,11 +30,11 @@ from types import ModuleType
 from typing import Callable, Mapping
 
 from ..errors import MeshrunError, bad_value
-from .platforms import (generic, kubeflow, local, mpi, sagemaker, saturn, skypilot, slurm,
+from .platforms import (generic, kubeflow, local, lsf, mpi, sagemaker, saturn, skypilot, slurm,
                         torchelastic)
 from .topology import Topology
 
-PROBE_ORDER = (torchelastic, mpi, skypilot, saturn, kubeflow, sagemaker, slurm, generic, local)
+PROBE_ORDER = (torchelastic, lsf, mpi, skypilot, saturn, kubeflow, sagemaker, slurm, generic, local)
 PLATFORMS: dict[str, ModuleType] = {m.NAME: m for m in PROBE_ORDER}
 
 
@@ -86,6 +90,15 @@ def apply_overrides(topo: Topology, ov: Overrides) -> Topology:
         if changes["nnodes"] != len(topo.hosts):
             changes["hosts"] = ()
             srcs["hosts"] = "dropped: " + srcs["nnodes"] + " differs from the platform's host count"
+    nnodes = changes.get("nnodes", topo.nnodes)
+    node_rank = changes.get("node_rank", topo.node_rank)
+    if ("master_addr" not in changes and nnodes > 1 and node_rank > 0  # type: ignore[operator]
+            and topo.source("master_addr") == "default"):
+        # The platform's address is its single-node default (loopback): on another node it
+        # would point at the wrong machine, so it is dropped and validation asks for one, as
+        # it does when NNODES/NODE_RANK come from the environment.
+        changes["master_addr"] = ""
+        srcs["master_addr"] = "dropped: a single-node default"
     return topo.replace(sources=srcs, **changes)
 
 

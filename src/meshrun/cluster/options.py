@@ -9,6 +9,15 @@ from ..errors import bad_value
 from .detect import Overrides
 
 ENV_PREFIX = "MESHRUN_"
+# MESHRUN_* variables that are not options: set by meshrun for its workers, or read by its
+# internals and tests. A variable of this prefix that is neither one of these nor an option
+# of the command being run is warned about (cli/options.py: warn_unknown_env).
+INTERNAL_VARIABLES = (
+    "MESHRUN_TRAIN_CONFIG", "MESHRUN_ERROR_FILE", "MESHRUN_PREEMPT_FILE", "MESHRUN_CACHE",
+    "MESHRUN_SAVE_PAUSE_S", "MESHRUN_PREPARE_PAUSE_S", "MESHRUN_WRITE_DELAY_S", "MESHRUN_SAVE_THREADS",
+    "MESHRUN_BENCH_OUT", "MESHRUN_LOCAL_RANK", "MESHRUN_PROCESS_ID", "MESHRUN_NUM_PROCESSES",
+    "MESHRUN_TEST_STRICT", "MESHRUN_SKYPILOT_PYTHON", "MESHRUN_JOB_TOKEN", "MESHRUN_OUT_RUN_ID",
+)
 TOPOLOGY_OPTIONS = ("platform", "nnodes", "node_rank", "nproc_per_node", "master_addr",
                     "master_port", "hosts", "run_id")
 

@@ -25,7 +25,7 @@ class Topology:
     """Where this node sits in the job.
 
     ``hosts`` lists every node's address in node-rank order when the platform tells it
-    (SkyPilot, Saturn Cloud, Slurm, SageMaker), else is empty. ``local_rank`` is set only
+    (SkyPilot, Saturn Cloud, Slurm, LSF, SageMaker), else is empty. ``local_rank`` is set only
     when the platform itself already started one process per device (a torchrun worker,
     ``srun --ntasks-per-node=G``, ``mpirun -npernode G``): this process is then one worker,
     not the launcher of a node. ``sources`` maps each field to where its value came from

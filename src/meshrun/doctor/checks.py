@@ -4,6 +4,7 @@ table and its common mistakes are the advice."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -199,6 +200,18 @@ def _watts(text: str) -> float | None:
 
 
 def check_disk(facts: Facts) -> list[Finding]:
+    if facts.disk_base:
+        if os.path.abspath(facts.disk_path) == facts.disk_base:  # it exists, but not as a directory
+            return [Finding("disk", "fail", f"{facts.disk_path} is not a directory",
+                            "point --out at a directory (snapshots are written into it)")]
+        if not os.path.isdir(facts.disk_base):
+            return [Finding("disk", "fail", f"{facts.disk_path} does not exist and cannot be created: "
+                            f"{facts.disk_base} is a file", "point --out at a directory")]
+        ok = facts.disk_free >= MIN_FREE_DISK
+        return [Finding("disk", "warn", f"{facts.disk_path} does not exist yet; {fmt_bytes(facts.disk_free)} free "
+                        f"at {facts.disk_base}, its closest existing parent",
+                        "check the path: meshrun train --out creates it" + ("" if ok else
+                        "; snapshots need room: a 1.3B model's is 16 GB"))]
     ok = facts.disk_free >= MIN_FREE_DISK
     return [Finding("disk", "ok" if ok else "warn", f"{fmt_bytes(facts.disk_free)} free at {facts.disk_path}",
                     "" if ok else "snapshots need room: a 1.3B model's is 16 GB; point --out at a larger disk")]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..cluster.gpus import count_visible_gpus
+from ..paths import nearest_existing
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class Facts:
     gpu_health: tuple[Mapping[str, str], ...] = ()
     disk_path: str = "."
     disk_free: int = 0
+    # when disk_path does not exist yet: the closest existing ancestor, where disk_free was measured
+    disk_base: str = ""
 
     def versions(self) -> dict[str, str | None]:
         return {"torch": self.torch, "cuda": self.cuda, "nccl": self.nccl, "driver": self.driver}
@@ -84,7 +87,8 @@ def gather(env: Mapping[str, str], disk_path: str = ".") -> Facts:
     names = tuple(h["name"] for h in health)
     driver = health[-1]["driver"] if health else None
     ib = tuple(sorted(os.listdir("/sys/class/infiniband"))) if os.path.isdir("/sys/class/infiniband") else ()
-    path = disk_path if os.path.isdir(disk_path) else os.path.dirname(os.path.abspath(disk_path)) or "."
-    free = shutil.disk_usage(path).free if os.path.isdir(path) else 0
+    base = "" if os.path.isdir(disk_path) else nearest_existing(disk_path)
+    measured = base or disk_path
+    free = shutil.disk_usage(measured).free if os.path.isdir(measured) else 0
     return Facts(socket.gethostname(), gpus, torch_v, cuda_v, nccl_v, driver, names, interfaces(), ib,
-                 _smi("topo", "-m") if gpus else None, tuple(health), path, free)
+                 _smi("topo", "-m") if gpus else None, tuple(health), disk_path, free, base)

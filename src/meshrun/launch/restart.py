@@ -1,6 +1,8 @@
 """A job that restarts itself: after a crash the whole job is launched again, up to N times,
 each attempt with a fresh rendezvous, and a rank's one-line error ends it at once, as does a
-preemption: the job stopped because its machines are going away, not because it failed."""
+preemption: the job stopped because its machines are going away, not because it failed.
+An attempt ends with none of its processes left running (guard.py), so a restarted job never
+trains, or writes snapshots, beside the workers of the attempt before it."""
 
 from __future__ import annotations
 

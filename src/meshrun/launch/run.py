@@ -2,10 +2,24 @@
 the job's exit code.
 
 Each child starts in its own session so that signals reach it exactly once, through
-meshrun: a Ctrl-C or a scheduler's SIGTERM (or Slurm's SIGUSR1 before the time limit)
-is forwarded to the child's whole process group, as a terminal would have delivered it.
-When one of several processes (JAX, TensorFlow) fails, the rest are stopped: a
-collective would otherwise wait for the dead peer forever.
+meshrun: a Ctrl-C or a scheduler's SIGTERM is forwarded to the child's whole process group,
+as a terminal would have delivered it, and starts a grace period after which whatever is
+left is killed. When one of several processes (JAX, TensorFlow) fails, the rest are stopped:
+a collective would otherwise wait for the dead peer forever.
+
+The job never outlives meshrun (guard.py): its processes carry a token in their environment,
+the launched ones die with meshrun (PR_SET_PDEATHSIG), a watchdog kills the rest (torchrun's
+workers, in sessions of their own) when meshrun dies by any signal, SIGKILL included, and
+whatever is left when meshrun ends a job (the workers of a torchrun that died) is killed
+before meshrun returns or restarts it.
+
+SIGUSR1 and SIGUSR2 mean "checkpoint, or prepare to stop" (Slurm's ``--signal`` before the
+time limit), not "stop": they start no grace period. A launcher (torchrun, Accelerate,
+DeepSpeed) has no handler for them and would die of them, leaving its workers behind; a
+scheduler may signal every process of a job directly (Slurm's proctrack/linuxproc), a
+launcher included. So launchers start with both ignored; the workers inherit that until they
+install a handler of their own (a worker still starting does not die of one), and meshrun
+sends each to the launcher's children once they handle it, as below.
 
 `meshrun train` names its preemption signals (SIGTERM, SIGUSR1) ``to_workers``: those go to
 the training processes themselves, not to torchrun. torchrun starts each worker in a session
@@ -28,10 +42,11 @@ import time
 from typing import Callable, Mapping
 
 from ..errors import MeshrunError
-from . import early
+from . import early, guard
 from .command import Command
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+WORKER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # ignored by launchers, sent to their workers
 INSTALL_HINT = {
     "torchrun": "pip install torch",
     "accelerate": "pip install 'meshrun[accelerate]'",
@@ -72,6 +87,10 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 LAUNCHERS = ("torchrun", "accelerate", "deepspeed")  # programs whose children are the workers
 
 
+def is_launcher(argv: list[str]) -> bool:
+    return os.path.basename(argv[0]) in LAUNCHERS
+
+
 def children(pid: int) -> list[int]:
     """The live processes whose parent is ``pid``, read from /proc."""
     out = []
@@ -106,29 +125,35 @@ class WorkerSignals:
     when it is no launcher. Each worker gets each signal once, as soon as it has its handler:
     torchrun's workers may not exist yet when the signal comes, and a worker still starting
     would die of it. ``deliver()`` runs again at every tick of the supervision loop until the
-    job ends. Without /proc (not Linux) the signal goes to each process group at once."""
+    job ends. A signal noted ``launchers_only`` goes to launchers' children alone (the caller
+    signals the process groups). Without /proc (not Linux) the signal goes to each process
+    group at once."""
 
     def __init__(self, procs: list[subprocess.Popen], argvs: list[list[str]]) -> None:
         self.procs, self.argvs = procs, argvs
-        self.signals: list[int] = []
+        self.signals: list[tuple[int, bool]] = []  # (signal, launchers' children only)
         self.sent: set[tuple[int, int]] = set()  # (pid, signal)
 
-    def note(self, sig: int) -> None:
+    def note(self, sig: int, launchers_only: bool = False) -> None:
         if not os.path.isdir("/proc"):
-            for p in self.procs:
-                _signal_group(p, sig)
+            if not launchers_only:
+                for p in self.procs:
+                    _signal_group(p, sig)
             return
-        if sig not in self.signals:
-            self.signals.append(sig)
+        if (sig, launchers_only) not in self.signals:
+            self.signals.append((sig, launchers_only))
         self.deliver()
 
     def deliver(self) -> None:
         for p, argv in zip(self.procs, self.argvs):
             if p.poll() is not None:
                 continue
-            pids = children(p.pid) if os.path.basename(argv[0]) in LAUNCHERS else [p.pid]
+            launcher = is_launcher(argv)
+            pids = children(p.pid) if launcher else [p.pid]
             for pid in pids:
-                for sig in self.signals:
+                for sig, launchers_only in self.signals:
+                    if launchers_only and not launcher:
+                        continue
                     if (pid, sig) not in self.sent and catches(pid, sig):
                         self.sent.add((pid, sig))
                         try:
@@ -177,7 +202,7 @@ def _relay_stderr(proc: subprocess.Popen, mute: Callable[[], bool] | None, watch
 
 def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
             mute_stderr: Callable[[], bool] | None = None, watch: object | None = None,
-            to_workers: tuple[int, ...] = ()) -> int:
+            to_workers: tuple[int, ...] = (), abort: Callable[[], bool] | None = None) -> int:
     """Run the command; returns the job's exit code.
 
     ``mute_stderr``: when given, the children's stderr is relayed through this process and
@@ -186,7 +211,9 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
     ``watch``: a RendezvousWatch the relayed stderr passes through (multi-node torchrun).
     ``to_workers``: signals sent to the training processes only (see above); they start no
     grace period: the workers end on their own once their snapshot is written, and whatever
-    sent the signal enforces its own deadline."""
+    sent the signal enforces its own deadline.
+    ``abort``: checked at every tick; once it holds, the job is killed and ends with code 1
+    (the caller says why: node 0's port never answered)."""
     for path, text in cmd.files.items():
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
@@ -200,42 +227,66 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
     stopping_since: list[float] = []
 
     workers = WorkerSignals(procs, argvs)
+    relays: list[threading.Thread] = []
 
     def forward(signum: int, _frame: object) -> None:
         if signum in to_workers:
             workers.note(signum)
             return
-        if not stopping_since:
+        if signum in WORKER_SIGNALS:
+            workers.note(signum, launchers_only=True)
+        elif not stopping_since:
             stopping_since.append(time.monotonic())
         for p in procs:
             _signal_group(p, signum)
 
+    token = guard.new_token()
+    watchdog = guard.start_watchdog(token)  # before any process of the job exists
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         for argv, p in zip(argvs, cmd.processes):
-            env = {**base_env, **cmd.env, **p.env}
-            procs.append(subprocess.Popen(argv, env=env, start_new_session=True,
+            env = {**base_env, **cmd.env, **p.env, guard.TOKEN_VAR: token}
+            preexec = guard.child_preexec(WORKER_SIGNALS if is_launcher(argv) else ())
+            procs.append(subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=preexec,
                                           stderr=subprocess.PIPE if (mute_stderr or watch) else None))
         relays = [_relay_stderr(p, mute_stderr, watch) for p in procs] if (mute_stderr or watch) else []
         for sig in early.take():  # came while meshrun was starting: passed on now
             forward(sig, None)
-        code = _supervise(procs, stopping_since, grace_s, workers)
-        for relay in relays:
-            relay.join(timeout=5)
-        return code
+        return _supervise(procs, stopping_since, grace_s, workers, abort)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _signal_group(p, signal.SIGKILL)
-                p.wait()
+        _end_job(procs, token, watchdog, relays)
         for s, h in previous.items():
             signal.signal(s, h)
 
 
+def _end_job(procs: list[subprocess.Popen], token: str, watchdog: guard.Watchdog,
+             relays: list[threading.Thread]) -> None:
+    """Kill what is left of the job: the launched processes still running, then any process of
+    the job that outlived them (it would hold the stderr pipe open, keep training, and write
+    snapshots next to a restarted job's); then let the watchdog go and the relays drain."""
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+    left = guard.stop_job(token, settle_s=1.0)
+    if left:
+        print(f"meshrun: stopped {left} process(es) of the job still running after its launcher ended",
+              file=sys.stderr, flush=True)
+    watchdog.close()
+    for relay in relays:
+        relay.join(timeout=5)
+
+
 def _supervise(procs: list[subprocess.Popen], stopping_since: list[float], grace_s: float,
-               workers: WorkerSignals) -> int:
+               workers: WorkerSignals, abort: Callable[[], bool] | None = None) -> int:
     first_failure: int | None = None
     while True:
+        if abort is not None and abort():
+            for p in procs:
+                if p.poll() is None:
+                    _signal_group(p, signal.SIGKILL)
+                    p.wait()
+            return 1
         if workers.signals:
             workers.deliver()
         codes = [p.poll() for p in procs]

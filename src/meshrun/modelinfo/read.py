@@ -102,8 +102,12 @@ def from_factory(text: str, where: str = "--model") -> ModelSpec:
     import torch.nn as nn
 
     factory = load_factory(text, where)
-    with torch.device("meta"):
-        model = factory()
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as exc:  # not a model factory (it wants arguments), or a factory that fails
+        raise bad_value(where, text, f"the factory raised {type(exc).__name__}: {exc}".replace("\n", " "),
+                        "give a callable that takes no arguments and returns an nn.Module") from None
     if not isinstance(model, nn.Module):
         raise bad_value(where, text, f"returned {type(model).__name__}, not an nn.Module")
     return from_module(model, text, f"factory {text} on the meta device")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..modelinfo.spec import ModelSpec
 from .candidate import Candidate, fitting_twin
 from .spec import ClusterSpec, TrainSpec
+from ..errors import bad_value
 from ..units import fmt_bytes, fmt_count
 
 
@@ -111,10 +112,12 @@ def fused_loss_advice(m: ModelSpec, t: TrainSpec, pick: Candidate | None, fused:
 
 
 def check_choice(name: str, cands: list[Candidate], pick: Candidate | None) -> list[str]:
-    """Warnings for a strategy the user chose (``meshrun plan --strategy``)."""
+    """Warnings for a strategy the user chose (``meshrun plan --strategy``); a name that is
+    not in the table is an error listing the names that are."""
     mine = next((x for x in cands if x.strategy.label == name), None)
     if mine is None:
-        return [f"--strategy {name}: not among the candidates (see the table's names)"]
+        names = list(dict.fromkeys(x.strategy.label for x in cands))
+        raise bad_value("--strategy", name, "not a strategy of this plan", f"one of {', '.join(names)}")
     out = []
     if not mine.fits:
         out.append(f"--strategy {name}: {mine.why_not}")

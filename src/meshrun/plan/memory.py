@@ -18,9 +18,9 @@ torch.compile (calibration.json, fitted on GPUs by bench/plan_accuracy.py).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
+from importlib import resources
 
 from ..modelinfo.spec import LOSS_CHUNK_TOKENS, ModelSpec
 from .spec import ClusterSpec, TrainSpec
@@ -28,8 +28,9 @@ from .spec import ClusterSpec, TrainSpec
 
 @lru_cache(maxsize=1)
 def calibration() -> dict:
-    with open(os.path.join(os.path.dirname(__file__), "calibration.json")) as f:
-        return json.load(f)
+    # Package data (pyproject.toml's package-data ships it in the wheel), read through
+    # importlib.resources so it is found however the package is installed.
+    return json.loads(resources.files(__package__).joinpath("calibration.json").read_text(encoding="utf-8"))
 
 
 @dataclass(frozen=True)

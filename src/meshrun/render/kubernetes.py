@@ -6,7 +6,8 @@ the Service's name, the DNS name NAME-i.NAME. The env below is what meshrun's ge
 platform reads (NNODES, NODE_RANK from the completion index, MASTER_ADDR = pod 0,
 MASTER_PORT, and every host for TensorFlow/JAX through MESHRUN_HOSTS). PyTorchJob: the
 training operator sets PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE, MASTER_ADDR and
-MASTER_PORT, which meshrun's kubeflow platform reads.
+MASTER_PORT, which meshrun's kubeflow platform reads. Either way the container's command is
+meshrun's argv itself (exec form, no shell).
 """
 
 from __future__ import annotations
@@ -18,8 +19,15 @@ from .spec import RenderSpec
 INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
 
+def _exec_form(argv: tuple[str, ...]) -> list[str]:
+    """argv for a container's ``command``: no shell runs it, and Kubernetes' own expansion
+    of ``$(VAR)`` in command and args is escaped (``$$`` is a literal ``$``), so the
+    container gets exactly these arguments."""
+    return [arg.replace("$", "$$") for arg in argv]
+
+
 def _container(spec: RenderSpec, name: str) -> dict:
-    c: dict = {"name": name, "image": spec.image, "command": ["bash", "-c", spec.shell_command()],
+    c: dict = {"name": name, "image": spec.image, "command": _exec_form(spec.node_command()),
                "ports": [{"containerPort": spec.port, "name": "rdzv"}],
                "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}
     if spec.gpus_per_node:
@@ -75,4 +83,6 @@ def pytorchjob(spec: RenderSpec) -> list[dict]:
 def render(spec: RenderSpec) -> str:
     docs = pytorchjob(spec) if spec.pytorchjob else indexed_job(spec)
     head = "# Rendered by `meshrun render kubernetes`: kubectl apply -f this.yaml\n"
+    if any("$" in arg for arg in spec.node_command()):
+        head += "# ($$ in the command is Kubernetes' escape for a literal $: the container gets $)\n"
     return head + yaml.safe_dump_all(docs, sort_keys=False)

@@ -21,7 +21,9 @@ def _literal(dumper: yaml.SafeDumper, value: _Literal) -> yaml.Node:
 
 
 def render(spec: RenderSpec) -> str:
-    resources: dict = {"accelerators": f"{spec.accelerator}:{spec.gpus_per_node}"} if spec.gpus_per_node else {}
+    # (validate() allows NAME:COUNT only where COUNT is gpus_per_node)
+    gpu = spec.accelerator.split(":", 1)[0]
+    resources: dict = {"accelerators": f"{gpu}:{spec.gpus_per_node}"} if spec.gpus_per_node else {}
     if spec.nodes > 1:
         resources["network_tier"] = "best"  # InfiniBand / EFA / GPUDirect-TCPX: the SkyPilot document
     if spec.image:

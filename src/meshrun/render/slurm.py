@@ -4,7 +4,8 @@ per node, srun, rendezvous on the head.
 meshrun on each node reads SLURM_JOB_NODELIST (head = its first host), SLURM_NNODES,
 SLURM_NODEID and SLURM_GPUS_ON_NODE, and derives the port from SLURM_JOB_ID (15000 + id mod
 10000, outside the ephemeral range) unless MASTER_PORT is set. The command runs under
-``bash -c '...'`` on each node, so per-node variables expand there, not on the batch host.
+``bash -c '...'`` on each node; it is quoted twice (once for that inner bash, once for the
+batch script), so every node runs exactly the argv given, with nothing substituted.
 
 With ``requeue``: ``--signal=USR1@S`` has Slurm send SIGUSR1 S seconds before the time limit
 to every job step's tasks, which are each node's meshrun (``bash -c 'exec meshrun ...'``);
@@ -35,7 +36,8 @@ def render(spec: RenderSpec) -> str:
              "#SBATCH --ntasks-per-node=1"]
     if spec.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
-    lines.append(f"#SBATCH --cpus-per-task={spec.cpus_per_task or max(4, 8 * max(1, spec.gpus_per_node))}")
+    cpus = spec.cpus_per_task if spec.cpus_per_task is not None else max(4, 8 * max(1, spec.gpus_per_node))
+    lines.append(f"#SBATCH --cpus-per-task={cpus}")
     if spec.partition:
         lines.append(f"#SBATCH --partition={spec.partition}")
     if spec.time:
@@ -56,7 +58,7 @@ def render(spec: RenderSpec) -> str:
     node_cmd = "exec " + spec.shell_command()
     srun = ["srun", "--nodes", str(spec.nodes), "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     if spec.image:
-        srun.append(f"--container-image={spec.image}")  # pyxis/enroot
+        srun.append(shlex.quote(f"--container-image={spec.image}"))  # pyxis/enroot
     step = [" ".join(srun) + " \\", f"  bash -c {shlex.quote(node_cmd)}"]
     if not spec.requeue and not spec.max_restarts:
         return "\n".join(lines + ["", *step, ""])

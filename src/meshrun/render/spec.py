@@ -12,7 +12,20 @@ from ..vocab import FRAMEWORKS
 
 TARGETS = ("slurm", "skypilot", "kubernetes", "saturn", "hostfile")
 SIGNAL_BEFORE_S = 120  # Slurm's warning before the time limit: a step and a snapshot fit in it
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")  # room for the pod suffix NAME-i
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS-1123 label
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # no blanks, '%' (sbatch's patterns) or '/'
+_PARTITION = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")  # one partition or a comma list
+# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
+_SLURM_TIME = re.compile(r"([0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}|UNLIMITED|INFINITE)")
+_ACCELERATOR = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)(?::([1-9][0-9]*))?$")  # SkyPilot NAME or NAME:COUNT
+_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$")  # registry/repo:tag or @digest
+_HOST = re.compile(r"^[A-Za-z0-9_.:-]+$")  # a host name, an IPv4 or an IPv6 address
+# C0 and C1 controls, DEL, and the characters YAML and str.splitlines treat as line breaks:
+# a newline in a field would start a new line in the script or the YAML
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# --setup is a script: its newlines and tabs are its own
+_SETUP_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 @dataclass(frozen=True)
@@ -48,27 +61,74 @@ class RenderSpec:
         return head + self.command
 
     def shell_command(self) -> str:
-        return shlex_join_keep_vars(self.node_command())
+        """The node command for a shell: every argument single-quoted where it needs quoting,
+        so the shell on the node passes it on byte for byte (``$HOME``, ``$(...)``, backticks
+        and quotes stay as the user wrote them; nothing of the submitting host or the node is
+        substituted into the user's command)."""
+        return shlex.join(self.node_command())
 
 
-def shlex_join_keep_vars(argv: tuple[str, ...]) -> str:
-    """Join argv for a shell on the node, quoting what needs it but leaving ``$VAR`` and
-    ``${VAR}`` to expand there (double quotes), so per-node variables such as $SLURM_NODEID
-    take each node's value, not the submitting host's."""
-    out = []
-    for arg in argv:
-        if re.fullmatch(r"[A-Za-z0-9_@%+=:,./-]+", arg):
-            out.append(arg)
-        elif "$" in arg:
-            out.append('"' + re.sub(r'(["\\`])', r"\\\1", arg) + '"')
-        else:
-            out.append(shlex.quote(arg))
-    return " ".join(out)
+def _no_control(name: str, value: str | None, pattern: re.Pattern[str] = _CONTROL) -> None:
+    if value is not None and pattern.search(value):
+        raise bad_value(name, value, "contains a control character (a newline, tab or the like)",
+                        "give it on one line, without control characters")
+
+
+def _check_text(spec: RenderSpec) -> None:
+    """No control characters in anything that is written into the spec."""
+    for flag, value in (("--name", spec.name), ("--image", spec.image), ("--accelerator", spec.accelerator),
+                        ("--partition", spec.partition), ("--time", spec.time), ("--namespace", spec.namespace)):
+        _no_control(flag, value)
+    _no_control("--setup", spec.setup, _SETUP_CONTROL)
+    for arg in spec.command:
+        _no_control("command", arg)
+    for host in spec.hosts:
+        _no_control("--hosts", host)
+
+
+def _check_syntax(spec: RenderSpec) -> None:
+    """Each field in the syntax its target reads it in."""
+    if spec.target != "kubernetes" and not _JOB_NAME.fullmatch(spec.name):
+        raise bad_value("--name", spec.name, "is not a job name (letters, digits, '_', '.', '-'; no blanks)",
+                        "e.g. llama-finetune")
+    if spec.image is not None and not _IMAGE.fullmatch(spec.image):
+        raise bad_value("--image", spec.image, "is not a container image reference",
+                        "e.g. ghcr.io/you/train:latest")
+    m = _ACCELERATOR.fullmatch(spec.accelerator)
+    if not m:
+        raise bad_value("--accelerator", spec.accelerator, "is not an accelerator (NAME or NAME:COUNT, COUNT >= 1)",
+                        "e.g. H100 or H100:8")
+    if spec.target == "skypilot" and m.group(2) and int(m.group(2)) != spec.gpus_per_node:
+        raise bad_value("--accelerator", spec.accelerator,
+                        f"asks for {m.group(2)} GPUs per node but --gpus-per-node is {spec.gpus_per_node}",
+                        f"--accelerator {m.group(1)} --gpus-per-node {m.group(2)}")
+    if spec.partition is not None and not _PARTITION.fullmatch(spec.partition):
+        raise bad_value("--partition", spec.partition, "is not a Slurm partition name (or comma-separated list)",
+                        "e.g. gpu")
+    if spec.time is not None and not _SLURM_TIME.fullmatch(spec.time):
+        raise bad_value("--time", spec.time, "is not a Slurm time limit",
+                        "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 04:00:00 or 2-00:00:00")
+    if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
+        raise bad_value("--cpus-per-task", spec.cpus_per_task, "must be >= 1",
+                        "leave it out for the default of 8 per GPU")
+    if spec.namespace is not None and not _NAMESPACE.fullmatch(spec.namespace):
+        raise bad_value("--namespace", spec.namespace,
+                        "is not a Kubernetes namespace (DNS-1123 label: a-z, 0-9, '-')", "e.g. ml-team")
+    for host in spec.hosts:
+        if not host:
+            raise bad_value("--hosts", ",".join(spec.hosts), "has an empty host name",
+                            "separate host names by single commas, e.g. 10.0.0.1,10.0.0.2")
+        if not _HOST.fullmatch(host):
+            raise bad_value("--hosts", host, "is not a host name or IP address", "e.g. 10.0.0.1 or node-1")
+    if spec.target == "hostfile" and spec.gpus_per_node < 1:
+        raise bad_value("--gpus-per-node", spec.gpus_per_node, "a hostfile needs at least one slot per host",
+                        "e.g. --gpus-per-node 8")
 
 
 def validate(spec: RenderSpec) -> RenderSpec:
     if spec.target not in TARGETS:
         raise bad_value("target", spec.target, "unknown", f"one of {', '.join(TARGETS)}")
+    _check_text(spec)
     if spec.nodes < 1:
         raise bad_value("--nodes", spec.nodes, "must be >= 1")
     if spec.gpus_per_node < 0:
@@ -81,7 +141,7 @@ def validate(spec: RenderSpec) -> RenderSpec:
         raise bad_value("command", "", "nothing to run",
                         "put the command after --, e.g. meshrun render slurm -- meshrun train --steps 1000")
     if spec.target == "kubernetes":
-        if not _DNS_LABEL.match(spec.name):
+        if not _DNS_LABEL.fullmatch(spec.name):
             raise bad_value("--name", spec.name, "is not a Kubernetes name (DNS-1123 label: a-z, 0-9, '-')",
                             "e.g. llama-finetune")
         if not spec.image:
@@ -105,4 +165,5 @@ def validate(spec: RenderSpec) -> RenderSpec:
         raise bad_value("--max-restarts", spec.max_restarts, "must be 0 or more", "e.g. --max-restarts 2")
     if spec.target == "hostfile" and not spec.hosts:
         raise bad_value("--hosts", "", "a hostfile needs the node addresses", "e.g. --hosts 10.0.0.1,10.0.0.2")
+    _check_syntax(spec)
     return spec

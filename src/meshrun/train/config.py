@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -15,6 +16,7 @@ from ..data.sources import data_kind
 from ..defaults import COMPILE_CHOICES, compile_enabled, seq_len_for
 from ..errors import MeshrunError, bad_value
 from ..modelinfo.hf import is_hf_path, locate
+from ..paths import check_output_dir
 from ..vocab import AC_MODES, GPT_PRESETS, POLICIES, PP_SCHEDULES, PRECISIONS, STRATEGIES
 
 STRATEGY_CHOICES = (*POLICIES, *STRATEGIES)
@@ -234,12 +236,18 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         value = getattr(cfg, name)
         if value is not None and value < 0:
             raise bad_value(cfg.source(name), value, "must be >= 0")
-    if cfg.lr <= 0:
-        raise bad_value(cfg.source("lr"), cfg.lr, "must be positive")
-    if not 0 <= cfg.min_lr_ratio <= 1:
+    # NaN compares false with everything, so finiteness is checked first, explicitly
+    if not math.isfinite(cfg.lr) or cfg.lr <= 0:
+        raise bad_value(cfg.source("lr"), cfg.lr, "must be a finite number > 0", "e.g. 3e-4")
+    if not math.isfinite(cfg.min_lr_ratio) or not 0 <= cfg.min_lr_ratio <= 1:
         raise bad_value(cfg.source("min_lr_ratio"), cfg.min_lr_ratio, "must be between 0 and 1")
-    if cfg.grad_clip < 0:
-        raise bad_value(cfg.source("grad_clip"), cfg.grad_clip, "must be >= 0 (0 disables clipping)")
+    if not math.isfinite(cfg.weight_decay) or cfg.weight_decay < 0:
+        raise bad_value(cfg.source("weight_decay"), cfg.weight_decay, "must be a finite number >= 0",
+                        "e.g. 0.1, or 0 for none")
+    if not math.isfinite(cfg.grad_clip) or cfg.grad_clip < 0:
+        raise bad_value(cfg.source("grad_clip"), cfg.grad_clip, "must be a finite number >= 0 (0 disables clipping)")
+    if cfg.out is not None:
+        check_output_dir(cfg.out, cfg.source("out"))
     if cfg.compile_tune and cfg.compile == "off":
         raise bad_value(cfg.source("compile_tune"), True, "tunes compiled kernels, but --compile is off",
                         "drop one of them")
@@ -282,21 +290,44 @@ def load_file(path: str) -> dict[str, Any]:
             import yaml
 
             with open(path) as f:
-                raw = yaml.safe_load(f) or {}
+                raw = yaml.load(f, Loader=_unique_key_loader(yaml)) or {}
     except ImportError:
         raise bad_value("--config", path, "YAML needs PyYAML", "pip install pyyaml, or use a .toml file") from None
+    except MeshrunError:
+        raise
     except Exception as exc:  # a parse error of either format
         raise bad_value("--config", path, f"cannot parse ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
     if not isinstance(raw, dict):
         raise bad_value("--config", path, "must hold a mapping of option: value")
     known = {f.name for f in fields(TrainConfig)} - {"sources"}
-    out = {}
+    out, spelled = {}, {}
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name not in known:
             raise bad_value(f"--config {path}", key, "unknown key", "keys are the flag names of meshrun train")
-        out[name] = value
+        if name in out:  # the same option spelled with dashes and with underscores
+            raise bad_value(f"--config {path}", key, f"duplicate key: the same option as {spelled[name]!r}",
+                            "keep one of them")
+        out[name], spelled[name] = value, key
     return out
+
+
+def _unique_key_loader(yaml: Any) -> Any:
+    """PyYAML's safe loader, except that a key given twice in one mapping is refused: the
+    plain loader keeps the last value without a word, silently dropping a setting."""
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    line = key_node.start_mark.line + 1
+                    raise bad_value(f"--config {self.name}", key, f"duplicate key (line {line})", "keep one of them")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
 
 
 def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any],
@@ -337,7 +368,7 @@ def _coerce(name: str, value: Any, type_name: str, source: str) -> Any:
         if "float" in type_name:
             return float(value)
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int() of an infinite float
         kind = type_name.replace(" | None", "")
         hint = {"bool": "true or false (1/0, yes/no, on/off)", "int": "a whole number", "float": "a number"}.get(kind)
         raise bad_value(where, value, f"expected {kind}", hint) from None

@@ -48,6 +48,10 @@ def main() -> int:
 
     cfg = TrainConfig.from_json(os.environ["MESHRUN_TRAIN_CONFIG"])
     try:
+        if cfg.out:  # OUT stays locked while this process may write there (runlock.py)
+            from .runlock import share
+
+            share(cfg.out)
         rt = init_runtime()
         model = build_model(cfg)
         cfg = resolve_seq_len(cfg, context_of(model))  # (a user's model states its own context)

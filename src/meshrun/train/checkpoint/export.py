@@ -9,20 +9,19 @@ import shutil
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ...errors import MeshrunError
-from .load import SafeLoadPlanner, verify
+from .load import check, load_shards
 
 
 def read_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The snapshot's model weights, whole, on the CPU (one process, no process group), and its
-    state.json (verified first: marker, hashes, metadata)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    state.json (verified first: marker, hashes, metadata; each shard file hash-checked as it
+    is read)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    state = verify(path)
-    meta = FileSystemReader(path).read_metadata()  # safe: verify() vetted its classes
+    snapshot = check(path)
+    meta = snapshot.metadata()  # allow-listed, from the bytes check() hashed
     sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
           if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     if not sd:
@@ -31,8 +30,8 @@ def read_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(sd, checkpoint_id=path, planner=SafeLoadPlanner(), no_dist=True)
-    return {k[len("model."):]: t.contiguous() for k, t in sd.items()}, state
+        load_shards(snapshot, sd, no_dist=True)
+    return {k[len("model."):]: t.contiguous() for k, t in sd.items()}, snapshot.state
 
 
 def export_safetensors(path: str, target: str) -> int:

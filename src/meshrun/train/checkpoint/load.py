@@ -1,19 +1,29 @@
 """Reading a snapshot: the marker and every hash verified, DCP's metadata unpickled with an
 allow-list, non-tensor values with ``weights_only=True``: no code in a snapshot runs.
-Tensors are read by DCP with ``weights_only=True`` as well."""
+Tensors are read by DCP with ``weights_only=True`` as well.
+
+Every file that is parsed or unpickled (``.metadata``, ``state.json``, the RNG files, each
+``.distcp`` shard) is read once into memory, its SHA-256 compared with the marker's, and
+parsed from those same bytes: a file swapped on disk after its check is never what is read.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 import json
 import os
 import pickle
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ...errors import MeshrunError
@@ -67,56 +77,292 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def verify(path: str, part: int = 0, parts: int = 1) -> dict[str, Any]:
-    """Check the marker, the hashes of files ``part::parts`` (all by default) and the
-    metadata's classes; return state.json."""
+METADATA = ".metadata"  # DCP's metadata, a pickle
+STATE = "state.json"
+_READ_WHOLE = (METADATA, STATE)  # read whole by every rank, so hashed as they are read
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A committed snapshot as verified: its marker's digests and world size, state.json, and
+    DCP's metadata as the bytes that were hashed (None in a DeepSpeed snapshot)."""
+
+    path: str
+    digests: Mapping[str, str]
+    world_size: int
+    state: dict[str, Any]
+    metadata_bytes: bytes | None
+
+    def metadata(self) -> Any:
+        """DCP's Metadata, unpickled with the allow-list from the verified bytes (a new object
+        on each call: DCP writes into the one it is given)."""
+        if self.metadata_bytes is None:
+            raise MeshrunError(f"{self.path}: a DeepSpeed snapshot has no {METADATA} "
+                               "(hint: resume it with --strategy deepspeed)")
+        return unpickle_metadata(self.metadata_bytes, os.path.join(self.path, METADATA))
+
+
+def unpickle_metadata(data: bytes, source: str) -> Any:
+    """DCP's metadata from its bytes, accepting only the classes a real one contains."""
+    try:
+        return _AllowListUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as exc:
+        raise MeshrunError(f"{source}: refused ({exc})") from None
+
+
+def read_verified(path: str, name: str, digests: Mapping[str, str]) -> bytes:
+    """The bytes of the snapshot's file ``name``, read once and checked against the marker's
+    SHA-256: the caller parses these bytes, never the file again."""
+    full = os.path.join(path, name)
+    want = digests.get(name)
+    if want is None:
+        raise MeshrunError(f"{full}: not listed in the snapshot's {MARKER}; refusing to read it "
+                           "(hint: the snapshot was edited: resume from another one)")
+    try:
+        with open(full, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise MeshrunError(f"{full}: cannot be read ({exc.strerror}); refusing the snapshot") from None
+    if hashlib.sha256(data).hexdigest() != want:
+        raise MeshrunError(f"{full} does not match the checksum in its marker: truncated or altered; "
+                           "refusing to load it")
+    return data
+
+
+def required_files(world_size: int, metadata: Any, deepspeed: bool) -> set[str]:
+    """The files a committed snapshot must hold: state.json and every rank's RNG state; for DCP
+    also ``.metadata`` and each shard file its ``storage_data`` refers to (``metadata`` None:
+    those not known yet). A DeepSpeed snapshot's own files follow DeepSpeed's rules."""
+    names = {STATE, *(rng_file(r) for r in range(world_size))}
+    if deepspeed:
+        return names
+    names.add(METADATA)
+    if metadata is not None:
+        storage = getattr(metadata, "storage_data", None)
+        if not isinstance(storage, Mapping):
+            raise MeshrunError(f"{METADATA}: its storage_data is {type(storage).__name__}, not a mapping of "
+                               "shards; refusing the snapshot (hint: it was not written by DCP)")
+        names.update(str(getattr(info, "relative_path", "")) for info in storage.values())
+    return names
+
+
+def missing_files(names: Collection[str], world_size: int, metadata: Any, deepspeed: bool) -> list[str]:
+    """Which of ``required_files`` are not among ``names`` (sorted)."""
+    return sorted(required_files(world_size, metadata, deepspeed) - set(names))
+
+
+def _require(path: str, digests: Mapping[str, str], world_size: int, metadata: Any) -> None:
+    missing = missing_files(digests, world_size, metadata, _is_deepspeed(digests))
+    if missing:
+        raise MeshrunError(f"{path}: the snapshot lacks {missing}, which its layout requires (state.json, "
+                           f".metadata, each of its {world_size} ranks' RNG file and every shard file its "
+                           ".metadata names); refusing it (hint: it was not written whole: resume from another "
+                           "snapshot)")
+
+
+def _is_deepspeed(names: Collection[str]) -> bool:
+    return any(n.startswith(DS_DIR + "/") for n in names)
+
+
+def _read_marker(path: str) -> tuple[dict[str, str], int]:
+    """The marker's {file: SHA-256} and world size."""
     marker_path = os.path.join(path, MARKER)
     if not os.path.isfile(marker_path):
         raise MeshrunError(f"{marker_path} is missing: {path} is not a committed snapshot")
     try:
         with open(marker_path) as f:
             marker = json.load(f)
-        files = marker["files"]
+        files, world = marker["files"], marker["world_size"]
+        if not (isinstance(files, dict) and all(isinstance(v, str) for v in files.values())
+                and isinstance(world, int) and world >= 1):
+            raise TypeError
     except (ValueError, KeyError, TypeError):
         raise MeshrunError(f"{marker_path} is not a valid snapshot marker (truncated or edited)") from None
     if marker.get("format") != FORMAT:
         raise MeshrunError(f"{marker_path}: snapshot format {marker.get('format')!r}, this meshrun reads {FORMAT}")
-    on_disk = set(listing(path)) - {MARKER}
-    if on_disk != set(files):
-        extra, missing = sorted(on_disk - set(files)), sorted(set(files) - on_disk)
-        raise MeshrunError(f"{path}: files differ from its marker (missing {missing}, unexpected {extra})")
+    return files, world
+
+
+def _hash_share(path: str, digests: Mapping[str, str], part: int, parts: int) -> None:
+    """Hash files ``part::parts`` of those not read whole by every rank anyway: a damaged
+    file is found before any rank reads, whichever rank would read it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    mine = sorted(files.items())[part::parts]
+    mine = sorted((n, d) for n, d in digests.items() if n not in _READ_WHOLE)[part::parts]
     with ThreadPoolExecutor(max_workers=io_threads()) as pool:
         actual = list(pool.map(lambda item: sha256(os.path.join(path, item[0])), mine))
     for (name, digest), got in zip(mine, actual):
         if got != digest:
             raise MeshrunError(f"{os.path.join(path, name)} does not match the checksum in its marker: "
                                "truncated or altered; refusing to load it")
+
+
+def _parse_state(data: bytes, source: str) -> dict[str, Any]:
     try:
-        if os.path.exists(os.path.join(path, ".metadata")):  # (a DeepSpeed snapshot has its own format)
-            with open(os.path.join(path, ".metadata"), "rb") as f:
-                _AllowListUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as exc:
-        raise MeshrunError(f"{os.path.join(path, '.metadata')}: refused ({exc})") from None
-    with open(os.path.join(path, "state.json")) as f:
-        return json.load(f)
+        state = json.loads(data)
+        if not (isinstance(state, dict) and isinstance(state.get("position"), dict)
+                and isinstance(state.get("world_size"), int)):
+            raise TypeError
+        Position(**state["position"])  # (its fields, no others)
+    except (ValueError, TypeError):  # (UnicodeDecodeError is a ValueError)
+        raise MeshrunError(f"{source}: not a snapshot state (JSON with position and world_size), though its "
+                           "checksum matches the marker; refusing it (hint: resume from another snapshot)") from None
+    return state
 
 
-def _saved_keys(path: str) -> set[str]:
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        return set(_AllowListUnpickler(f).load().state_dict_metadata)
+def check(path: str, part: int = 0, parts: int = 1) -> Snapshot:
+    """Check the marker, that the files on disk are exactly those it lists, that the layout's
+    required files are all there, the hashes of files ``part::parts`` (all by default), and
+    the metadata's classes; ``.metadata`` and state.json are read once and kept as verified."""
+    digests, world = _read_marker(path)
+    on_disk = set(listing(path)) - {MARKER}
+    if on_disk != set(digests):
+        extra, missing = sorted(on_disk - set(digests)), sorted(set(digests) - on_disk)
+        raise MeshrunError(f"{path}: files differ from its marker (missing {missing}, unexpected {extra})")
+    _require(path, digests, world, None)
+    _hash_share(path, digests, part, parts)
+    metadata_bytes = None
+    if not _is_deepspeed(digests):
+        metadata_bytes = read_verified(path, METADATA, digests)
+        _require(path, digests, world, unpickle_metadata(metadata_bytes, os.path.join(path, METADATA)))
+    state = _parse_state(read_verified(path, STATE, digests), os.path.join(path, STATE))
+    if state["world_size"] != world:
+        raise MeshrunError(f"{os.path.join(path, STATE)}: world_size={state['world_size']}, its marker says {world}; "
+                           "refusing the snapshot (hint: it was edited: resume from another one)")
+    return Snapshot(path, digests, world, state, metadata_bytes)
 
 
-def _borrow_tied_state(path: str, optim_sd: dict[str, Any], ties: dict[str, str]) -> dict[str, str]:
+def verify(path: str, part: int = 0, parts: int = 1) -> dict[str, Any]:
+    """``check`` the snapshot; return its state.json."""
+    return check(path, part, parts).state
+
+
+class _VerifiedFiles(FileSystem):
+    """DCP's file system, for reading a verified snapshot: each file is read once into memory
+    and its SHA-256 compared with the marker's before DCP sees any of it, so what DCP
+    deserializes is what was checked (one shard file, a writer thread's part of a rank's
+    shards, is held in memory at a time). Records the files it served."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        super().__init__()
+        self.snapshot = snapshot
+        self.served: set[str] = set()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        root = self.snapshot.path
+        if mode != "rb":
+            raise MeshrunError(f"{path}: meshrun opens snapshot files read-only, not with mode {mode!r}")
+        name = os.path.relpath(os.fspath(path), root)
+        data = read_verified(root, name, self.snapshot.digests)
+        self.served.add(name)
+        yield io.BytesIO(data)
+
+
+class SnapshotReader(FileSystemReader):
+    """DCP's FileSystemReader over a snapshot ``check`` verified: the metadata is the allow-listed
+    one unpickled from the verified bytes, and each shard file's bytes are read once and
+    hash-checked before DCP deserializes them (tensors and values with ``weights_only=True``).
+    A shard file DCP fails to read is refused in one line naming it."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        super().__init__(snapshot.path)
+        self.snapshot = snapshot
+        self.fs = _VerifiedFiles(snapshot)  # DCP opens every shard file through self.fs
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("rank") is not None:  # (a per-rank .metadata is no part of meshrun's layout)
+            raise MeshrunError(f"{self.snapshot.path}: has no per-rank metadata to read")
+        metadata = self.snapshot.metadata()
+        if hasattr(self, "load_id"):  # what FileSystemReader itself records (torch 2.4 and later)
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's own reading, one shard file at a time: a failure names its file. A file that
+        DCP read without going through ``self.fs`` (a torch whose reader opens files itself)
+        was not hash-checked as read: the load is refused (no code ran: both tensors and
+        values are unpickled with ``weights_only=True``)."""
+        from torch.futures import Future
+
+        for name, items in self._by_file(plan).items():
+            full = os.path.join(self.snapshot.path, name)
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except MeshrunError:
+                raise
+            except Exception as exc:  # noqa: BLE001  (DCP's and torch.load's failures on a shard's contents)
+                raise MeshrunError(f"{full}: refused while reading it ({type(exc).__name__}: {_gist(exc)}); "
+                                   "no object in it was run (hint: resume from another snapshot)") from None
+            if name not in self.fs.served:
+                raise MeshrunError(f"{full}: this torch read it around meshrun's verified reader, so its checksum "
+                                   "was not checked as it was read; refusing the load (hint: use torch 2.6 to 2.14)")
+        done: Any = Future()
+        done.set_result(None)
+        return done
+
+    def _by_file(self, plan: Any) -> dict[str, list[Any]]:
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(str(self.storage_data[item.storage_index].relative_path), []).append(item)
+        return per_file
+
+
+def _gist(exc: BaseException) -> str:
+    """The telling line of a failure: torch.load's weights-only refusal names the global it
+    refused several lines in."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    telling = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
+    return (telling or lines or [""])[0]
+
+
+def dcp_failure(exc: BaseException, path: str) -> MeshrunError:
+    """One line for a failed ``dcp.load``: its CheckpointException carries every rank's
+    exception with a traceback; the first rank's MeshrunError, else its first failure's gist."""
+    failures = getattr(exc, "failures", None)
+    inner: list[BaseException] = []
+    if isinstance(failures, dict):
+        for rank in sorted(failures):
+            wrapped = failures[rank]
+            inner.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+    for one in inner:
+        if isinstance(one, MeshrunError):
+            return MeshrunError(str(one))
+    first = inner[0] if inner else exc
+    return MeshrunError(f"{path}: the snapshot could not be loaded ({type(first).__name__}: {_gist(first)}) "
+                        "(hint: resume it with the model and strategy that wrote it)")
+
+
+def load_shards(snapshot: Snapshot, state_dict: dict[str, Any], no_dist: bool = False) -> None:
+    """``dcp.load`` through the verified reader, its failures as one line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state_dict, storage_reader=SnapshotReader(snapshot), planner=SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointException as exc:
+        raise dcp_failure(exc, snapshot.path) from None
+
+
+def _saved_keys(snapshot: Snapshot) -> set[str]:
+    return set(snapshot.metadata().state_dict_metadata)
+
+
+def _borrow_tied_state(snapshot: Snapshot, optim_sd: dict[str, Any], ties: dict[str, str]) -> dict[str, str]:
     """A tied parameter held under another of its names here (a pipeline's last stage holds
     the head, tied to the first stage's embedding) reads its optimizer state from the name the
     snapshot keeps it under, where the snapshot has it under that name only (a layout that held
     the model whole). Returns {the name read: this rank's name}, to put back after loading."""
     if not ties or not optim_sd.get("state"):
         return {}
-    saved = _saved_keys(path)
+    saved = _saved_keys(snapshot)
     moved = {}
     for mine, theirs in ties.items():
         if mine in optim_sd["state"] and not any(k.startswith(f"optim.state.{mine}.") for k in saved):
@@ -132,15 +378,18 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``local_shards`` as for ``begin_save``; ``ties``: {this rank's name of a tied parameter:
     the name the whole model gives it first}."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    snapshot: Snapshot | None = None
+    error: str | None = None
     try:
-        state: Any = verify(path, rank, world)
+        snapshot = check(path, rank, world)
     except MeshrunError as exc:
-        state = f"error: {exc}"
+        error = str(exc)
     outcomes: list[Any] = [None] * world
-    dist.all_gather_object(outcomes, state)
-    for outcome in outcomes:
-        if isinstance(outcome, str):
-            raise MeshrunError(outcome[len("error: "):])
+    dist.all_gather_object(outcomes, error)
+    failed = [outcome for outcome in outcomes if outcome]
+    if failed or snapshot is None:  # (this rank's own failure is among them)
+        raise MeshrunError(failed[0])
+    state = snapshot.state
     saved_world = int(state["world_size"])
     if hasattr(model, "load_checkpoint"):  # a DeepSpeed engine
         if not os.path.isdir(os.path.join(path, DS_DIR)):
@@ -154,9 +403,9 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             raise MeshrunError(f"{path}: a DeepSpeed snapshot (hint: resume it with --strategy deepspeed)")
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        moved = _borrow_tied_state(path, optim_sd, ties or {})
+        moved = _borrow_tied_state(snapshot, optim_sd, ties or {})
         sd = shards_as_dtensors({"model": model_sd, "optim": optim_sd}, local_shards)
-        dcp.load(sd, checkpoint_id=path, planner=SafeLoadPlanner())  # into the wrapped local tensors, in place
+        load_shards(snapshot, sd)  # into the wrapped local tensors, in place
         sd = shards_as_local(sd)
         for theirs, mine in moved.items():
             sd["optim"]["state"][mine] = sd["optim"]["state"].pop(theirs)
@@ -172,8 +421,15 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     group[key] = value
                 else:
                     group.setdefault(key, value)
-    rng_path = os.path.join(path, f"rng-rank{rank}.json")
-    if saved_world == dist.get_world_size() and os.path.isfile(rng_path):
-        with open(rng_path) as f:
-            set_rng_state(json.load(f))
+    if saved_world == world:
+        set_rng_state(_rng_state(snapshot, rank))
     return Position(**state["position"]), saved_world
+
+
+def _rng_state(snapshot: Snapshot, rank: int) -> Any:
+    source = os.path.join(snapshot.path, rng_file(rank))
+    try:
+        return json.loads(read_verified(snapshot.path, rng_file(rank), snapshot.digests))
+    except ValueError:
+        raise MeshrunError(f"{source}: not JSON, though its checksum matches the marker; refusing it "
+                           "(hint: resume from another snapshot)") from None

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from ...errors import MeshrunError
 from .layout import (DS_DIR, FORMAT, MARKER, TMP_PREFIX, Position, fsync_dir, fsync_file, io_threads, listing, prune,
                      sha256, snapshot_name, write_json)
+from .load import METADATA, STATE, missing_files, unpickle_metadata
 from .parts import shards_as_dtensors
 from .rng import rng_state
 from .staging import Stager
@@ -44,11 +45,12 @@ class PendingSave:
     wait_s: float = 0.0  # of which waiting for the background write to finish
     started: float = 0.0  # perf_counter() when begin_save started, and when its background write ended
     written: float = 0.0
+    run_id: str | None = None  # the run the snapshot belongs to (train/outdir.py), in state.json
 
 
 def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                config_json: str, keep_last: int, async_group: Any = None, local_shards: Any = None,
-               model_meta: Any = None) -> PendingSave:
+               model_meta: Any = None, run_id: str | None = None) -> PendingSave:
     """Every rank writes its shards and RNG state into the temporary directory. With
     ``async_group`` (a gloo group), the tensors are staged to CPU memory now and written by
     a background thread while training goes on. ``local_shards(fqn)`` gives (mesh,
@@ -58,7 +60,7 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
     rank = dist.get_rank()
     tmp = os.path.join(root, TMP_PREFIX + f"{position.step:08d}")
     pending = PendingSave(root, tmp, os.path.join(root, snapshot_name(position.step)), position, config_json,
-                          keep_last, model_meta, started=time.perf_counter())
+                          keep_last, model_meta, started=time.perf_counter(), run_id=run_id)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt's leftovers
         os.makedirs(tmp)
@@ -162,6 +164,39 @@ def _hash_own_files(tmp: str, rank: int) -> None:
     write_json(os.path.join(tmp, f".hashes-rank{rank}.json"), hashes)
 
 
+def _refuse_incomplete(tmp: str) -> None:
+    """Collective: rank 0 checks that the marker about to be written lists every file the
+    layout requires (each rank's RNG file, .metadata and every shard file it names); if not,
+    every rank raises the same line, so nothing is committed and no rank waits for another."""
+    error: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            error[0] = _incomplete(tmp, dist.get_world_size())
+        except MeshrunError as exc:
+            error[0] = str(exc)
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise _write_failed(tmp, error[0])
+
+
+def _incomplete(tmp: str, world_size: int) -> str | None:
+    """What the marker would lack, as a phrase (None: nothing). It lists every rank's hashed
+    files, .metadata and state.json (which the commit writes itself)."""
+    listed = {STATE}
+    for name in os.listdir(tmp):
+        if name.startswith(".hashes-rank"):
+            with open(os.path.join(tmp, name)) as f:
+                listed.update(json.load(f))
+    deepspeed = os.path.isdir(os.path.join(tmp, DS_DIR))
+    metadata = None
+    if not deepspeed and os.path.isfile(os.path.join(tmp, METADATA)):
+        listed.add(METADATA)
+        with open(os.path.join(tmp, METADATA), "rb") as f:
+            metadata = unpickle_metadata(f.read(), os.path.join(tmp, METADATA))
+    missing = missing_files(listed, world_size, metadata, deepspeed)
+    return f"it lacks {missing}, which every snapshot needs" if missing else None
+
+
 def commit(p: PendingSave) -> str:
     """Collective: wait for this rank's writes, then rank 0 seals the snapshot (hashes,
     marker, atomic rename) once every rank is done."""
@@ -187,11 +222,13 @@ def _commit(p: PendingSave) -> str:
     if pause:  # a debugging aid: hold a save between its shards and its commit (crash tests)
         time.sleep(pause)
     dist.barrier()  # every rank's shards and RNG file are on disk
+    _refuse_incomplete(p.tmp)
     if dist.get_rank() == 0:
         write_json(os.path.join(p.tmp, "state.json"), {"format": FORMAT, "position": asdict(p.position),
                                                        "world_size": dist.get_world_size(),
                                                        "config": json.loads(p.config_json),
-                                                       **({"model": p.model_meta} if p.model_meta else {})})
+                                                       **({"model": p.model_meta} if p.model_meta else {}),
+                                                       **({"run_id": p.run_id} if p.run_id else {})})
         files = {}
         for name in sorted(os.listdir(p.tmp)):
             if name.startswith(".hashes-rank"):

@@ -1,0 +1,207 @@
+"""A job never outlives the meshrun that launched it.
+
+Every process of a job carries ``MESHRUN_JOB_TOKEN=<token>`` in its environment: meshrun sets it
+on the processes it starts, and torchrun, Accelerate and DeepSpeed pass their environment on to
+the workers. ``job_processes(token)`` finds them in /proc however they were reparented and in
+whatever session they run (torchrun starts each worker in a session of its own), together with
+the other members of their sessions (a program the worker ran with an environment of its own).
+
+Three things end them:
+
+- ``child_preexec()``: the launched processes get SIGKILL from the kernel when meshrun
+  dies (PR_SET_PDEATHSIG), by whatever signal, SIGKILL included;
+- a watchdog (``start_watchdog()``, this module run as a program), in a session of its own and
+  deaf to the signals a terminal or a scheduler sends a job: it waits for the end of a pipe that
+  only meshrun holds open, which ends when meshrun exits or dies, and then kills every process
+  of the job: the workers, which the kernel's signal never reaches;
+- ``stop_job()``, when meshrun ends a job itself: whatever outlived the launcher (workers of a
+  torchrun that died of a signal) is killed before meshrun returns or restarts the job.
+
+Without /proc and prctl (not Linux) there is no guard: no token scan, no watchdog, no
+parent-death signal.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+TOKEN_VAR = "MESHRUN_JOB_TOKEN"
+PR_SET_PDEATHSIG = 1
+# The watchdog ignores these: a scheduler may signal every process of a job step (Slurm's
+# process tracking does), and the watchdog must outlive meshrun to do its work.
+DEAF_TO = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+def supported() -> bool:
+    return sys.platform.startswith("linux") and os.path.isdir("/proc")
+
+
+def new_token() -> str:
+    return secrets.token_hex(8)
+
+
+def _stat(pid: str) -> tuple[str, int] | None:
+    """(state, session id) of a process, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # state, ppid, pgrp, session, ...
+        return fields[0], int(fields[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _has_token(pid: str, entry: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    except OSError:  # gone, or another user's
+        return False
+
+
+def job_processes(token: str) -> list[int]:
+    """The live processes of the job: those whose environment holds the token, and every
+    process in their sessions. Zombies are left out: they are dead already."""
+    entry = f"{TOKEN_VAR}={token}".encode()
+    live: dict[int, int] = {}  # pid -> session
+    marked: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        stat = _stat(name)
+        if stat is None or stat[0] in ("Z", "X"):
+            continue
+        live[int(name)] = stat[1]
+        if _has_token(name, entry):
+            marked.add(int(name))
+    sessions = {live[pid] for pid in marked}
+    return sorted(pid for pid, sid in live.items() if pid in marked or sid in sessions)
+
+
+def _wait_gone(token: str, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and job_processes(token):
+        time.sleep(0.05)
+
+
+def stop_job(token: str, settle_s: float = 0.0, deadline_s: float = 5.0) -> int:
+    """SIGKILL every process of the job, again until none is left (one may fork meanwhile) or
+    ``deadline_s`` passes; returns how many were killed. ``settle_s`` first lets processes on
+    their way out (helpers that exit once their parent has) go on their own."""
+    if not supported():
+        return 0
+    _wait_gone(token, settle_s)
+    killed: set[int] = set()
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        pids = job_processes(token)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)
+    return len(killed)
+
+
+def _prctl() -> Callable[..., int] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError, ImportError):
+        return None
+
+
+def child_preexec(ignore: tuple[int, ...] = ()) -> Callable[[], None] | None:
+    """A preexec_fn for subprocess.Popen: the child ignores the signals ``ignore`` (an ignored
+    signal stays ignored across exec, unlike a handler) and, on Linux, is killed when this
+    process dies (PR_SET_PDEATHSIG). The kernel sends that signal when the *thread* that forked
+    the child ends, so it is set only from the main thread, which lives as long as the process;
+    the child checks its parent after setting it: a parent that died before would never send
+    it. None when there is nothing to do."""
+    prctl = _prctl() if supported() and threading.current_thread() is threading.main_thread() else None
+    if prctl is None and not ignore:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        for sig in ignore:
+            signal.signal(sig, signal.SIG_IGN)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+class Watchdog:
+    """The watchdog of one job: ``close()`` when the job has ended."""
+
+    def __init__(self, proc: subprocess.Popen | None, write_fd: int | None) -> None:
+        self.proc, self.write_fd = proc, write_fd
+
+    def close(self) -> None:
+        if self.write_fd is not None:
+            os.close(self.write_fd)
+            self.write_fd = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+def _deaf() -> None:
+    """Ignore DEAF_TO from before the watchdog's exec: an ignored signal stays ignored across
+    it, so none can end the watchdog while Python starts."""
+    for sig in DEAF_TO:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def start_watchdog(token: str) -> Watchdog:
+    """Start the watchdog of the job ``token`` (nothing where unsupported). The pipe's write
+    end is not inheritable: only this process holds it, so its end means this process ended."""
+    if not supported():
+        return Watchdog(None, None)
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "meshrun.launch.guard", token], stdin=read_fd,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_deaf)
+    except OSError:
+        os.close(write_fd)
+        return Watchdog(None, None)
+    finally:
+        os.close(read_fd)
+    return Watchdog(proc, write_fd)
+
+
+def watch(token: str) -> None:
+    """The watchdog's body: wait until meshrun's end of stdin closes, then stop the job."""
+    _deaf()
+    while True:
+        try:
+            if not os.read(0, 4096):
+                break
+        except InterruptedError:
+            continue
+        except OSError:
+            break
+    stop_job(token)
+
+
+if __name__ == "__main__":
+    watch(sys.argv[1])

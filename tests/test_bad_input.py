@@ -1,0 +1,339 @@
+"""Every bad input is one line, ``meshrun: error: <option>=<value>: <problem> (hint: ...)``,
+with exit code 2: never a traceback, never accepted without a word.
+
+Each case is (argv, extra environment, a substring of the error). Most run ``meshrun.cli.main``
+in-process (they fail during validation, before any process starts); the cases that used to
+end in a traceback also run the real CLI in a subprocess. ``{fix}`` in an argument stands for
+a directory of fixtures outside the working directory, which must stay empty."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import clean_env, meshrun, script
+
+from meshrun.cli import main
+
+SCRIPT = script("sleeper.py")
+GPU80 = ("--gpu-mem", "80GiB")
+
+TOPOLOGY_BAD: list[tuple[list[str], dict[str, str], str]] = [
+    (["--nnodes", "x"], {}, "--nnodes='x'"),
+    (["--nnodes", "0"], {}, "--nnodes='0'"),
+    (["--nnodes", "3:1"], {}, "'3:1'"),
+    (["--nnodes", "1:x"], {}, "'x'"),
+    (["--node-rank=-1"], {}, "--node-rank='-1'"),
+    (["--node-rank", "r"], {}, "--node-rank='r'"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h"], {}, "=2"),
+    (["--nnodes", "2", "--node-rank", "1"], {}, "master address"),
+    (["--nproc", "0"], {}, "--nproc-per-node='0'"),
+    (["--nproc", "two"], {}, "'two'"),
+    (["--master-port", "0"], {}, "--master-port='0'"),
+    (["--master-port", "70000"], {}, "70000"),
+    (["--master-port", "p"], {}, "'p'"),
+    (["--platform", "bogus"], {}, "--platform='bogus'"),
+    (["--platform", "slurm"], {}, "--platform='slurm'"),
+    (["--nnodes", "2", "--hosts", "a,b,c"], {}, "a,b,c"),
+    ([], {"MESHRUN_NNODES": "x"}, "MESHRUN_NNODES='x'"),
+    ([], {"MESHRUN_MASTER_PORT": "99999"}, "99999"),
+    ([], {"NNODES": "2", "NODE_RANK": "1"}, "master address"),
+    ([], {"NNODES": "x"}, "NNODES='x'"),
+    ([], {"PET_NNODES": "2:x"}, "PET_NNODES='2:x'"),
+    ([], {"SLURM_JOB_ID": "1", "SLURM_NNODES": "two"}, "'two'"),
+]
+
+COMMAND_PREFIXES = {
+    "env": ["env"],
+    "launch": ["launch", "--dry-run"],
+    "train": ["train", "--dry-run"],
+    "bench": ["bench", "comm"],
+}
+
+
+def _topology_cases() -> list:
+    cases = []
+    for name, prefix in COMMAND_PREFIXES.items():
+        for argv, env, expected in TOPOLOGY_BAD:
+            tail = [SCRIPT] if name == "launch" else []
+            cases.append(pytest.param(prefix + argv + tail, env, expected, id=f"{name}:{' '.join(argv)}{env}"))
+    return cases
+
+
+CASES = [
+    # the command line itself
+    (["bogus"], {}, "'bogus'"),
+    (["env", "--bogus"], {}, "--bogus"),
+    (["train", "--steps", "x"], {}, "'x'"),
+    (["train", "--example", "bogus"], {}, "'bogus'"),
+    # train: numbers
+    (["train", "--dry-run", "--lr", "nan"], {}, "--lr=nan"),
+    (["train", "--dry-run", "--lr", "inf"], {}, "--lr=inf"),
+    (["train", "--dry-run", "--lr", "0"], {}, "--lr=0"),
+    (["train", "--dry-run", "--lr=-1e-3"], {}, "--lr=-0.001"),
+    (["train", "--dry-run"], {"MESHRUN_LR": "nan"}, "MESHRUN_LR"),
+    (["train", "--dry-run"], {"MESHRUN_LR": "abc"}, "'abc'"),
+    (["train", "--dry-run", "--weight-decay=-0.1"], {}, "--weight-decay=-0.1"),
+    (["train", "--dry-run", "--weight-decay", "nan"], {}, "--weight-decay=nan"),
+    (["train", "--dry-run", "--grad-clip", "nan"], {}, "--grad-clip=nan"),
+    (["train", "--dry-run", "--grad-clip=-1"], {}, "--grad-clip=-1"),
+    (["train", "--dry-run", "--min-lr-ratio", "2"], {}, "--min-lr-ratio=2"),
+    (["train", "--dry-run", "--min-lr-ratio", "nan"], {}, "--min-lr-ratio=nan"),
+    (["train", "--dry-run", "--steps", "0"], {}, "--steps=0"),
+    (["train", "--dry-run"], {"MESHRUN_STEPS": "x"}, "MESHRUN_STEPS='x'"),
+    (["train", "--dry-run"], {"MESHRUN_STEPS": "0"}, "MESHRUN_STEPS"),
+    (["train", "--dry-run", "--micro-batch", "0"], {}, "--micro-batch=0"),
+    (["train", "--dry-run", "--global-batch", "7"], {}, "--global-batch=7"),
+    (["train", "--dry-run", "--seq-len", "0"], {}, "--seq-len=0"),
+    (["train", "--dry-run", "--warmup=-1"], {}, "--warmup=-1"),
+    (["train", "--dry-run", "--save-every=-1"], {}, "--save-every=-1"),
+    (["train", "--dry-run", "--keep-last=-1"], {}, "--keep-last=-1"),
+    (["train", "--dry-run", "--log-every", "0"], {}, "--log-every=0"),
+    (["train", "--dry-run", "--eval-batches", "0"], {}, "--eval-batches=0"),
+    (["train", "--dry-run", "--tp", "0"], {}, "--tp=0"),
+    (["train", "--dry-run", "--experts=-1"], {}, "--experts=-1"),
+    (["train", "--dry-run", "--max-restarts=-1"], {}, "--max-restarts=-1"),
+    (["train", "--dry-run", "--max-restarts", "1"], {}, "--max-restarts"),
+    (["train", "--dry-run", "--nnodes", "1:2"], {}, "--nnodes"),
+    # train: choices
+    (["train", "--dry-run", "--strategy", "bogus"], {}, "--strategy='bogus'"),
+    (["train", "--dry-run", "--precision", "fp7"], {}, "--precision='fp7'"),
+    (["train", "--dry-run", "--model-size", "gpt-huge"], {}, "--model-size='gpt-huge'"),
+    (["train", "--dry-run", "--attention", "fast"], {}, "--attention='fast'"),
+    (["train", "--dry-run", "--kernels", "fast"], {}, "--kernels='fast'"),
+    (["train", "--dry-run", "--compile", "maybe"], {}, "--compile='maybe'"),
+    (["train", "--dry-run", "--activation-checkpointing", "half"], {}, "'half'"),
+    (["train", "--dry-run", "--pp-schedule", "zigzag"], {}, "'zigzag'"),
+    (["train", "--dry-run", "--reduce-precision", "fp8"], {}, "'fp8'"),
+    (["train", "--dry-run", "--data-dtype", "int8"], {}, "'int8'"),
+    (["train", "--dry-run", "--init", "random"], {}, "--init='random'"),
+    (["train", "--dry-run", "--data", "/nonexistent/corpus"], {}, "/nonexistent/corpus"),
+    (["train", "--dry-run", "--example", "toy", "--fused-loss"], {}, "--fused-loss"),
+    (["train", "--dry-run", "--sequence-parallel", "maybe"], {}, "'maybe'"),
+    (["train", "--dry-run"], {"MESHRUN_EXAMPLE": "bogus"}, "MESHRUN_EXAMPLE='bogus'"),
+    (["train"], {"MESHRUN_DRY_RUN": "maybe"}, "MESHRUN_DRY_RUN='maybe'"),
+    (["train", "--dry-run", "--model", "no_such_module_xyz:build"], {}, "no_such_module_xyz:build"),
+    # train: where it writes
+    (["train", "--dry-run", "--out", "{fix}/afile"], {}, "afile"),
+    (["train", "--dry-run", "--out", "{fix}/afile/sub"], {}, "afile/sub"),
+    (["train", "--dry-run"], {"MESHRUN_OUT": "{fix}/afile"}, "MESHRUN_OUT"),
+    # train: config files
+    (["train", "--dry-run", "--config", "{fix}/missing.yaml"], {}, "missing.yaml"),
+    (["train", "--dry-run", "--config", "{fix}/dup.yaml"], {}, "'steps'"),
+    (["train", "--dry-run", "--config", "{fix}/dup_spelling.yaml"], {}, "micro_batch"),
+    (["train", "--dry-run", "--config", "{fix}/dup.toml"], {}, "dup.toml"),
+    (["train", "--dry-run", "--config", "{fix}/unknown.yaml"], {}, "'stepz'"),
+    (["train", "--dry-run", "--config", "{fix}/inf.yaml"], {}, "inf"),
+    (["train", "--dry-run", "--config", "{fix}/nan.yaml"], {}, "nan"),
+    (["train", "--dry-run", "--config", "{fix}/list.yaml"], {}, "list.yaml"),
+    (["train", "--dry-run", "--config", "{fix}/broken.yaml"], {}, "broken.yaml"),
+    # launch
+    (["launch", "--dry-run", "/nonexistent/script.py"], {}, "/nonexistent/script.py"),
+    (["launch", "--dry-run", "--framework", "bogus", SCRIPT], {}, "'bogus'"),
+    (["launch", "--dry-run", "--rdzv", "etcd", SCRIPT], {}, "'etcd'"),
+    (["launch", "--dry-run", "--max-restarts", "x", SCRIPT], {}, "'x'"),
+    (["launch", "--dry-run", SCRIPT], {"MESHRUN_FRAMEWORK": "bogus"}, "'bogus'"),
+    (["launch", "--dry-run", SCRIPT], {"MESHRUN_RDZV": "etcd"}, "MESHRUN_RDZV='etcd'"),
+    (["launch", "--dry-run", SCRIPT], {"MESHRUN_MAX_RESTARTS": "x"}, "MESHRUN_MAX_RESTARTS='x'"),
+    (["launch", "--dry-run", "--mixed-precision", "fp4", SCRIPT], {}, "'fp4'"),
+    # plan
+    (["plan", *GPU80, "--margin", "x"], {}, "--margin='x'"),
+    (["plan", *GPU80, "--margin", "1"], {}, "--margin='1'"),
+    (["plan", *GPU80], {"MESHRUN_MARGIN": "-1"}, "'-1'"),
+    (["plan", "--gpu-mem", "lots"], {}, "'lots'"),
+    (["plan"], {}, "--gpu-mem"),
+    (["plan", *GPU80, "--cpu-mem", "lots"], {}, "'lots'"),
+    (["plan", *GPU80, "--nodes", "x"], {}, "'x'"),
+    (["plan", *GPU80, "--nodes", "0"], {}, "'0'"),
+    (["plan", *GPU80, "--gpus-per-node", "0"], {}, "'0'"),
+    (["plan", *GPU80, "--seq-len", "x"], {}, "'x'"),
+    (["plan", *GPU80, "--micro-batch", "0"], {}, "'0'"),
+    (["plan", *GPU80, "--global-batch=-4"], {}, "'-4'"),
+    (["plan", *GPU80, "--precision", "fp7"], {}, "'fp7'"),
+    (["plan", *GPU80, "--optimizer", "lion"], {}, "'lion'"),
+    (["plan", *GPU80, "--framework", "jax"], {}, "'jax'"),
+    (["plan", *GPU80, "--compile", "maybe"], {}, "'maybe'"),
+    (["plan", *GPU80, "--intra", "carrier-pigeon"], {}, "'carrier-pigeon'"),
+    (["plan", *GPU80, "--inter", "0"], {}, "--inter='0'"),
+    (["plan", *GPU80, "--model", "gpt-huge"], {}, "'gpt-huge'"),
+    (["plan", *GPU80, "--model", "os:system"], {}, "'os:system'"),
+    (["plan", *GPU80, "--model", "os:getcwd"], {}, "'os:getcwd'"),
+    (["plan", *GPU80, "--strategy", "bogus"], {}, "--strategy='bogus'"),
+    (["plan", *GPU80, "--write", "{fix}/afile"], {}, "afile"),
+    (["plan", *GPU80], {"MESHRUN_PRECISION": "fp7"}, "MESHRUN_PRECISION='fp7'"),
+    # data prepare
+    (["data", "prepare", "/nonexistent/corpus", "--tokenizer", "gpt2", "--out", "out"], {}, "/nonexistent/corpus"),
+    (["data", "prepare", "x", "--tokenizer", "gpt2", "--out", "out", "--workers", "x"], {}, "'x'"),
+    (["data", "prepare", "x", "--tokenizer", "gpt2", "--out", "out", "--val-fraction", "x"], {}, "'x'"),
+    (["data", "prepare", "x", "--tokenizer", "gpt2", "--out", "out", "--shard-tokens", "0"], {}, "--shard-tokens=0"),
+    (["data", "bogus"], {}, "'bogus'"),
+    # render
+    (["render", "bogus", "--", "meshrun", "train"], {}, "bogus"),
+    (["render", "slurm", "--nodes", "1", "-o", "{fix}/adir.safetensors", "--", "echo"], {}, "adir.safetensors"),
+    (["render", "slurm", "--nodes", "1", "-o", "{fix}/afile/job.sbatch", "--", "echo"], {}, "afile/job.sbatch"),
+    # doctor
+    (["doctor", "--nnodes", "x"], {}, "'x'"),
+    (["doctor", "--platform", "bogus"], {}, "'bogus'"),
+    (["doctor"], {"MESHRUN_JSON": "maybe"}, "MESHRUN_JSON='maybe'"),
+    # bench
+    (["bench", "bogus"], {}, "'bogus'"),
+    (["bench", "comm", "--min-time", "x"], {}, "--min-time='x'"),
+    (["bench", "comm", "--min-time", "0"], {}, "--min-time='0'"),
+    (["bench", "comm", "--ops", "all_to_nowhere"], {}, "all_to_nowhere"),
+    (["bench", "comm", "--sizes", "1GiB:1KiB"], {}, "1GiB:1KiB"),
+    (["bench", "comm", "--sizes", "big"], {}, "'big'"),
+    (["bench", "matmul", "--n", "0"], {}, "--n='0'"),
+    (["bench", "train", "--model", "gpt-huge"], {}, "'gpt-huge'"),
+    (["bench", "train", "--steps", "x"], {}, "--steps='x'"),
+    (["bench", "train", "--seq-len", "0"], {}, "--seq-len='0'"),
+    (["bench", "comm", "--nnodes", "1:2"], {}, "--nnodes"),
+    (["bench", "comm"], {"MESHRUN_MIN_TIME": "soon"}, "'soon'"),
+    # export
+    (["export", "/nonexistent/snapshot", "--to", "out"], {}, "/nonexistent/snapshot"),
+    (["export", "/nonexistent/snapshot", "--to", "out", "--format", "onnx"], {}, "'onnx'"),
+    (["export", "/nonexistent/snapshot"], {}, "--to"),
+    (["export", "snap", "--to", "{fix}/adir.safetensors"], {}, "adir.safetensors"),
+    (["export", "snap", "--to", "{fix}", "--format", "safetensors"], {}, "--to="),
+    (["export", "snap", "--to", "{fix}/afile/model.safetensors"], {}, "afile/model.safetensors"),
+    (["export", "snap", "--to", "{fix}/afile"], {}, "afile"),
+]
+
+# The ones that ended in a traceback: also run as the real CLI, in a subprocess.
+SUBPROCESS_CASES = [
+    (["train", "--out", "{fix}/afile"], {}, "afile"),
+    (["plan", *GPU80, "--model", "os:system"], {}, "'os:system'"),
+    (["plan", *GPU80, "--write", "{fix}/afile"], {}, "afile"),
+    (["export", "snap", "--to", "{fix}/adir.safetensors"], {}, "adir.safetensors"),
+    (["train", "--dry-run", "--config", "{fix}/inf.yaml"], {}, "inf"),
+    (["render", "slurm", "--nodes", "1", "-o", "{fix}/adir.safetensors", "--", "echo"], {}, "adir.safetensors"),
+]
+
+FIXTURES = {
+    "dup.yaml": "steps: 5\nlr: 0.1\nsteps: 6\n",
+    "dup_spelling.yaml": "micro-batch: 4\nmicro_batch: 8\n",
+    "dup.toml": "steps = 5\nsteps = 6\n",
+    "unknown.yaml": "stepz: 5\n",
+    "inf.yaml": "steps: .inf\n",
+    "nan.yaml": "lr: .nan\n",
+    "list.yaml": "- steps\n- 5\n",
+    "broken.yaml": "steps: [5\n",
+    "afile": "not a directory\n",
+}
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    fix, cwd = tmp_path / "fix", tmp_path / "cwd"
+    fix.mkdir()
+    cwd.mkdir()
+    (fix / "adir.safetensors").mkdir()
+    for name, text in FIXTURES.items():
+        (fix / name).write_text(text)
+    monkeypatch.chdir(cwd)
+    return str(fix), cwd
+
+
+def _fill(items, fix: str):
+    return [a.replace("{fix}", fix) for a in items]
+
+
+def _check(code: int, out: str, err: str, expected: str, cwd) -> None:
+    assert "Traceback" not in out + err, err
+    assert code == 2, (code, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("meshrun: error: "), lines[0]
+    assert expected in lines[0], lines[0]
+    assert os.listdir(cwd) == [], os.listdir(cwd)
+
+
+@pytest.mark.parametrize("argv,env,expected", _topology_cases() + [
+    pytest.param(argv, env, expected, id=" ".join(argv) + (str(env) if env else "")) for argv, env, expected in CASES])
+def test_bad_input_in_process(argv, env, expected, dirs, capsys):
+    fix, cwd = dirs
+    environ = clean_env(**{k: v.replace("{fix}", fix) for k, v in env.items()})
+    code = main(_fill(argv, fix), environ)
+    captured = capsys.readouterr()
+    _check(code, captured.out, captured.err, expected.replace("{fix}", fix), cwd)
+
+
+@pytest.mark.parametrize("argv,env,expected", SUBPROCESS_CASES, ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_bad_input_real_cli(argv, env, expected, dirs):
+    fix, cwd = dirs
+    out = meshrun(*_fill(argv, fix), env=clean_env(**env), cwd=str(cwd), timeout=120)
+    _check(out.returncode, out.stdout, out.stderr, expected, cwd)
+
+
+def test_closed_stdout_is_quiet(dirs):
+    """A reader that goes away (`meshrun env --json | head -2`): no traceback, exit code 1."""
+    _, cwd = dirs
+    proc = subprocess.Popen([sys.executable, "-m", "meshrun", "env", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=clean_env(), cwd=str(cwd))
+    proc.stdout.close()  # before the command writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1, err
+    assert err == ""
+
+
+def test_unknown_meshrun_variable_warns_once(dirs, capsys):
+    fix, cwd = dirs
+    code = main(["env", "--json"], clean_env(MESHRUN_NPROC="3", MESHRUN_TEST_STRICT="1", MESHRUN_CACHE=fix))
+    captured = capsys.readouterr()
+    assert code == 0
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("meshrun: warning: MESHRUN_NPROC ") and "MESHRUN_NPROC_PER_NODE" in lines[0]
+
+
+def test_unknown_meshrun_variable_keeps_the_exit_status(dirs, capsys):
+    code = main(["train", "--dry-run", "--steps", "0"], clean_env(MESHRUN_STEP="5"))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "meshrun: warning: MESHRUN_STEP " in err and "MESHRUN_STEPS?" in err
+    assert sum(line.startswith("meshrun: error: ") for line in err.splitlines()) == 1
+
+
+def test_doctor_names_a_missing_out_directory(dirs):
+    _, cwd = dirs
+    out = meshrun("doctor", "--json", "--out", "/nonexistent/runs", env=clean_env(), cwd=str(cwd), timeout=120)
+    assert "Traceback" not in out.stderr
+    assert "/nonexistent/runs does not exist" in out.stdout
+
+
+UNWRITABLE = [
+    (["train", "--dry-run", "--out", "{ro}/run"], "--out="),
+    (["render", "slurm", "--nodes", "1", "-o", "{ro}/job.sbatch", "--", "echo"], "-o="),
+    (["plan", *GPU80, "--write", "{ro}/configs"], "--write="),
+    (["export", "snap", "--to", "{ro}/model.safetensors"], "--to="),
+]
+
+
+@pytest.mark.parametrize("argv,expected", UNWRITABLE, ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_a_directory_nobody_may_write(argv, expected, request):
+    """The real CLI as an unprivileged user (root may write anywhere) into a read-only
+    directory: one line naming the path, exit 2, nothing created."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run the CLI as another user")
+    import tempfile
+    from pathlib import Path
+
+    top = Path(tempfile.mkdtemp(prefix="meshrun-ro-"))  # pytest's own tmp_path is root's alone
+    request.addfinalizer(lambda: shutil.rmtree(top, ignore_errors=True))
+    top.chmod(0o755)
+    ro = top / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    probe = subprocess.run([*as_nobody, sys.executable, "-c", "import meshrun"], capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip("this venv is not readable by an unprivileged user")
+    args = [a.replace("{ro}", str(ro)) for a in argv]
+    res = subprocess.run([*as_nobody, sys.executable, "-m", "meshrun", *args], capture_output=True, text=True,
+                         env=clean_env(), cwd=str(ro), timeout=120)
+    _check(res.returncode, res.stdout, res.stderr, expected, ro)
+    assert "not writable" in res.stderr, res.stderr
