@@ -1,11 +1,18 @@
 """What a node does around its launcher: refuse a taken port, prepare the network for a
-multi-node job (the master's name, its port, the interface that routes to it), and run the
-command with a rendezvous that cannot form turned into one line."""
+multi-node job (the master's name, the interface that routes to it), and run the command
+with a rendezvous that cannot form turned into one line.
+
+Every node starts its launcher at once: torchrun's rendezvous already waits for its peers
+(its store client retries for the rendezvous timeout). Whether node 0's port answers is
+checked beside it (MasterProbe); the launcher's stderr is held meanwhile, and only a port
+that stayed refused or unreachable for the whole bound ends the job, with the one line that
+says which. A name that does not resolve fails before anything starts."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 from typing import Any, Mapping
 
 from ..cluster.net import port_is_free
@@ -37,19 +44,20 @@ def check_ports(topo: Topology, cmd: Command, spec: LaunchSpec) -> None:
                             "choose another with --master-port, or stop what holds it")
 
 
-def prepare_network(topo: Topology, cmd: Command, env: Mapping[str, str], timeout_s: int | None) -> Command:
-    """Multi-node only, before anything starts: the master's name must resolve; a node other
-    than 0 waits (bounded) until the master's port answers; and the interface that routes to
-    the master becomes GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless the user set them."""
-    if topo.nnodes == 1 or not cmd.processes:
-        return cmd
+def rdzv_timeout_s(timeout_s: int | None) -> int:
     timeout = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S
     if timeout < 1:
         raise bad_value("--rdzv-timeout", timeout, "must be >= 1 second")
-    source = topo.source("master_addr")
-    addr = resolve_host(topo.master_addr, timeout, source)
-    if topo.node_rank != 0 or (topo.local_rank or 0) != 0:
-        wait_reachable(topo.master_addr, topo.master_port, timeout, source)
+    return timeout
+
+
+def prepare_network(topo: Topology, cmd: Command, env: Mapping[str, str], timeout_s: int | None) -> Command:
+    """Multi-node only, before anything starts: the master's name must resolve, and the
+    interface that routes to the master becomes GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME,
+    unless the user set them."""
+    if topo.nnodes == 1 or not cmd.processes:
+        return cmd
+    addr = resolve_host(topo.master_addr, rdzv_timeout_s(timeout_s), topo.source("master_addr"))
     extra = dict(cmd.env)
     ifname = route_interface(addr)
     if ifname:
@@ -75,15 +83,86 @@ def socket_interface(topo: Topology, env: Mapping[str, str]) -> tuple[str | None
     return ifname, f"routes to {topo.master_addr}" if ifname else "no route found"
 
 
+class MasterProbe:
+    """Connects to node 0's rendezvous port in a thread, for at most the rendezvous timeout,
+    while this node's launcher starts: ``reached`` once it answered, ``error`` (the one-line
+    diagnosis: refused or unreachable, for how long) once the bound passed without that."""
+
+    def __init__(self, host: str, port: int, timeout_s: int, source: str) -> None:
+        self.reached = False
+        self.error: MeshrunError | None = None
+        self.done = threading.Event()
+        self._args = (host, port, timeout_s, source)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            wait_reachable(*self._args)
+            self.reached = True
+        except MeshrunError as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait(self) -> None:
+        self.done.wait(self._args[2] + 30)  # its own bound, and the last connect's
+
+
+class HeldUntilReached:
+    """A stderr filter (the relay's ``watch``): the launcher's lines are held while the probe
+    runs, let out once node 0 answered, dropped when it never did (the probe's line says
+    it all). Wraps the RendezvousWatch of a torchrun job, when there is one."""
+
+    def __init__(self, probe: MasterProbe, inner: Any = None) -> None:
+        self.probe, self.inner = probe, inner
+        self.held: list[bytes] = []
+
+    def _gate(self, lines: list[bytes]) -> list[bytes]:
+        if self.probe.error is not None:
+            self.held = []
+            return []
+        self.held += lines
+        if not self.probe.reached:
+            return []
+        out, self.held = self.held, []
+        return out
+
+    def feed(self, line: bytes) -> list[bytes]:
+        return self._gate(self.inner.feed(line) if self.inner is not None else [line])
+
+    def stale(self) -> list[bytes]:
+        return self._gate(self.inner.stale() if self.inner is not None else [])
+
+    def close(self) -> list[bytes]:
+        self.probe.wait()  # the launcher ended first (its own timeout): whose line is it?
+        return self._gate(self.inner.close() if self.inner is not None else [])
+
+
+def master_probe(topo: Topology, cmd: Command, spec: LaunchSpec) -> MasterProbe | None:
+    """A probe on every process but node 0's first of a multi-node job."""
+    if topo.nnodes == 1 or not cmd.processes or (topo.node_rank == 0 and (topo.local_rank or 0) == 0):
+        return None
+    return MasterProbe(topo.master_addr, topo.master_port, rdzv_timeout_s(spec.rdzv_timeout),
+                       topo.source("master_addr"))
+
+
 def run_job(cmd: Command, env: Mapping[str, str], topo: Topology, spec: LaunchSpec, **kw: Any) -> int:
-    """Execute; on a multi-node torchrun job, turn a rendezvous timeout into one line."""
+    """Execute; on a multi-node job, a master that never answered, or (torchrun) a rendezvous
+    timeout, is one line."""
     from .rdzvwatch import RendezvousWatch
     from .run import execute
 
     uses_torchrun = bool(cmd.processes) and cmd.processes[0].argv[0] == "torchrun"
-    watch = RendezvousWatch() if topo.nnodes > 1 and uses_torchrun else None
-    code = execute(cmd, env, watch=watch, **kw)
-    if code and watch is not None and watch.timed_out:
-        print(f"meshrun: error: {watch.message(topo.master_addr, topo.master_port, topo.nnodes, spec.rdzv_timeout)}",
+    rdzv = RendezvousWatch() if topo.nnodes > 1 and uses_torchrun else None
+    probe = master_probe(topo, cmd, spec)
+    watch = HeldUntilReached(probe, rdzv) if probe is not None else rdzv
+    abort = (lambda: probe.error is not None) if probe is not None else None
+    code = execute(cmd, env, watch=watch, abort=abort, **kw)
+    if code and probe is not None:
+        probe.wait()
+        if probe.error is not None:
+            raise probe.error
+    if code and rdzv is not None and rdzv.timed_out:
+        print(f"meshrun: error: {rdzv.message(topo.master_addr, topo.master_port, topo.nnodes, spec.rdzv_timeout)}",
               file=sys.stderr, flush=True)
     return code
