@@ -6,7 +6,6 @@ run with a fake srun and scontrol."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -18,17 +17,12 @@ import time
 import pytest
 
 from helpers import clean_env, meshrun, require
+from test_checkpoint import losses
 
 JOB = ["--model-size", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4", "--steps", "16", "--save-every", "5",
        "--log-every", "1", "--deterministic", "--lr", "3e-3", "--eval-batches", "2", "--nproc", "2"]
 MESSAGE = re.compile(r"meshrun: preempted by (SIG\w+) at step (\d+); snapshot (\S+) written; "
                      r"the same command resumes it")
-
-
-def losses(out_dir):
-    """step -> loss, the last line logged for each step (after a resume, the resumed run's)."""
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
 def logged(out_dir):

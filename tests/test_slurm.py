@@ -19,6 +19,7 @@ import pytest
 
 import slurm_cluster
 from helpers import clean_env, lines, meshrun, require, script
+from test_checkpoint import losses
 
 pytestmark = pytest.mark.netns
 
@@ -26,12 +27,6 @@ JOB = ["--model-size", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4", "--s
        "--log-every", "1", "--deterministic", "--lr", "3e-3", "--eval-batches", "2"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.path.dirname(sys.executable)  # meshrun, torchrun of the test's venv, on the jobs' PATH
-
-
-def losses(out_dir: str | Path) -> dict[int, float]:
-    """step -> loss, the last line logged for each step (after a resume, the resumed run's)."""
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
 @pytest.fixture(scope="module")

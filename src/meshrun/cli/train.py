@@ -343,9 +343,10 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         raise MeshrunError("--overwrite: sets aside an earlier run's files in --out, and there is no --out "
                            "(hint: add --out DIR, or drop --overwrite)")
     # Node rank 0 owns OUT for the run's whole life, restarts included (on shared storage
-    # every node names the same OUT; the other nodes leave it to node 0).
+    # every node names the same OUT; the other nodes leave it to node 0). With one process per
+    # task (Slurm, mpirun), node 0's first process owns it.
     lock = None
-    if cfg.out and topo.node_rank == 0 and not ns.dry_run:
+    if cfg.out and topo.node_rank == 0 and (topo.local_rank or 0) == 0 and not ns.dry_run:
         from ..train.runlock import OutputLock
 
         lock = OutputLock(cfg.out, cfg.source("out"))

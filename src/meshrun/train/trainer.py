@@ -12,10 +12,8 @@ loop below calls the same few methods of the layout whatever the strategy.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -33,6 +31,7 @@ from .metrics import MetricsSink, flops_per_token, mfu, peak_flops
 from .optim import build_scheduler
 from .outdir import RUN_ID_ENV
 from .parallel.apply import parallelize
+from .resize import keep_global_batch, resized_line
 from .parallel.auto import Choice, decide
 from .parallel.dims import make_dims
 from .parallel.layouts import Batch
@@ -42,43 +41,6 @@ from .weights import Pretrained
 # A non-finite step is found at the next log line or snapshot, and at least this often: one
 # host sync per 50 steps costs nothing measurable, and a run with rare log lines stops soon.
 FINITE_CHECK_EVERY = 50
-
-
-@dataclass(frozen=True)
-class SavedBatch:
-    """How a snapshot's global batch was made: micro-batch x accumulation x data-parallel ranks."""
-
-    path: str
-    micro: int
-    accum: int
-    dp: int
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro * self.accum * self.dp
-
-
-def keep_global_batch(cfg: TrainConfig, path: str | None, dp: int) -> tuple[TrainConfig, SavedBatch | None]:
-    """A resume on another data-parallel size keeps the snapshot's global batch (the
-    optimizer's steps, the learning rate and the data position all assume it), unless the
-    user names a --global-batch. Returns the config with it, and how the snapshot made it
-    (None: nothing to keep). Reads state.json (world size, resolved micro-batch and global
-    batch, tp/pp/cp); loading verifies the snapshot afterwards."""
-    if path is None or cfg.global_batch is not None:
-        return cfg, None
-    try:
-        with open(os.path.join(path, "state.json")) as f:
-            state = json.load(f)
-        saved = state["config"]
-        saved_dp = int(state["world_size"]) // (saved.get("tp", 1) * saved.get("pp", 1) * saved.get("cp", 1))
-        micro = int(saved["micro_batch"])
-        batch = int(saved.get("global_batch") or micro * saved_dp)
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return cfg, None  # loading it reports what is wrong with it
-    if saved_dp == dp or saved_dp < 1 or micro < 1 or batch % (micro * saved_dp):
-        return cfg, None
-    kept = SavedBatch(path, micro, batch // (micro * saved_dp), saved_dp)
-    return cfg.replace(global_batch=batch, sources={**cfg.sources, "global_batch": f"snapshot {path}"}), kept
 
 
 class Trainer:
@@ -117,7 +79,9 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
             torch.use_deterministic_algorithms(True)
         if resized is not None:
-            self._check_resized(resized, dp)
+            line = resized_line(resized, cfg.micro, dp)
+            if rt.is_main:
+                print(f"meshrun train: {line}", flush=True)
         self.accum = cfg.accumulation(dp)
         self.layout = parallelize(model, cfg, rt, self.choice, self.accum, self.bf16, weights)
         self.scheduler = build_scheduler(self.layout.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
@@ -139,29 +103,6 @@ class Trainer:
                 + f": fewer than one global batch of {cfg.micro * self.accum * self.dp_size} (micro-batch {cfg.micro} "
                 f"x {self.accum} x {self.dp_size} data-parallel ranks) (hint: a smaller --global-batch or "
                 "--seq-len, or more data)")
-
-    def _check_resized(self, saved: SavedBatch, dp: int) -> None:
-        """The snapshot's global batch on this run's ``dp`` data-parallel ranks: kept by the
-        accumulation when it splits evenly (one line says so), else refused with sizes that fit."""
-        micro, batch = self.cfg.micro, saved.global_batch
-        if batch % (micro * dp) == 0:
-            if self.rt.is_main:
-                print(f"meshrun train: resuming on {dp} data-parallel rank(s) instead of {saved.dp}: micro-batch "
-                      f"{micro} x gradient accumulation {batch // (micro * dp)} (was {saved.micro} x {saved.accum}) "
-                      f"keeps the snapshot's global batch of {batch} samples", flush=True)
-            return
-        micros = [m for m in range(1, batch // dp + 1) if batch % (m * dp) == 0]
-        sizes = [d for d in range(1, batch // micro + 1) if batch % (micro * d) == 0]
-        fits = []
-        if micros:
-            fits.append(f"--micro-batch {max([m for m in micros if m <= micro] or micros)} on {dp} rank(s)")
-        if sizes:
-            fits.append(f"{', '.join(map(str, sizes))} data-parallel rank(s) (--nproc) with micro-batch {micro}")
-        fits.append("--global-batch N to train on another global batch")
-        raise MeshrunError(
-            f"resume from {saved.path}: its global batch of {batch} samples (micro-batch {saved.micro} x "
-            f"{saved.accum} x {saved.dp} data-parallel ranks) does not split over {dp} data-parallel rank(s) of "
-            f"micro-batch {micro} ({batch} is not a multiple of {micro * dp}) (hint: {'; or '.join(fits)})")
 
     @property
     def model(self) -> torch.nn.Module:
@@ -358,14 +299,20 @@ class Trainer:
         dist.barrier()
         position = Position()
         if path:
+            began = time.perf_counter()
             position, saved_world = checkpoint.load(path, self.model, self.optimizer, self.layout.local_shards(),
                                                       self.layout.ties())
+            # Each rank's read time, for the line below: each reads its own shards, so the
+            # slowest rank shows a slow disk or a rank that read more than its share.
+            took: list[float] = [0.0] * dist.get_world_size()
+            dist.all_gather_object(took, time.perf_counter() - began)
             self.step = position.step
             for _ in range(position.step):  # the schedule is a pure function of the step
                 self.scheduler.step()
             if rt.is_main:
                 print(f"meshrun train: resumed from {path} at step {position.step} (epoch {position.epoch}, "
-                      f"{position.samples} samples into it; saved on {saved_world} rank(s))", flush=True)
+                      f"{position.samples} samples into it; saved on {saved_world} rank(s); read in "
+                      f"{min(took):.2f}-{max(took):.2f} s a rank)", flush=True)
         if position.samples and not hasattr(self.train_loader.sampler, "set_start"):  # iterable data
             self.train_loader = make_loader(self.train_data, self.loader_spec, skip=position.samples // self.dp_size)
             position = Position(position.step, position.epoch, 0)

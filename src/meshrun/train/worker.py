@@ -48,11 +48,13 @@ def main() -> int:
 
     cfg = TrainConfig.from_json(os.environ["MESHRUN_TRAIN_CONFIG"])
     try:
+        rt = init_runtime()
         if cfg.out:  # OUT stays locked while this process may write there (runlock.py)
             from .runlock import share
 
+            # After the rendezvous: it needs rank 0, whose launcher holds OUT by now. (With one
+            # process per task, Slurm's or mpirun's, other ranks may start before it locks.)
             share(cfg.out)
-        rt = init_runtime()
         model = build_model(cfg)
         cfg = resolve_seq_len(cfg, context_of(model))  # (a user's model states its own context)
         train, val = build_data(cfg, vocab_size(model))
