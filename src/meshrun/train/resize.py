@@ -7,27 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 
 from ..errors import MeshrunError
+from ..plan.batch import Batch
 from .config import TrainConfig
 
 
-@dataclass(frozen=True)
-class SavedBatch:
-    """How a snapshot's global batch was made: micro-batch x accumulation x data-parallel ranks."""
-
-    path: str
-    micro: int
-    accum: int
-    dp: int
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro * self.accum * self.dp
-
-
-def keep_global_batch(cfg: TrainConfig, path: str | None, dp: int) -> tuple[TrainConfig, SavedBatch | None]:
+def keep_global_batch(cfg: TrainConfig, path: str | None, dp: int) -> tuple[TrainConfig, Batch | None]:
     """A resume on another data-parallel size keeps the snapshot's global batch (the
     optimizer's steps, the learning rate and the data position all assume it), unless the
     user names a --global-batch. Returns the config with it, and how the snapshot made it
@@ -46,12 +32,12 @@ def keep_global_batch(cfg: TrainConfig, path: str | None, dp: int) -> tuple[Trai
         return cfg, None  # loading it reports what is wrong with it
     if saved_dp == dp or saved_dp < 1 or micro < 1 or batch % (micro * saved_dp):
         return cfg, None
-    kept = SavedBatch(path, micro, batch // (micro * saved_dp), saved_dp)
+    kept = Batch(micro, batch // (micro * saved_dp), saved_dp)
     return cfg.replace(global_batch=batch, sources={**cfg.sources, "global_batch": f"snapshot {path}"}), kept
 
 
-def resized_line(saved: SavedBatch, micro: int, dp: int) -> str:
-    """The snapshot's global batch on ``dp`` data-parallel ranks of ``micro``: the line that
+def resized_line(saved: Batch, path: str, micro: int, dp: int) -> str:
+    """The global batch of the snapshot at ``path`` on ``dp`` data-parallel ranks of ``micro``: the line that
     says how accumulation keeps it when it splits evenly; else a one-line refusal naming
     sizes that fit."""
     batch = saved.global_batch
@@ -68,6 +54,6 @@ def resized_line(saved: SavedBatch, micro: int, dp: int) -> str:
         fits.append(f"{', '.join(map(str, sizes))} data-parallel rank(s) (--nproc) with micro-batch {micro}")
     fits.append("--global-batch N to train on another global batch")
     raise MeshrunError(
-        f"resume from {saved.path}: its global batch of {batch} samples (micro-batch {saved.micro} x "
+        f"resume from {path}: its global batch of {batch} samples (micro-batch {saved.micro} x "
         f"{saved.accum} x {saved.dp} data-parallel ranks) does not split over {dp} data-parallel rank(s) of "
         f"micro-batch {micro} ({batch} is not a multiple of {micro * dp}) (hint: {'; or '.join(fits)})")

@@ -31,10 +31,10 @@ from .metrics import MetricsSink, flops_per_token, mfu, peak_flops
 from .optim import build_scheduler
 from .outdir import RUN_ID_ENV
 from .parallel.apply import parallelize
-from .resize import keep_global_batch, resized_line
 from .parallel.auto import Choice, decide
 from .parallel.dims import make_dims
 from .parallel.layouts import Batch
+from .resize import keep_global_batch, resized_line
 from .runtime import Runtime, init_runtime
 from .weights import Pretrained
 
@@ -67,7 +67,8 @@ class Trainer:
         dp = make_dims(rt.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
                        source=f"--tp {cfg.tp} --pp {cfg.pp} --cp {cfg.cp} on {rt.world_size} processes").dp
         self.cfg = cfg  # (resume_path reads it)
-        cfg, resized = keep_global_batch(cfg, self.resume_path(), dp)
+        resume_from = self.resume_path()
+        cfg, resized = keep_global_batch(cfg, resume_from, dp)
         gpu_mem = torch.cuda.get_device_properties(rt.device).total_memory if rt.cuda else None
         self.choice: Choice = decide(model, cfg, rt.world_size, rt.local_world_size, dp, gpu_mem, self.bf16)
         sources = dict(cfg.sources)
@@ -78,8 +79,8 @@ class Trainer:
         if cfg.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
             torch.use_deterministic_algorithms(True)
-        if resized is not None:
-            line = resized_line(resized, cfg.micro, dp)
+        if resized is not None and resume_from is not None:
+            line = resized_line(resized, resume_from, cfg.micro, dp)
             if rt.is_main:
                 print(f"meshrun train: {line}", flush=True)
         self.accum = cfg.accumulation(dp)
