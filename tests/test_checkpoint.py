@@ -507,3 +507,25 @@ def test_resume_path_and_no_resume(snapshot, tmp_path):
     assert res.returncode == 0 and "resumed" not in res.stdout
     res = run_cli("train", "--example", "toy", "--steps", "6", "--resume", str(tmp_path / "nothing"))
     assert res.returncode == 2 and "not a committed snapshot" in res.stderr.splitlines()[-1]
+
+
+def test_each_rank_reads_its_own_shards_and_rank_0s_on_resume(tmp_path):
+    """FSDP2 on 4 ranks, saved and resumed on 4: the resume line's bytes per rank stay under
+    the whole snapshot (each rank hashes its share and reads its own shard file and rank 0's,
+    which holds what all ranks hold alike), not every file of it."""
+    require("torch")
+    import re
+
+    args = ["--model-size", "gpt-tiny", "--seq-len", "32", "--micro-batch", "1", "--strategy", "fsdp",
+            "--nproc", "4", "--save-every", "2", "--log-every", "1", "--data", "random", "--out", str(tmp_path)]
+    first = run_cli("train", *args, "--steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    snap = tmp_path / "checkpoints" / "step-00000002"
+    size_mb = sum(f.stat().st_size for f in snap.iterdir()) / 2**20
+    again = run_cli("train", *args, "--steps", "3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    found = re.search(r"read in [0-9.]+-[0-9.]+ s a rank \([0-9.]+-[0-9.]+ s of CPU, ([0-9.]+)-([0-9.]+) MB\)",
+                      again.stdout)
+    assert found, again.stdout[-2000:]
+    least, most = float(found.group(1)), float(found.group(2))
+    assert 0.2 * size_mb < least <= most < 0.85 * size_mb, (least, most, size_mb)

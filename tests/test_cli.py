@@ -2,6 +2,8 @@
 
 import json
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +21,27 @@ def test_help_teaches_with_examples():
     for words in ("examples:", "--num_processes=N*G (GLOBAL)", "--dry-run", "jax_initialize", "--nnodes 1:4"):
         assert words in launch.stdout
     assert "examples:" in meshrun("env", "--help").stdout
+
+
+def test_launch_imports_only_what_it_runs():
+    """`meshrun launch` starts on every node of a job at once: it imports its own command's
+    modules, not the planner's, the renderers', the trainer's or torch (each host would pay
+    for them before its launcher starts)."""
+    code = ("import sys\nfrom meshrun.cli import main\n"
+            f"code = main(['launch', '--dry-run', '--nproc', '2', {TRAIN!r}])\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('meshrun', 'torch', 'yaml')))\n"
+            "sys.exit(code)\n")
+    res = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    loaded = res.stdout.strip().splitlines()[-1]
+    assert "'meshrun.cli.launch'" in loaded and "'meshrun.launch.build'" in loaded
+    for module in ("torch", "yaml", "meshrun.plan", "meshrun.render", "meshrun.cli.train", "meshrun.cli.plan",
+                   "meshrun.cli.bench", "meshrun.cli.render", "meshrun.modelinfo"):
+        assert f"'{module}'" not in loaded, module
+    # the other commands still register, and a misspelt one is still named with a hint
+    assert "doctor" in meshrun("--help").stdout
+    typo = meshrun("lanch", "x.py")
+    assert typo.returncode == 2 and "lanch" in typo.stderr
 
 
 def test_env_json_has_the_documented_keys():

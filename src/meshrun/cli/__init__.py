@@ -24,6 +24,7 @@ over what the platform says.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -36,18 +37,25 @@ if sys.argv[1:2] == ["train"]:  # before the imports below: a preemption signal 
 
 from .. import __version__  # noqa: E402
 from ..errors import MeshrunError  # noqa: E402
-from . import bench, data, doctor, env, launch, plan, render, train  # noqa: E402
 from .options import Parser, fill_env_defaults, warn_unknown_env  # noqa: E402
 
-COMMANDS = (env, launch, train, data, plan, render, doctor, bench)  # each registers its parser(s)
+# Each command -> the module of this package that registers its parser. Only the module of the
+# command given is imported: `meshrun launch` starts on every node of a job, and importing every
+# command's module (the planner, the renderers, YAML) cost 0.06 s of CPU before the launcher
+# started (2-core box, Python 3.11: docs/decisions.md#the-launchers-supervision).
+COMMANDS = {"env": "env", "launch": "launch", "train": "train", "export": "train", "data": "data",
+            "plan": "plan", "render": "render", "doctor": "doctor", "bench": "bench"}
 
 
-def make_parser() -> Parser:
+def make_parser(command: str | None = None) -> Parser:
+    """The parser of ``command`` alone when it names one (others are then unknown to it), else
+    of every command (for ``meshrun --help`` and a misspelt command's error)."""
     parser = Parser(prog="meshrun", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"meshrun {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for command in COMMANDS:
-        command.register(sub)
+    modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
+    for name in modules:
+        importlib.import_module(f"{__name__}.{name}").register(sub)
     return parser
 
 
@@ -57,10 +65,10 @@ def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Ar
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    parser = make_parser()
     environ = dict(os.environ if env is None else env)
     try:
         args = list(sys.argv[1:] if argv is None else argv)
+        parser = make_parser(args[0] if args else None)
         tail = None
         if args and args[0] == "render" and "--" in args:  # argparse mangles `--` inside subcommands
             cut = args.index("--")

@@ -8,11 +8,11 @@ A node that starts before node 0 simply keeps trying until the deadline.
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import fcntl
 import socket
 import struct
+import threading
 import time
 
 from ..errors import MeshrunError
@@ -20,28 +20,53 @@ from ..errors import MeshrunError
 DEFAULT_TIMEOUT_S = 600  # torchrun's own default for its static and c10d rendezvous
 
 
+def _lookup(host: str, bound_s: float) -> str:
+    """One getaddrinfo, waited for at most ``bound_s``. It runs in a daemon thread: a broken
+    resolver can block for long, and a thread stuck in it must not keep the process alive.
+    Raises TimeoutError, or socket.gaierror with the resolver's answer."""
+    found: list[str | socket.gaierror] = []
+
+    def look() -> None:
+        try:
+            found.append(str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]))
+        except socket.gaierror as exc:
+            found.append(exc)
+
+    thread = threading.Thread(target=look, daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    if not found:
+        raise TimeoutError
+    if isinstance(found[0], socket.gaierror):
+        raise found[0]
+    return found[0]
+
+
 def resolve(host: str, timeout_s: float, source: str) -> str:
     """The host's IPv4 address, retrying until ``timeout_s`` (a Kubernetes pod's DNS record
-    appears a little after the pod). getaddrinfo itself can block for long on a broken
-    resolver, so each try runs in a thread with its own bound."""
+    appears a little after the pod); an address is its own answer. Each try has its own
+    bound (getaddrinfo can block for long on a broken resolver)."""
+    try:
+        socket.inet_pton(socket.AF_INET, host)
+        return host
+    except (OSError, ValueError):
+        pass
     deadline = time.monotonic() + timeout_s
     last = ""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        while True:
-            left = deadline - time.monotonic()
-            future = pool.submit(socket.getaddrinfo, host, None, socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                return str(future.result(timeout=max(0.1, min(10.0, left)))[0][4][0])
-            except concurrent.futures.TimeoutError:
-                last = "the resolver did not answer"
-            except socket.gaierror as exc:
-                last = exc.strerror or str(exc)
-            if time.monotonic() >= deadline:
-                raise MeshrunError(
-                    f"{source}={host!r}: the name does not resolve ({last}; tried for {timeout_s:.0f} s) "
-                    "(hint: check the spelling and that node 0's DNS record exists; on Kubernetes, the "
-                    "headless Service)")
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return _lookup(host, max(0.1, min(10.0, left)))
+        except TimeoutError:
+            last = "the resolver did not answer"
+        except socket.gaierror as exc:
+            last = exc.strerror or str(exc)
+        if time.monotonic() >= deadline:
+            raise MeshrunError(
+                f"{source}={host!r}: the name does not resolve ({last}; tried for {timeout_s:.0f} s) "
+                "(hint: check the spelling and that node 0's DNS record exists; on Kubernetes, the "
+                "headless Service)")
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def wait_reachable(host: str, port: int, timeout_s: float, source: str) -> None:

@@ -24,7 +24,6 @@ parent-death signal.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -43,17 +42,23 @@ def supported() -> bool:
 
 
 def new_token() -> str:
-    return secrets.token_hex(8)
+    return os.urandom(8).hex()
 
 
-def _stat(pid: str) -> tuple[str, int] | None:
-    """(state, session id) of a process, or None when it is gone."""
+def _stat(pid: str) -> tuple[str, int, int] | None:
+    """(state, session id, start time in clock ticks after boot) of a process, or None when it
+    is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()  # state, ppid, pgrp, session, ...
-        return fields[0], int(fields[3])
+        return fields[0], int(fields[3]), int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+# This process's start: a process that started before it cannot carry a token it made, so its
+# environment is not read (a scan then reads the job's few processes, not the host's many).
+_STARTED = (_stat("self") or ("", 0, 0))[2] if os.path.isdir("/proc") else 0
 
 
 def _has_token(pid: str, entry: bytes) -> bool:
@@ -74,7 +79,7 @@ def job_processes(token: str) -> list[int]:
         if not name.isdigit() or int(name) == os.getpid():
             continue
         stat = _stat(name)
-        if stat is None or stat[0] in ("Z", "X"):
+        if stat is None or stat[0] in ("Z", "X") or stat[2] < _STARTED:
             continue
         live[int(name)] = stat[1]
         if _has_token(name, entry):
@@ -83,25 +88,21 @@ def job_processes(token: str) -> list[int]:
     return sorted(pid for pid, sid in live.items() if pid in marked or sid in sessions)
 
 
-def _wait_gone(token: str, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end and job_processes(token):
-        time.sleep(0.05)
-
-
 def stop_job(token: str, settle_s: float = 0.0, deadline_s: float = 5.0) -> int:
     """SIGKILL every process of the job, again until none is left (one may fork meanwhile) or
     ``deadline_s`` passes; returns how many were killed. ``settle_s`` first lets processes on
-    their way out (helpers that exit once their parent has) go on their own."""
+    their way out (helpers that exit once their parent has) go on their own. A job already
+    gone costs one scan of /proc."""
     if not supported():
         return 0
-    _wait_gone(token, settle_s)
+    pids = job_processes(token)
+    end = time.monotonic() + settle_s
+    while pids and time.monotonic() < end:
+        time.sleep(0.05)
+        pids = job_processes(token)
     killed: set[int] = set()
     end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        pids = job_processes(token)
-        if not pids:
-            break
+    while pids and time.monotonic() < end:
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -109,6 +110,7 @@ def stop_job(token: str, settle_s: float = 0.0, deadline_s: float = 5.0) -> int:
             except (ProcessLookupError, PermissionError):
                 pass
         time.sleep(0.05)
+        pids = job_processes(token)
     return len(killed)
 
 
@@ -151,8 +153,12 @@ class Watchdog:
     def __init__(self, pid: int | None, write_fd: int | None) -> None:
         self.pid, self.write_fd = pid, write_fd
 
-    def close(self) -> None:
+    def close(self, job_stopped: bool = False) -> None:
+        """``job_stopped``: meshrun has already stopped every process of the job (stop_job),
+        so the watchdog exits without scanning /proc again."""
         if self.write_fd is not None:
+            if job_stopped:
+                os.write(self.write_fd, b"stopped")
             os.close(self.write_fd)
             self.write_fd = None
         if self.pid is not None:
@@ -203,15 +209,18 @@ def start_watchdog(token: str) -> Watchdog:
 
 
 def watch(read_fd: int, token: str) -> None:
-    """The watchdog's body: wait until meshrun's end of the pipe closes, then stop the job."""
+    """The watchdog's body: wait until meshrun's end of the pipe closes, then stop the job,
+    unless meshrun wrote first that it had stopped the job itself."""
+    stopped = False
     while True:
         try:
-            if not os.read(read_fd, 4096):
-                break
+            data = os.read(read_fd, 4096)
         except InterruptedError:
             continue
         except OSError:
             break
-    stop_job(token)
-
-
+        if not data:
+            break
+        stopped = True
+    if not stopped:
+        stop_job(token)

@@ -68,6 +68,43 @@ def mfu(tokens_per_s_per_gpu: float, flops_per_token: float | None, peak: float 
     return tokens_per_s_per_gpu * flops_per_token / peak
 
 
+class ReadCost:
+    """What one piece of work cost this process: wall seconds, CPU seconds (all its threads)
+    and bytes read (/proc/self/io's rchar: every read(2) and its kin, files and sockets alike;
+    None without /proc). Started at construction; ``took()`` gives the three."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu, self.read = time.perf_counter(), time.process_time(), _rchar()
+
+    def took(self) -> tuple[float, float, int | None]:
+        after = _rchar()
+        read = after - self.read if after is not None and self.read is not None else None
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu, read
+
+
+def _rchar() -> int | None:
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("rchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def read_cost_line(costs: list[tuple[float, float, int | None]]) -> str:
+    """The ranks' costs as one phrase: the fastest and slowest rank's wall seconds, then their
+    CPU seconds and megabytes read (on a host whose cores the ranks share, wall time grows
+    with the rank count while each rank's CPU time and bytes are its own work)."""
+    walls, cpus = [c[0] for c in costs], [c[1] for c in costs]
+    reads = [c[2] for c in costs if c[2] is not None]
+    line = f"{min(walls):.2f}-{max(walls):.2f} s a rank ({min(cpus):.2f}-{max(cpus):.2f} s of CPU"
+    if len(reads) == len(costs):
+        line += f", {min(reads) / 2**20:.1f}-{max(reads) / 2**20:.1f} MB"
+    return line + ")"
+
+
 class MetricsSink:
     """Rank 0's outputs. Every record goes to stdout as one line and to metrics.jsonl."""
 

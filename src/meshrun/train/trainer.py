@@ -27,7 +27,7 @@ from . import checkpoint, preempt
 from .checkpoint import Position
 from .config import TrainConfig, resolve_seq_len, validate
 from .data import BatchStream, LoaderSpec, make_loader
-from .metrics import MetricsSink, flops_per_token, mfu, peak_flops
+from .metrics import MetricsSink, ReadCost, flops_per_token, mfu, peak_flops, read_cost_line
 from .optim import build_scheduler
 from .outdir import RUN_ID_ENV
 from .parallel.apply import parallelize
@@ -300,20 +300,21 @@ class Trainer:
         dist.barrier()
         position = Position()
         if path:
-            began = time.perf_counter()
+            cost = ReadCost()
             position, saved_world = checkpoint.load(path, self.model, self.optimizer, self.layout.local_shards(),
                                                       self.layout.ties())
-            # Each rank's read time, for the line below: each reads its own shards, so the
-            # slowest rank shows a slow disk or a rank that read more than its share.
-            took: list[float] = [0.0] * dist.get_world_size()
-            dist.all_gather_object(took, time.perf_counter() - began)
+            # Each rank's cost, for the line below: each reads its own shards (and hashes a
+            # share of the files), so a rank far above the others shows a slow disk or a rank
+            # that read more than its share.
+            costs: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(costs, cost.took())
             self.step = position.step
             for _ in range(position.step):  # the schedule is a pure function of the step
                 self.scheduler.step()
             if rt.is_main:
                 print(f"meshrun train: resumed from {path} at step {position.step} (epoch {position.epoch}, "
                       f"{position.samples} samples into it; saved on {saved_world} rank(s); read in "
-                      f"{min(took):.2f}-{max(took):.2f} s a rank)", flush=True)
+                      f"{read_cost_line(costs)})", flush=True)
         if position.samples and not hasattr(self.train_loader.sampler, "set_start"):  # iterable data
             self.train_loader = make_loader(self.train_data, self.loader_spec, skip=position.samples // self.dp_size)
             position = Position(position.step, position.epoch, 0)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ...errors import MeshrunError
@@ -76,11 +77,12 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
     state = shards_as_dtensors({"model": model_sd, "optim": optim_sd}, local_shards)
     pending.timings["state_dict_s"] = time.perf_counter() - t0
     writer = dcp.FileSystemWriter(tmp, thread_count=io_threads())
+    planner = _planner(state)
     if async_group is None:
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
-            dcp.save(state, storage_writer=writer)  # DCP raises the same failure on every rank
+            dcp.save(state, storage_writer=writer, planner=planner)  # DCP raises the same failure on every rank
         except CheckpointException as exc:
             raise _write_failed(tmp, f"the write failed ({_describe(exc)})") from None
         _hash_own_files(tmp, rank)
@@ -94,7 +96,7 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
             delay = float(os.environ.get("MESHRUN_WRITE_DELAY_S") or 0)
             if delay:  # a debugging aid: a slow disk (tests of the slow-writer advice)
                 time.sleep(delay)
-            dcp.save(staged, storage_writer=writer, process_group=async_group)
+            dcp.save(staged, storage_writer=writer, planner=planner, process_group=async_group)
             _hash_own_files(tmp, rank)
             pending.written = time.perf_counter()
         # BaseException: DCP's CheckpointException is not an Exception. Reported to every rank
@@ -105,6 +107,20 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
     pending.hasher = threading.Thread(target=finish, name="meshrun-snapshot", daemon=True)
     pending.hasher.start()
     return pending
+
+
+def _planner(state: dict[str, Any]) -> DefaultSavePlanner:
+    """DCP's planner. What every rank holds alike is written once, and DCP's default spreads
+    those items over the ranks' files to balance the writes. With sharded weights (DTensors:
+    FSDP, tensor or expert parallelism) what is alike is small (step counts, hyperparameters,
+    buffers), but spread it made every rank read every file on resume, since a rank reads each
+    file it needs whole to check its hash (gpt-tiny, FSDP, 4 ranks, torch 2.13: 51-64 MB a rank
+    of a 51 MB snapshot); written by rank 0 it costs each rank 26-38 MB. Replicated weights
+    (DDP) stay spread: every rank reads all of them anyway, and the writes stay balanced."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(v, DTensor) for v in state["model"].values())
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=sharded)
 
 
 def _write_failed(tmp: str, what: str) -> MeshrunError:
