@@ -6,15 +6,23 @@ one from a random initialisation (nothing is downloaded: the shapes are written 
 
 Shapes: llama3-8b (Llama-3-8B: 4096 wide, 32 layers, 32 heads of which 8 key/value heads,
 SwiGLU 14336, vocabulary 128256, rotary theta 5e5, untied), llama3.2-1b (2048, 16 layers, 32/8
-heads, 8192, tied), qwen2.5-0.5b (896, 24 layers, 14/2 heads, 4864, tied, q/k/v biases).
-``--layers`` keeps the shape with fewer layers (memory tests of a large model on a small host);
-``--weights`` also writes random bf16 weights as save_pretrained lays them out (5-GB safetensors
-shards and their index), drawn on a GPU where there is one: a pretrained model to load.
+heads, 8192, tied), qwen2.5-0.5b (896, 24 layers, 14/2 heads, 4864, tied, q/k/v biases),
+qwen2.5-1.5b (1536, 28 layers, 12/2 heads, 8960, vocabulary 151936, theta 1e6, tied, q/k/v
+biases, 32K context), mistral-7b (Mistral-7B v0.3: 4096, 32 layers, 32/8 heads, 14336,
+vocabulary 32768, theta 1e6, untied, no sliding window, 32K context), gemma-2-2b (2304, 26
+layers, 8/4 heads of 256, GeGLU 9216, vocabulary 256000, tied, sliding window 4096 in every
+other layer, attention and final logits soft-capped at 50 and 30, 8K context).
+``--seq`` sets max_position_embeddings (default: the shape's published context where it states
+one here, else 8192); ``--layers`` keeps the shape with fewer layers (memory tests of a large
+model on a small host); ``--weights`` also writes random bf16 weights as save_pretrained lays
+them out (5-GB safetensors shards and their index), drawn on a GPU where there is one: a
+pretrained model to load.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 SHAPES = {
     "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -24,7 +32,20 @@ SHAPES = {
     "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                                    num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
                                    tie_word_embeddings=True)),
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                                   num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+                                   tie_word_embeddings=True, max_position_embeddings=32768)),
+    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=8, vocab_size=32768, rope_theta=1000000.0,
+                                   tie_word_embeddings=False, sliding_window=None, max_position_embeddings=32768)),
+    "gemma-2-2b": ("gemma2", dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                                  num_key_value_heads=4, head_dim=256, vocab_size=256000, tie_word_embeddings=True,
+                                  query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                                  final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                                  rope_theta=10000.0, max_position_embeddings=8192)),
 }
+# max_position_embeddings of a shape that states no context of its own here
+DEFAULT_SEQ = 8192
 
 
 def main() -> None:
@@ -32,20 +53,29 @@ def main() -> None:
     ap.add_argument("shape", choices=list(SHAPES))
     ap.add_argument("out", help="the directory to write config.json into")
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--seq", type=int, default=8192, help="max_position_embeddings (default 8192)")
+    ap.add_argument("--seq", type=int, default=None,
+                    help=f"max_position_embeddings (default: the shape's published context, else {DEFAULT_SEQ})")
     ap.add_argument("--weights", action="store_true", help="also write random bf16 weights, sharded")
     a = ap.parse_args()
-    import transformers
-
-    family, values = SHAPES[a.shape]
-    values = {**values, "max_position_embeddings": a.seq}
-    if a.layers:
-        values["num_hidden_layers"] = a.layers
-    config = transformers.AutoConfig.for_model(family, **values)
-    config.save_pretrained(a.out)
-    print(f"wrote {a.out}/config.json ({a.shape}, {values['num_hidden_layers']} layers)")
+    config = write_config(a.shape, a.out, layers=a.layers, seq=a.seq)
     if a.weights:
         write_weights(config, a.out)
+
+
+def write_config(shape: str, out: str, layers: int | None = None, seq: int | None = None) -> Any:
+    """Write ``shape``'s config.json into ``out`` (``layers``, ``seq``: as --layers, --seq) and
+    return the config."""
+    import transformers
+
+    family, values = SHAPES[shape]
+    values = {**values, "max_position_embeddings": seq or values.get("max_position_embeddings", DEFAULT_SEQ)}
+    if layers:
+        values["num_hidden_layers"] = layers
+    config = transformers.AutoConfig.for_model(family, **values)
+    config.save_pretrained(out)
+    print(f"wrote {out}/config.json ({shape}, {values['num_hidden_layers']} layers, "
+          f"{values['max_position_embeddings']} positions)")
+    return config
 
 
 def write_weights(config, out: str, shard_bytes: int = 5 * 10**9) -> None:

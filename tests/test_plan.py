@@ -940,3 +940,60 @@ def test_plan_and_train_resolve_the_same_defaults(model):
     r = d["recommended"]
     assert (r["strategy"], r["global_batch"], r["micro_batch"]) == (choice.strategy, choice.global_batch,
                                                                      choice.micro_batch)
+
+
+def _hf_llama_on_meta():
+    require("transformers")
+    import transformers
+
+    from meshrun.modelinfo.hf import build_on_meta
+
+    config = transformers.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                      max_position_embeddings=4096, tie_word_embeddings=True)
+    return build_on_meta(config)
+
+
+def test_the_policy_never_compiles_a_model_liger_patches():
+    """Per family: meshrun's GPT compiles with its own kernels; a Hugging Face model Liger
+    patches runs eager with Liger (compile adds nothing on top, and the two fail together
+    under DDP); --compile on takes torch.compile's kernels instead of Liger's; a model Liger
+    does not know compiles as before."""
+    require("torch")
+    import torch
+
+    from meshrun.train.config import TrainConfig, validate
+    from meshrun.train.models.gpt import gpt
+    from meshrun.train.parallel.auto import decide
+
+    llama = _hf_llama_on_meta()
+    cfg = validate(TrainConfig(seq_len=4096))
+    auto = decide(llama, cfg, 2, 2, 2, 141 * GiB, True, liger=True)
+    assert (auto.compile, auto.liger) == (False, True)
+    assert any(r.startswith("eager with Liger Kernel's fused kernels") for r in auto.reasons)
+    by_hand = decide(llama, validate(TrainConfig(seq_len=4096, compile="on")), 2, 2, 2, 141 * GiB, True, liger=True)
+    assert (by_hand.compile, by_hand.liger) == (True, False)
+    assert any("torch.compile's own kernels, not Liger Kernel's" in r for r in by_hand.reasons)
+    off = decide(llama, validate(TrainConfig(seq_len=4096, compile="off")), 2, 2, 2, 141 * GiB, True, liger=True)
+    assert (off.compile, off.liger) == (False, True)
+    plain = decide(llama, cfg, 2, 2, 2, 141 * GiB, True, liger=False)
+    assert (plain.compile, plain.liger) == (True, False)  # a model Liger does not patch: compiled
+    with torch.device("meta"):
+        model = gpt("gpt-124m", 1024)
+    own = decide(model, validate(TrainConfig(model_size="gpt-124m")), 2, 2, 2, 141 * GiB, True, liger=False)
+    assert (own.compile, own.liger) == (True, False)
+    on_cpu = decide(llama, cfg, 2, 2, 2, None, False, liger=False)
+    assert (on_cpu.compile, on_cpu.liger) == (False, False)
+
+
+def test_a_model_that_fits_nowhere_is_refused_before_it_runs_out_of_memory():
+    require("torch")
+    from meshrun.train.config import TrainConfig, validate
+    from meshrun.train.parallel.auto import decide
+
+    llama = _hf_llama_on_meta()
+    with pytest.raises(MeshrunError, match=r"does not fit 1 GPU\(s\) of 8 GiB: the planner's least, .* needs "):
+        decide(llama, validate(TrainConfig(seq_len=4096)), 1, 1, 1, 8 * GiB, True, liger=True)
+    # what the user set by hand is tried as asked
+    tried = decide(llama, validate(TrainConfig(seq_len=4096, micro_batch=1)), 1, 1, 1, 8 * GiB, True, liger=True)
+    assert tried.micro_batch == 1

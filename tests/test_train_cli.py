@@ -170,13 +170,16 @@ def test_trainer_importable_from_meshrun():
     assert meshrun.Trainer.__name__ == "Trainer" and meshrun.TrainConfig().strategy == "auto"
 
 
-def test_out_of_memory_at_step_one_suggests_another_strategy():
+def test_out_of_memory_even_at_micro_batch_1_suggests_another_strategy():
     out = meshrun("train", "--example", "toy", "--model", "userpkg.factories:oom_model", "--steps", "3",
                   env=clean_env(PYTHONPATH=HERE))
     assert out.returncode == 2
+    halvings = [line for line in out.stdout.splitlines() if "out of GPU memory at micro-batch" in line]
+    assert len(halvings) == 5  # 32, 16, 8, 4, 2: each halved, then micro-batch 1 does not fit either
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("meshrun: error: out of memory at the first step with strategy ddp, micro-batch 32")
-    assert "--strategy fsdp" in last
+    assert last.startswith("meshrun: error: out of GPU memory in a first micro-step with strategy ddp, micro-batch 1")
+    assert "--activation-checkpointing full, or an FSDP2 --strategy" in last
+    assert "Traceback" not in out.stderr
 
 
 # Writes an error file and a preemption file at guessable per-pid paths in the shared temp

@@ -14,6 +14,13 @@ class MeshrunError(Exception):
     exit_code = 2
 
 
+class JobFailed(MeshrunError):
+    """A job that ran and failed (a rank raised, or died of a signal): not the user's input, so
+    exit code 1; the message is still one line (the rank, the cause, its log, a hint)."""
+
+    exit_code = 1
+
+
 def bad_value(name: str, value: object, problem: str, hint: str = "") -> MeshrunError:
     """Build the standard message: which setting, its value, what is wrong, what to do.
 

@@ -88,3 +88,64 @@ class _Tokens(torch.utils.data.Dataset):
 
 def slow_tokens():
     return _Tokens(4096, 32, 1), _Tokens(64, 32, 2)
+
+
+class _FailsOnRank(torch.nn.Module):
+    """A regression model whose forward, on rank USERPKG_FAIL_RANK (default 1), raises
+    (USERPKG_FAIL=raise) or kills its own process with SIGKILL (USERPKG_FAIL=kill)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(20, 1)
+
+    def forward(self, x):
+        if os.environ.get("RANK") == os.environ.get("USERPKG_FAIL_RANK", "1"):
+            if os.environ.get("USERPKG_FAIL", "raise") == "kill":
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError("shapes (8, 20) and (21, 1) do not match\nsecond line of the message")
+        return self.linear(x)
+
+
+def fails_on_rank():
+    return _FailsOnRank()
+
+
+class _OutOfMemoryAbove(torch.nn.Module):
+    """A regression MLP that raises CUDA's out-of-memory exception for a micro-batch larger
+    than USERPKG_MAX_MICRO (default 4): what a GPU does when a micro-batch does not fit."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+    def forward(self, x):
+        if x.shape[0] > int(os.environ.get("USERPKG_MAX_MICRO", "4")):
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} GiB")
+        return self.net(x)
+
+
+def oom_above():
+    return _OutOfMemoryAbove()
+
+
+class _WarnsEveryStep(torch.nn.Module):
+    """A regression MLP whose forward warns on every call, on every rank (as Liger's Triton
+    kernels did under torch.compile)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(20, 1)
+
+    def forward(self, x):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")  # as a library that warns each time does
+            warnings.warn("kernel fell back to the slow path\nwith a second line", UserWarning)
+        return self.linear(x)
+
+
+def warns_every_step():
+    return _WarnsEveryStep()

@@ -11,7 +11,7 @@ from typing import Mapping
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.topology import Topology
 from ..defaults import GLOBAL_BATCH_TOKENS
-from ..errors import MeshrunError, bad_value
+from ..errors import PREEMPTED, MeshrunError, bad_value
 from ..launch.build import build
 from ..launch.command import Command, LaunchSpec
 from ..launch.dryrun import dry_run_text
@@ -19,6 +19,7 @@ from ..launch.node import check_ports
 from ..launch.restart import attempt_topology, run_with_restarts
 from ..paths import check_output_dir, check_output_file
 from ..train.config import EXAMPLES, STRATEGY_CHOICES, TrainConfig, build_config, load_file
+from ..train.ranklog import LOG_DIR_ENV
 from ..vocab import AC_MODES, GPT_PRESETS, PRECISIONS, STRATEGIES
 from .options import add_option, add_rdzv_timeout_option, add_topology_options, require_packages, topology_from_args
 
@@ -368,10 +369,19 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         # (mkdtemp: a fresh name, mode 0700), so no file another user planted, or an earlier run
         # left behind, can stand in for them; it is removed when the run ends, however it ends.
         run_dir = tempfile.mkdtemp(prefix="meshrun-train-")
+        failed = True
         try:
-            return _launch(ns, env, cfg, topo, run_dir, run_id)
+            code = _launch(ns, env, cfg, topo, run_dir, run_id)
+            failed = code not in (0, PREEMPTED)
+            return code
         finally:
-            shutil.rmtree(run_dir, ignore_errors=True)
+            # without --out the ranks' logs live here: kept when the job failed (its line names them)
+            keep = failed and not cfg.out and os.path.isdir(os.path.join(run_dir, "logs"))
+            for name in os.listdir(run_dir) if keep else ():
+                if name != "logs":
+                    os.unlink(os.path.join(run_dir, name))
+            if not keep:
+                shutil.rmtree(run_dir, ignore_errors=True)
     finally:
         if lock is not None:
             lock.release()
@@ -383,7 +393,14 @@ def _launch(ns: argparse.Namespace, env: Mapping[str, str], cfg: TrainConfig, to
     ``run_dir``; ``run_id``: the run the snapshots belong to (node rank 0 knows it)."""
     error_file = os.path.join(run_dir, "error")
     preempt_file = os.path.join(run_dir, "preempted")
-    extra = {"MESHRUN_ERROR_FILE": error_file, "MESHRUN_PREEMPT_FILE": preempt_file}
+    crash_file = os.path.join(run_dir, "crash")
+    # Each rank's whole output goes to LOGS/rank-N.log (train/ranklog.py): OUT/logs, or without
+    # --out a directory of this run's own, kept only when the job fails (its line names it)
+    log_dir = os.path.join(cfg.out, "logs") if cfg.out else os.path.join(run_dir, "logs")
+    extra = {"MESHRUN_ERROR_FILE": error_file, "MESHRUN_PREEMPT_FILE": preempt_file,
+             "MESHRUN_CRASH_FILE": crash_file, LOG_DIR_ENV: log_dir}
+    if "OMP_NUM_THREADS" not in env and topo.nproc_per_node > 1:
+        extra["OMP_NUM_THREADS"] = "1"  # what torchrun sets then, without its four-line banner
     if run_id:
         from ..train.outdir import RUN_ID_ENV
 
@@ -405,4 +422,5 @@ def _launch(ns: argparse.Namespace, env: Mapping[str, str], cfg: TrainConfig, to
     check_ports(topo, cmd, spec)
     from ..train.preempt import SIGNALS  # (signal numbers only: no torch import here)
 
-    return run_with_restarts(command, env, ns.max_restarts, ns.rdzv_timeout, error_file, preempt_file, SIGNALS)
+    return run_with_restarts(command, env, ns.max_restarts, ns.rdzv_timeout, error_file, preempt_file, SIGNALS,
+                             crash_file=crash_file, log_dir=log_dir)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..cluster.net import port_is_free
 from ..cluster.reach import DEFAULT_TIMEOUT_S, route_interface, wait_reachable
@@ -146,18 +146,27 @@ def master_probe(topo: Topology, cmd: Command, spec: LaunchSpec) -> MasterProbe 
                        topo.source("master_addr"))
 
 
-def run_job(cmd: Command, env: Mapping[str, str], topo: Topology, spec: LaunchSpec, **kw: Any) -> int:
+def run_job(cmd: Command, env: Mapping[str, str], topo: Topology, spec: LaunchSpec, report: Any = None,
+            stop_when: Callable[[], bool] | None = None, **kw: Any) -> int:
     """Execute; on a multi-node job, a master that never answered, or (torchrun) a rendezvous
-    timeout, is one line."""
+    timeout, is one line. ``report``: a failure.TorchrunReport the relayed stderr passes
+    through; ``stop_when``: once it holds, the job is stopped (a rank has said why it failed:
+    the others would only wait on it in a collective)."""
     from .rdzvwatch import RendezvousWatch
     from .run import execute
 
     uses_torchrun = bool(cmd.processes) and cmd.processes[0].argv[0] == "torchrun"
     rdzv = RendezvousWatch() if topo.nnodes > 1 and uses_torchrun else None
+    inner: Any = rdzv
+    if report is not None:  # torchrun's failure report held back, around the rendezvous filter
+        report.inner, inner = rdzv, report
     probe = master_probe(topo, cmd, spec)
-    watch = HeldUntilReached(probe, rdzv) if probe is not None else rdzv
-    abort = (lambda: probe.error is not None) if probe is not None else None
-    code = execute(cmd, env, watch=watch, abort=abort, **kw)
+    watch = HeldUntilReached(probe, inner) if probe is not None else inner
+
+    def abort() -> bool:
+        return (probe is not None and probe.error is not None) or (stop_when is not None and stop_when())
+
+    code = execute(cmd, env, watch=watch, abort=abort if probe is not None or stop_when is not None else None, **kw)
     if code and probe is not None:
         probe.wait()
         if probe.error is not None:

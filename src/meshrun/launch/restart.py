@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Mapping
+from typing import BinaryIO, Callable, Mapping
 
 from ..cluster.net import free_port
 from ..cluster.topology import Topology
-from ..errors import PREEMPTED, MeshrunError
+from ..errors import PREEMPTED, JobFailed, MeshrunError
 from .command import Command, LaunchSpec
+from .failure import ECHO_SUFFIX, TorchrunReport, parse_root_cause, signal_line
 from .node import prepare_network, run_job
 
 RETRY_PORT_STRIDE = 1  # attempt k rendezvous on master_port + k: every node computes the same port
@@ -33,7 +34,8 @@ def attempt_topology(topo: Topology, attempt: int) -> Topology:
 
 def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topology]], env: Mapping[str, str],
                       max_restarts: int, rdzv_timeout: int | None, error_file: str,
-                      preempt_file: str | None = None, preempt_signals: tuple[int, ...] = ()) -> int:
+                      preempt_file: str | None = None, preempt_signals: tuple[int, ...] = (),
+                      crash_file: str | None = None, log_dir: str | None = None) -> int:
     """Run attempt 0, 1, ... of ``command(attempt)`` until one succeeds or ``max_restarts``
     restarts are spent; returns the last exit code. A rank that explains a bad input in
     ``error_file`` (the first line is the message) ends the job with that message: a restart
@@ -41,9 +43,17 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
     ``preempt_signals`` (sent to the workers themselves) after its snapshot: its line is
     printed and the job ends with PREEMPTED, not restarted here; the same command resumes it
     later. Once either file is written, torchrun's failure report is noise, and the
-    children's stderr stops being relayed."""
+    children's stderr stops being relayed.
+
+    A failed attempt ends in one line (launch/failure.py): the first line a rank wrote to
+    ``crash_file`` (it raised), else the rank and signal or exit code read from torchrun's
+    failure report, which is held back from the terminal and kept, with the rest of what
+    torchrun said, in ``log_dir``/torchrun-node-N.log. The job is stopped as soon as a rank has
+    written its line: the others would only wait on it in a collective. Once restarts are
+    spent the line ends the job as a JobFailed (exit code 1)."""
     code = 0
-    said = [path for path in (error_file, preempt_file) if path]
+    said = [path for path in (error_file, preempt_file, crash_file) if path]
+    echo_file = crash_file + ECHO_SUFFIX if crash_file else None
 
     def mute() -> bool:
         return any(os.path.exists(path) for path in said)
@@ -55,7 +65,14 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
                       "resuming from the newest snapshot", file=sys.stderr, flush=True)
             cmd, spec, topo = command(attempt)
             cmd = prepare_network(topo, cmd, env, rdzv_timeout)
-            code = run_job(cmd, env, topo, spec, mute_stderr=mute, to_workers=preempt_signals)
+            log = _launcher_log(log_dir, topo.node_rank)
+            report = TorchrunReport(log=log)
+            try:
+                code = run_job(cmd, env, topo, spec, report=report, mute_stderr=mute, to_workers=preempt_signals,
+                               stop_when=(lambda: os.path.exists(crash_file)) if crash_file else None)
+            finally:
+                if log is not None:
+                    log.close()
             if preempt_file and os.path.exists(preempt_file):
                 with open(preempt_file) as f:
                     print(f"meshrun: {f.readline().strip()}", file=sys.stderr, flush=True)
@@ -67,8 +84,53 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
                     first = f.readline().strip()
                 if first:  # bad input or a non-finite loss
                     raise MeshrunError(first)
+            line = _failure_line(crash_file, echo_file, report, log_dir)
+            if line is None:  # torchrun's report says what no line of ours can: shown as it is
+                for held in report.release():
+                    sys.stderr.buffer.write(held)
+                sys.stderr.flush()
+            elif attempt < max_restarts:
+                print(f"meshrun: {line}", file=sys.stderr, flush=True)
+            else:
+                raise JobFailed(line)
+            for path in (crash_file, echo_file):  # the next attempt's first failure is its own
+                if path and os.path.exists(path):
+                    os.unlink(path)
         return code
     finally:
-        for path in said:
+        for path in [*said, echo_file]:
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def _launcher_log(log_dir: str | None, node_rank: int) -> BinaryIO | None:
+    if not log_dir:
+        return None
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        return open(os.path.join(log_dir, f"torchrun-node-{node_rank}.log"), "ab")
+    except OSError:  # the run goes on; its ranks' logs say the rest
+        return None
+
+
+def _first_line(path: str | None) -> str | None:
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, errors="replace") as f:
+        return f.readline().strip() or None
+
+
+def _failure_line(crash_file: str | None, echo_file: str | None, report: TorchrunReport,
+                  log_dir: str | None) -> str | None:
+    """The one line of a failed attempt: a rank's own account of its exception, else
+    torchrun's root cause (the rank and the signal or exit code it died of), else the line of
+    a rank that saw another go; None when nothing says anything."""
+    first = _first_line(crash_file)
+    if first:
+        return first
+    cause = parse_root_cause(report.text())
+    if cause is not None:
+        rank, exitcode = cause
+        path = os.path.join(log_dir, f"rank-{rank}.log") if log_dir and rank is not None else log_dir
+        return signal_line(rank, exitcode, path)
+    return _first_line(echo_file)

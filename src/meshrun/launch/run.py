@@ -254,13 +254,14 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
             forward(sig, None)
         return _supervise(procs, stopping_since, grace_s, workers, abort)
     finally:
-        _end_job(procs, token, watchdog, relays)
+        # a job stopped on ``abort`` leaves workers behind by design: no line for them
+        _end_job(procs, token, watchdog, relays, quiet=abort is not None and abort())
         for s, h in previous.items():
             signal.signal(s, h)
 
 
 def _end_job(procs: list[subprocess.Popen], token: str, watchdog: guard.Watchdog,
-             relays: list[threading.Thread]) -> None:
+             relays: list[threading.Thread], quiet: bool = False) -> None:
     """Kill what is left of the job: the launched processes still running, then any process of
     the job that outlived them (it would hold the stderr pipe open, keep training, and write
     snapshots next to a restarted job's); then let the watchdog go and the relays drain."""
@@ -269,7 +270,7 @@ def _end_job(procs: list[subprocess.Popen], token: str, watchdog: guard.Watchdog
             _signal_group(p, signal.SIGKILL)
             p.wait()
     left = guard.stop_job(token, settle_s=1.0)
-    if left:
+    if left and not quiet:
         print(f"meshrun: stopped {left} process(es) of the job still running after its launcher ended",
               file=sys.stderr, flush=True)
     watchdog.close(job_stopped=True)

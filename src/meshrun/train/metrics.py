@@ -194,6 +194,9 @@ def plot_losses(records: list[dict[str, Any]], path: str) -> bool:
         return False
     train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if not train and not val:  # a run that logged nothing: an earlier plot stays as it was
+        plt.close("all")
+        return False
     fig, ax = plt.subplots(figsize=(6, 4))
     if train:
         ax.plot(*zip(*train), label="train")

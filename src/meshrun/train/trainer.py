@@ -24,9 +24,11 @@ from ..errors import MeshrunError
 from ..modelinfo.hf import export_record
 from ..modelinfo.read import context_of
 from . import checkpoint, preempt
+from .batchfit import fit_micro_batch, oom_line
 from .checkpoint import Position
 from .config import TrainConfig, resolve_seq_len, validate
 from .data import BatchStream, LoaderSpec, make_loader
+from .kernels.liger import liger_applies
 from .metrics import MetricsSink, ReadCost, flops_per_token, mfu, peak_flops, read_cost_line
 from .optim import build_scheduler
 from .outdir import RUN_ID_ENV
@@ -70,8 +72,10 @@ class Trainer:
         resume_from = self.resume_path()
         cfg, resized = keep_global_batch(cfg, resume_from, dp)
         gpu_mem = torch.cuda.get_device_properties(rt.device).total_memory if rt.cuda else None
-        self.choice: Choice = decide(model, cfg, rt.world_size, rt.local_world_size, dp, gpu_mem, self.bf16)
+        liger = cfg.kernels == "auto" and rt.cuda and liger_applies(model, rt.device, cfg.tp, cfg.pp)
+        self.choice: Choice = decide(model, cfg, rt.world_size, rt.local_world_size, dp, gpu_mem, self.bf16, liger)
         sources = dict(cfg.sources)
+        self.micro_is_ours = cfg.micro_batch is None  # meshrun's to change if it does not fit (batchfit.py)
         if cfg.micro_batch is None and self.choice.micro_batch != cfg.micro:
             sources["micro_batch"] = "planner"
         self.cfg = cfg = cfg.replace(micro_batch=self.choice.micro_batch, global_batch=self.choice.global_batch,
@@ -89,14 +93,8 @@ class Trainer:
         self.train_data = train_data
         self.loader_spec = LoaderSpec(cfg.micro, self.dp_rank, self.dp_size, cfg.seed, pin_memory=rt.cuda)
         self.train_loader = make_loader(train_data, self.loader_spec)
-        self.val_loader = None
-        if val_data is not None:
-            # a validation set smaller than a micro-batch per rank is read in smaller ones (a
-            # pipeline's schedule is cut for the micro-batch: it keeps it)
-            small = not isinstance(val_data, IterableDataset) and cfg.pp == 1
-            micro = max(1, min(cfg.micro, len(val_data) // self.dp_size)) if small else cfg.micro  # type: ignore[arg-type]
-            self.val_loader = make_loader(val_data, LoaderSpec(micro, self.dp_rank, self.dp_size, cfg.seed, rt.cuda,
-                                                               shuffle=False))
+        self.val_data = val_data
+        self.val_loader = self.make_val_loader()
         if not isinstance(train_data, IterableDataset) and len(train_data) < cfg.micro * self.accum * self.dp_size:
             raise MeshrunError(
                 f"the training data has {len(train_data)} samples" + (f" of {cfg.seq} tokens" if cfg.example == "gpt"
@@ -104,6 +102,17 @@ class Trainer:
                 + f": fewer than one global batch of {cfg.micro * self.accum * self.dp_size} (micro-batch {cfg.micro} "
                 f"x {self.accum} x {self.dp_size} data-parallel ranks) (hint: a smaller --global-batch or "
                 "--seq-len, or more data)")
+
+    def make_val_loader(self) -> Any:
+        """The validation loader at the run's micro-batch; a validation set smaller than a
+        micro-batch per rank is read in smaller ones (a pipeline's schedule is cut for the
+        micro-batch: it keeps it). None without validation data."""
+        cfg, val = self.cfg, self.val_data
+        if val is None:
+            return None
+        small = not isinstance(val, IterableDataset) and cfg.pp == 1
+        micro = max(1, min(cfg.micro, len(val) // self.dp_size)) if small else cfg.micro  # type: ignore[arg-type]
+        return make_loader(val, LoaderSpec(micro, self.dp_rank, self.dp_size, cfg.seed, self.rt.cuda, shuffle=False))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -126,6 +135,7 @@ class Trainer:
         return self.layout.dp_size
 
     step = 0  # optimizer steps done
+    loader_skip = 0  # iterable data: samples per rank the loader skips (a resume's position)
     data_s = 0.0  # host seconds spent reading batches and starting their copies, since the last log line
 
     # ---- the step -----------------------------------------------------------------------
@@ -158,10 +168,8 @@ class Trainer:
         except torch.cuda.OutOfMemoryError:
             if not first:
                 raise
-            raise MeshrunError(
-                f"out of memory at the first step with strategy {self.strategy}, micro-batch {self.cfg.micro} "
-                f"(hint: try --strategy fsdp, a smaller --micro-batch, or --activation-checkpointing full)"
-            ) from None
+            raise MeshrunError(oom_line(self.cfg.micro, self.strategy, self.rt.device, self.choice.predicted_peak,
+                                        self.choice.largest_micro, "at the first step")) from None
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -223,8 +231,8 @@ class Trainer:
         records (other ranks: []). A preemption signal (``preempt.install()``) stops every
         rank after the same step, with a snapshot and a log line of that step, and raises
         ``preempt.Preempted``."""
+        data = fit_micro_batch(self, self.restore())  # (a micro-batch of meshrun's may be halved: batchfit.py)
         cfg, rt = self.cfg, self.rt
-        data = self.restore()
         sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main)
         if rt.is_main:
             print(self.describe(), flush=True)
@@ -316,7 +324,8 @@ class Trainer:
                       f"{position.samples} samples into it; saved on {saved_world} rank(s); read in "
                       f"{read_cost_line(costs)})", flush=True)
         if position.samples and not hasattr(self.train_loader.sampler, "set_start"):  # iterable data
-            self.train_loader = make_loader(self.train_data, self.loader_spec, skip=position.samples // self.dp_size)
+            self.loader_skip = position.samples // self.dp_size
+            self.train_loader = make_loader(self.train_data, self.loader_spec, skip=self.loader_skip)
             position = Position(position.step, position.epoch, 0)
         return BatchStream(self.train_loader, self.cfg.micro, self.dp_size, position.epoch, position.samples)
 

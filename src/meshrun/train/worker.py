@@ -2,7 +2,10 @@
 
 It reads the validated TrainConfig from MESHRUN_TRAIN_CONFIG. A MeshrunError (bad factory,
 out of memory at step 1, ...) is written to MESHRUN_ERROR_FILE for the launching
-`meshrun train`, which prints it as its one-line error, and the rank exits with code 2.
+`meshrun train`, which prints it as its one-line error, and the rank exits with code 2. Any
+other exception (in the model, the compiler, a collective) is written in full to the rank's
+log (ranklog.py) and as one line (launch/failure.py: rank, type, message, log, hint) to
+MESHRUN_CRASH_FILE, and the rank exits with code 1; `meshrun train` prints the first such line.
 SIGTERM and SIGUSR1 stop the run after a step all ranks agree on, with a snapshot
 (preempt.py): the rank exits with PREEMPTED (75), and the local rank 0 writes the one-line
 account to MESHRUN_PREEMPT_FILE for `meshrun train` to print.
@@ -15,15 +18,38 @@ import sys
 
 from ..errors import PREEMPTED, MeshrunError
 from . import preempt
+from .ranklog import LOG_DIR_ENV, redirect
 
 
 def _report(exc: MeshrunError) -> None:
     path = os.environ.get("MESHRUN_ERROR_FILE")
     if path:  # `meshrun train` prints it once, as its last line
+        print(f"meshrun: error: {exc}", file=sys.stderr, flush=True)  # (the rank's log)
         with open(path, "a") as f:
             f.write(f"{exc}\n")
     else:
         print(f"meshrun: error: {exc}", file=sys.stderr, flush=True)
+
+
+def _report_crash(exc: BaseException, log: str | None) -> None:
+    """The full traceback to the rank's log (its stderr), one line for `meshrun train`."""
+    import traceback
+
+    from ..launch.failure import ECHO_SUFFIX, exception_line, is_echo
+
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    sys.stderr.write(tb)
+    sys.stderr.flush()
+    rank = int(os.environ.get("RANK", "0"))
+    line = exception_line(rank, type(exc).__name__, type(exc).__module__, str(exc), tb, log)
+    path = os.environ.get("MESHRUN_CRASH_FILE")
+    if path and is_echo(f"{type(exc).__name__}: {exc}"):
+        path += ECHO_SUFFIX  # another rank went first: its line, or torchrun's account of it, is the cause
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    else:
+        print(f"meshrun: error: {line}", file=sys.__stderr__, flush=True)
 
 
 def _report_preempted(stop: preempt.Preempted) -> None:
@@ -47,6 +73,10 @@ def main() -> int:
     from .trainer import Trainer
 
     cfg = TrainConfig.from_json(os.environ["MESHRUN_TRAIN_CONFIG"])
+    log = None
+    if os.environ.get(LOG_DIR_ENV):  # every rank's output in LOGS/rank-N.log (ranklog.py)
+        log = redirect(os.environ[LOG_DIR_ENV], int(os.environ.get("RANK", "0")),
+                       int(os.environ.get("WORLD_SIZE", "1")))
     try:
         rt = init_runtime()
         if cfg.out:  # OUT stays locked while this process may write there (runlock.py)
@@ -66,6 +96,9 @@ def main() -> int:
         _report_preempted(stop)
         teardown()
         return PREEMPTED
+    except Exception as exc:  # noqa: BLE001 (any failure becomes one line and the log)
+        _report_crash(exc, log)
+        return 1
     teardown()
     return 0
 

@@ -20,18 +20,24 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def apply_liger(model: Any, device: torch.device, tp: int, pp: int) -> list[str]:
-    """Patch ``model`` with Liger's kernels where they apply; what was applied, for the run's
-    first line ([] when nothing was)."""
+def liger_applies(model: Any, device: torch.device, tp: int, pp: int) -> bool:
+    """Whether Liger's kernels can patch ``model`` on ``device``: a model type Liger knows,
+    on CUDA, neither tensor- nor pipeline-parallel, with Liger installed."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if device.type != "cuda" or tp > 1 or pp > 1 or not model_type or not liger_available():
-        return []
+        return False
     # Liger tries a backend per op for other hardware (Ascend, CuTe DSL) and warns, per op and
     # per rank, when one does not import: not this run's concern
     logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        return []
+    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
+def apply_liger(model: Any) -> list[str]:
+    """Patch ``model`` (``liger_applies``) with Liger's kernels; what was applied, for the
+    run's first line."""
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
     _apply_liger_kernel_to_instance(model=model)
-    return [f"Liger kernels for {model_type} (RMSNorm, SwiGLU, rotary, fused linear cross-entropy)"]
+    return [f"Liger kernels for {model.config.model_type} (RMSNorm, SwiGLU, rotary, fused linear cross-entropy)"]

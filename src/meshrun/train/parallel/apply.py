@@ -117,10 +117,10 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
     blocks = found[1] if found else None
     zero3 = kind.engine == "deepspeed" and kind.zero == 3  # its partitioned weights take the plain paths
     kernels = model.meshrun_kernels(rt.device, cfg.tp, cfg.pp) if hasattr(model, "meshrun_kernels") and not zero3 else []
-    if cfg.kernels == "auto" and not zero3 and not kernels:
+    if choice.liger and not zero3 and not kernels:
         from ..kernels.liger import apply_liger
 
-        kernels = apply_liger(model, rt.device, cfg.tp, cfg.pp)
+        kernels = apply_liger(model)
     common: dict[str, Any] = dict(accum=accum, max_norm=cfg.grad_clip or float("inf"), device=rt.device,
                                   loss_mode=loss_mode(model), attention=cfg.attention)
     deferred = on_meta(model)
@@ -158,7 +158,7 @@ class Build:
         self.model, self.blocks, self.cfg, self.rt = model, blocks, cfg, rt
         self.weights, self.deferred = weights, deferred
         self.choice, self.kind, self.bf16, self.common = choice, kind, bf16, common
-        self.compiled, self.tune = cfg.compiles(rt.cuda), cfg.compile_tune
+        self.compiled, self.tune = choice.compile, cfg.compile_tune
         self.bf16_reduce = cfg.reduce_precision == "bf16"
         self.done: list[str] = []
 

@@ -17,11 +17,12 @@ built; its reasons become the run's first line.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from ...defaults import GLOBAL_BATCH_TOKENS, global_batch_for
-from ...errors import bad_value
+from ...errors import MeshrunError, bad_value
 from ...modelinfo.blocks import find_blocks
 from ...modelinfo.read import from_module
 from ...plan import ClusterSpec, TrainSpec, make_plan
@@ -48,6 +49,30 @@ class Choice:
     micro_batch: int
     global_batch: int | None  # None: micro-batch x data-parallel ranks
     reasons: tuple[str, ...] = ()  # what was chosen and why, for the run's first line
+    compile: bool = False  # torch.compile the model (per block under FSDP2)
+    liger: bool = False  # Liger Kernel's kernels patched into a Hugging Face model
+    predicted_peak: int | None = None  # the planner's peak bytes per GPU for this choice
+    largest_micro: int | None = None  # the largest micro-batch the planner thinks fits
+
+
+def compile_and_kernels(cfg: TrainConfig, cuda: bool, liger: bool) -> tuple[bool, bool, list[str]]:
+    """(compile, Liger's kernels, why) for a model Liger Kernel can patch here (``liger``) or
+    not. Liger's kernels run eager: with them, compiling adds no speed and costs a minute or
+    more of start-up (Llama-3.2-1B, DDP, 2 x H200, torch 2.11: 61,510 tokens/s per GPU eager
+    with Liger, 49,468 compiled without), and Liger 0.8.5's RMSNorm kernel does not compile
+    under Inductor (a scalar argument made a constant, then ``.to()`` called on it), which
+    under DDP's graph split ended the run. So compiling and Liger never go together:
+    ``--compile on`` gets torch.compile's own fused kernels instead. docs/decisions.md#liger"""
+    compiled = cfg.compiles(cuda)
+    if not liger or cfg.kernels != "auto":
+        return compiled, False, []
+    if cfg.compile == "auto" and not cfg.compile_tune:
+        return False, True, ["eager with Liger Kernel's fused kernels (compiling adds nothing on top of them; "
+                             "--compile on for torch.compile's kernels instead)"]
+    if compiled:
+        return True, False, [f"{cfg.source('compile' if cfg.compile == 'on' else 'compile_tune')}: torch.compile's "
+                             "own kernels, not Liger Kernel's (they do not compile together)"]
+    return False, True, []
 
 
 def fsdp_flavour(n_params: int, gpu_mem: int | None) -> tuple[str, str]:
@@ -60,10 +85,18 @@ def fsdp_flavour(n_params: int, gpu_mem: int | None) -> tuple[str, str]:
 
 
 def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, gpu_mem: int | None,
-           bf16: bool) -> Choice:
+           bf16: bool, liger: bool = False) -> Choice:
     """The choice for ``model`` trained with ``cfg`` on ``world`` processes (``local_world``
     per node) whose data-parallel size is ``dp``; ``gpu_mem`` is one GPU's memory (None on
-    the CPU). Pure: no process group, no device (the model may live on the meta device)."""
+    the CPU); ``liger``: Liger Kernel can patch the model here. Pure: no process group, no
+    device (the model may live on the meta device)."""
+    compiled, use_liger, why = compile_and_kernels(cfg, gpu_mem is not None, liger)
+    choice = _decide(model, cfg, world, local_world, dp, gpu_mem, bf16, compiled)
+    return dataclasses.replace(choice, compile=compiled, liger=use_liger, reasons=(*choice.reasons, *why))
+
+
+def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, gpu_mem: int | None,
+            bf16: bool, compiled: bool) -> Choice:
     if cfg.strategy == "single" and world > 1:
         raise bad_value(cfg.source("strategy"), "single", f"runs one process, but the world has {world}",
                         "use --nproc 1, or --strategy ddp/fsdp")
@@ -97,12 +130,20 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
         reasons.append(f"global batch {global_batch} x {cfg.seq} tokens (about {GLOBAL_BATCH_TOKENS // 1024}K "
                        "tokens, the default on GPUs; set --global-batch or --micro-batch to change it)")
     names = (named,) if named else AUTO_STRATEGIES
-    pick, usable = _planned(model, cfg, world, local_world, gpu_mem, bf16, global_batch, names,
-                            ac_open=named is None and "activation_checkpointing" not in cfg.sources)
+    pick, usable, largest = _planned(model, cfg, world, local_world, gpu_mem, bf16, global_batch, names, compiled,
+                                     ac_open=named is None and "activation_checkpointing" not in cfg.sources)
     if pick is None or pick.batch is None:  # a strategy the planner does not plan (fsdp-no-shard)
         named = named or ("single" if world == 1 else "ddp")
         return Choice(named, ac, cfg.micro, global_batch, tuple(reasons))
     peak = fmt_bytes(pick.memory.peak) if pick.memory else "?"
+    if not pick.fits and named is None and cfg.micro_batch is None and "activation_checkpointing" not in cfg.sources:
+        # Nothing left to the planner fits: refused here, not out of memory at the first step
+        # (Llama-3-8B and Mistral-7B on one H200: 140 and 126 GiB predicted, 138 GiB reached)
+        raise MeshrunError(
+            f"the model ({n_params / 1e9:.2f}B parameters) does not fit {world} GPU(s) of {fmt_bytes(gpu_mem)}: "
+            f"the planner's least, {pick.strategy.name} at micro-batch {pick.batch.micro}"
+            f"{' with activation checkpointing' if pick.strategy.ac else ''}, needs {peak} per GPU of {fmt_bytes(usable)} usable (hint: more GPUs (--nproc, --nnodes), a shorter "
+            "--seq-len, or to try anyway: --strategy, --micro-batch and --activation-checkpointing set by hand)")
     if pick.fits:
         reasons.insert(0, f"planner: {pick.strategy.name} predicted {peak} per GPU of {fmt_bytes(usable)} usable")
     else:
@@ -116,19 +157,22 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
     if pick.strategy.ac and ac != "full":
         reasons.append("activation checkpointing on to fit (--activation-checkpointing none to refuse it)")
         ac = "full"
-    return Choice(pick.strategy.name, ac, micro, global_batch, tuple(reasons))
+    return Choice(pick.strategy.name, ac, micro, global_batch, tuple(reasons),
+                  predicted_peak=pick.memory.peak if pick.memory else None, largest_micro=largest)
 
 
 def _planned(model: Any, cfg: TrainConfig, world: int, local_world: int, gpu_mem: int, bf16: bool,
-             global_batch: int | None, names: tuple[str, ...], ac_open: bool) -> tuple[Candidate | None, float]:
-    """The planner's pick among ``names`` (the smallest predicted peak when none fits), and
-    the usable bytes per GPU. With ``ac_open`` the planner may turn on checkpointing."""
+             global_batch: int | None, names: tuple[str, ...], compiled: bool,
+             ac_open: bool) -> tuple[Candidate | None, float, int | None]:
+    """The planner's pick among ``names`` (the smallest predicted peak when none fits), the
+    usable bytes per GPU, and the largest micro-batch the pick fits with (None: unknown). With
+    ``ac_open`` the planner may turn on checkpointing."""
     spec = from_module(model, type(model).__name__, "the model")
     cluster = ClusterSpec(nodes=max(1, world // max(1, local_world)), gpus_per_node=max(1, local_world),
                           gpu_mem=gpu_mem)
     train = TrainSpec(seq_len=cfg.seq, micro_batch=cfg.micro_batch, global_batch=global_batch,
                       max_micro_batch=max(1, MAX_MICRO_TOKENS // cfg.seq), precision="bf16" if bf16 else "fp32",
-                      compile=cfg.compiles(True),
+                      compile=compiled,
                       activation_checkpointing=None if ac_open else cfg.activation_checkpointing)
     plan = make_plan(spec, cluster, train, framework="any")
     ours = [x for x in plan.candidates if x.strategy.name in names and x.memory is not None]
@@ -136,4 +180,13 @@ def _planned(model: Any, cfg: TrainConfig, world: int, local_world: int, gpu_mem
     pick = choose(ours, train)
     if pick is None and ours:
         pick = min(ours, key=lambda x: x.memory.peak)  # type: ignore[union-attr]
-    return pick, usable
+    largest = None
+    if pick is not None and pick.batch is not None and cfg.micro_batch is None and pick.fits:
+        largest = pick.batch.micro  # the planner sized it: the largest that fits
+    elif pick is not None and cfg.micro_batch is not None:  # the user's: what the planner would have sized
+        free = dataclasses.replace(train, micro_batch=None)
+        same = [x for x in make_plan(spec, cluster, free, framework="any").candidates
+                if x.strategy.name == pick.strategy.name and x.memory is not None]
+        alt = choose(same, free)
+        largest = alt.batch.micro if alt is not None and alt.batch is not None and alt.fits else None
+    return pick, usable, largest

@@ -133,6 +133,23 @@ class Layout:
             loss.backward()
         return loss.detach()
 
+    # The micro-batch can change after the layout is built (train/batchfit.py): False where a
+    # schedule or an engine was cut for it (pipelines, DeepSpeed)
+    resizable_batch = True
+
+    def try_micro_step(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Forward and backward of one micro-batch, to see that it fits; no update follows
+        (``drop_gradients``)."""
+        self.micro_step(x, y, last=True, positions=positions)
+
+    def drop_gradients(self) -> None:
+        """Forget the gradients of a micro-step that is not followed by an update, and anything
+        a failed one left gathered (FSDP2's unsharded blocks)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for module in self.model.modules():
+            if hasattr(module, "reshard") and hasattr(module, "unshard"):  # an FSDP2 module
+                module.reshard()
+
     def step(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """Finish optimizer step number ``step``: the global gradient norm (clipped to
         ``max_norm``; inf: measured only), then the update. Returns the norm."""
@@ -246,6 +263,11 @@ class DataParallel(Layout):
                  "num_items_in_batch": x.shape[0] * (seq - 1) / self.cp}
         return model_loss(self.model, self.loss_mode, x, y, extra)
 
+    def try_micro_step(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        # DDP: without its all-reduce, so a rank that runs out of memory in backward leaves no
+        # collective half-done (the buckets are the gradients' own storage: the peak is the same)
+        self.micro_step(x, y, last=self.ddp is None, positions=positions)
+
     def grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         if self.ddp is not None and not sync:
             return self.ddp.no_sync()
@@ -266,6 +288,8 @@ class Pipelined(Layout):
     """Pipeline stages (``parallel/pipeline.py``): each micro-batch cut into the schedule's
     pieces; the tied embedding/head gradient summed between the first and last stage; the
     norm summed over the stages."""
+
+    resizable_batch = False  # the schedule cuts each micro-batch into its pieces
 
     def __init__(self, model: nn.Module, optimizer: Any, *, pipe: Any, sharded: bool, **kw: Any) -> None:
         super().__init__(model, optimizer, **kw)
@@ -335,6 +359,8 @@ class DeepSpeedZeRO(Layout):
     micro-batch's ``engine.step()``. Its global norm is the pre-clip one; a non-finite norm or
     loss stops the run at once (DeepSpeed has taken the step: the last committed snapshot is
     the clean state to go back to)."""
+
+    resizable_batch = False  # the engine was built for its micro-batch
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool,
                    positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""A micro-batch meshrun chose that does not fit is halved before training, not a crash.
+
+The micro-batch the planner sizes ("the largest that fits") rests on a memory model that can
+be wrong for a model it never saw. So before the first step, a run whose micro-batch was
+meshrun's tries one micro-step (forward and backward, no update) at the micro-batch it will
+train with. Every rank votes; if any ran out of GPU memory, all halve the micro-batch and
+double the gradient accumulation, so the global batch, the samples of every step and so the
+loss curve stay those of a run started at the smaller micro-batch, say so in one line, and
+try again, down to a micro-batch of 1. Accelerate's ``find_executable_batch_size`` does the
+same by calling the user's function again; here the layout, the compiled graphs and the
+optimizer stay as they are.
+
+The try changes nothing a run keeps: its gradients are dropped, the random state and the data
+position are put back. It runs without the data-parallel gradient exchange where the layout
+allows (DDP), so a rank that ran out mid-backward leaves no collective half-done; under FSDP2
+every rank gathers the same blocks, and a rank out of memory before its peers is bounded by
+the collectives' timeout. A micro-batch the user set is not changed: running out of memory
+then stops the run with the peak it reached, the planner's prediction and the largest
+micro-batch the planner thinks fits (``oom_line``).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import MeshrunError
+from ..units import fmt_bytes
+from .data import BatchStream, LoaderSpec, make_loader
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+def _peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+
+
+def oom_line(micro: int, strategy: str, device: torch.device, predicted: int | None, largest: int | None,
+             what: str) -> str:
+    """The one line of a run out of memory: where, the peak, the prediction, what would fit."""
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    peak = _peak(device)
+    parts = [f"out of GPU memory {what} with strategy {strategy}, micro-batch {micro}"]
+    if peak is not None and total is not None:
+        parts.append(f"peak {fmt_bytes(peak)} reserved of {fmt_bytes(total)}")
+    if predicted is not None:
+        parts.append(f"the planner predicted {fmt_bytes(predicted)}")
+    fit = (f"--micro-batch {largest} (the largest the planner thinks fits), " if largest and largest < micro
+           else "a smaller --micro-batch, ")
+    return "; ".join(parts) + f" (hint: {fit}--activation-checkpointing full, or an FSDP2 --strategy)"
+
+
+def _try_micro_step(trainer: "Trainer", data: BatchStream) -> bool:
+    """One micro-step at the run's micro-batch; whether this rank ran out of memory. Leaves
+    no gradient, random state or data position behind."""
+    device = trainer.rt.device
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    failed = False
+    try:
+        x, y, positions = trainer._to_device(next(data))
+        trainer.layout.try_micro_step(x, y, positions)
+    except torch.cuda.OutOfMemoryError:
+        failed = True
+    trainer.layout.drop_gradients()
+    if failed:  # (outside the handler: the traceback's frames hold the step's tensors)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state(cuda_rng, device)
+    return failed
+
+
+def fit_micro_batch(trainer: "Trainer", data: BatchStream) -> BatchStream:
+    """The data stream to train from, at a micro-batch every rank has run one micro-step of
+    (module docstring). Returns ``data`` itself, unread, when the micro-batch is the user's or
+    the layout cannot change it (pipelines, DeepSpeed: their schedules are cut for it)."""
+    if not trainer.micro_is_ours or not trainer.layout.resizable_batch:
+        return data
+    epoch, samples = data.epoch, data.samples
+    while True:
+        cfg = trainer.cfg
+        failed = torch.tensor(float(_try_micro_step(trainer, data)), device=trainer.rt.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if not failed.item():
+            return BatchStream(trainer.train_loader, cfg.micro, trainer.dp_size, epoch, samples)
+        what = "in a first micro-step"
+        if cfg.micro == 1:
+            raise MeshrunError(oom_line(1, trainer.strategy, trainer.rt.device, trainer.choice.predicted_peak, None,
+                                        what).replace(" (hint: a smaller --micro-batch, ", " (hint: "))
+        global_batch = cfg.micro * trainer.accum * trainer.dp_size
+        half = cfg.micro // 2 if cfg.micro % 2 == 0 else (cfg.micro + 1) // 2
+        while global_batch % (half * trainer.dp_size):  # a micro-batch that divides the global batch
+            half -= 1
+        _resize(trainer, half, global_batch)
+        data = BatchStream(trainer.train_loader, half, trainer.dp_size, epoch, samples)
+        if trainer.rt.is_main:
+            print(f"meshrun train: out of GPU memory at micro-batch {cfg.micro} in a first micro-step; micro-batch "
+                  f"{half} x {trainer.accum} accumulation instead (global batch {global_batch} unchanged, so the "
+                  "loss curve is the same)", flush=True)
+
+
+def _resize(trainer: "Trainer", micro: int, global_batch: int) -> None:
+    """Train at ``micro`` with the accumulation that keeps ``global_batch``."""
+    cfg = trainer.cfg
+    sources: dict[str, Any] = {**cfg.sources, "micro_batch": "halved after running out of memory"}
+    trainer.cfg = cfg = cfg.replace(micro_batch=micro, global_batch=global_batch, sources=sources)
+    trainer.accum = trainer.layout.accum = cfg.accumulation(trainer.dp_size)
+    spec = trainer.loader_spec
+    trainer.loader_spec = LoaderSpec(micro, spec.dp_rank, spec.dp_size, spec.seed, spec.pin_memory, spec.shuffle)
+    trainer.train_loader = make_loader(trainer.train_data, trainer.loader_spec, skip=trainer.loader_skip)
+    trainer.val_loader = trainer.make_val_loader()
