@@ -304,3 +304,14 @@ def test_trainer_makes_the_optimizer_state_at_setup():
     import meshrun
 
     assert meshrun.run(_state_at_setup, nproc=2, timeout_s=120) == (True, True, True)
+
+
+def test_a_model_whose_loss_needs_its_logits_validates_in_micro_batches_they_fit_in():
+    from meshrun.train.data import EVAL_LOGITS_BYTES, val_micro
+
+    # Llama-3.2-1B's vocabulary at 4096 tokens: 3 GiB of logits (bf16 and fp32) a sample
+    assert val_micro(8, 4096, 128256, "labels-nocache") == 1
+    assert val_micro(16, 4096, 32768, "labels") == EVAL_LOGITS_BYTES // (4096 * 32768 * 6) == 5
+    assert val_micro(32, 1024, 50304, "targets") == 32  # meshrun's GPT takes its loss in chunks
+    assert val_micro(8, 32, 256, "logits") == 8  # small logits: the run's micro-batch
+    assert val_micro(8, None, None, "logits") == 8  # a model with no vocabulary (regression)

@@ -51,7 +51,8 @@ order: tensor parallel -> context parallel -> activation checkpointing -> compil
 
 defaults meshrun chooses (the run's first lines say what it chose and why):
   --seq-len       the model's context (gpt-124m, gpt-1.3b: 1024; gpt-small: 256), at most 4096
-  --compile       auto: compiled on GPUs, eager on the CPU
+  --compile       auto: compiled on GPUs, eager on the CPU and for a Hugging Face model that
+                  Liger Kernel patches (its kernels run eager: compiling adds nothing to them)
   batch sizes     on GPUs with none given: a global batch of about {GLOBAL_BATCH_TOKENS // 1024}K tokens and the
                   largest micro-batch that fits (the planner's); --global-batch alone: the
                   planner sizes the micro-batch; on the CPU: micro-batch 8, no accumulation
@@ -63,6 +64,12 @@ runs (OUT/.meshrun.lock). Each run has an id (OUT/run.json, and in every snapsho
 resume continues only a snapshot of OUT's run, --no-resume is refused where OUT holds
 snapshots (--overwrite moves them aside first), and a resume on another number of processes
 keeps the snapshot's global batch by changing the gradient accumulation.
+
+when something fails: each rank's whole output is in OUT/logs/rank-N.log (torchrun's in
+OUT/logs/torchrun-node-N.log; without --out, in a directory the error line names), and a rank
+that raises or dies ends the job with one line: the rank, the cause, its log and a hint (exit
+code 1). A micro-batch meshrun chose that runs out of GPU memory is halved before training,
+with the accumulation doubled so the global batch stays; a model nothing fits is refused.
 
 preemption: SIGTERM or SIGUSR1 (Slurm's --signal, scontrol requeue, Kubernetes, SkyPilot) stops
 every rank after the same step; with --out that step's snapshot is written, and meshrun train
@@ -141,7 +148,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--precision", metavar="P", default=None, help=f"auto, {', '.join(PRECISIONS)} (default auto: bf16 "
                "on GPUs that have it)")
     add_option(g, "--compile", metavar="auto|on|off", nargs="?", const="on", default=None,
-               help="torch.compile (per block under FSDP2): auto (default: on GPUs), on, off; --compile alone: on")
+               help="torch.compile (per block under FSDP2): auto (default: on GPUs, but not with Liger's kernels), on "
+                    "(a Hugging Face model then gets torch.compile's kernels, not Liger's), off; --compile alone: on")
     add_option(g, "--compile-tune", action="store_const", const=True, default=None,
                help="Inductor's coordinate-descent tuning of the compiled kernels: a step up to 2%% faster "
                     "(H200: GPT 124M +1.0-1.9%%, 1.3B +0.3-0.7%%) for ~4 minutes more compiling; for runs of hours")

@@ -27,7 +27,8 @@ from . import checkpoint, preempt
 from .batchfit import fit_micro_batch, oom_line
 from .checkpoint import Position
 from .config import TrainConfig, resolve_seq_len, validate
-from .data import BatchStream, LoaderSpec, make_loader
+from .factories import vocab_size
+from .data import BatchStream, LoaderSpec, make_loader, val_micro
 from .kernels.liger import liger_applies
 from .metrics import MetricsSink, ReadCost, flops_per_token, mfu, peak_flops, read_cost_line
 from .optim import build_scheduler
@@ -66,6 +67,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(model, cfg.seq)
         self.model_record = export_record(model, cfg.model)  # for `meshrun export --format hf`
         self.n_params = sum(p.numel() for p in model.parameters())
+        self.vocab = vocab_size(model)
         dp = make_dims(rt.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
                        source=f"--tp {cfg.tp} --pp {cfg.pp} --cp {cfg.cp} on {rt.world_size} processes").dp
         self.cfg = cfg  # (resume_path reads it)
@@ -104,15 +106,20 @@ class Trainer:
                 "--seq-len, or more data)")
 
     def make_val_loader(self) -> Any:
-        """The validation loader at the run's micro-batch; a validation set smaller than a
-        micro-batch per rank is read in smaller ones (a pipeline's schedule is cut for the
-        micro-batch: it keeps it). None without validation data."""
+        """The validation loader, None without validation data. Its micro-batch is the run's,
+        but smaller for a validation set smaller than a micro-batch per rank, and for a model
+        that computes its vocabulary-wide logits in eval mode (``val_micro``). A pipeline's
+        schedule is cut for the run's micro-batch: it keeps it."""
         cfg, val = self.cfg, self.val_data
+        self.val_micro = cfg.micro
         if val is None:
             return None
-        small = not isinstance(val, IterableDataset) and cfg.pp == 1
-        micro = max(1, min(cfg.micro, len(val) // self.dp_size)) if small else cfg.micro  # type: ignore[arg-type]
-        return make_loader(val, LoaderSpec(micro, self.dp_rank, self.dp_size, cfg.seed, self.rt.cuda, shuffle=False))
+        if cfg.pp == 1:
+            self.val_micro = val_micro(cfg.micro, cfg.seq_len, self.vocab, self.layout.loss_mode)
+            if not isinstance(val, IterableDataset):
+                self.val_micro = max(1, min(self.val_micro, len(val) // self.dp_size))  # type: ignore[arg-type]
+        return make_loader(val, LoaderSpec(self.val_micro, self.dp_rank, self.dp_size, cfg.seed, self.rt.cuda,
+                                           shuffle=False))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -173,14 +180,15 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """The mean validation loss over ``eval_batches`` micro-batches per rank."""
+        """The mean validation loss over ``eval_batches`` micro-batches' samples per rank."""
         if self.val_loader is None:
             return None
         self.model.eval()
         total = torch.zeros(2, device=self.rt.device)
         one = torch.ones((), device=self.rt.device)
+        batches = -(-self.cfg.eval_batches * self.cfg.micro // self.val_micro)  # the samples of eval_batches micro-batches
         for i, batch in enumerate(self.val_loader):
-            if i >= self.cfg.eval_batches:
+            if i >= batches:
                 break
             x, y, positions = self._to_device(batch)
             loss = self.layout.eval_loss(x, y, positions)
