@@ -433,3 +433,19 @@ def test_plan_reads_the_model_train_reads(tmp_path):
     assert d["model"]["params"] == sum(p.numel() for p in model.parameters())
     bad = run_cli("plan", "--model", "org/model", "--gpu-mem", "80GiB")
     assert bad.returncode == 2 and "Hugging Face Hub id" in bad.stderr
+
+
+def test_an_architecture_without_sdpa_is_built_with_its_own_attention():
+    """Gemma-2 refuses SDPA (its logit soft-capping): the refused attempt must not stay in the
+    config, or the fallback asks for SDPA again."""
+    import transformers
+
+    from meshrun.modelinfo.hf import build_on_meta
+
+    config = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    model = build_on_meta(config)
+    assert type(model).__name__ == "Gemma2ForCausalLM"
+    assert model.config._attn_implementation in ("eager", "sdpa")  # (newer transformers refuse SDPA for it)
+    assert all(p.is_meta for p in model.parameters())

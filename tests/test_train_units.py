@@ -315,3 +315,32 @@ def test_a_model_whose_loss_needs_its_logits_validates_in_micro_batches_they_fit
     assert val_micro(32, 1024, 50304, "targets") == 32  # meshrun's GPT takes its loss in chunks
     assert val_micro(8, 32, 256, "logits") == 8  # small logits: the run's micro-batch
     assert val_micro(8, None, None, "logits") == 8  # a model with no vocabulary (regression)
+
+
+def test_the_defaults_matrix_reads_meshruns_first_lines_as_the_gpu_runs_printed_them():
+    """bench/defaults_matrix.py on lines recorded on 2 x H200 (2026-11-28): the layout meshrun
+    chose, compiled or not, its kernels, the planner's prediction, the steady throughput."""
+    from helpers import bench_module
+
+    bench_module("cli_train")  # (defaults_matrix imports it as a sibling script)
+    matrix = bench_module("defaults_matrix")
+    llama = matrix.parse_meshrun([
+        "meshrun train: strategy fsdp-grad-op: initialised -> FSDP2 grad_op over 2 ranks, Liger kernels for llama "
+        "(RMSNorm, SwiGLU, rotary, fused linear cross-entropy), 2 process(es), 1235.81M parameters, global batch "
+        "8 x 8 x 2 = 128 of 4096 tokens, bf16",
+        "  planner: fsdp-grad-op predicted 121 GiB per GPU of 126 GiB usable",
+        "  eager with Liger Kernel's fused kernels (compiling adds nothing on top of them; --compile on for "
+        "torch.compile's kernels instead)",
+        "step 1 | loss 12.1 | tokens_per_s_per_gpu 60,000 | mfu 54.8% | peak_reserved 56.30 GiB",
+        "step 2 | loss 12.0 | tokens_per_s_per_gpu 64,405 | mfu 58.8% | peak_reserved 56.30 GiB",
+        "step 3 | loss 11.9 | tokens_per_s_per_gpu 64,500 | mfu 58.9% | peak_reserved 56.30 GiB",
+    ])
+    assert (llama["strategy"], llama["micro"], llama["accum"], llama["compiled"]) == ("fsdp-grad-op", 8, 8, False)
+    assert llama["kernels"] == ["Liger"] and llama["planner_predicted_gib"] == 121.0
+    assert llama["tokens_per_s_per_gpu"] == 64452  # the median of the steps after the first
+    gpt = matrix.parse_meshrun([
+        "meshrun train: strategy single: compiled, loss with its gradient in the forward (Triton), MLP's GELU in "
+        "cuBLASLt epilogues, 1 process(es), 1313.72M parameters, global batch 64 x 8 x 1 = 512 of 1024 tokens, bf16",
+        "  planner: single predicted 125 GiB per GPU of 126 GiB usable",
+    ])
+    assert gpt["compiled"] and gpt["strategy"] == "single" and gpt["micro"] == 64

@@ -99,7 +99,7 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
         return code
     finally:
         for path in [*said, echo_file]:
-            if os.path.exists(path):
+            if path and os.path.exists(path):
                 os.unlink(path)
 
 

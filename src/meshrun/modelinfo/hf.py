@@ -158,14 +158,18 @@ def parameters_on_meta() -> Iterator[None]:
 def build_on_meta(config: Any, where: str = "--model", path: str = "") -> Any:
     """transformers' causal LM of ``config`` with its parameters on the meta device, attention
     through torch's SDPA where the architecture has it."""
+    import copy
+
     import transformers
 
     errors = []
-    for attn in ("sdpa", None):
+    for attn in ("sdpa", None, "eager"):
         try:
             with parameters_on_meta():
                 kwargs = {"attn_implementation": attn} if attn else {}
-                return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+                # a fresh copy each time: a refused attempt leaves its choice in the config
+                # (Gemma-2 refuses SDPA, then the default kept asking for it, transformers 5.24)
+                return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
         except Exception as exc:  # an architecture without SDPA, or one transformers cannot build
             errors.append(_first_line(exc))
     raise bad_value(where, path or getattr(config, "model_type", "?"), f"transformers cannot build it ({errors[-1]})",

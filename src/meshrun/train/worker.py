@@ -75,8 +75,12 @@ def main() -> int:
     cfg = TrainConfig.from_json(os.environ["MESHRUN_TRAIN_CONFIG"])
     log = None
     if os.environ.get(LOG_DIR_ENV):  # every rank's output in LOGS/rank-N.log (ranklog.py)
-        log = redirect(os.environ[LOG_DIR_ENV], int(os.environ.get("RANK", "0")),
-                       int(os.environ.get("WORLD_SIZE", "1")))
+        try:
+            log = redirect(os.environ[LOG_DIR_ENV], int(os.environ.get("RANK", "0")),
+                           int(os.environ.get("WORLD_SIZE", "1")))
+        except OSError as exc:  # the run goes on, its output on the terminal as before
+            print(f"meshrun: warning: no log in {os.environ[LOG_DIR_ENV]} ({exc.strerror}); output stays "
+                  "on the terminal", file=sys.stderr, flush=True)
     try:
         rt = init_runtime()
         if cfg.out:  # OUT stays locked while this process may write there (runlock.py)
