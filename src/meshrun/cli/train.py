@@ -11,7 +11,7 @@ from typing import Mapping
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.topology import Topology
 from ..defaults import GLOBAL_BATCH_TOKENS
-from ..errors import PREEMPTED, MeshrunError, bad_value
+from ..errors import JobFailed, MeshrunError, bad_value
 from ..launch.build import build
 from ..launch.command import Command, LaunchSpec
 from ..launch.dryrun import dry_run_text
@@ -377,14 +377,14 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         # (mkdtemp: a fresh name, mode 0700), so no file another user planted, or an earlier run
         # left behind, can stand in for them; it is removed when the run ends, however it ends.
         run_dir = tempfile.mkdtemp(prefix="meshrun-train-")
-        failed = True
+        keep = False
         try:
-            code = _launch(ns, env, cfg, topo, run_dir, run_id)
-            failed = code not in (0, PREEMPTED)
-            return code
+            return _launch(ns, env, cfg, topo, run_dir, run_id)
+        except JobFailed:
+            # without --out the ranks' logs live here: kept when a rank failed (its line names them)
+            keep = not cfg.out and os.path.isdir(os.path.join(run_dir, "logs"))
+            raise
         finally:
-            # without --out the ranks' logs live here: kept when the job failed (its line names them)
-            keep = failed and not cfg.out and os.path.isdir(os.path.join(run_dir, "logs"))
             for name in os.listdir(run_dir) if keep else ():
                 if name != "logs":
                     os.unlink(os.path.join(run_dir, name))
