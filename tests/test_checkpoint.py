@@ -174,7 +174,7 @@ def test_non_finite_loss_stops_the_run_in_one_line_and_saves_nothing(tmp_path):
     assert not os.listdir(tmp_path / "checkpoints") if (tmp_path / "checkpoints").exists() else True
 
 
-def _nan_at_step_three(out, strategy, steps=6, log_every=5, save_every=2):
+def _nan_at_step_three(out, strategy, steps=6, log_every=5, save_every=2, async_save=False):
     """Steps whose third loss is NaN (the model poisons its third forward); by default six,
     a snapshot every 2 steps and a log line every 5: the bad step falls between two checks."""
     import torch
@@ -194,7 +194,7 @@ def _nan_at_step_three(out, strategy, steps=6, log_every=5, save_every=2):
     torch.manual_seed(0)
     model = Poisoned(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
     cfg = TrainConfig(strategy=strategy, steps=steps, seq_len=16, micro_batch=4, log_every=log_every,
-                      save_every=save_every, out=out, precision="fp32")
+                      save_every=save_every, out=out, precision="fp32", async_save=async_save)
     trainer = Trainer(model, RandomTokens(512, 16, 64), None, cfg)
     try:
         trainer.fit()

@@ -29,11 +29,14 @@ def one_line_error(res):
 
 
 def snapshot_files(out):
-    """{relative path: bytes} of everything under OUT/checkpoints."""
+    """{relative path: bytes} of everything under OUT/checkpoints but its lock (whose text
+    names the run that last held it)."""
     root = os.path.join(out, "checkpoints")
     files = {}
     for dirpath, _, names in os.walk(root):
         for name in names:
+            if name == ".meshrun.lock":
+                continue
             path = os.path.join(dirpath, name)
             with open(path, "rb") as f:
                 files[os.path.relpath(path, root)] = f.read()

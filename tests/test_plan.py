@@ -683,7 +683,7 @@ BAD = [
     (["--gpu-mem", "80GiB", "--margin", "1.5"], "--margin='1.5': must be in [0, 1)"),
     (["--gpu-mem", "80GiB", "--inter", "carrier-pigeon"], "--inter='carrier-pigeon': unknown"),
     (["--model", "nosuchmod:build", "--gpu-mem", "80GiB"], "cannot import module 'nosuchmod'"),
-    ([], "--gpu-mem=None: no GPU on this machine"),
+    ([], "--gpu-mem is not given: no GPU on this machine"),
 ]
 
 

@@ -148,7 +148,7 @@ BAD = [
     (["render", "borg", "--", "x.py"], "target='borg': unknown"),
     (["render", "slurm", "--nodes", "0", "--", "x.py"], "--nodes=0: must be >= 1"),
     (["render", "slurm"], "command='': nothing to run"),
-    (["render", "kubernetes", "--", "x.py"], "--image=None: Kubernetes runs containers"),
+    (["render", "kubernetes", "--", "x.py"], "--image is not given: Kubernetes runs containers"),
     (["render", "kubernetes", "--image", "i", "--name", "My_Job", "--", "x.py"], "--name='My_Job': is not a Kubernetes name"),
     (["render", "hostfile"], "--hosts='': a hostfile needs"),
     (["render", "slurm", "-f", "mxnet", "--", "x.py"], "--framework='mxnet': unknown"),

@@ -25,12 +25,34 @@ def bad_value(name: str, value: object, problem: str, hint: str = "") -> Meshrun
     """Build the standard message: which setting, its value, what is wrong, what to do.
 
     ``name`` names where the value came from (``--nnodes``, ``env SLURM_NODEID``) so the
-    user knows which knob to turn.
+    user knows which knob to turn. A value of None is one the user did not give: the line
+    says so instead of printing ``None``.
     """
-    msg = f"{name}={value!r}: {problem}"
+    msg = f"{name} is not given: {problem}" if value is None else f"{name}={shown(value)}: {problem}"
     if hint:
         msg += f" (hint: {hint})"
     return MeshrunError(msg)
+
+
+SHOWN_CHARS = 200  # of a value in an error line: a pasted file or a YAML bomb stays one short line
+
+
+def shown(value: object) -> str:
+    """The value's repr, cut to SHOWN_CHARS with "…"; a container's repr is bounded as it is
+    built (reprlib), so a huge or self-repeating structure costs no time."""
+    import reprlib
+
+    if isinstance(value, str):
+        text = repr(value[:SHOWN_CHARS + 1])
+    else:
+        limits = reprlib.Repr()
+        limits.maxstring = limits.maxother = limits.maxlong = SHOWN_CHARS
+        limits.maxlist = limits.maxtuple = limits.maxdict = limits.maxset = 12
+        try:
+            text = limits.repr(value)
+        except ValueError:  # an int past Python's 4300-digit conversion limit
+            text = f"<an integer of {value.bit_length() if isinstance(value, int) else '?'} bits>"
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "…"
 
 
 # The exit code of a `meshrun train` run stopped by a preemption signal after writing its

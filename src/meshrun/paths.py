@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from .errors import bad_value
+from .fsio import check_file_target
 
 
 def nearest_existing(path: str) -> str:
@@ -47,12 +48,7 @@ def check_output_dir(path: str, source: str) -> None:
 
 
 def check_output_file(path: str, source: str) -> None:
-    """A file meshrun writes (replacing any file there): not a directory, and writable or creatable."""
-    full = os.path.abspath(os.path.expanduser(path))
-    if os.path.isdir(full):
-        raise bad_value(source, path, "is a directory; a file is written here", "give a file name")
-    if os.path.exists(full):
-        if not os.access(full, os.W_OK):
-            raise bad_value(source, path, "file is not writable", "choose a writable location")
-        return
-    _creatable(os.path.dirname(full), source, path)
+    """A file meshrun writes through meshrun.fsio (replacing a regular file there, writing a
+    FIFO or a device in place): not a directory, socket or block device, and writable or
+    creatable."""
+    check_file_target(path, source)

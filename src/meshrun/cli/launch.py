@@ -12,8 +12,10 @@ from ..launch.build import build, per_framework
 from ..launch.command import LaunchSpec
 from ..launch.dryrun import dry_run_text
 from ..launch.node import check_ports, prepare_network, run_job
+from ..launch.run import Waits
 from ..vocab import FRAMEWORKS
-from .options import add_option, add_rdzv_timeout_option, add_topology_options, topology_from_args
+from .options import (add_finish_timeout_option, add_option, add_rdzv_timeout_option, add_topology_options,
+                      int_option, topology_from_args)
 
 LAUNCH_HELP = """\
 Start a training script on this node, for its framework, on the topology meshrun detects.
@@ -39,7 +41,9 @@ examples:
   meshrun launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 train.py
   meshrun launch --nnodes 1:4 --rdzv c10d --master-addr head train.py   # elastic
 
-Exit code: the job's (128+N if it died of signal N); 2 for bad input.
+Exit code: the job's (128+N if it died of signal N); 2 for bad input; 1 when ranks are still
+running --finish-timeout seconds (default 300) after another rank finished: they are named
+in one line and stopped.
 SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are forwarded to the job.
 """
 
@@ -53,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                help="torchrun rendezvous: static (fixed nodes, default) or c10d (needed for elastic)")
     add_option(g, "--max-restarts", type=int, default=0, metavar="N", help="torchrun worker-group restarts")
     add_rdzv_timeout_option(g)
+    add_finish_timeout_option(g)
     add_option(g, "--module", "-m", action="store_true", help="run the script argument as a module (python -m)")
     g = p.add_argument_group("framework options")
     add_option(g, "--deepspeed-launcher", choices=("torchrun", "native"), default="torchrun",
@@ -112,10 +117,11 @@ def cmd_launch(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     topo, elastic = topology_from_args(ns, env, gpus)
     topo = per_framework(topo, fw, gpus)
     spec = launch_spec(ns, elastic)
+    finish_s = int_option(ns, "finish_timeout", minimum=1)
     cmd = build(topo, spec, env.get("CUDA_VISIBLE_DEVICES"))
     if ns.dry_run:
         print(dry_run_text(cmd, ns.json))
         return 0
     check_ports(topo, cmd, spec)
     cmd = prepare_network(topo, cmd, env, ns.rdzv_timeout)
-    return run_job(cmd, env, topo, spec)
+    return run_job(cmd, env, topo, spec, waits=Waits(finish_s=finish_s))

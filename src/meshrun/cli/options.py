@@ -158,6 +158,16 @@ def add_rdzv_timeout_option(g: argparse._ActionsContainer) -> None:
                     f"error saying why (default {DEFAULT_TIMEOUT_S})")
 
 
+FINISH_TIMEOUT_S = 300  # a rank still running this long after another finished is stopped
+COLLECTIVE_TIMEOUT_S = 300  # meshrun train: a collective waits this long for a peer
+
+
+def add_finish_timeout_option(g: argparse._ActionsContainer) -> None:
+    add_option(g, "--finish-timeout", type=int, metavar="S", default=FINISH_TIMEOUT_S,
+               help="seconds the other ranks of a node may keep running once one has finished; then the "
+                    f"launcher names them in one line, stops them and exits 1 (default {FINISH_TIMEOUT_S})")
+
+
 def topology_from_args(ns: argparse.Namespace, env: Mapping[str, str],
                        gpus: int) -> tuple[Topology, tuple[int, int] | None]:
     user = user_topology(vars(ns), env)
@@ -184,3 +194,15 @@ def require_packages(command: str, modules: tuple[str, ...], extra: str) -> None
     if missing:
         raise MeshrunError(f"meshrun {command} needs {', '.join(missing)}, not installed here "
                            f"(hint: pip install 'meshrun[{extra}]')")
+
+
+def waits_line(rdzv_s: int | None, stall_s: float | None, finish_s: float | None) -> str:
+    """The run's line of its bounded waits: how long it waits for the other nodes
+    (``rdzv_s``, None when a single node starts every rank itself), for a collective, and
+    for ranks still running after another finished."""
+    parts = [f"for the other nodes {rdzv_s} s (--rdzv-timeout)"] if rdzv_s is not None else []
+    if stall_s is not None:
+        parts.append(f"for a rank that stops answering {stall_s:.0f} s (--collective-timeout)")
+    if finish_s is not None:
+        parts.append(f"for ranks left running after another finished {finish_s:.0f} s (--finish-timeout)")
+    return "meshrun train: waits at most " + ", ".join(parts)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from typing import Mapping
 
 from ..cluster.options import parse_int
 from ..errors import bad_value
+from ..fsio import write_file
 from ..paths import check_output_file
 from ..render import TARGETS, render
 from ..render.spec import SIGNAL_BEFORE_S, RenderSpec
@@ -118,26 +117,9 @@ def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         check_output_file(ns.output, "-o")
     text = render(spec)
     if ns.output:
-        _write_atomically(ns.output, text, 0o755 if spec.target == "slurm" else 0o644)
+        write_file(ns.output, text, source="-o", mode=0o755 if spec.target == "slurm" else 0o644)
         print(f"wrote {ns.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0
 
-
-def _write_atomically(path: str, text: str, mode: int) -> None:
-    """Write ``path`` through a private temporary file beside it, renamed into place: never a
-    half-written spec, and nothing left behind when writing fails. Missing parent
-    directories are made (check_output_file has found that they can be)."""
-    tmp = ""
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".meshrun-render-")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except OSError as exc:
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
-        raise bad_value("-o", path, f"cannot be written ({exc.strerror})", "choose a writable file") from None

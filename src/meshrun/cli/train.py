@@ -15,13 +15,14 @@ from ..errors import JobFailed, MeshrunError, bad_value
 from ..launch.build import build
 from ..launch.command import Command, LaunchSpec
 from ..launch.dryrun import dry_run_text
-from ..launch.node import check_ports
+from ..launch.node import check_ports, rdzv_timeout_s
 from ..launch.restart import attempt_topology, run_with_restarts
-from ..paths import check_output_dir, check_output_file
+from ..launch.run import Waits
 from ..train.config import EXAMPLES, STRATEGY_CHOICES, TrainConfig, build_config, load_file
 from ..train.ranklog import LOG_DIR_ENV
 from ..vocab import AC_MODES, GPT_PRESETS, PRECISIONS, STRATEGIES
-from .options import add_option, add_rdzv_timeout_option, add_topology_options, require_packages, topology_from_args
+from .options import (COLLECTIVE_TIMEOUT_S, add_finish_timeout_option, add_option, add_rdzv_timeout_option,
+                      add_topology_options, int_option, require_packages, topology_from_args, waits_line)
 
 _STRATEGY_LINES = "".join(f"  {name:<14s}  {kind.about}\n" for name, kind in STRATEGIES.items())
 
@@ -200,6 +201,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "implies --no-resume). Not for job scripts that requeue: each start would set aside the "
                     "progress so far")
     add_rdzv_timeout_option(g)
+    add_finish_timeout_option(g)
+    add_option(g, "--collective-timeout", type=int, metavar="S", default=None,
+               help=f"seconds a collective waits for a rank that does not answer (stopped, hung); then the job ends "
+                    f"in one line naming that rank, its last snapshot kept (default {COLLECTIVE_TIMEOUT_S})")
     add_option(g, "--max-restarts", type=int, metavar="N", default=0,
                help="after a crash, start the job again (a fresh rendezvous) up to N times; it resumes "
                     "(a preempted job, exit 75, is not restarted)")
@@ -228,6 +233,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                help="where to write: a directory (--format hf) or a .safetensors file")
     add_option(e, "--format", choices=("auto", "hf", "safetensors"), default="auto", from_env=False,
                help="auto (default: safetensors for a --to ending in .safetensors, else hf), hf, safetensors")
+    add_option(e, "--overwrite", action="store_true", from_env=False,
+               help="when --to holds files (or is a file), move them into DIR.old-<UTC time> beside it first")
     e.set_defaults(func=cmd_export)
 
 
@@ -237,20 +244,70 @@ def cmd_export(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     from ..train import checkpoint
 
     fmt = ns.format if ns.format != "auto" else "safetensors" if ns.to.endswith(".safetensors") else "hf"
-    if fmt == "hf" and os.path.isfile(ns.to):
-        raise MeshrunError(f"--to={ns.to!r}: a file; --format hf writes a directory (hint: give a directory, or "
-                           "--format safetensors)")
     # the target is checked before the snapshot is read: reading a large one takes minutes
-    (check_output_dir if fmt == "hf" else check_output_file)(ns.to, "--to")
+    _check_export_kind(ns.to, fmt)
     path = ns.snapshot
     if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
         found = checkpoint.latest(path) if os.path.isdir(path) else None
         if found is None:
-            raise MeshrunError(f"snapshot={path!r}: not a committed snapshot nor a directory of them")
+            raise bad_value("snapshot", path, "not a committed snapshot nor a directory of them")
         path = found
-    n = (checkpoint.export_hf if fmt == "hf" else checkpoint.export_safetensors)(path, ns.to)
+    _check_outside_run(ns.to, path)
+    _check_export_empty(ns.to, fmt, ns.overwrite)
+    export = checkpoint.export_hf if fmt == "hf" else checkpoint.export_safetensors
+    n, moved = export(path, ns.to, overwrite=ns.overwrite)
+    if moved:
+        print(f"meshrun export: moved what was at {ns.to} aside to {moved}")
     print(f"meshrun export: {n} tensors from {path} -> {ns.to} ({fmt})")
     return 0
+
+
+def _check_export_kind(to: str, fmt: str) -> None:
+    """A directory (or a path that can be made one) for --format hf; for safetensors, a path
+    meshrun.fsio writes: a regular file, a FIFO or a device, or one that can be created."""
+    from ..fsio import check_dir_target, check_file_target
+
+    if fmt == "hf":
+        if os.path.isfile(to):
+            raise bad_value("--to", to, "a file; --format hf writes a directory",
+                            "give a directory, or --format safetensors")
+        check_dir_target(to, "--to")
+    else:
+        check_file_target(to, "--to")
+
+
+def _check_outside_run(to: str, snapshot: str) -> None:
+    """--to is outside the snapshot and the checkpoints directory holding it (a file written
+    there breaks a resume's hash checks), by real path, and does not hold them either
+    (--overwrite would move the run aside)."""
+    real, snap = os.path.realpath(os.path.expanduser(to)), os.path.realpath(snapshot)
+    guarded = os.path.dirname(snap) if os.path.basename(snap).startswith("step-") else snap
+    for root, what in ((snap, "the snapshot being exported"), (guarded, "the checkpoints directory of that snapshot")):
+        if _within(real, root):
+            raise bad_value("--to", to, f"is inside {root}, {what}: the run's snapshots must stay as they "
+                            "were committed (their hashes are checked on resume)",
+                            "write the export outside the run's checkpoints directory")
+    if _within(guarded, real):
+        raise bad_value("--to", to, f"holds {guarded}, the checkpoints of the snapshot being exported",
+                        "write the export to a directory of its own")
+
+
+def _check_export_empty(to: str, fmt: str, overwrite: bool) -> None:
+    """Without --overwrite, nothing is there to lose: an empty or new directory for hf, no
+    regular file for safetensors (a FIFO or a device is written in place)."""
+    from ..fsio import check_dir_target, check_file_target
+    from ..train.checkpoint.export import NONEMPTY_HINT
+
+    if overwrite:
+        return
+    if fmt == "hf":
+        check_dir_target(to, "--to", NONEMPTY_HINT)
+    else:
+        check_file_target(to, "--to", "give a new file name, or --overwrite to move the file aside first")
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 TRAIN_KEYS = [f for f in TrainConfig.__dataclass_fields__ if f != "sources"]
@@ -273,8 +330,9 @@ def count_visible_cpus() -> int:
 
 def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainConfig:
     """A corpus given by path, ready for the ranks: text tokenized into the cache (with the
-    tokenizer named, else the Hugging Face model directory's), token files opened and their
-    ids checked against a Hugging Face model's vocabulary; the config pointed at the tokens."""
+    tokenizer named, else the Hugging Face model directory's), token files opened (a prepared
+    corpus' structure checked) and every id checked against a prepared corpus' tokenizer and a
+    Hugging Face model's vocabulary; the config pointed at the tokens."""
     from ..data.sources import data_kind
     from ..train.config import BUILTIN_DATA
 
@@ -292,14 +350,19 @@ def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainCo
             raise bad_value(cfg.source("data"), cfg.data, "text needs a tokenizer",
                             "--tokenizer DIR|FILE|NAME, or --model a Hugging Face directory with tokenizer.json")
         cfg = cfg.replace(data=tokens_for_text(cfg.data, tokenizer, cfg.text_field, env, cpus, cfg.source("data")))
+    from ..data.store import FULL_CHECK_TOKENS, check_ids, open_tokens
+
+    vocab = None
     if cfg.model and ":" not in cfg.model:  # a Hugging Face model's vocabulary is known here: check before starting
-        from ..data.store import check_ids, open_tokens
         from ..modelinfo import hf
 
-        config = hf.load_config(hf.locate(cfg.model, cfg.source("model")), cfg.source("model"))
-        vocab = getattr(config, "vocab_size", None)
-        if isinstance(vocab, int):  # (else the ranks check it against the built model's embeddings)
-            check_ids(open_tokens(cfg.data, cfg.data_dtype, cfg.source("data")), vocab, cfg.source("data"))
+        vocab = getattr(hf.load_config(hf.locate(cfg.model, cfg.source("model")), cfg.source("model")),
+                        "vocab_size", None)
+    # Opened (its structure checked) and, up to FULL_CHECK_TOKENS, every id read here once; a
+    # larger corpus is sampled here and each sample is checked as the ranks read it (data.py)
+    corpus = open_tokens(cfg.data, cfg.data_dtype, cfg.source("data"))
+    full = sum(len(split) for split in corpus.splits.values()) <= FULL_CHECK_TOKENS
+    check_ids(corpus, vocab if isinstance(vocab, int) else None, cfg.source("data"), full=full)
     return cfg
 
 
@@ -367,9 +430,16 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         if lock is not None:
             from ..train import outdir
 
-            prepared = outdir.prepare(lock.out, cfg.resume, ns.overwrite, cfg.source("resume"))
+            prepared = outdir.prepare(lock.out, cfg.resume, ns.overwrite, cfg.source("resume"), cfg.steps)
             if prepared.note:
                 print(prepared.note, flush=True)
+            if prepared.done is not None and topo.nnodes == 1 and topo.local_rank is None:
+                # (with other nodes or tasks waiting to meet this one, the ranks say it: Trainer.fit)
+                print(f"meshrun train: {lock.out} is already at step {prepared.done}"
+                      + (f" of {cfg.steps}" if prepared.done == cfg.steps else f", past --steps {cfg.steps}")
+                      + "; nothing to do (hint: pass a larger --steps to train on)", flush=True)
+                return 0
+            lock.hold_snapshots()
             cfg, run_id = cfg.replace(resume=prepared.resume), prepared.run_id
         elif ns.overwrite:  # the other nodes start afresh, as node 0 does
             cfg = cfg.replace(resume="none")
@@ -405,8 +475,13 @@ def _launch(ns: argparse.Namespace, env: Mapping[str, str], cfg: TrainConfig, to
     # Each rank's whole output goes to LOGS/rank-N.log (train/ranklog.py): OUT/logs, or without
     # --out a directory of this run's own, kept only when the job fails (its line names it)
     log_dir = os.path.join(cfg.out, "logs") if cfg.out else os.path.join(run_dir, "logs")
+    ready_file, interrupt_file = os.path.join(run_dir, "ready"), os.path.join(run_dir, "interrupted")
     extra = {"MESHRUN_ERROR_FILE": error_file, "MESHRUN_PREEMPT_FILE": preempt_file,
-             "MESHRUN_CRASH_FILE": crash_file, LOG_DIR_ENV: log_dir}
+             "MESHRUN_CRASH_FILE": crash_file, LOG_DIR_ENV: log_dir, "MESHRUN_READY_FILE": ready_file,
+             "MESHRUN_INTERRUPT_FILE": interrupt_file}
+    if cfg.collective_timeout < 1:
+        raise bad_value(cfg.source("collective_timeout"), cfg.collective_timeout, "must be >= 1 second")
+    waits = Waits(stall_s=cfg.collective_timeout, finish_s=int_option(ns, "finish_timeout", minimum=1))
     if "OMP_NUM_THREADS" not in env and topo.nproc_per_node > 1:
         extra["OMP_NUM_THREADS"] = "1"  # what torchrun sets then, without its four-line banner
     if run_id:
@@ -428,7 +503,11 @@ def _launch(ns: argparse.Namespace, env: Mapping[str, str], cfg: TrainConfig, to
         print(dry_run_text(cmd, ns.json))
         return 0
     check_ports(topo, cmd, spec)
+    if topo.node_rank == 0 and (topo.local_rank or 0) == 0:
+        rdzv = rdzv_timeout_s(ns.rdzv_timeout) if topo.nnodes > 1 or topo.local_rank is not None else None
+        print(waits_line(rdzv, waits.stall_s, waits.finish_s), flush=True)
     from ..train.preempt import SIGNALS  # (signal numbers only: no torch import here)
 
     return run_with_restarts(command, env, ns.max_restarts, ns.rdzv_timeout, error_file, preempt_file, SIGNALS,
-                             crash_file=crash_file, log_dir=log_dir)
+                             crash_file=crash_file, log_dir=log_dir, waits=waits, ready_file=ready_file,
+                             interrupt_file=interrupt_file)

@@ -32,6 +32,7 @@ from typing import Callable, Mapping
 from ..errors import MeshrunError, bad_value
 from .platforms import (generic, kubeflow, local, lsf, mpi, sagemaker, saturn, skypilot, slurm,
                         torchelastic)
+from .net import host_problem
 from .topology import Topology
 
 PROBE_ORDER = (torchelastic, lsf, mpi, skypilot, saturn, kubeflow, sagemaker, slurm, generic, local)
@@ -122,6 +123,10 @@ def validate(topo: Topology, gpus: int) -> Topology:
         hint = getattr(PLATFORMS.get(topo.platform), "MASTER_HINT",
                        "pass --master-addr (or set MASTER_ADDR) to node 0's address")
         raise bad_value("master address", "", f"unknown for a {topo.nnodes}-node job on platform {topo.platform}", hint)
+    for host, name in [(topo.master_addr, s("master_addr")), *((h, s("hosts")) for h in topo.hosts)]:
+        problem = host_problem(host) if host else None
+        if problem:
+            raise bad_value(name, host, problem, "give an IPv4/IPv6 address or a host name such as node-0.cluster")
     if topo.local_rank is not None and not 0 <= topo.local_rank < topo.nproc_per_node:
         raise bad_value(s("local_rank"), topo.local_rank,
                         f"must be below nproc_per_node={topo.nproc_per_node} (from {s('nproc_per_node')})")
@@ -130,6 +135,40 @@ def validate(topo: Topology, gpus: int) -> Topology:
                         f"is more processes than the {gpus} GPU(s) visible on this node",
                         "use one process per GPU: lower --nproc, or check CUDA_VISIBLE_DEVICES")
     return topo
+
+
+# (rank variable, size variable): torchrun's per-worker variables and the node-count pair,
+# wherever they come from; a rank must lie in 0..size-1.
+RANK_PAIRS = (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("GROUP_RANK", "GROUP_WORLD_SIZE"),
+              ("GROUP_RANK", "NNODES"), ("NODE_RANK", "NNODES"))
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise bad_value(f"env {name}", raw, "not an integer", f"{name} must be a whole number; fix or unset it") from None
+
+
+def check_worker_variables(env: Mapping[str, str]) -> None:
+    """Refuse rank and size variables that contradict each other (RANK=5 with WORLD_SIZE=2, a
+    negative rank): a platform that reads one of them would start a worker with a rank no
+    peer expects, and one that ignores them would run the script as another rank than the
+    environment says."""
+    for rank_var, size_var in RANK_PAIRS:
+        rank, size = _env_int(env, rank_var), _env_int(env, size_var)
+        if rank is not None and rank < 0:
+            raise bad_value(f"env {rank_var}", env[rank_var], "a rank is never negative", f"fix or unset {rank_var}")
+        if size is not None and size < 1:
+            raise bad_value(f"env {size_var}", env[size_var], "must be at least 1", f"fix or unset {size_var}")
+        if rank is not None and size is not None and rank >= size:
+            raise bad_value(f"env {rank_var}", env[rank_var],
+                            f"must be below env {size_var}={size} (ranks count 0..{size - 1})",
+                            f"fix or unset {rank_var} and {size_var}: they come from another job's launcher or "
+                            "a shell profile")
 
 
 def resolve(
@@ -144,6 +183,7 @@ def resolve(
     consecutive ports, enough for any framework's listeners) so parallel local runs do not
     collide. Not for a worker: the platform started every rank, and each would pick its own."""
     topo = apply_overrides(detect_platform(env, gpus, platform), overrides)
+    check_worker_variables(env)  # (after the platform's own checks, which say more)
     if (free_port is not None and topo.nnodes == 1 and not topo.is_worker
             and topo.source("master_port") == "default"):
         topo = topo.replace(master_port=free_port(topo.nproc_per_node), sources={"master_port": "free port (single node)"})

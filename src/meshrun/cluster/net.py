@@ -30,3 +30,37 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def host_problem(host: str) -> str | None:
+    """What is wrong with ``host`` as a rendezvous address, or None: an IPv4 or IPv6 literal
+    (brackets allowed), or an RFC 1123 host name: ASCII letters, digits and hyphens, labels of
+    1-63 characters that neither start nor end with a hyphen, at most 253 characters in all
+    (one trailing dot allowed). An underscore is let through: the resolver accepts it, and
+    Docker Compose service names carry it. Checked before anything starts: torchrun and the resolver
+    retry a malformed name for the whole rendezvous timeout, then blame the network."""
+    if not host.isascii() or not host.isprintable():
+        return "is not an ASCII host name (only letters, digits, '-' and '.')"
+    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, literal)
+            return None
+        except (OSError, ValueError):
+            pass
+    if ":" in host:
+        return "is neither an IPv6 address nor a host name"
+    name = host.removesuffix(".")
+    if len(name) > 253:
+        return f"is {len(name)} characters long; a host name has at most 253"
+    for label in name.split("."):
+        if not label:
+            return "has an empty label (two dots in a row, or a leading dot)"
+        if len(label) > 63:
+            return f"has a label of {len(label)} characters ({label[:12]}...); a label has at most 63"
+        if not all(c.isalnum() or c in "-_" for c in label):
+            bad = next(c for c in label if not (c.isalnum() or c in "-_"))
+            return f"has {bad!r} in label {label!r}; a host name holds letters, digits and '-'"
+        if label.startswith("-") or label.endswith("-"):
+            return f"has label {label!r} starting or ending with '-'"
+    return None

@@ -1,6 +1,7 @@
 """Text given to ``meshrun train --data`` is tokenized once, into a cache directory keyed by
 the corpus (paths, sizes, modification times), the tokenizer's hash and the text field; a
-later run with the same inputs finds it ready."""
+later run with the same inputs finds it ready; runs tokenizing the same corpus at once take
+turns (the first tokenizes, the others wait for it)."""
 
 from __future__ import annotations
 
@@ -32,5 +33,7 @@ def tokens_for_text(path: str, tokenizer: str, text_field: str, env: Mapping[str
     key = hashlib.sha256(json.dumps([source.fingerprint(), source.dataset, text_field, tok.sha256,
                                      VAL_FRACTION]).encode()).hexdigest()[:20]
     out = os.path.join(cache_root(env), "tokens", key)
-    prepare(PrepareSpec(source=source, tokenizer=tokenizer, out=out, val_fraction=VAL_FRACTION, workers=workers))
+    # another run tokenizing the same corpus (another node on a shared cache): wait for it, then find it ready
+    prepare(PrepareSpec(source=source, tokenizer=tokenizer, out=out, val_fraction=VAL_FRACTION, workers=workers,
+                        out_name="cache directory"), wait=True)
     return out

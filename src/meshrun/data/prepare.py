@@ -2,15 +2,22 @@
 (``store.py``'s format), each document followed by the end-of-document token.
 
 Documents go to the validation split by their index in the corpus (the first, then one in
-every 1/f for the fraction f): the same documents on every run.
+every 1/f for the fraction f): the same documents on every run. Of n >= 2 documents at most
+n - 1 are held out; a corpus of one document has no validation split (it trains on it, and
+says so).
 Work is done in chunks of documents, tokenized by a pool of worker processes and written in
 order. After each full training shard both splits' open shards are closed and
 ``progress.json`` records how many chunks are done: a run interrupted there and started again
 with the same inputs, tokenizer and settings resumes from it and writes the very files an
-uninterrupted run writes; with anything changed it starts clean. The index is written last."""
+uninterrupted run writes; with anything changed it starts clean. The index is written last.
+
+One preparation per output directory at a time (``lock.py``). A write that fails (a full
+disk, a file-size limit) ends it in one line naming the directory, with its half-written
+(``.tmp``) files removed: what is left is complete shards, and no index."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import multiprocessing as mp
@@ -24,9 +31,18 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import MeshrunError, bad_value
-from .sources import Source, documents
+from ..paths import check_output_dir
 from . import FORMAT, INDEX
-from .store import SPLITS, read_index, shard_name
+from .lock import LOCK_NAME, PrepareLock
+from .sources import Source, documents
+from .store import (
+    SPLITS,
+    check_prepared,
+    shard_docs,
+    shard_name,
+    shard_tokens,
+    shards_problem,
+)
 from .tokenizer import Tokenizer, load_tokenizer
 
 PROGRESS = "progress.json"
@@ -44,6 +60,7 @@ class PrepareSpec:
     workers: int = 1
     eos_token: str | None = None
     shard_tokens: int = SHARD_TOKENS
+    out_name: str = "--out"  # where ``out`` came from, for the one-line errors
 
 
 def is_val(i: int, fraction: float) -> bool:
@@ -108,32 +125,49 @@ class _Shard:
         self.starts: list[np.ndarray] = []
         self.count = 0
         self.documents = 0
+        self.max_id = -1
 
     def add(self, flat: np.ndarray, lengths: np.ndarray) -> None:
         if not len(lengths):
             return
         self.starts.append(self.count + np.concatenate([[0], np.cumsum(lengths)[:-1]]))
-        flat.tofile(self.tokens)
+        try:
+            self.tokens.write(memoryview(np.ascontiguousarray(flat)).cast("B"))  # (an OSError with its errno)
+        except OSError as exc:
+            exc.filename = self.tokens.name
+            raise
         self.count += len(flat)
         self.documents += len(lengths)
+        self.max_id = max(self.max_id, int(flat.max()))
 
     def close(self) -> dict[str, Any] | None:
         """Make the shard complete (fsync, then renamed); its index entry, None if empty."""
-        self.tokens.flush()
-        os.fsync(self.tokens.fileno())
-        self.tokens.close()
+        try:
+            self.tokens.flush()
+            os.fsync(self.tokens.fileno())
+            self.tokens.close()
+        except OSError as exc:
+            exc.filename = self.tokens.name
+            raise
         base = os.path.join(self.out, self.name)
         if not self.count:
             os.remove(base + ".tokens.tmp")
             return None
         starts = np.concatenate(self.starts).astype("<i8")
         with open(base + ".docs.tmp", "wb") as f:
-            starts.tofile(f)
+            f.write(memoryview(starts).cast("B"))
             f.flush()
             os.fsync(f.fileno())
         os.replace(base + ".docs.tmp", base + ".docs")
         os.replace(base + ".tokens.tmp", base + ".tokens")
-        return {"file": self.name, "tokens": self.count, "documents": self.documents}
+        return {"file": self.name, "tokens": self.count, "documents": self.documents, "max_id": self.max_id}
+
+    def discard(self) -> None:
+        """Close without completing (the temporary file is removed by the caller)."""
+        try:
+            self.tokens.close()
+        except OSError:  # (its buffer could not be written: a full disk)
+            pass
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
@@ -145,17 +179,44 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 
 
 def _ours(name: str) -> bool:
-    return name in (INDEX, PROGRESS, INDEX + ".tmp", PROGRESS + ".tmp") or name.startswith(
+    return name in (INDEX, PROGRESS, INDEX + ".tmp", PROGRESS + ".tmp", LOCK_NAME) or name.startswith(
         tuple(f"{s}-" for s in SPLITS))
 
 
-def _start_clean(out: str) -> None:
+def _start_clean(out: str, where: str) -> None:
     strangers = [n for n in os.listdir(out) if not _ours(n)]
     if strangers:
-        raise bad_value("--out", out, f"holds files meshrun did not write ({', '.join(sorted(strangers)[:3])})",
+        raise bad_value(where, out, f"holds files meshrun did not write ({', '.join(sorted(strangers)[:3])})",
                         "an empty or new directory, or one meshrun data prepare wrote")
     for name in os.listdir(out):
-        os.remove(os.path.join(out, name))
+        if name != LOCK_NAME:  # (held by this run)
+            os.remove(os.path.join(out, name))
+
+
+def _remove_temporary(out: str) -> None:
+    """Remove the half-written files (``*.tmp``) of a preparation that failed."""
+    for name in os.listdir(out):
+        if name.endswith(".tmp"):
+            try:
+                os.remove(os.path.join(out, name))
+            except OSError:
+                pass
+
+
+def _os_error(exc: OSError, spec: PrepareSpec) -> MeshrunError:
+    """The one line for a file operation that failed: a write into the output (a full disk or a
+    file-size limit named as such), or anything else by its file."""
+    name = exc.filename if isinstance(exc.filename, str) else None
+    ours = name is None or os.path.realpath(name).startswith(os.path.realpath(spec.out) + os.sep)
+    what = f"writing {name}" if name else "writing into it"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return bad_value(spec.out_name, spec.out, f"no space left while {what} ({exc.strerror}); "
+                         "the half-written files are removed",
+                         "free space, or give a directory on a larger disk, and run it again")
+    if ours:
+        return bad_value(spec.out_name, spec.out, f"cannot write there: {exc.strerror or exc} while {what}",
+                         "give a directory you can write to")
+    return MeshrunError(f"{name}: {exc.strerror or exc} (hint: check the file and its permissions)")
 
 
 def _identity(spec: PrepareSpec, tok: Tokenizer) -> dict[str, Any]:
@@ -176,7 +237,12 @@ class _Progress:
         self.bar: Any = None
         if enabled and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
 
             self.bar = Progress(TextColumn("tokenizing"), BarColumn(), TextColumn("{task.fields[info]}"),
                                 TimeRemainingColumn(), console=Console(stderr=True), transient=True)
@@ -201,43 +267,95 @@ class _Progress:
             self.bar.stop()
 
 
-def prepare(spec: PrepareSpec, log: bool = True) -> dict[str, Any]:
-    """Tokenize ``spec.source`` into ``spec.out``; returns the index (see the module's docstring)."""
+def prepare(spec: PrepareSpec, log: bool = True, wait: bool = False) -> dict[str, Any]:
+    """Tokenize ``spec.source`` into ``spec.out``; returns the index (see the module's
+    docstring). The directory is locked meanwhile: another preparation of it is refused in
+    one line, or with ``wait`` waited for."""
     if not 0 <= spec.val_fraction < 1:
         raise bad_value("--val-fraction", spec.val_fraction, "must be in [0, 1)", "e.g. 0.01")
     if spec.workers < 1:
         raise bad_value("--workers", spec.workers, "must be at least 1")
     tok = load_tokenizer(spec.tokenizer, eos_token=spec.eos_token)
-    identity = _identity(spec, tok)
-    os.makedirs(spec.out, exist_ok=True)
-    index_path, progress_path = os.path.join(spec.out, INDEX), os.path.join(spec.out, PROGRESS)
-    if os.path.isfile(index_path):
-        try:
-            index = read_index(spec.out)
-        except MeshrunError:
-            index = {}
-        if index.get("identity") == identity:
-            if log:
-                print(f"meshrun data: {spec.out} is up to date ({_summary(index)})", file=sys.stderr, flush=True)
-            return index
-    state: dict[str, Any] = {"identity": identity, "chunks": 0, "documents": 0,
-                             "splits": {s: [] for s in SPLITS}}
+    check_output_dir(spec.out, spec.out_name)
+    with PrepareLock(spec.out, spec.out_name, wait):
+        return _prepare_locked(spec, tok, log)
+
+
+def _up_to_date(spec: PrepareSpec, identity: dict[str, Any]) -> dict[str, Any] | None:
+    """The index of a complete preparation of these very inputs and settings, if ``spec.out`` holds one."""
+    if not os.path.isfile(os.path.join(spec.out, INDEX)):
+        return None
+    try:
+        index = check_prepared(spec.out, spec.out_name)
+    except MeshrunError:
+        return None
+    return index if index.get("identity") == identity else None
+
+
+def _saved_state(spec: PrepareSpec, tok: Tokenizer, identity: dict[str, Any]) -> dict[str, Any]:
+    """Where an interrupted preparation of the same inputs and settings stopped, else a clean start."""
+    state: dict[str, Any] = {"identity": identity, "chunks": 0, "documents": 0, "splits": {s: [] for s in SPLITS}}
+    progress_path = os.path.join(spec.out, PROGRESS)
     if os.path.isfile(progress_path):
         with open(progress_path) as f:
             try:
                 saved = json.load(f)
-            except ValueError:
+            except (ValueError, RecursionError):
                 saved = {}
-        if saved.get("identity") == identity:
+        if _resumable(saved, identity, spec.out, tok):
             state = saved
-            for name in os.listdir(spec.out):  # an open shard of the interrupted run
-                if name.endswith(".tmp"):
-                    os.remove(os.path.join(spec.out, name))
+            _remove_temporary(spec.out)  # an open shard of the interrupted run
+    return state
+
+
+def _resumable(saved: object, identity: dict[str, Any], out: str, tok: Tokenizer) -> bool:
+    """Whether a progress record is this preparation's and whole: its counts, and the complete
+    shards it names on disk at their lengths (else the preparation starts clean)."""
+    if not isinstance(saved, dict) or saved.get("identity") != identity:
+        return False
+    splits = saved.get("splits")
+    if not all(isinstance(saved.get(k), int) and saved[k] >= 0 for k in ("chunks", "documents")) \
+            or not isinstance(splits, dict) or set(splits) != set(SPLITS) \
+            or any(shards_problem(split, splits[split]) for split in SPLITS):
+        return False
+    try:
+        for split in SPLITS:
+            for entry in splits[split]:
+                shard_tokens(out, entry, tok.dtype, tok.vocab_size, "progress")
+                shard_docs(out, entry, "progress")
+    except MeshrunError:
+        return False
+    return True
+
+
+def _prepare_locked(spec: PrepareSpec, tok: Tokenizer, log: bool) -> dict[str, Any]:
+    identity = _identity(spec, tok)
+    index = _up_to_date(spec, identity)
+    if index is not None:
+        if log:
+            print(f"meshrun data: {spec.out} is up to date ({_summary(index)})", file=sys.stderr, flush=True)
+        return index
+    state = _saved_state(spec, tok, identity)
     if state["chunks"] == 0:
-        _start_clean(spec.out)
+        _start_clean(spec.out, spec.out_name)
     elif log:
         print(f"meshrun data: resuming {spec.out} after {state['documents']:,} documents", file=sys.stderr, flush=True)
+    try:
+        _tokenize(spec, tok, state, log)
+        index = _finish(spec, tok, state, log)
+    except BaseException as exc:
+        _remove_temporary(spec.out)
+        if isinstance(exc, OSError):
+            raise _os_error(exc, spec) from None
+        raise
+    if log:
+        print(f"meshrun data: wrote {spec.out} ({_summary(index)})", file=sys.stderr, flush=True)
+    return index
 
+
+def _tokenize(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: bool) -> None:
+    """Tokenize the chunks ``state`` has not done into complete shards, ``state`` kept up to date."""
+    progress_path = os.path.join(spec.out, PROGRESS)
     dtype = tok.dtype
     jobs = ((first, docs, size, spec.val_fraction, dtype) for n, (first, docs, size) in enumerate(_chunks(spec.source))
             if n >= state["chunks"])
@@ -271,22 +389,47 @@ def prepare(spec: PrepareSpec, log: bool = True) -> dict[str, Any]:
             entry = shards[split].close()
             if entry:
                 state["splits"][split].append(entry)
+    except BaseException:
+        for shard in shards.values():
+            shard.discard()
+        raise
     finally:
         progress.stop()
         if pool is not None:
             pool.terminate()
-    index = {"format": FORMAT, "dtype": dtype, "tokenizer": tok.record(), "identity": identity,
+
+
+def _no_validation(spec: PrepareSpec, state: dict[str, Any], log: bool) -> None:
+    """A corpus whose every document went to validation trains on them all instead: its one
+    validation shard (no training shard was ever closed, so there is no other) becomes the
+    training shard. The validation rule holds out at most n - 1 of n >= 2 documents, so this
+    is a corpus of one document."""
+    (entry,) = state["splits"]["val"]
+    name = shard_name("train", 0)
+    for suffix in (".tokens", ".docs"):
+        os.replace(os.path.join(spec.out, entry["file"] + suffix), os.path.join(spec.out, name + suffix))
+    state["splits"] = {"train": [{**entry, "file": name}], "val": []}
+    if log:
+        n = entry["documents"]
+        print(f"meshrun data: {n} document{'s' if n != 1 else ''}: no validation split (validation needs at least "
+              "2 documents)", file=sys.stderr, flush=True)
+
+
+def _finish(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: bool) -> dict[str, Any]:
+    """Write the index (last: it makes the directory a corpus) and drop the progress file."""
+    if not state["splits"]["train"] and state["splits"]["val"]:
+        _no_validation(spec, state, log)
+    index = {"format": FORMAT, "dtype": tok.dtype, "tokenizer": tok.record(), "identity": state["identity"],
              "documents": state["documents"],
              "splits": {s: {"shards": state["splits"][s], "tokens": sum(e["tokens"] for e in state["splits"][s]),
                             "documents": sum(e["documents"] for e in state["splits"][s])} for s in SPLITS}}
     if not index["splits"]["train"]["tokens"]:
         raise MeshrunError(f"{', '.join(spec.source.paths[:2])}: an empty corpus, no text in it "
                            "(hint: check the path and --text-field)")
-    _write_json(index_path, index)
+    _write_json(os.path.join(spec.out, INDEX), index)
+    progress_path = os.path.join(spec.out, PROGRESS)
     if os.path.exists(progress_path):
         os.remove(progress_path)
-    if log:
-        print(f"meshrun data: wrote {spec.out} ({_summary(index)})", file=sys.stderr, flush=True)
     return index
 
 

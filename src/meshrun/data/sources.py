@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from ..errors import MeshrunError, bad_value
 from . import INDEX
@@ -39,9 +39,24 @@ class Source:
             files = [p] if os.path.isfile(p) else sorted(
                 os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs)
             for f in files:
-                st = os.stat(f)
+                st = _stat(f)
                 out.append([os.path.abspath(f), st.st_size, int(st.st_mtime)])
         return out
+
+
+def _gone(path: str, exc: OSError) -> MeshrunError:
+    """The one line for an input that could not be read (deleted or moved while in use, or unreadable)."""
+    if isinstance(exc, FileNotFoundError):
+        return MeshrunError(f"{path}: no longer there: deleted or moved while meshrun read the corpus "
+                            "(hint: run it again once the corpus is complete and stays put)")
+    return MeshrunError(f"{path}: cannot be read ({exc.strerror or exc}) (hint: check the file and its permissions)")
+
+
+def _stat(path: str) -> os.stat_result:
+    try:
+        return os.stat(path)
+    except OSError as exc:
+        raise _gone(path, exc) from None
 
 
 def data_kind(path: str) -> str | None:
@@ -91,8 +106,11 @@ def _field(record: object, field: str, where: str) -> str:
 
 
 def _read_text(path: str) -> str:
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise _gone(path, exc) from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -101,15 +119,39 @@ def _read_text(path: str) -> str:
 
 
 def _jsonl(path: str, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    """Each line's text field; a line that is not UTF-8 or not JSON is a one-line error naming
+    the file and the line's number."""
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise _gone(path, exc) from None
+    with f:
+        for n, raw in enumerate(_lines(f, path), 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise MeshrunError(f"{path}:{n}: not UTF-8 text at byte {exc.start} of the line "
+                                   "(hint: convert it, e.g. iconv -t utf-8)") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except ValueError as exc:
-                raise MeshrunError(f"{path}:{n}: not a JSON line ({exc.msg})") from None
+            except (ValueError, RecursionError) as exc:
+                why = getattr(exc, "msg", "nested too deeply")
+                raise MeshrunError(f"{path}:{n}: not a JSON line ({why})") from None
             yield _field(record, field, f"{path}:{n}")
+
+
+def _lines(f: BinaryIO, path: str) -> Iterator[bytes]:
+    """The lines of an open file; a read that fails is a one-line error naming it."""
+    while True:
+        try:
+            line = f.readline()
+        except OSError as exc:
+            raise _gone(path, exc) from None
+        if not line:
+            return
+        yield line
 
 
 def _parquet(path: str, field: str) -> Iterator[str]:
@@ -118,7 +160,10 @@ def _parquet(path: str, field: str) -> Iterator[str]:
     except ImportError:
         raise MeshrunError(f"{path}: reading parquet needs pyarrow, not installed here "
                            "(hint: pip install 'meshrun[data]')") from None
-    pf = pq.ParquetFile(path)
+    try:
+        pf = pq.ParquetFile(path)
+    except OSError as exc:
+        raise _gone(path, exc) from None
     if field not in pf.schema_arrow.names:
         raise MeshrunError(f"{path}: no {field!r} column (it has {', '.join(pf.schema_arrow.names[:8])}) "
                            "(hint: --text-field NAME)")

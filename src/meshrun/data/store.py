@@ -10,9 +10,13 @@ A prepared corpus is a directory:
     train-00000.docs ...       where each document starts in its shard (little-endian int64)
     val-00000.tokens ...
 
-A shard is written under a temporary name and renamed when complete; the index names only
+Each shard's index entry records its token and document counts and the largest token id in
+it. A shard is written under a temporary name and renamed when complete; the index names only
 complete shards, and a directory without it is not a corpus. Shards are memory-mapped, never
-read whole."""
+read whole. Opening a prepared corpus checks, without reading its tokens, the index's
+structure and counts, every shard's byte length against its count, and every document table
+(its length, starts increasing from 0 inside the shard); anything else is a one-line error
+naming the file. ``check_ids`` checks the ids themselves against a model's vocabulary."""
 
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MeshrunError, bad_value
+from ..errors import bad_value
 from . import FORMAT, INDEX
+
 DTYPES = ("uint16", "uint32")
 SPLITS = ("train", "val")
 
@@ -91,38 +96,137 @@ def _memmap(path: str, dtype: str, where: str) -> np.ndarray:
     return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r")
 
 
-def read_index(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, INDEX)) as f:
-        try:
-            index = json.load(f)
-        except ValueError:
-            raise MeshrunError(f"{os.path.join(path, INDEX)}: not a valid index (truncated or edited; "
-                               "hint: run meshrun data prepare again)") from None
+AGAIN = "run meshrun data prepare again"
+
+
+def read_index(path: str, where: str = "--data") -> dict[str, Any]:
+    """The index of the prepared corpus at ``path``, its structure checked (types, names,
+    counts that add up); a one-line error naming the index otherwise."""
+    name = os.path.join(path, INDEX)
+    try:
+        with open(name, "rb") as f:
+            index = json.loads(f.read())
+    except OSError as exc:
+        raise bad_value(where, path, f"{name}: cannot be read ({exc.strerror})", "check its permissions") from None
+    except (ValueError, RecursionError):
+        raise bad_value(where, path, f"{name}: not a valid index (truncated or edited)", AGAIN) from None
+    if not isinstance(index, dict):
+        raise bad_value(where, path, f"{name}: a JSON {type(index).__name__}, not an index object", AGAIN)
     if index.get("format") != FORMAT:
-        raise MeshrunError(f"{os.path.join(path, INDEX)}: format {index.get('format')!r}, this meshrun reads {FORMAT}")
+        raise bad_value(where, path, f"{name}: format {index.get('format')!r}, this meshrun reads {FORMAT}", AGAIN)
+    problem = _index_problem(index)
+    if problem:
+        raise bad_value(where, path, f"{name}: {problem} (truncated or edited)", AGAIN)
     return index
 
 
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _index_problem(index: dict[str, Any]) -> str | None:
+    """What is wrong with an index's structure, or None."""
+    if index.get("dtype") not in DTYPES:
+        return f"dtype {index.get('dtype')!r}, not one of {', '.join(DTYPES)}"
+    tok = index.get("tokenizer")
+    if not isinstance(tok, dict) or not _count(tok.get("vocab_size")) or not tok["vocab_size"] \
+            or not isinstance(tok.get("name"), str):
+        return "its tokenizer is not a record with a name and a positive vocab_size"
+    splits = index.get("splits")
+    if not isinstance(splits, dict) or "train" not in splits or set(splits) - set(SPLITS):
+        return f"its splits are not an object of {' and '.join(SPLITS)}"
+    for split, info in splits.items():
+        problem = _split_problem(split, info)
+        if problem:
+            return f"split {split!r}: {problem}"
+    return None
+
+
+def shards_problem(split: str, shards: object) -> str | None:
+    """What is wrong with a split's list of shard entries (names in order, positive counts), or None."""
+    if not isinstance(shards, list):
+        return "its shards are not a list"
+    for k, shard in enumerate(shards):
+        if not isinstance(shard, dict) or shard.get("file") != shard_name(split, k):
+            return f"shard {k} is not named {shard_name(split, k)!r}"
+        if not all(_count(shard.get(key)) and shard[key] for key in ("tokens", "documents")):
+            return f"shard {shard['file']}: its tokens and documents are not positive counts"
+        if "max_id" in shard and not _count(shard["max_id"]):
+            return f"shard {shard['file']}: its max_id is not a token id"
+    return None
+
+
+def _split_problem(split: str, info: object) -> str | None:
+    if not isinstance(info, dict):
+        return "not an object with a list of shards"
+    problem = shards_problem(split, info.get("shards"))
+    if problem:
+        return problem
+    for key in ("tokens", "documents"):
+        if info.get(key) != sum(shard[key] for shard in info["shards"]):
+            return f"{key} {info.get(key)!r}, not the sum of its shards'"
+    return None
+
+
+def shard_tokens(path: str, shard: dict[str, Any], dtype: str, vocab: int, where: str) -> np.ndarray:
+    """A shard's tokens, memory-mapped: its byte length is the index's count exactly, and the
+    largest id the index records for it is below the tokenizer's vocabulary."""
+    name = os.path.join(path, shard["file"] + ".tokens")
+    if not os.path.isfile(name):
+        raise bad_value(where, path, f"{name} is missing, named in {INDEX}", AGAIN)
+    size, item = os.path.getsize(name), np.dtype(dtype).itemsize
+    if size != shard["tokens"] * item:
+        raise bad_value(where, path, f"{name}: {size / item:g} tokens, its index says {shard['tokens']} "
+                        "(truncated or altered)", AGAIN)
+    if shard.get("max_id", -1) >= vocab:
+        raise bad_value(where, path, f"{name}: its index records token id {shard['max_id']}, not below its "
+                        f"tokenizer's vocabulary of {vocab}", AGAIN)
+    return _memmap(name, dtype, where)
+
+
+def shard_docs(path: str, shard: dict[str, Any], where: str) -> np.ndarray:
+    """A shard's document starts: the index's count of them, the first 0, each after the one
+    before, the last inside the shard (one vectorised pass)."""
+    name = os.path.join(path, shard["file"] + ".docs")
+    if not os.path.isfile(name):
+        raise bad_value(where, path, f"{name} is missing, named in {INDEX}", AGAIN)
+    size = os.path.getsize(name)
+    if size != shard["documents"] * 8:
+        raise bad_value(where, path, f"{name}: {size} bytes, its index says {shard['documents']} documents "
+                        f"({shard['documents'] * 8} bytes; truncated or altered)", AGAIN)
+    docs = np.fromfile(name, dtype="<i8")
+    wrong = (docs < 0) | (docs >= shard["tokens"])
+    wrong[0] |= docs[0] != 0
+    wrong[1:] |= np.diff(docs) <= 0
+    if wrong.any():
+        bad = int(np.flatnonzero(wrong)[0])
+        raise bad_value(where, path, f"{name}: document {bad} starts at token {int(docs[bad])}, not "
+                        f"{'0' if bad == 0 else 'after the one before'} and inside the shard's {shard['tokens']} "
+                        "tokens (altered)", AGAIN)
+    return docs.astype(np.int64)
+
+
 def _prepared(path: str, where: str) -> Corpus:
-    index = read_index(path)
-    dtype = index["dtype"]
+    """The prepared corpus at ``path``, checked without reading its tokens: the index's
+    structure and counts, every shard's length, every document table."""
+    index = read_index(path, where)
+    dtype, vocab = index["dtype"], index["tokenizer"]["vocab_size"]
     splits = {}
     for split, info in index["splits"].items():
         shards, starts, base = [], [], 0
         for shard in info["shards"]:
-            tokens_path = os.path.join(path, shard["file"] + ".tokens")
-            if not os.path.isfile(tokens_path):
-                raise MeshrunError(f"{tokens_path} is missing, named in {INDEX} (hint: run meshrun data prepare again)")
-            tokens = _memmap(tokens_path, dtype, where)
-            if len(tokens) != shard["tokens"]:
-                raise MeshrunError(f"{tokens_path}: {len(tokens)} tokens, its index says {shard['tokens']} "
-                                   "(truncated or altered; hint: run meshrun data prepare again)")
-            docs = np.fromfile(os.path.join(path, shard["file"] + ".docs"), dtype="<i8")
+            tokens = shard_tokens(path, shard, dtype, vocab, where)
+            starts.append(shard_docs(path, shard, where) + base)
             shards.append(tokens)
-            starts.append(docs + base)
             base += len(tokens)
         splits[split] = TokenSplit(shards, np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64))
-    return Corpus(path, dtype, splits, index.get("tokenizer"))
+    return Corpus(path, dtype, splits, index["tokenizer"])
+
+
+def check_prepared(path: str, where: str = "--data") -> dict[str, Any]:
+    """The index of the prepared corpus at ``path``, after every check ``open_tokens`` makes."""
+    _prepared(path, where)
+    return read_index(path, where)
 
 
 def _flat(path: str, dtype: str, where: str) -> Corpus:
@@ -140,30 +244,53 @@ def _flat(path: str, dtype: str, where: str) -> Corpus:
     return Corpus(path, dtype, splits)
 
 
-SAMPLE_TOKENS = 1 << 20  # per shard, read when a corpus is opened to check its ids
+SAMPLE_TOKENS = 1 << 20  # per shard, read by the sampled check of token ids
+SCAN_TOKENS = 1 << 24  # tokens per block of the full scan of token ids
 
 
-def check_ids(corpus: Corpus, vocab: int, where: str = "--data") -> None:
-    """The first token at or above the model's vocabulary, by file and offset, among a sample
-    of every shard (its first and last tokens and some in between): a one-line error."""
-    if corpus.vocab_size is not None and corpus.vocab_size > vocab:
+# The largest corpus `meshrun train` reads whole before starting to check its ids: 2 Gi tokens
+# (4-8 GiB) take about 0.1 s a GiB from the page cache, the disk's read speed otherwise; past
+# that a sample is read and every training sample is checked as it is read (train/data.py).
+FULL_CHECK_TOKENS = 2**31
+
+
+def _blocks(n: int, full: bool) -> list[tuple[int, int]]:
+    """(start, length) of the blocks of a shard of ``n`` tokens to check: all of it, or a
+    sample (its first and last tokens and some in between)."""
+    if full:
+        return [(start, SCAN_TOKENS) for start in range(0, n, SCAN_TOKENS)]
+    step, size = max(1, n // 16), SAMPLE_TOKENS // 16
+    return [(start, size) for start in sorted({0, *range(0, n, step), max(0, n - size)})]
+
+
+def check_ids(corpus: Corpus, vocab: int | None, where: str = "--data", full: bool = False) -> None:
+    """Every token id below the model's vocabulary ``vocab`` (None: unknown) and below a
+    prepared corpus' own tokenizer's, or a one-line error naming the first that is not, by file
+    and offset. ``full``: every token of every shard is read (a vectorised max per block of the
+    memory-mapped shards: about 0.1 s a GiB from the page cache, the disk's read speed
+    otherwise); else a sample of each shard."""
+    if vocab is not None and corpus.vocab_size is not None and corpus.vocab_size > vocab:
         raise bad_value(where, corpus.path, f"its tokenizer ({corpus.tokenizer['name']}) has {corpus.vocab_size} "
                         f"tokens, more than the model's vocabulary of {vocab}",
                         "prepare the data with the model's own tokenizer")
+    if corpus.vocab_size is not None:  # (no larger than the model's: checked above)
+        bound, what = corpus.vocab_size, "its tokenizer's vocabulary"
+        hint = f"the shard was altered after its index was written: remove {corpus.path} and {AGAIN}"
+    elif vocab is not None:
+        bound, what = vocab, "the model's vocabulary"
+        hint = "data made with another tokenizer, or --data-dtype uint16/uint32"
+    else:
+        return
     for split in corpus.splits.values():
         for shard in split.shards:
-            n = len(shard)
-            if not n:
-                continue
-            step = max(1, n // 16)
-            for start in sorted({0, *range(0, n, step), max(0, n - SAMPLE_TOKENS // 16)}):
-                block = np.asarray(shard[start:start + SAMPLE_TOKENS // 16])
-                bad = np.flatnonzero(block >= vocab)
-                if len(bad):
-                    name = getattr(shard, "filename", None) or corpus.path
-                    raise bad_value(where, corpus.path, f"token id {int(block[bad[0]])} at token {start + int(bad[0])} "
-                                    f"of {name} is not below the model's vocabulary of {vocab}",
-                                    "data made with another tokenizer, or --data-dtype uint16/uint32")
+            for start, size in _blocks(len(shard), full):
+                block = np.asarray(shard[start:start + size])
+                if not len(block) or block.max() < bound:
+                    continue
+                bad = int(np.flatnonzero(block >= bound)[0])
+                name = getattr(shard, "filename", None) or corpus.path
+                raise bad_value(where, corpus.path, f"token id {int(block[bad])} at token {start + bad} of {name} "
+                                f"is not below {what} of {bound}", hint)
 
 
 def open_tokens(path: str, dtype: str = "uint16", where: str = "--data") -> Corpus:

@@ -46,7 +46,7 @@ def _eos_from_config(directory: str) -> str | None:
     try:
         with open(path) as f:
             eos = json.load(f).get("eos_token")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if isinstance(eos, dict):
         eos = eos.get("content")

@@ -161,3 +161,39 @@ class TorchrunReport:
         """The held report, for when it says what no line of meshrun's can."""
         out, self.held = self.held, []
         return out
+
+
+_TIMED_OUT_LINE = re.compile(r"^rank (\d+): a collective waited ")
+_RANK_LINE = re.compile(r"^rank (\d+)\b")
+
+
+def timeout_line(rank: int, timeout_s: int, log_path: str | None) -> str:
+    """The line of a rank whose collective waited out the collective timeout: it knows that a
+    peer did not answer, not which one (``silent_line`` says that from the launcher)."""
+    return (f"rank {rank}: a collective waited {timeout_s} s (--collective-timeout) for a rank that did not answer"
+            + (f" (full log: {log_path})" if log_path else "")
+            + " (hint: a rank that stopped or hangs; a step slower than that, such as a long snapshot, needs a larger "
+              "--collective-timeout)")
+
+
+def timed_out_ranks(lines: list[str]) -> set[int]:
+    return {int(m.group(1)) for m in map(_TIMED_OUT_LINE.match, lines) if m}
+
+
+def ranks_named(lines: list[str]) -> set[int]:
+    """The ranks whose lines these are (``rank N ...``)."""
+    return {int(m.group(1)) for m in map(_RANK_LINE.match, lines) if m}
+
+
+def silent_line(silent: list[int], waited: list[int], timeout_s: int, log_dir: str | None) -> str:
+    """The line of a job whose ranks ``waited`` out a collective on ranks ``silent``: alive,
+    but neither in that collective nor failed (a loop that never ends, a deadlock, a stall
+    in I/O)."""
+    who = ", ".join(str(r) for r in sorted(silent))
+    line = (f"rank{'s' if len(silent) > 1 else ''} {who} stopped answering: rank"
+            f"{'s' if len(waited) > 1 else ''} {', '.join(str(r) for r in sorted(waited))} waited {timeout_s} s for it "
+            "in a collective (--collective-timeout); the job was ended")
+    if log_dir:
+        line += f" (full log: {log_dir}/rank-{min(silent)}.log)"
+    return line + (" (hint: the log's last lines say where it was; a step slower than the timeout, such as a long "
+                   "snapshot, needs a larger --collective-timeout)")

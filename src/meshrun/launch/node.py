@@ -88,11 +88,12 @@ class MasterProbe:
     while this node's launcher starts: ``reached`` once it answered, ``error`` (the one-line
     diagnosis: refused or unreachable, for how long) once the bound passed without that."""
 
-    def __init__(self, host: str, port: int, timeout_s: int, source: str) -> None:
+    def __init__(self, host: str, port: int, timeout_s: int, source: str, who: str = "") -> None:
         self.reached = False
         self.error: MeshrunError | None = None
         self.done = threading.Event()
         self._args = (host, port, timeout_s, source)
+        self.who = who
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
@@ -100,12 +101,16 @@ class MasterProbe:
             wait_reachable(*self._args)
             self.reached = True
         except MeshrunError as exc:
-            self.error = exc
+            self.error = MeshrunError(f"{self.who} did not come: {exc}") if self.who else exc
         finally:
             self.done.set()
 
     def wait(self) -> None:
         self.done.wait(self._args[2] + 30)  # its own bound, and the last connect's
+
+    def cancel(self) -> None:
+        """The job is being stopped (a signal): nobody waits for the verdict any more."""
+        self.done.set()
 
 
 class HeldUntilReached:
@@ -137,13 +142,28 @@ class HeldUntilReached:
         self.probe.wait()  # the launcher ended first (its own timeout): whose line is it?
         return self._gate(self.inner.close() if self.inner is not None else [])
 
+    def stopping(self) -> None:
+        """A signal stops the job: what the launcher says next is not held for the probe."""
+        self.probe.cancel()
+
 
 def master_probe(topo: Topology, cmd: Command, spec: LaunchSpec) -> MasterProbe | None:
-    """A probe on every process but node 0's first of a multi-node job."""
-    if topo.nnodes == 1 or not cmd.processes or (topo.node_rank == 0 and (topo.local_rank or 0) == 0):
+    """A probe on every process but node 0's first of a multi-node job, and on every worker
+    but the first of a job whose platform started one process per device (``srun
+    --ntasks-per-node=G``): rank 0 of such a job is another task, maybe not started at all."""
+    if not cmd.processes or (topo.node_rank == 0 and (topo.local_rank or 0) == 0):
+        return None
+    if topo.nnodes == 1 and topo.local_rank is None:  # this process starts every rank itself
         return None
     return MasterProbe(topo.master_addr, topo.master_port, rdzv_timeout_s(spec.rdzv_timeout),
-                       topo.source("master_addr"))
+                       topo.source("master_addr"), who=first_process(topo))
+
+
+def first_process(topo: Topology) -> str:
+    """Who listens on the rendezvous port: rank 0's process, named as its platform knows it."""
+    if topo.local_rank is not None:
+        return f"rank 0 (node 0's first {topo.platform} task or process)"
+    return f"node 0's meshrun ({topo.platform})"
 
 
 def run_job(cmd: Command, env: Mapping[str, str], topo: Topology, spec: LaunchSpec, report: Any = None,
@@ -168,7 +188,8 @@ def run_job(cmd: Command, env: Mapping[str, str], topo: Topology, spec: LaunchSp
 
     code = execute(cmd, env, watch=watch, abort=abort if probe is not None or stop_when is not None else None, **kw)
     if code and probe is not None:
-        probe.wait()
+        if code < 128:  # (a job ended by a signal says so; its probe's verdict would come later)
+            probe.wait()
         if probe.error is not None:
             raise probe.error
     if code and rdzv is not None and rdzv.timed_out:

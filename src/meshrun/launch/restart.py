@@ -6,17 +6,23 @@ trains, or writes snapshots, beside the workers of the attempt before it."""
 
 from __future__ import annotations
 
+import glob
 import os
+import signal
 import sys
+import time
 from typing import BinaryIO, Callable, Mapping
 
 from ..cluster.net import free_port
 from ..cluster.topology import Topology
 from ..errors import PREEMPTED, JobFailed, MeshrunError
 from .command import Command, LaunchSpec
-from .failure import ECHO_SUFFIX, TorchrunReport, parse_root_cause, signal_line
+from .failure import (ECHO_SUFFIX, TorchrunReport, parse_root_cause, ranks_named, signal_line, silent_line,
+                      timed_out_ranks)
 from .node import prepare_network, run_job
+from .run import NO_WAITS, Waits
 
+SETTLE_S = 5.0  # after a rank's collective timed out: how long the others may take to say they waited too
 RETRY_PORT_STRIDE = 1  # attempt k rendezvous on master_port + k: every node computes the same port
 
 
@@ -35,7 +41,9 @@ def attempt_topology(topo: Topology, attempt: int) -> Topology:
 def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topology]], env: Mapping[str, str],
                       max_restarts: int, rdzv_timeout: int | None, error_file: str,
                       preempt_file: str | None = None, preempt_signals: tuple[int, ...] = (),
-                      crash_file: str | None = None, log_dir: str | None = None) -> int:
+                      crash_file: str | None = None, log_dir: str | None = None,
+                      waits: Waits = NO_WAITS, ready_file: str | None = None,
+                      interrupt_file: str | None = None) -> int:
     """Run attempt 0, 1, ... of ``command(attempt)`` until one succeeds or ``max_restarts``
     restarts are spent; returns the last exit code. A rank that explains a bad input in
     ``error_file`` (the first line is the message) ends the job with that message: a restart
@@ -50,13 +58,24 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
     failure report, which is held back from the terminal and kept, with the rest of what
     torchrun said, in ``log_dir``/torchrun-node-N.log. The job is stopped as soon as a rank has
     written its line: the others would only wait on it in a collective. Once restarts are
-    spent the line ends the job as a JobFailed (exit code 1)."""
+    spent the line ends the job as a JobFailed (exit code 1).
+
+    ``waits`` bounds the waits for ranks (run.Waits). With ``ready_file`` (each rank writes
+    READY.RANK once past its rendezvous) and ``interrupt_file`` (rank 0's account of where
+    Ctrl-C stopped it), Ctrl-C ends the job in one line and code 130, and a stopping signal
+    during the rendezvous ends it at once: nothing the processes print after it reaches the
+    terminal (their tracebacks, torchrun's), all of it stays in ``log_dir``."""
     code = 0
-    said = [path for path in (error_file, preempt_file, crash_file) if path]
+    said = [path for path in (error_file, preempt_file, crash_file, interrupt_file) if path]
     echo_file = crash_file + ECHO_SUFFIX if crash_file else None
+    interrupted: list[int] = []
 
     def mute() -> bool:
-        return any(os.path.exists(path) for path in said)
+        return bool(interrupted) or any(os.path.exists(path) for path in said)
+
+    if ready_file and interrupt_file:
+        waits = Waits(waits.stall_s, waits.finish_s, lambda: bool(glob.glob(glob.escape(ready_file) + ".*")),
+                      interrupted.append)
 
     try:
         for attempt in range(max_restarts + 1):
@@ -67,12 +86,17 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
             cmd = prepare_network(topo, cmd, env, rdzv_timeout)
             log = _launcher_log(log_dir, topo.node_rank)
             report = TorchrunReport(log=log)
+            crashed = CrashWatch(crash_file, ready_file) if crash_file else None
             try:
                 code = run_job(cmd, env, topo, spec, report=report, mute_stderr=mute, to_workers=preempt_signals,
-                               stop_when=(lambda: os.path.exists(crash_file)) if crash_file else None)
+                               stop_when=crashed, waits=waits)
             finally:
                 if log is not None:
                     log.close()
+                for path in glob.glob(glob.escape(ready_file) + ".*") if ready_file else ():
+                    os.unlink(path)  # the next attempt has a rendezvous of its own
+            if interrupted:
+                return _interrupted(interrupted[0], interrupt_file)
             if preempt_file and os.path.exists(preempt_file):
                 with open(preempt_file) as f:
                     print(f"meshrun: {f.readline().strip()}", file=sys.stderr, flush=True)
@@ -84,7 +108,7 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
                     first = f.readline().strip()
                 if first:  # bad input or a non-finite loss
                     raise MeshrunError(first)
-            line = _failure_line(crash_file, echo_file, report, log_dir)
+            line = _failure_line(crash_file, echo_file, report, log_dir, crashed, waits.stall_s)
             if line is None:  # torchrun's report says what no line of ours can: shown as it is
                 for held in report.release():
                     sys.stderr.buffer.write(held)
@@ -101,6 +125,18 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
         for path in [*said, echo_file]:
             if path and os.path.exists(path):
                 os.unlink(path)
+
+
+def _interrupted(signum: int, interrupt_file: str | None) -> int:
+    """Say where a job ended on Ctrl-C (rank 0's line: the step and the last snapshot), or on
+    a stopping signal during start-up; return its exit code."""
+    if signum == signal.SIGINT:
+        line = _first_line(interrupt_file) or "interrupted during start-up"
+        print(f"meshrun: {line}", file=sys.stderr, flush=True)
+        return 128 + signum
+    print(f"meshrun: stopped by {signal.Signals(signum).name} during start-up, before the ranks' rendezvous "
+          "formed; nothing to snapshot, and the same command starts the job again", file=sys.stderr, flush=True)
+    return PREEMPTED
 
 
 def _launcher_log(log_dir: str | None, node_rank: int) -> BinaryIO | None:
@@ -120,11 +156,56 @@ def _first_line(path: str | None) -> str | None:
         return f.readline().strip() or None
 
 
+class CrashWatch:
+    """``stop_when`` of a job whose ranks write their one line to ``crash_file``: a rank's
+    error stops the job at once. A collective that timed out does so once every rank of
+    this node that passed its rendezvous (``ready_file``.RANK) has said that it waited too
+    (a timeout, or the peer-gone echo of one), or SETTLE_S later: a rank that said nothing by
+    then is the one that stopped answering."""
+
+    def __init__(self, crash_file: str, ready_file: str | None) -> None:
+        self.crash_file, self.echo_file, self.ready_file = crash_file, crash_file + ECHO_SUFFIX, ready_file
+        self.ready: set[int] = set()  # the ranks of this node past their rendezvous
+        self.first_timeout: float | None = None
+
+    def __call__(self) -> bool:
+        if self.ready_file:
+            self.ready |= {int(p.rpartition(".")[2]) for p in glob.glob(glob.escape(self.ready_file) + ".*")
+                           if p.rpartition(".")[2].isdigit()}
+        lines = _lines(self.crash_file)
+        if not lines:
+            return False
+        if len(timed_out_ranks(lines)) < len(lines):  # a rank's own error
+            return True
+        if self.first_timeout is None:
+            self.first_timeout = time.monotonic()
+        return not self.silent() or time.monotonic() - self.first_timeout >= SETTLE_S
+
+    def waited(self) -> set[int]:
+        return timed_out_ranks(_lines(self.crash_file))
+
+    def silent(self) -> set[int]:
+        """The ranks of this node that neither waited nor failed."""
+        return self.ready - ranks_named(_lines(self.crash_file) + _lines(self.echo_file))
+
+
+def _lines(path: str | None) -> list[str]:
+    if not path or not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
 def _failure_line(crash_file: str | None, echo_file: str | None, report: TorchrunReport,
-                  log_dir: str | None) -> str | None:
-    """The one line of a failed attempt: a rank's own account of its exception, else
-    torchrun's root cause (the rank and the signal or exit code it died of), else the line of
-    a rank that saw another go; None when nothing says anything."""
+                  log_dir: str | None, crashed: CrashWatch | None = None, timeout_s: float | None = None) -> str | None:
+    """The one line of a failed attempt: the rank that stopped answering when the others'
+    collectives timed out on it, else a rank's own account of its exception, else torchrun's
+    root cause (the rank and the signal or exit code it died of), else the line of a rank
+    that saw another go; None when nothing says anything."""
+    if crashed is not None and timeout_s is not None and crashed.waited() and crashed.silent():
+        lines = _lines(crash_file)
+        if len(crashed.waited()) == len(lines):
+            return silent_line(sorted(crashed.silent()), sorted(crashed.waited()), int(timeout_s), log_dir)
     first = _first_line(crash_file)
     if first:
         return first

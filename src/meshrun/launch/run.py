@@ -28,6 +28,11 @@ of its own, so a signal to torchrun's group never reaches them; torchrun would d
 30 s later, while a snapshot may take longer. So meshrun signals torchrun's children, each
 one alone: the worker stops after a step, writes its snapshot and exits, and torchrun sees it
 exit.
+
+Every wait on ranks is bounded (``Waits``, liveness.py): a rank of this node stopped (state T)
+for the collective timeout, or ranks still running the finish timeout after another finished,
+end the job with one line naming them; a stopping signal ends the job at once while a rank is
+stopped, or while the ranks are still in their rendezvous, where none can stop at a step.
 """
 
 from __future__ import annotations
@@ -40,13 +45,17 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from ..errors import MeshrunError
+from ..errors import JobFailed, MeshrunError
 from . import early, guard
 from .command import Command
+from .liveness import RankWatch, children
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # signals that end a job (the others warn it)
+INTERRUPT_GRACE_S = 10.0  # after Ctrl-C: how long the workers have to exit before they are killed
 WORKER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # ignored by launchers, sent to their workers
 INSTALL_HINT = {
     "torchrun": "pip install torch",
@@ -90,23 +99,6 @@ LAUNCHERS = ("torchrun", "accelerate", "deepspeed")  # programs whose children a
 
 def is_launcher(argv: list[str]) -> bool:
     return os.path.basename(argv[0]) in LAUNCHERS
-
-
-def children(pid: int) -> list[int]:
-    """The live processes whose parent is ``pid``, read from /proc."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        fields = stat.rpartition(")")[2].split()  # after "pid (command name)": state, ppid, ...
-        if len(fields) > 1 and fields[1] == str(pid):
-            out.append(int(name))
-    return out
 
 
 def catches(pid: int, sig: int) -> bool:
@@ -200,9 +192,41 @@ def _relay_stderr(proc: subprocess.Popen, mute: Callable[[], bool] | None, watch
     return thread
 
 
+@dataclass(frozen=True)
+class Waits:
+    """The bounds and hooks of a job's waits (all optional).
+
+    ``stall_s``: a rank of this node stopped (state T) this long ends the job with a line
+    naming it (the collective timeout: its peers give up then too). ``finish_s``: ranks still
+    running this long after another rank of this node finished are named and stopped.
+    ``ready``: whether the ranks are past their rendezvous; before that a stopping signal
+    ends the job at once (no rank can stop at a step, none has a snapshot to write).
+    ``on_interrupt``: called with the signal when the job ends on SIGINT, or on a stopping
+    signal before ``ready``; SIGINT then goes to the workers alone (not to a launcher, which
+    would print its own traceback), and the caller says the one line."""
+
+    stall_s: float | None = None
+    finish_s: float | None = None
+    ready: Callable[[], bool] | None = None
+    on_interrupt: Callable[[int], None] | None = None
+
+
+NO_WAITS = Waits()
+
+
+class _Ending:
+    """Set by the signal handler or the loop: the job must end now, and why."""
+
+    def __init__(self) -> None:
+        self.kill_now = False
+        self.code = 1
+        self.line: str | None = None
+
+
 def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
             mute_stderr: Callable[[], bool] | None = None, watch: object | None = None,
-            to_workers: tuple[int, ...] = (), abort: Callable[[], bool] | None = None) -> int:
+            to_workers: tuple[int, ...] = (), abort: Callable[[], bool] | None = None,
+            waits: Waits = NO_WAITS) -> int:
     """Run the command; returns the job's exit code.
 
     ``mute_stderr``: when given, the children's stderr is relayed through this process and
@@ -213,7 +237,10 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
     grace period: the workers end on their own once their snapshot is written, and whatever
     sent the signal enforces its own deadline.
     ``abort``: checked at every tick; once it holds, the job is killed and ends with code 1
-    (the caller says why: node 0's port never answered)."""
+    (the caller says why: node 0's port never answered), or with a JobFailed naming a rank
+    of this node found stopped: the rank whose silence made its peers fail.
+    ``waits``: the bounds on waits for ranks (see Waits); a bound that passes ends the job
+    with a JobFailed whose line names the ranks."""
     for path, text in cmd.files.items():
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
@@ -228,8 +255,20 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
 
     workers = WorkerSignals(procs, argvs)
     relays: list[threading.Thread] = []
+    ranks = RankWatch(procs, [is_launcher(a) for a in argvs], waits.stall_s, waits.finish_s)
+    ending = _Ending()
 
     def forward(signum: int, _frame: object) -> None:
+        if signum in STOPPING and hasattr(watch, "stopping"):
+            watch.stopping()  # type: ignore[union-attr]
+        if signum in STOPPING and _ends_now(signum, ranks, waits, ending):
+            return
+        if signum == signal.SIGINT and waits.on_interrupt is not None:
+            waits.on_interrupt(signum)
+            workers.note(signum)
+            if not stopping_since:
+                stopping_since.append(time.monotonic() - grace_s + INTERRUPT_GRACE_S)
+            return
         if signum in to_workers:
             workers.note(signum)
             return
@@ -252,10 +291,13 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
         relays = [_relay_stderr(p, mute_stderr, watch) for p in procs] if (mute_stderr or watch) else []
         for sig in early.take():  # came while meshrun was starting: passed on now
             forward(sig, None)
-        return _supervise(procs, stopping_since, grace_s, workers, abort)
+        code = _supervise(procs, stopping_since, grace_s, workers, abort, ranks, ending)
+        if ending.line is not None:
+            raise JobFailed(ending.line)
+        return code
     finally:
-        # a job stopped on ``abort`` leaves workers behind by design: no line for them
-        _end_job(procs, token, watchdog, relays, quiet=abort is not None and abort())
+        # a job stopped on ``abort``, or ended at once, leaves workers behind by design: no line for them
+        _end_job(procs, token, watchdog, relays, quiet=ending.kill_now or (abort is not None and abort()))
         for s, h in previous.items():
             signal.signal(s, h)
 
@@ -330,30 +372,64 @@ class _Waiter:
         os.close(self.write_fd)
 
 
+def _ends_now(signum: int, ranks: RankWatch, waits: Waits, ending: _Ending) -> bool:
+    """Whether a stopping signal ends the job at once, not after the workers stop: a rank is
+    stopped (it can stop at no step, and its peers wait on it), or the ranks are still in their
+    rendezvous (there is nothing to snapshot, and a worker waiting there does not see it)."""
+    line = ranks.stopped_line(f"the job was ended on {signal.Signals(signum).name}")
+    if line is not None:
+        ending.line = line
+    elif waits.ready is not None and not waits.ready():
+        if waits.on_interrupt is not None:
+            waits.on_interrupt(signum)
+        ending.code = 128 + signum
+    else:
+        return False
+    ending.kill_now = True
+    return True
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
 def _supervise(procs: list[subprocess.Popen], stopping_since: list[float], grace_s: float,
-               workers: WorkerSignals, abort: Callable[[], bool] | None = None) -> int:
+               workers: WorkerSignals, abort: Callable[[], bool] | None, ranks: RankWatch, ending: _Ending) -> int:
     waiter = _Waiter(procs)
     try:
-        return _supervise_loop(procs, stopping_since, grace_s, workers, abort, waiter)
+        return _supervise_loop(procs, stopping_since, grace_s, workers, abort, waiter, ranks, ending)
     finally:
         waiter.close()
 
 
 def _supervise_loop(procs: list[subprocess.Popen], stopping_since: list[float], grace_s: float,
-                    workers: WorkerSignals, abort: Callable[[], bool] | None, waiter: _Waiter) -> int:
+                    workers: WorkerSignals, abort: Callable[[], bool] | None, waiter: _Waiter,
+                    ranks: RankWatch, ending: _Ending) -> int:
     first_failure: int | None = None
     while True:
+        if not ending.kill_now and first_failure is None:
+            ending.line = ranks.tick()
+            ending.kill_now = ending.line is not None
+        if ending.kill_now:
+            _kill_all(procs)
+            return ending.code
         if abort is not None and abort():
-            for p in procs:
-                if p.poll() is None:
-                    _signal_group(p, signal.SIGKILL)
-                    p.wait()
+            ending.line = ranks.stopped_line()
+            _kill_all(procs)
             return 1
         if workers.signals:
             workers.deliver()
         codes = [p.poll() for p in procs]
         for code in codes:
             if code not in (None, 0) and first_failure is None:
+                ending.line = ranks.stopped_line()  # a rank stopped: its peers died waiting on it (NCCL's abort)
+                if ending.line is not None:
+                    ending.kill_now = True
+                    _kill_all(procs)
+                    return 1
                 first_failure = exit_code(code)
                 if len(procs) > 1:
                     print(f"meshrun: a process exited with code {first_failure}; stopping the others",

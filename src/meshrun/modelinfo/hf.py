@@ -82,8 +82,8 @@ def weight_files(directory: str) -> tuple[str, ...]:
         try:
             with open(index) as f:
                 names = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise bad_value(index, "", f"not a safetensors index ({type(exc).__name__})",
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise bad_value("--model", index, f"is not a safetensors index ({type(exc).__name__})",
                             "save the model again with save_pretrained") from None
         missing = [n for n in names if not os.path.isfile(os.path.join(directory, n))]
         if missing:

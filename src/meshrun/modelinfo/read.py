@@ -48,6 +48,9 @@ def from_hf_config(path: str, where: str = "--model") -> ModelSpec:
             cfg = json.load(f)
     except (OSError, ValueError) as exc:
         raise bad_value(where, path, f"cannot read it as JSON ({exc})".replace("\n", " ")) from None
+    except RecursionError:  # json's parser recurses once per nesting level
+        raise bad_value(where, path, "cannot read it as JSON (it nests deeper than the parser allows)",
+                        "give a model's config.json") from None
     if not isinstance(cfg, dict):
         raise bad_value(where, path, "is not a JSON object")
     hidden = _need(cfg, path, "hidden_size", "n_embd", "d_model")

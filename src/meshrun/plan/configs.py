@@ -117,30 +117,26 @@ def train_config(plan: Plan, c: Candidate, m: ModelSpec) -> dict[str, Any]:
 
 
 def write_all(plan: Plan, out_dir: str) -> list[str]:
-    """Write the recommended candidate's files into out_dir; returns their paths."""
+    """Write the recommended candidate's files into out_dir, all three or none (meshrun.fsio:
+    a full disk leaves the files there unchanged); returns their paths."""
     import json
     import os
 
     import yaml
 
+    from ..fsio import write_files
+
     c = plan.recommended
     if c is None:
         return []
-    os.makedirs(out_dir, exist_ok=True)
-    paths = []
-    ds = os.path.join(out_dir, "ds_config.json")
-    with open(ds, "w") as f:
-        json.dump(ds_config(plan, _zero_equivalent(plan, c)), f, indent=2)
-    paths.append(ds)
-    acc = os.path.join(out_dir, "accelerate.yaml")
-    with open(acc, "w") as f:
-        yaml.safe_dump(accelerate_config(plan, c, ds), f, sort_keys=False)
-    paths.append(acc)
-    tr = os.path.join(out_dir, "train.yaml")
-    with open(tr, "w") as f:
-        yaml.safe_dump(train_config(plan, c, plan.model), f, sort_keys=False)
-    paths.append(tr)
-    return paths
+    ds, acc, tr = (os.path.join(out_dir, name) for name in ("ds_config.json", "accelerate.yaml", "train.yaml"))
+    files = {
+        ds: json.dumps(ds_config(plan, _zero_equivalent(plan, c)), indent=2),
+        acc: yaml.safe_dump(accelerate_config(plan, c, ds), sort_keys=False),
+        tr: yaml.safe_dump(train_config(plan, c, plan.model), sort_keys=False),
+    }
+    write_files(files, source="--write")
+    return list(files)
 
 
 def _zero_equivalent(plan: Plan, c: Candidate) -> Candidate:

@@ -81,6 +81,7 @@ class TrainConfig:
     out: str | None = None
     save_every: int = 100  # with --out: snapshot every N steps (and at the end); 0: only at the end
     keep_last: int = 3  # committed snapshots to keep (0: all)
+    collective_timeout: int = 300  # seconds a collective (or the process group's start) waits for a peer
     resume: str = "auto"  # auto (newest snapshot in OUT/checkpoints), none, or a snapshot path
     async_save: bool = False  # write snapshots in the background while training continues
     deterministic: bool = False  # deterministic kernels: bit-identical reruns and resumes
@@ -313,10 +314,20 @@ def load_file(path: str) -> dict[str, Any]:
 
 
 def _unique_key_loader(yaml: Any) -> Any:
-    """PyYAML's safe loader, except that a key given twice in one mapping is refused: the
-    plain loader keeps the last value without a word, silently dropping a setting."""
+    """PyYAML's safe loader, except that a key given twice in one mapping is refused (the
+    plain loader keeps the last value without a word, silently dropping a setting), and so
+    is any anchor (&) or alias (*): a config of flag values needs none, and aliases nested
+    in aliases ("billion laughs") expand a few lines into gigabytes."""
 
     class UniqueKeyLoader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                line = event.start_mark.line + 1
+                raise bad_value("--config", self.name, f"uses a YAML anchor or alias (line {line})",
+                                "write each value out: meshrun config files take no & anchors or * aliases")
+            return super().compose_node(parent, index)
+
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             seen = set()
             for key_node, _ in node.value:

@@ -65,8 +65,8 @@ class PackedTokens(Dataset):
     target of a document's last token (the next document's first) is ignored (-100): the
     model attends and predicts within documents only."""
 
-    def __init__(self, split: Any, seq_len: int, document_mask: bool = False) -> None:
-        self.split, self.seq_len, self.document_mask = split, seq_len, document_mask
+    def __init__(self, split: Any, seq_len: int, document_mask: bool = False, vocab: int | None = None) -> None:
+        self.split, self.seq_len, self.document_mask, self.vocab = split, seq_len, document_mask, vocab
 
     def __len__(self) -> int:
         return max(0, (len(self.split) - 1) // self.seq_len)
@@ -74,6 +74,11 @@ class PackedTokens(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         start = i * self.seq_len
         window = torch.from_numpy(self.split.window(start, self.seq_len + 1).astype("int64"))
+        if self.vocab is not None and int(window.max()) >= self.vocab:  # (a corpus too large to read whole first)
+            bad = int(torch.nonzero(window >= self.vocab)[0])
+            raise MeshrunError(f"token id {int(window[bad])} at token {start + bad} of the corpus is not below the "
+                               f"model's vocabulary of {self.vocab} (hint: data made with another tokenizer, or "
+                               "altered after it was prepared)")
         x, y = window[:-1], window[1:].clone()
         if not self.document_mask:
             return x, y
@@ -99,8 +104,8 @@ def corpus_splits(path: str, seq_len: int, document_mask: bool, dtype: str = "ui
         raise MeshrunError(f"--document-mask: {path} records no document boundaries (flat token files) "
                            "(hint: prepare the corpus with meshrun data prepare)")
     val = corpus.splits.get("val")
-    return (PackedTokens(corpus.splits["train"], seq_len, document_mask),
-            PackedTokens(val, seq_len, document_mask) if val is not None and len(val) > seq_len else None)
+    return (PackedTokens(corpus.splits["train"], seq_len, document_mask, vocab),
+            PackedTokens(val, seq_len, document_mask, vocab) if val is not None and len(val) > seq_len else None)
 
 
 class RandomTokens(Dataset):

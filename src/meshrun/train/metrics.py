@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ..errors import MeshrunError
+
 # Dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets; sparsity excluded).
 PEAK_BF16 = (
     ("H200", 989.4e12),
@@ -121,7 +123,11 @@ class MetricsSink:
             return
         if out:
             os.makedirs(out, exist_ok=True)
-            self.jsonl = open(os.path.join(out, "metrics.jsonl"), "a", buffering=1)
+            path = os.path.join(out, "metrics.jsonl")
+            if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would hang the run here
+                raise MeshrunError(f"--out={out!r}: {path} is not a regular file, where the run appends its "
+                                   "metrics (hint: move it away, or give another --out)")
+            self.jsonl = open(path, "a", buffering=1)
             try:
                 # tensorboard imports TensorFlow where it is installed, whose C++ log lines say
                 # nothing about this run
@@ -165,8 +171,27 @@ class MetricsSink:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
-        if self.out:
-            plot_losses(self.records, os.path.join(self.out, "loss.png"))
+        if self.out and self.records:  # the whole run's curve, earlier attempts' steps included
+            plot_losses(read_records(os.path.join(self.out, "metrics.jsonl")) or self.records,
+                        os.path.join(self.out, "loss.png"))
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, a step's latest record where a restart logged it again
+    (a line cut short by a kill is skipped)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(record, dict) and isinstance(record.get("step"), int):
+                    by_step[record["step"]] = record
+    except OSError:
+        return []
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def _fmt(key: str, value: Any) -> str:

@@ -24,17 +24,60 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, fused: boo
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused and not mixed)
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup to 1 over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+Schedule = tuple[tuple[int, int], ...]  # (from step, to step) pieces; the first is (0, --steps)
+
+
+def lr_factor(step: int, warmup: int, schedule: Schedule | int, min_ratio: float) -> float:
+    """Linear warmup to 1 over ``warmup`` steps, then cosine decay to ``min_ratio`` at the end of
+    the first piece of ``schedule`` (an int: one piece, ``(0, total)``). Each later piece
+    ``(start, end)``, made when a resume changed --steps, decays by a cosine from the factor
+    the schedule had reached at ``start`` to ``min_ratio`` at ``end``: the learning rate goes on
+    from where it was, never back up (docs/decisions.md#lr-schedule-resume)."""
+    pieces = ((0, schedule),) if isinstance(schedule, int) else schedule
+    total = pieces[0][1]
     if warmup and step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    factor = _cosine(1.0, min_ratio, step - warmup, total - warmup)
+    for i, (start, end) in enumerate(pieces[1:], 1):
+        if step < start:
+            break
+        factor = _cosine(lr_factor(start, warmup, pieces[:i], min_ratio), min_ratio, step - start, end - start)
+    return factor
 
 
-def build_scheduler(opt: torch.optim.Optimizer, warmup: int, total: int,
-                    min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, total, min_ratio))
+def _cosine(high: float, low: float, done: int, length: int) -> float:
+    progress = min(1.0, done / max(1, length))
+    return low + (high - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def extend_schedule(schedule: Schedule, step: int, steps: int, warmup: int) -> Schedule:
+    """The schedule of a run resumed at ``step`` with ``--steps steps``: unchanged when it
+    already ends there; else a new piece from ``step`` (within the warmup, the first piece's
+    length changes instead: the warmup does not depend on it)."""
+    if schedule[-1][1] == steps:
+        return schedule
+    if step <= warmup and len(schedule) == 1:
+        return ((0, steps),)
+    return (*schedule, (step, steps))
+
+
+def build_scheduler(opt: torch.optim.Optimizer, warmup: int, schedule: Schedule | int, min_ratio: float,
+                    step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The scheduler, placed at ``step`` (a resume's): the learning rate set from the schedule
+    directly, not by replaying ``step()``s, which torch warns about before an optimizer step."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, schedule, min_ratio))
+    if step:
+        sched.last_epoch = step
+        lrs = []
+        for group, base in zip(opt.param_groups, sched.base_lrs):
+            lr = base * lr_factor(step, warmup, schedule, min_ratio)
+            if torch.is_tensor(group["lr"]):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+            lrs.append(lr)
+        sched._last_lr = lrs  # what get_last_lr() returns
+    return sched
 
 
 def create_state(opt: torch.optim.Optimizer) -> None:

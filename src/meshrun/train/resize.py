@@ -28,7 +28,7 @@ def keep_global_batch(cfg: TrainConfig, path: str | None, dp: int) -> tuple[Trai
         saved_dp = int(state["world_size"]) // (saved.get("tp", 1) * saved.get("pp", 1) * saved.get("cp", 1))
         micro = int(saved["micro_batch"])
         batch = int(saved.get("global_batch") or micro * saved_dp)
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, RecursionError):
         return cfg, None  # loading it reports what is wrong with it
     if saved_dp == dp or saved_dp < 1 or micro < 1 or batch % (micro * saved_dp):
         return cfg, None

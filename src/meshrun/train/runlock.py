@@ -12,6 +12,11 @@ processes it started still write there. flock decides; the file's text only info
 refusal (a holder on another host sharing the directory is named by its host). The file is
 never removed: removing it would let a run lock a new file while another still holds the old one.
 
+The directory snapshots are written to is locked the same way, flock on the directory itself
+(its real path; nothing is added to it): a ``checkpoints`` that is a symlink into another run's
+directory is refused while that run lives, instead of taking over its snapshots. A name in
+OUT of the wrong kind (a directory at ``.meshrun.lock``) is a one-line refusal.
+
 Torch-free: the CLI takes it before launching anything.
 """
 
@@ -22,13 +27,15 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from types import TracebackType
 
-from ..errors import MeshrunError
+from ..errors import MeshrunError, bad_value
 
 LOCK_NAME = ".meshrun.lock"
+CHECKPOINTS = "checkpoints"  # outdir.CHECKPOINTS
 
 
 class OutputLock:
@@ -39,43 +46,44 @@ class OutputLock:
         self.source = source  # where OUT came from, for the refusal
         self.path = os.path.join(out, LOCK_NAME)
         self.fd: int | None = None
+        self.snapshots_fd: int | None = None  # the lock inside OUT/checkpoints, by its real path
+        self.snapshots_dir: str | None = None
 
     def acquire(self) -> None:
-        """Take OUT (creating it) or raise MeshrunError naming the run that holds it."""
+        """Take OUT (creating it), and the checkpoints directory it has, or raise MeshrunError
+        naming the run that holds either."""
         os.makedirs(self.out, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # (not inherited by the workers)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = _read_holder(fd)
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise MeshrunError(self._held_message(holder)) from None
-            # A filesystem without locks (some NFS mounts): run unguarded, and say so.
-            print(f"meshrun: warning: cannot lock {self.path} ({os.strerror(exc.errno or 0)}): a second run on "
-                  f"{self.out} would not be refused", file=sys.stderr, flush=True)
+        fd = _open_lock(self.path, self.source, self.out)
+        if fd is None:
             return
         self.fd = fd
-        record = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-        try:  # shared from here on, so that the workers can join (not atomic: checked)
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            self.fd = None
-            raise MeshrunError(self._held_message(_read_holder_at(self.path))) from None
+        if os.path.isdir(os.path.join(self.out, CHECKPOINTS)):
+            self.hold_snapshots()
 
-    def _held_message(self, holder: dict[str, object]) -> str:
-        host, pid = holder.get("host", "?"), holder.get("pid", "?")
-        since = f", since {holder['started']}" if holder.get("started") else ""
-        if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
-            since += ", gone, but training processes it started still run"
-        return (f"{self.source}={self.out!r}: another meshrun train holds this directory (host {host}, pid {pid}"
-                f"{since}; lock {self.path}) (hint: wait for that run to end or stop it, or give another --out)")
+    def hold_snapshots(self) -> None:
+        """Lock the directory snapshots go to, by its real path (made when missing): call again
+        after --overwrite moved the earlier one aside."""
+        root = os.path.join(self.out, CHECKPOINTS)
+        if not os.path.lexists(root):
+            os.makedirs(root)
+        if not os.path.isdir(root):
+            raise bad_value(self.source, self.out, f"{root} is not a directory, where the run keeps its snapshots",
+                            "move it away, or give another --out")
+        real = os.path.realpath(root)
+        if self.snapshots_fd is not None and self.snapshots_dir == real and _same(self.snapshots_fd, real):
+            return
+        self._release_snapshots()
+        self.snapshots_fd = _lock_dir(real, self.source, self.out, root)
+        self.snapshots_dir = real
+
+    def _release_snapshots(self) -> None:
+        if self.snapshots_fd is not None:
+            fcntl.flock(self.snapshots_fd, fcntl.LOCK_UN)
+            os.close(self.snapshots_fd)
+            self.snapshots_fd = None
 
     def release(self) -> None:
+        self._release_snapshots()
         if self.fd is not None:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
@@ -89,14 +97,95 @@ class OutputLock:
         self.release()
 
 
-def share(out: str) -> None:
-    """A training process's share of OUT's lock, held until the process exits: while any
-    process of a run writes in OUT, no other run takes it. Raises MeshrunError when another
-    run holds OUT exclusively; a filesystem without locks is left unguarded."""
-    path = os.path.join(out, LOCK_NAME)
+def _open_lock(path: str, source: str, out: str, where: str | None = None) -> int | None:
+    """Open and lock ``path``: exclusively, then shared, with this process's record in it.
+    None on a filesystem without locks (said once on stderr)."""
     try:
-        os.makedirs(out, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # (not inherited by the workers)
+    except OSError as exc:
+        raise bad_value(source, out, f"its lock file {path} cannot be opened ({exc.strerror})",
+                        "move that name away, or give another --out") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise bad_value(source, out, f"its lock file {path} is not a regular file", "move it away")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = _read_holder(fd)
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise MeshrunError(held_message(source, out, path, holder, where)) from None
+        # A filesystem without locks (some NFS mounts): run unguarded, and say so.
+        print(f"meshrun: warning: cannot lock {path} ({os.strerror(exc.errno or 0)}): a second run on "
+              f"{out} would not be refused", file=sys.stderr, flush=True)
+        return None
+    record = {"host": socket.gethostname(), "pid": os.getpid(),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    try:  # shared from here on, so that the workers can join (not atomic: checked)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise MeshrunError(held_message(source, out, path, _read_holder_at(path), where)) from None
+    return fd
+
+
+def _same(fd: int, path: str) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _lock_dir(real: str, source: str, out: str, where: str) -> int | None:
+    """flock the directory ``real`` exclusively, then shared (the workers share it). Its
+    holder is named from the lock of the run directory it sits in, where that is one."""
+    fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            holder = _read_holder_at(os.path.join(os.path.dirname(real), LOCK_NAME))
+            raise MeshrunError(held_message(source, out, real, holder, where)) from None
+        return None  # a filesystem without locks: OUT's own lock said so already
+    return fd
+
+
+def held_message(source: str, out: str, path: str, holder: dict[str, object], where: str | None = None) -> str:
+    host, pid = holder.get("host", "?"), holder.get("pid", "?")
+    since = f", since {holder['started']}" if holder.get("started") else ""
+    if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+        since += ", gone, but training processes it started still run"
+    what = (f"its snapshot directory {where} (really {path}) is another meshrun train's" if where
+            else "another meshrun train holds this directory")
+    lock = "" if where else f"; lock {path}"
+    return (f"{source}={out!r}: {what} (host {host}, pid {pid}{since}{lock}) (hint: wait for that run to "
+            "end or stop it, or give another --out" + (" with a checkpoints directory of its own" if where else "")
+            + ")")
+
+
+def share(out: str) -> None:
+    """A training process's share of OUT's lock and of its checkpoints directory's, held until
+    the process exits: while any process of a run writes there, no other run takes them.
+    Raises MeshrunError when another run holds one exclusively; a filesystem without locks is
+    left unguarded."""
+    _share(os.path.join(out, LOCK_NAME), out)
+    root = os.path.join(out, CHECKPOINTS)
+    if os.path.isdir(root):
+        _share(os.path.realpath(root), out, root)
+
+
+def _share(path: str, out: str, where: str | None = None) -> None:
+    try:
+        if where:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
         return  # (the run reports an unwritable OUT where it writes)
     try:
@@ -104,7 +193,8 @@ def share(out: str) -> None:
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise MeshrunError(OutputLock(out)._held_message(_read_holder_at(path))) from None
+            holder = _read_holder_at(os.path.join(os.path.dirname(path), LOCK_NAME) if where else path)
+            raise MeshrunError(held_message("--out", out, path, holder, where)) from None
         return
     _SHARED.append(fd)  # open, and so locked, until the process exits
 

@@ -37,13 +37,19 @@ class Runtime:
 
 
 def init_runtime(timeout_s: float = 600) -> Runtime:
-    """NCCL with one GPU per process (from LOCAL_RANK) when CUDA is there, else gloo on CPU."""
+    """NCCL with one GPU per process (from LOCAL_RANK) when CUDA is there, else gloo on CPU.
+
+    ``timeout_s`` bounds every wait for a peer: the rendezvous store's, and each collective's
+    (gloo raises in the waiting rank; NCCL's watchdog aborts the process, which
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=3 asks for unless the user set it: a rank that stopped
+    answering then ends the job instead of hanging it)."""
     if "RANK" not in os.environ:  # a plain `python train.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world, local_world = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     if torch.cuda.is_available():
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"

@@ -31,7 +31,7 @@ from .factories import vocab_size
 from .data import BatchStream, LoaderSpec, make_loader, val_micro
 from .kernels.liger import liger_applies
 from .metrics import MetricsSink, ReadCost, flops_per_token, mfu, peak_flops, read_cost_line
-from .optim import build_scheduler
+from .optim import Schedule, build_scheduler, extend_schedule, lr_factor
 from .outdir import RUN_ID_ENV
 from .parallel.apply import parallelize
 from .parallel.auto import Choice, decide
@@ -91,7 +91,8 @@ class Trainer:
                 print(f"meshrun train: {line}", flush=True)
         self.accum = cfg.accumulation(dp)
         self.layout = parallelize(model, cfg, rt, self.choice, self.accum, self.bf16, weights)
-        self.scheduler = build_scheduler(self.layout.optimizer, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+        self.schedule: Schedule = ((0, cfg.steps),)  # a resume may add pieces (restore)
+        self.scheduler = build_scheduler(self.layout.optimizer, cfg.warmup_steps, self.schedule, cfg.min_lr_ratio)
         self.train_data = train_data
         self.loader_spec = LoaderSpec(cfg.micro, self.dp_rank, self.dp_size, cfg.seed, pin_memory=rt.cuda)
         self.train_loader = make_loader(train_data, self.loader_spec)
@@ -239,8 +240,15 @@ class Trainer:
         records (other ranks: []). A preemption signal (``preempt.install()``) stops every
         rank after the same step, with a snapshot and a log line of that step, and raises
         ``preempt.Preempted``."""
-        data = fit_micro_batch(self, self.restore())  # (a micro-batch of meshrun's may be halved: batchfit.py)
         cfg, rt = self.cfg, self.rt
+        stream = self.restore()
+        if self.step >= cfg.steps:  # a finished run run again: its files stay as they were
+            if rt.is_main:
+                print(f"meshrun train: already at step {self.step}"
+                      + (f" of {cfg.steps}" if self.step == cfg.steps else f", past --steps {cfg.steps}")
+                      + "; nothing to do (hint: pass a larger --steps to train on)", flush=True)
+            return []
+        data = fit_micro_batch(self, stream)  # (a micro-batch of meshrun's may be halved: batchfit.py)
         sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main)
         if rt.is_main:
             print(self.describe(), flush=True)
@@ -259,7 +267,7 @@ class Trainer:
                 log = step % cfg.log_every == 0 or last or stop
                 if not (log or snapshot or step % FINITE_CHECK_EVERY == 0):
                     continue
-                self.layout.check_finite(self.step)  # a host sync: the device has done the steps so far
+                self._check_finite()  # a host sync: the device has done the steps so far
                 trained = time.perf_counter() - start - paused
                 extra: dict[str, Any] = {}
                 if snapshot and self.checkpoint_root:
@@ -299,6 +307,7 @@ class Trainer:
             return None
         if cfg.resume != "auto":
             if os.path.isfile(os.path.join(cfg.resume, checkpoint.MARKER)):
+                checkpoint.check_name(cfg.resume)
                 return cfg.resume
             found = checkpoint.latest(cfg.resume) if os.path.isdir(cfg.resume) else None
             if found is None:
@@ -325,17 +334,45 @@ class Trainer:
             costs: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(costs, cost.took())
             self.step = position.step
-            for _ in range(position.step):  # the schedule is a pure function of the step
-                self.scheduler.step()
             if rt.is_main:
                 print(f"meshrun train: resumed from {path} at step {position.step} (epoch {position.epoch}, "
                       f"{position.samples} samples into it; saved on {saved_world} rank(s); read in "
                       f"{read_cost_line(costs)})", flush=True)
+            self._place_schedule(position)
         if position.samples and not hasattr(self.train_loader.sampler, "set_start"):  # iterable data
             self.loader_skip = position.samples // self.dp_size
             self.train_loader = make_loader(self.train_data, self.loader_spec, skip=self.loader_skip)
             position = Position(position.step, position.epoch, 0)
         return BatchStream(self.train_loader, self.cfg.micro, self.dp_size, position.epoch, position.samples)
+
+    def _place_schedule(self, position: Position) -> None:
+        """The learning rate at a resumed step: a pure function of the step and of the
+        schedule the snapshot records; a --steps that differs from where that schedule ends
+        adds a piece that goes on from the current rate (optim.lr_factor), said in one line."""
+        cfg = self.cfg
+        saved = position.schedule or ((0, cfg.steps),)
+        self.schedule = extend_schedule(saved, position.step, cfg.steps, cfg.warmup_steps)
+        if self.schedule != saved and position.step < cfg.steps and self.rt.is_main:
+            lr, floor = (cfg.lr * lr_factor(position.step, cfg.warmup_steps, self.schedule, cfg.min_lr_ratio),
+                         cfg.lr * cfg.min_lr_ratio)
+            goes = (f"stays at its floor {floor:.3g} through step {cfg.steps}" if lr <= floor * (1 + 1e-6) else
+                    f"goes on from {lr:.3g} and decays to {floor:.3g} at step {cfg.steps}")
+            print(f"meshrun train: --steps {cfg.steps} changes the learning-rate schedule, which ended at step "
+                  f"{saved[-1][1]}: from step {position.step} the rate {goes}, never back up "
+                  "(docs/decisions.md#lr-schedule-resume)", flush=True)
+        self.scheduler = build_scheduler(self.layout.optimizer, cfg.warmup_steps, self.schedule, cfg.min_lr_ratio,
+                                         position.step)
+
+    def _check_finite(self) -> None:
+        """Stop at a non-finite step (the layout's check); a snapshot still in flight holds
+        the last good step and is committed first, so the run resumes from it."""
+        try:
+            self.layout.check_finite(self.step)
+        except MeshrunError:
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                checkpoint.commit(pending)
+            raise
 
     _pending: checkpoint.PendingSave | None = None
     _async_group: Any = None
@@ -361,7 +398,7 @@ class Trainer:
             if self._async_group is None:  # the background writer coordinates over gloo
                 self._async_group = dist.new_group(backend="gloo")
             group = self._async_group
-        pending = checkpoint.begin_save(root, Position(self.step, data.epoch, data.samples), self.model,
+        pending = checkpoint.begin_save(root, Position(self.step, data.epoch, data.samples, self.schedule), self.model,
                                         self.optimizer, self.cfg.to_json(), self.cfg.keep_last, group,
                                         self.layout.local_shards(), self.model_record,
                                         run_id=os.environ.get(RUN_ID_ENV))

@@ -9,16 +9,30 @@ MESHRUN_CRASH_FILE, and the rank exits with code 1; `meshrun train` prints the f
 SIGTERM and SIGUSR1 stop the run after a step all ranks agree on, with a snapshot
 (preempt.py): the rank exits with PREEMPTED (75), and the local rank 0 writes the one-line
 account to MESHRUN_PREEMPT_FILE for `meshrun train` to print.
+
+Once past its rendezvous a rank writes MESHRUN_READY_FILE.RANK: until then a stopping signal
+ends the job at once. Collectives wait at most the config's ``collective_timeout``; a rank
+whose collective timed out says so in its line (the launcher names a peer it finds stopped).
+Ctrl-C (SIGINT, which `meshrun train` sends the workers alone) ends the rank with code 130,
+also when it surfaces as another error (the peer that stopped first left a collective); the
+first rank to stop writes where, and the last snapshot, to MESHRUN_INTERRUPT_FILE.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from typing import Any
 
 from ..errors import PREEMPTED, MeshrunError
 from . import preempt
 from .ranklog import LOG_DIR_ENV, redirect
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
+# What a rank's exception says when a collective waited out its timeout (gloo: "Timed out
+# waiting 10000ms for recv operation to complete"; NCCL's blocking wait: "timed out").
+_TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
 
 
 def _report(exc: MeshrunError) -> None:
@@ -31,17 +45,19 @@ def _report(exc: MeshrunError) -> None:
         print(f"meshrun: error: {exc}", file=sys.stderr, flush=True)
 
 
-def _report_crash(exc: BaseException, log: str | None) -> None:
+def _report_crash(exc: BaseException, log: str | None, timeout_s: int | None = None) -> None:
     """The full traceback to the rank's log (its stderr), one line for `meshrun train`."""
     import traceback
 
-    from ..launch.failure import ECHO_SUFFIX, exception_line, is_echo
+    from ..launch.failure import ECHO_SUFFIX, exception_line, is_echo, timeout_line
 
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     sys.stderr.write(tb)
     sys.stderr.flush()
     rank = int(os.environ.get("RANK", "0"))
     line = exception_line(rank, type(exc).__name__, type(exc).__module__, str(exc), tb, log)
+    if timeout_s is not None and any(n in str(exc) for n in _TIMED_OUT):
+        line = timeout_line(rank, timeout_s, log)
     path = os.environ.get("MESHRUN_CRASH_FILE")
     if path and is_echo(f"{type(exc).__name__}: {exc}"):
         path += ECHO_SUFFIX  # another rank went first: its line, or torchrun's account of it, is the cause
@@ -64,8 +80,55 @@ def _report_preempted(stop: preempt.Preempted) -> None:
         print(f"meshrun: {stop.message()}", file=sys.stderr, flush=True)
 
 
+_interrupted = False  # this rank received SIGINT
+
+
+def _on_sigint(_signum: int, _frame: Any) -> None:
+    global _interrupted
+    if not _interrupted:  # once: a second one must not break the handling of the first
+        _interrupted = True
+        raise KeyboardInterrupt
+
+
+def _report_interrupted(trainer: Any, out: str | None) -> None:
+    """Where Ctrl-C stopped the run: its step and its last committed snapshot. The first rank
+    to stop says it (each knows the step: the ranks step together)."""
+    path = os.environ.get("MESHRUN_INTERRUPT_FILE")
+    if not path or os.path.exists(path):
+        return
+    line = "interrupted during start-up"
+    if trainer is not None:
+        from .checkpoint import latest
+
+        root = os.path.join(out, "checkpoints") if out else None
+        snapshot = latest(root) if root and os.path.isdir(root) else None
+        where = f"the last snapshot is {snapshot}" if snapshot else "no snapshot" + ("" if out else " without --out")
+        line = f"interrupted at step {trainer.step}; {where}"
+    with open(path + ".tmp", "w") as f:
+        f.write(line + "\n")
+    os.replace(path + ".tmp", path)
+
+
+_ready = False
+
+
+def _mark_ready() -> None:
+    """Past the rendezvous: from here a stopping signal is this rank's to handle, at a step."""
+    global _ready
+    _ready = True
+    path = os.environ.get("MESHRUN_READY_FILE")
+    if path:
+        with open(f"{path}.{os.environ.get('RANK', '0')}", "w"):
+            pass
+
+
+def _is_ready() -> bool:
+    return _ready
+
+
 def main() -> int:
     preempt.install()  # first: from here on a preemption signal stops the run at a step boundary
+    signal.signal(signal.SIGINT, _on_sigint)
     from ..modelinfo.read import context_of
     from .config import TrainConfig, resolve_seq_len
     from .factories import build_data, build_model, pretrained_weights, vocab_size
@@ -81,8 +144,10 @@ def main() -> int:
         except OSError as exc:  # the run goes on, its output on the terminal as before
             print(f"meshrun: warning: no log in {os.environ[LOG_DIR_ENV]} ({exc.strerror}); output stays "
                   "on the terminal", file=sys.stderr, flush=True)
+    trainer = None
     try:
-        rt = init_runtime()
+        rt = init_runtime(cfg.collective_timeout)
+        _mark_ready()
         if cfg.out:  # OUT stays locked while this process may write there (runlock.py)
             from .runlock import share
 
@@ -92,7 +157,8 @@ def main() -> int:
         model = build_model(cfg)
         cfg = resolve_seq_len(cfg, context_of(model))  # (a user's model states its own context)
         train, val = build_data(cfg, vocab_size(model))
-        Trainer(model, train, val, cfg, rt, weights=pretrained_weights(cfg)).fit()
+        trainer = Trainer(model, train, val, cfg, rt, weights=pretrained_weights(cfg))
+        trainer.fit()
     except MeshrunError as exc:
         _report(exc)
         return 2  # no teardown barrier: the peers may be stuck elsewhere; the launcher stops them
@@ -100,8 +166,15 @@ def main() -> int:
         _report_preempted(stop)
         teardown()
         return PREEMPTED
+    except KeyboardInterrupt:  # Ctrl-C: `meshrun train` says the one line, from this file
+        _report_interrupted(trainer, cfg.out)
+        return INTERRUPTED
     except Exception as exc:  # noqa: BLE001 (any failure becomes one line and the log)
-        _report_crash(exc, log)
+        if _interrupted:  # (Ctrl-C reached this rank as the error of a collective its peer left)
+            _report_interrupted(trainer, cfg.out)
+            return INTERRUPTED
+        # (a timeout before the rendezvous formed is the store's, said as it is)
+        _report_crash(exc, log, cfg.collective_timeout if _is_ready() else None)
         return 1
     teardown()
     return 0

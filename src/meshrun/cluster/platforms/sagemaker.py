@@ -26,7 +26,7 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
     raw = env["SM_HOSTS"]
     try:
         hosts = json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         hosts = None
     if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) for h in hosts):
         raise bad_value("env SM_HOSTS", raw, "is not a JSON list of host names",

@@ -5,13 +5,17 @@ meshrun installed."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Any
 
 import torch
 
+from ...fsio import write_dir, write_file_with
 from ...errors import MeshrunError
 from .load import check, load_shards
+
+NONEMPTY_HINT = "give a new or empty directory, or --overwrite to move its files aside first"
 
 
 def read_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -34,23 +38,42 @@ def read_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return {k[len("model."):]: t.contiguous() for k, t in sd.items()}, snapshot.state
 
 
-def export_safetensors(path: str, target: str) -> int:
-    """Consolidate a snapshot's model weights into one safetensors file; returns the number of
-    tensors written."""
+def export_safetensors(path: str, target: str, overwrite: bool = False) -> tuple[int, str | None]:
+    """Consolidate a snapshot's model weights into one safetensors file, written through
+    meshrun.fsio (whole or not at all; a file already there is moved aside under
+    ``overwrite``); returns the number of tensors written and where the old file went."""
     from safetensors.torch import save_file
 
     tensors, _ = read_weights(path)
-    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-    save_file(tensors, target, metadata={"format": "pt", "source": os.path.abspath(path)})
-    return len(tensors)
+    metadata = {"format": "pt", "source": os.path.abspath(path)}
+    written = write_file_with(target, lambda tmp: _io(save_file, tensors, tmp, metadata=metadata),
+                              source="--to", set_aside=overwrite)
+    return len(tensors), written.moved_aside
 
 
-def export_hf(path: str, target: str, max_shard_size: str = "5GB") -> int:
+def _io(write: Any, *args: Any, **kwargs: Any) -> None:
+    """Call a writer, turning safetensors' own error for a failed system call ("... (os error
+    28)") into the OSError it stands for, so that a full disk reads as one."""
+    try:
+        write(*args, **kwargs)
+    except OSError:
+        raise
+    except Exception as exc:
+        found = re.search(r"os error (\d+)", str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code)) from None
+
+
+def export_hf(path: str, target: str, max_shard_size: str = "5GB", overwrite: bool = False) -> tuple[int, str | None]:
     """A Hugging Face model directory from a snapshot of one: ``config.json`` (the weights' dtype,
     fp32 as trained, recorded in it), ``generation_config.json``, sharded safetensors with their
     index (transformers' own ``save_pretrained``, which also leaves tied weights stored once),
-    and the tokenizer's files when the model's source directory still has them. Returns the
-    number of tensors written."""
+    and the tokenizer's files when the model's source directory still has them. The directory
+    is filled whole or not at all (meshrun.fsio.write_dir); one holding files is refused, or
+    under ``overwrite`` has them moved aside first, so no stale shard or index stays beside
+    the new ones. Returns the number of tensors written and where the old files went."""
     from ...modelinfo import hf
 
     tensors, state = read_weights(path)
@@ -66,8 +89,9 @@ def export_hf(path: str, target: str, max_shard_size: str = "5GB") -> int:
     values = dict(record["hf_config"])
     config = transformers.AutoConfig.for_model(**values)
     for key in ("dtype", "torch_dtype"):  # what the weights are: from_pretrained keeps them exactly
-        if hasattr(config, key):
+        if hasattr(config, key):  # (the newer name only: setting the older one warns)
             setattr(config, key, torch.float32)
+            break
     with hf.parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config)
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -80,12 +104,15 @@ def export_hf(path: str, target: str, max_shard_size: str = "5GB") -> int:
     missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
     if missing:
         raise MeshrunError(f"{path}: the snapshot lacks {missing[0]} of the model")
-    os.makedirs(target, exist_ok=True)
-    model.save_pretrained(target, max_shard_size=max_shard_size, safe_serialization=True)
     source = record.get("source")
-    if source and os.path.isdir(source):
-        for name in hf.SIDE_FILES:
-            src = os.path.join(source, name)
-            if os.path.isfile(src) and not os.path.exists(os.path.join(target, name)):
-                shutil.copyfile(src, os.path.join(target, name))
-    return len(tensors)
+
+    def fill(stage: str) -> None:
+        _io(model.save_pretrained, stage, max_shard_size=max_shard_size, safe_serialization=True)
+        if source and os.path.isdir(source):
+            for name in hf.SIDE_FILES:
+                src = os.path.join(source, name)
+                if os.path.isfile(src) and not os.path.exists(os.path.join(stage, name)):
+                    shutil.copyfile(src, os.path.join(stage, name))
+
+    written = write_dir(target, fill, source="--to", set_aside=overwrite, nonempty_hint=NONEMPTY_HINT)
+    return len(tensors), written.moved_aside

@@ -182,7 +182,7 @@ def _read_marker(path: str) -> tuple[dict[str, str], int]:
         if not (isinstance(files, dict) and all(isinstance(v, str) for v in files.values())
                 and isinstance(world, int) and world >= 1):
             raise TypeError
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise MeshrunError(f"{marker_path} is not a valid snapshot marker (truncated or edited)") from None
     if marker.get("format") != FORMAT:
         raise MeshrunError(f"{marker_path}: snapshot format {marker.get('format')!r}, this meshrun reads {FORMAT}")
@@ -209,8 +209,8 @@ def _parse_state(data: bytes, source: str) -> dict[str, Any]:
         if not (isinstance(state, dict) and isinstance(state.get("position"), dict)
                 and isinstance(state.get("world_size"), int)):
             raise TypeError
-        Position(**state["position"])  # (its fields, no others)
-    except (ValueError, TypeError):  # (UnicodeDecodeError is a ValueError)
+        _position(state)  # (its fields, no others)
+    except (ValueError, TypeError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         raise MeshrunError(f"{source}: not a snapshot state (JSON with position and world_size), though its "
                            "checksum matches the marker; refusing it (hint: resume from another snapshot)") from None
     return state
@@ -531,7 +531,21 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     group.setdefault(key, value)
     if saved_world == world:
         set_rng_state(_rng_state(snapshot, rank))
-    return Position(**state["position"]), saved_world
+    return _position(state), saved_world
+
+
+def _position(state: dict[str, Any]) -> Position:
+    """The snapshot's position; its learning-rate schedule as (from, to) step pairs, or for a
+    snapshot that records none, the one piece its run's --steps made."""
+    fields = dict(state["position"])
+    schedule = fields.pop("schedule", None)
+    if schedule is None:
+        steps = state.get("config", {}).get("steps") if isinstance(state.get("config"), dict) else None
+        schedule = [[0, steps]] if isinstance(steps, int) else []
+    if not (isinstance(schedule, list) and all(isinstance(p, list) and len(p) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in p) for p in schedule)):
+        raise TypeError("schedule")
+    return Position(**fields, schedule=tuple((a, b) for a, b in schedule))
 
 
 def _rng_state(snapshot: Snapshot, rank: int) -> Any:
