@@ -346,3 +346,21 @@ def test_fsio_imports_only_the_standard_library_and_errors():
     absolute = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     absolute |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and not node.level}
     assert mine == {(1, "errors")} and not {m for m in absolute if m.split(".")[0] == "meshrun"}
+
+
+def test_a_file_size_limit_is_one_line_not_a_signal(tmp_path):
+    """Under `ulimit -f` a write past the limit would kill meshrun with SIGXFSZ, leaving a
+    partial file: meshrun ignores the signal, so the write fails (EFBIG) and is one line."""
+    import resource
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))
+
+    out = tmp_path / "configs"
+    res = subprocess.run([sys.executable, "-m", "meshrun", "plan", "--model", "gpt-124m", "--gpu-mem", "80GiB",
+                          "--gpus-per-node", "8", "--write", str(out)], env=clean_env(), preexec_fn=limit,
+                         capture_output=True, text=True, timeout=120)
+    line = _one_line(res, "--write=")
+    assert "File too large" in line and "ulimit -f" in line, line
+    assert not out.exists() or os.listdir(out) == []

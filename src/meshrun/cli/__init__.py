@@ -43,7 +43,7 @@ from .options import Parser, fill_env_defaults, warn_unknown_env  # noqa: E402
 # command given is imported: `meshrun launch` starts on every node of a job, and importing every
 # command's module (the planner, the renderers, YAML) cost 0.06 s of CPU before the launcher
 # started (2-core box, Python 3.11: docs/decisions.md#the-launchers-supervision).
-COMMANDS = {"env": "env", "launch": "launch", "train": "train", "export": "train", "data": "data",
+COMMANDS = {"env": "env", "launch": "launch", "train": "train", "export": "export", "data": "data",
             "plan": "plan", "render": "render", "doctor": "doctor", "bench": "bench"}
 
 
@@ -95,6 +95,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
 
 def entry() -> None:
+    if hasattr(signal, "SIGXFSZ"):
+        # Past a file-size limit (ulimit -f) a write then fails with EFBIG, which meshrun reports
+        # in one line, instead of the signal killing the process with a half-written file
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         code = main()
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit

@@ -170,8 +170,8 @@ class RankWatch:
         seen_s = time.monotonic() - self.stopped_since[pid]
         seen = f" for {_seconds(seen_s)}" if seen_s >= 1 else ""
         return (f"{name} stopped answering: its process (pid {pid}) is stopped{seen} (SIGSTOP or a debugger: "
-                f"state T) and its peers wait on it in a collective; {ended} (hint: "
-                f"'kill -CONT {pid}' resumes a process stopped by mistake)")
+                f"state T) and its peers wait on it in a collective; {ended} (hint: --collective-timeout sets "
+                "how long the peers wait; a run with --out resumes from its newest snapshot)")
 
     def tick(self) -> str | None:
         """A line when the job must end now (a rank stopped too long, ranks left running after
