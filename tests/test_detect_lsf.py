@@ -295,8 +295,8 @@ def test_kubeflow_pod_variables_outside_kubernetes_or_under_a_launcher_are_not_k
     WORLD_SIZE counts processes; NNODES and NODE_RANK, when set, name the nodes themselves."""
     outside = {k: v for k, v in KUBEFLOW_POD.items() if not k.startswith("KUBERNETES_")}
     assert resolve(outside, 4).platform == "generic"
-    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        assert resolve({**KUBEFLOW_POD, name: "0"}, 4).platform == "generic"
+    for name, value in (("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"), ("GROUP_RANK", "0")):
+        assert resolve({**KUBEFLOW_POD, name: value}, 4).platform == "generic"
     t = resolve({**KUBEFLOW_POD, "NNODES": "2", "NODE_RANK": "1"}, 4)  # explicit node variables win
     assert (t.platform, t.nnodes, t.node_rank) == ("generic", 2, 1)
     assert "MASTER_ADDR, WORLD_SIZE and RANK in a Kubernetes pod" in one_line_error(outside, platform="kubeflow")
