@@ -32,6 +32,24 @@ def meshrun(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
+def marked_pids(mark: str, tag: str) -> list[int]:
+    """Live processes (zombies left out) whose environment holds ``mark=tag``: a test's job,
+    found by a variable it set, whatever sessions its processes moved into."""
+    entry = f"{mark}={tag}".encode()
+    pids = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X") and entry in env:
+            pids.append(int(name))
+    return pids
+
+
 def script(name: str) -> str:
     return os.path.join(SCRIPTS, name)
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import clean_env, meshrun, require
+from helpers import clean_env, marked_pids, meshrun, require
 
 pytestmark = [pytest.mark.framework,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -31,19 +31,7 @@ TRACE = ("Traceback", "KeyboardInterrupt", "frame #", "ChildFailedError", "Root 
 # ---- processes ---------------------------------------------------------------------------------
 def _job_pids(tag: str) -> list[int]:
     """Live processes (zombies left out) whose environment holds MARK=tag."""
-    entry = f"{MARK}={tag}".encode()
-    pids = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                state = f.read().rpartition(")")[2].split()[0]
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except (OSError, IndexError):
-            continue
-        if state not in ("Z", "X") and entry in env:
-            pids.append(int(name))
-    return pids
+    return marked_pids(MARK, tag)
 
 
 def _rank_pid(tag: str, rank: int) -> int | None:
