@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import MeshrunError
+from ..outdir import check_name
 
 FORMAT = 1
 MARKER = "COMMITTED.json"
@@ -71,29 +72,9 @@ def committed(root: str) -> list[tuple[int, str]]:
             step = int(name[len(PREFIX):])
         except ValueError:
             continue
-        out.append((_checked_step(path, step), path))
+        check_name(path)  # (a renamed directory would otherwise be resumed, and pruned, as another step)
+        out.append((step, path))
     return sorted(out)
-
-
-def check_name(path: str) -> None:
-    """Refuse a committed snapshot whose ``step-N`` name disagrees with its marker."""
-    name = os.path.basename(os.path.normpath(path))
-    if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
-        _checked_step(path, int(name[len(PREFIX):]))
-
-
-def _checked_step(path: str, named: int) -> int:
-    """The step of a committed snapshot: its marker's, which its name must agree with (a
-    renamed directory would otherwise be resumed, and pruned, as another step)."""
-    try:
-        with open(os.path.join(path, MARKER)) as f:
-            step = json.load(f).get("step")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return named  # (loading refuses an unreadable marker with its own line)
-    if isinstance(step, int) and step != named:
-        raise MeshrunError(f"snapshot {path}: its name says step {named}, but its {MARKER} says step {step}: it was "
-                           f"renamed (hint: rename it back to {snapshot_name(step)}, or move it out of the directory)")
-    return named
 
 
 def latest(root: str) -> str | None:
