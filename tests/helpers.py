@@ -50,6 +50,19 @@ def marked_pids(mark: str, tag: str) -> list[int]:
     return pids
 
 
+def wait_for(condition, timeout: float, every: float = 0.1) -> bool:
+    """Poll ``condition`` every ``every`` seconds until it holds or ``timeout`` passes;
+    returns whether it held (checked once more at the end)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(every)
+    return condition()
+
+
 def script(name: str) -> str:
     return os.path.join(SCRIPTS, name)
 

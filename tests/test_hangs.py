@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import clean_env, marked_pids, meshrun, require
+from helpers import clean_env, marked_pids, meshrun, require, wait_for
 
 pytestmark = [pytest.mark.framework,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -49,12 +49,7 @@ def _rank_pid(tag: str, rank: int) -> int | None:
 
 
 def _wait_for(condition, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return condition()
+    return wait_for(condition, timeout, every=0.2)
 
 
 def _start(tmp_path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import clean_env, marked_pids, require
+from helpers import clean_env, marked_pids, require, wait_for
 
 pytestmark = [pytest.mark.framework,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -47,15 +47,6 @@ def cmdline(pid: int) -> bytes:
 
 def workers_of(tag: str) -> list[int]:
     return [p for p in job_pids(tag) if b"meshrun.train.worker" in cmdline(p) and b"torchrun" not in cmdline(p)]
-
-
-def wait_for(condition, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 def last_step(out: str) -> int:
