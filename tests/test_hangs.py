@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import clean_env, marked_pids, meshrun, require, wait_for
+from helpers import clean_env, marked_pids, meshrun, require, wait_for, with_faults
 
 pytestmark = [pytest.mark.framework,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -299,6 +299,33 @@ def test_ctrl_c_during_training_is_one_line_with_the_step_and_the_snapshot(tmp_p
         assert last.startswith("meshrun: interrupted at step ") and "; the last snapshot is " in last, text[-3000:]
         assert last.split("the last snapshot is ")[1] in [os.path.join(out, "checkpoints", s) for s in _snapshots(out)]
         assert not any(t in text for t in TRACE), text[-3000:]
+    finally:
+        _cleanup(proc, str(tmp_path))
+
+
+def test_ctrl_c_that_cuts_a_snapshot_write_short_is_still_the_interrupt_line(tmp_path):
+    """Ctrl-C in the middle of a snapshot's write surfaces in the rank as the writer's own error
+    (torch's C++ writer: "unexpected pos"), which the save reports as a failed write on every
+    rank. It is still an interrupt: the step, the last committed snapshot, code 130."""
+    require("torch")
+    out = str(tmp_path / "run")
+    ckpt = os.path.join(out, "checkpoints")
+    env = with_faults(clean_env(PYTHONPATH=HERE), slow_write=4)
+    proc = _start(tmp_path, *TRAIN, "--out", out, env=env)
+    try:
+        def writing_after_a_commit() -> bool:
+            names = os.listdir(ckpt) if os.path.isdir(ckpt) else []
+            return (bool(_snapshots(out)) and any(n.startswith(".tmp-step-") for n in names)) or proc.poll() is not None
+
+        assert _wait_for(writing_after_a_commit, 120), _output(tmp_path)[-3000:]
+        time.sleep(1)  # inside the slowed write
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 130, _output(tmp_path)[-3000:]
+        text = _output(tmp_path)
+        last = text.strip().splitlines()[-1]
+        assert last == f"meshrun: interrupted at step 4; the last snapshot is {os.path.join(ckpt, 'step-00000002')}", \
+            text[-3000:]
+        assert not any(t in text for t in (*TRACE, "error:")), text[-3000:]
     finally:
         _cleanup(proc, str(tmp_path))
 

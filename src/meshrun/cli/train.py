@@ -80,7 +80,7 @@ examples:
   meshrun train                                    # the default job
   meshrun train --steps 50 --out runs/a            # metrics.jsonl, TensorBoard, loss.png in runs/a
   meshrun train --model-size gpt-124m --data random   # on GPUs: compiled, batch sized for you
-  meshrun train --example toy                      # the documents' Linear(20 -> 1)
+  meshrun train --example toy                      # pytorch/examples' Linear(20 -> 1)
   meshrun train --model-size gpt-1.3b --strategy fsdp-full --activation-checkpointing full
   meshrun train --model mypkg.models:build --data mypkg.data:train_set --global-batch 256
   meshrun train --model ~/models/Llama-3.2-1B --data random --out runs/llama   # its weights, sharded in
@@ -420,4 +420,14 @@ def _launch(ns: argparse.Namespace, env: Mapping[str, str], cfg: TrainConfig, to
 
     return run_with_restarts(command, env, ns.max_restarts, ns.rdzv_timeout, error_file, preempt_file, SIGNALS,
                              crash_file=crash_file, log_dir=log_dir, waits=waits, ready_file=ready_file,
-                             interrupt_file=interrupt_file)
+                             interrupt_file=interrupt_file, last_snapshot=lambda: _last_snapshot(cfg.out))
+
+
+def _last_snapshot(out: str | None) -> str:
+    """Where a run stopped by Ctrl-C resumes from, in words."""
+    if not out:
+        return "no snapshot without --out"
+    from ..train.outdir import snapshots
+
+    found = snapshots(os.path.join(out, "checkpoints"))
+    return f"the last snapshot is {found[-1][1]}" if found else "no snapshot yet"

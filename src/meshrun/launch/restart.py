@@ -43,7 +43,7 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
                       preempt_file: str | None = None, preempt_signals: tuple[int, ...] = (),
                       crash_file: str | None = None, log_dir: str | None = None,
                       waits: Waits = NO_WAITS, ready_file: str | None = None,
-                      interrupt_file: str | None = None) -> int:
+                      interrupt_file: str | None = None, last_snapshot: Callable[[], str] | None = None) -> int:
     """Run attempt 0, 1, ... of ``command(attempt)`` until one succeeds or ``max_restarts``
     restarts are spent; returns the last exit code. A rank that explains a bad input in
     ``error_file`` (the first line is the message) ends the job with that message: a restart
@@ -61,21 +61,24 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
     spent the line ends the job as a JobFailed (exit code 1).
 
     ``waits`` bounds the waits for ranks (run.Waits). With ``ready_file`` (each rank writes
-    READY.RANK once past its rendezvous) and ``interrupt_file`` (rank 0's account of where
-    Ctrl-C stopped it), Ctrl-C ends the job in one line and code 130, and a stopping signal
+    READY.RANK once past its rendezvous) and ``interrupt_file`` (the step a rank says Ctrl-C
+    stopped it at), Ctrl-C ends the job in one line and code 130, which names the snapshot a
+    run resumes from (``last_snapshot``, asked once every rank ended), and a stopping signal
     during the rendezvous ends it at once: nothing the processes print after it reaches the
     terminal (their tracebacks, torchrun's), all of it stays in ``log_dir``."""
     code = 0
     said = [path for path in (error_file, preempt_file, crash_file, interrupt_file) if path]
     echo_file = crash_file + ECHO_SUFFIX if crash_file else None
-    interrupted: list[int] = []
+    interrupted: list[tuple[int, bool]] = []  # (signal, whether the ranks were past their rendezvous)
 
     def mute() -> bool:
         return bool(interrupted) or any(os.path.exists(path) for path in said)
 
     if ready_file and interrupt_file:
-        waits = Waits(waits.stall_s, waits.finish_s, lambda: bool(glob.glob(glob.escape(ready_file) + ".*")),
-                      interrupted.append)
+        def ready() -> bool:
+            return bool(glob.glob(glob.escape(ready_file) + ".*"))
+
+        waits = Waits(waits.stall_s, waits.finish_s, ready, lambda signum: interrupted.append((signum, ready())))
 
     try:
         for attempt in range(max_restarts + 1):
@@ -96,7 +99,7 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
                 for path in glob.glob(glob.escape(ready_file) + ".*") if ready_file else ():
                     os.unlink(path)  # the next attempt has a rendezvous of its own
             if interrupted:
-                return _interrupted(interrupted[0], interrupt_file)
+                return _interrupted(*interrupted[0], interrupt_file, last_snapshot)
             if preempt_file and os.path.exists(preempt_file):
                 with open(preempt_file) as f:
                     print(f"meshrun: {f.readline().strip()}", file=sys.stderr, flush=True)
@@ -127,11 +130,15 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
                 os.unlink(path)
 
 
-def _interrupted(signum: int, interrupt_file: str | None) -> int:
-    """Say where a job ended on Ctrl-C (rank 0's line: the step and the last snapshot), or on
-    a stopping signal during start-up; return its exit code."""
+def _interrupted(signum: int, ready: bool, interrupt_file: str | None,
+                 last_snapshot: Callable[[], str] | None) -> int:
+    """Say where a job ended on Ctrl-C (the step a rank said, and the snapshot it resumes
+    from), or on a stopping signal during start-up; return its exit code."""
     if signum == signal.SIGINT:
-        line = _first_line(interrupt_file) or "interrupted during start-up"
+        # (no rank said a step when each was killed before its handler ran: the grace ran out)
+        line = _first_line(interrupt_file) or ("interrupted while training" if ready else "interrupted during start-up")
+        if ready and last_snapshot is not None:
+            line += f"; {last_snapshot()}"
         print(f"meshrun: {line}", file=sys.stderr, flush=True)
         return 128 + signum
     print(f"meshrun: stopped by {signal.Signals(signum).name} during start-up, before the ranks' rendezvous "

@@ -14,8 +14,8 @@ Once past its rendezvous a rank writes MESHRUN_READY_FILE.RANK: until then a sto
 ends the job at once. Collectives wait at most the config's ``collective_timeout``; a rank
 whose collective timed out says so in its line (the launcher names a peer it finds stopped).
 Ctrl-C (SIGINT, which `meshrun train` sends the workers alone) ends the rank with code 130,
-also when it surfaces as another error (the peer that stopped first left a collective); the
-first rank to stop writes where, and the last snapshot, to MESHRUN_INTERRUPT_FILE.
+also when it surfaces as another error (a snapshot write it cut short, a collective its peer
+left); the first rank to see it writes the step to MESHRUN_INTERRUPT_FILE at once.
 """
 
 from __future__ import annotations
@@ -81,32 +81,30 @@ def _report_preempted(stop: preempt.Preempted) -> None:
 
 
 _interrupted = False  # this rank received SIGINT
+_trainer: Any = None  # the run's Trainer once it exists: the step a Ctrl-C stops at
 
 
 def _on_sigint(_signum: int, _frame: Any) -> None:
     global _interrupted
     if not _interrupted:  # once: a second one must not break the handling of the first
         _interrupted = True
+        # Said before anything unwinds: the interrupt may cut a snapshot's write short, and
+        # once any rank exits torchrun stops the others, maybe before an except clause runs.
+        _say_interrupted()
         raise KeyboardInterrupt
 
 
-def _report_interrupted(trainer: Any, out: str | None) -> None:
-    """Where Ctrl-C stopped the run: its step and its last committed snapshot. The first rank
-    to stop says it (each knows the step: the ranks step together)."""
+def _say_interrupted() -> None:
+    """Where Ctrl-C stopped the run: its step (each rank knows it: the ranks step together).
+    The first rank to stop says it; `meshrun train` adds the last snapshot once all ended."""
     path = os.environ.get("MESHRUN_INTERRUPT_FILE")
     if not path or os.path.exists(path):
         return
-    line = "interrupted during start-up"
-    if trainer is not None:
-        from .checkpoint import latest
-
-        root = os.path.join(out, "checkpoints") if out else None
-        snapshot = latest(root) if root and os.path.isdir(root) else None
-        where = f"the last snapshot is {snapshot}" if snapshot else "no snapshot" + ("" if out else " without --out")
-        line = f"interrupted at step {trainer.step}; {where}"
-    with open(path + ".tmp", "w") as f:
+    line = "interrupted during start-up" if _trainer is None else f"interrupted at step {_trainer.step}"
+    tmp = f"{path}.tmp.{os.getpid()}"  # each rank its own: two may say it at once
+    with open(tmp, "w") as f:
         f.write(line + "\n")
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 _ready = False
@@ -144,7 +142,7 @@ def main() -> int:
         except OSError as exc:  # the run goes on, its output on the terminal as before
             print(f"meshrun: warning: no log in {os.environ[LOG_DIR_ENV]} ({exc.strerror}); output stays "
                   "on the terminal", file=sys.stderr, flush=True)
-    trainer = None
+    global _trainer
     try:
         rt = init_runtime(cfg.collective_timeout)
         _mark_ready()
@@ -157,22 +155,21 @@ def main() -> int:
         model = build_model(cfg)
         cfg = resolve_seq_len(cfg, context_of(model))  # (a user's model states its own context)
         train, val = build_data(cfg, vocab_size(model))
-        trainer = Trainer(model, train, val, cfg, rt, weights=pretrained_weights(cfg))
-        trainer.fit()
-    except MeshrunError as exc:
-        _report(exc)
-        return 2  # no teardown barrier: the peers may be stuck elsewhere; the launcher stops them
+        _trainer = Trainer(model, train, val, cfg, rt, weights=pretrained_weights(cfg))
+        _trainer.fit()
     except preempt.Preempted as stop:  # every rank stopped at the same step, past the snapshot's commit
         _report_preempted(stop)
         teardown()
         return PREEMPTED
-    except KeyboardInterrupt:  # Ctrl-C: `meshrun train` says the one line, from this file
-        _report_interrupted(trainer, cfg.out)
-        return INTERRUPTED
-    except Exception as exc:  # noqa: BLE001 (any failure becomes one line and the log)
-        if _interrupted:  # (Ctrl-C reached this rank as the error of a collective its peer left)
-            _report_interrupted(trainer, cfg.out)
+    except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 (any failure becomes one line)
+        if isinstance(exc, KeyboardInterrupt) or _interrupted:
+            # Ctrl-C: `meshrun train` says the one line. It may reach this rank as another
+            # error: a write it cut short, a collective its peer left.
+            _say_interrupted()
             return INTERRUPTED
+        if isinstance(exc, MeshrunError):
+            _report(exc)
+            return 2  # no teardown barrier: the peers may be stuck elsewhere; the launcher stops them
         # (a timeout before the rendezvous formed is the store's, said as it is)
         _report_crash(exc, log, cfg.collective_timeout if _is_ready() else None)
         return 1
