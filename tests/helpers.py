@@ -26,6 +26,15 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+FAULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+
+
+def with_faults(env: dict[str, str], **faults: float) -> dict[str, str]:
+    """``env`` for a job whose Python processes inject ``faults`` (tests/faults/sitecustomize.py)."""
+    path = os.pathsep.join(p for p in (FAULTS_DIR, env.get("PYTHONPATH", "")) if p)
+    return {**env, "PYTHONPATH": path, "TEST_FAULTS": ",".join(f"{k}={v}" for k, v in faults.items())}
+
+
 def meshrun(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
             cwd: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshrun", *args], env=env if env is not None else clean_env(),

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import meshrun
-from helpers import clean_env, meshrun as run_cli, require
+from helpers import clean_env, meshrun as run_cli, require, with_faults
 
 pytestmark = pytest.mark.framework
 HERE = os.path.dirname(__file__)
@@ -101,7 +101,7 @@ def test_sigkill_during_a_save_falls_back_to_the_previous_snapshot(tmp_path, uni
         return os.path.isdir(os.path.join(ckpt, ".tmp-step-00000012"))
 
     watcher, killed = kill_when(saving_step_12, out)
-    env = clean_env(MESHRUN_SAVE_PAUSE_S="2")
+    env = with_faults(clean_env(), save_pause=2)
     res = run_cli("train", *JOB[:-4], "--steps", "18", "--log-every", "1", "--eval-batches", "2", "--out", out,
                   "--max-restarts", "1", env=env, timeout=600)
     watcher.join(timeout=1)
@@ -113,10 +113,10 @@ def test_sigkill_during_a_save_falls_back_to_the_previous_snapshot(tmp_path, uni
 def test_a_slow_disk_under_async_snapshots_gets_a_save_every_hint(tmp_path):
     """When the background write of one snapshot outlasts the steps to the next, training
     waits: rank 0 says so once per save with a --save-every that would leave the writer
-    headroom. The slow disk is a 3-s delay in the writer thread (MESHRUN_WRITE_DELAY_S)."""
+    headroom. The slow disk is a 3-s delay in the writer thread (tests/faults)."""
     require("torch")
     res = run_cli("train", "--example", "toy", "--steps", "6", "--save-every", "2", "--async-save", "--nproc", "2",
-                  "--out", str(tmp_path), env=clean_env(MESHRUN_WRITE_DELAY_S="3"), timeout=300)
+                  "--out", str(tmp_path), env=with_faults(clean_env(), write_delay=3), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     hints = [line for line in res.stdout.splitlines() if line.startswith("snapshots: training waited")]
     assert len(hints) == 2, res.stdout  # the saves at steps 4 and 6 waited for those at 2 and 4

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import meshrun
-from helpers import clean_env, meshrun as run_cli, require
+from helpers import clean_env, meshrun as run_cli, require, with_faults
 
 pytestmark = pytest.mark.framework
 WORDS = ("the quick brown fox jumps over the lazy dog; naïve café, Ünïcode 東京 données — «quotes» "
@@ -127,7 +127,7 @@ def test_an_interrupted_prepare_resumes_to_the_same_files(tmp_path, corpus):
     assert res.returncode == 0, res.stderr[-2000:]
     cut = str(tmp_path / "cut")
     proc = subprocess.Popen([sys.executable, "-m", "meshrun", "data", "prepare", *args, "--out", cut],
-                            env=clean_env(MESHRUN_PREPARE_PAUSE_S="5"), stderr=subprocess.PIPE, text=True)
+                            env=with_faults(clean_env(), prepare_pause=5), stderr=subprocess.PIPE, text=True)
     try:
         end = time.monotonic() + 120
         while not os.path.exists(os.path.join(cut, "progress.json")) and time.monotonic() < end:

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import clean_env, require
+from helpers import clean_env, require, with_faults
 from helpers import meshrun as run_cli
 from test_data import train_tokenizer, write_corpus
 
@@ -71,7 +71,7 @@ def _start_paused(corpus: str, tok: str, out: str) -> subprocess.Popen:
     """A preparation that pauses 3 s after each chunk (a complete shard each), once it has paused."""
     proc = subprocess.Popen([sys.executable, "-m", "meshrun", "data", "prepare", corpus, "--tokenizer", tok, "--out",
                              out, "--workers", "1", "--shard-tokens", "1"],
-                            env=clean_env(MESHRUN_PREPARE_PAUSE_S="3"), stderr=subprocess.PIPE, text=True)
+                            env=with_faults(clean_env(), prepare_pause=3), stderr=subprocess.PIPE, text=True)
     end = time.monotonic() + 60
     while not os.path.exists(os.path.join(out, "progress.json")):
         if proc.poll() is not None or time.monotonic() > end:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import clean_env, meshrun, require
+from helpers import clean_env, meshrun, require, with_faults
 from test_checkpoint import losses
 
 JOB = ["--model-size", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4", "--steps", "16", "--save-every", "5",
@@ -110,9 +110,9 @@ def test_sigusr1_stops_at_an_agreed_step_with_a_snapshot_and_resumes_bit_for_bit
 
 def test_sigterm_is_not_restarted_and_a_second_signal_during_the_save_changes_nothing(tmp_path, uninterrupted):
     """--max-restarts 1: a preempted job is not a crash to restart. The save is held between
-    its shards and its commit (MESHRUN_SAVE_PAUSE_S) while a second signal arrives."""
+    its shards and its commit (tests/faults) while a second signal arrives."""
     out = str(tmp_path)
-    env = clean_env(MESHRUN_SAVE_PAUSE_S="1")
+    env = with_faults(clean_env(), save_pause=1)
     res, sent = signalled(out, signal.SIGTERM, 6, second=signal.SIGUSR1, extra=("--max-restarts", "1"), env=env)
     assert sent == [signal.SIGTERM, signal.SIGUSR1], res.stderr[-3000:]
     step = check_preempted(res, out, "SIGTERM", 6)

@@ -362,7 +362,6 @@ def _tokenize(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: boo
     total = sum(size for _, size, _ in spec.source.fingerprint()) if not spec.source.dataset else None
     progress = _Progress(total, log)
     shards = {s: _Shard(spec.out, s, len(state["splits"][s])) for s in SPLITS}
-    pause = float(os.environ.get("MESHRUN_PREPARE_PAUSE_S") or 0)
     pool = None
     try:
         if spec.workers > 1:
@@ -383,8 +382,6 @@ def _tokenize(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: boo
                         state["splits"][split].append(entry)
                     shards[split] = _Shard(spec.out, split, len(state["splits"][split]))
                 _write_json(progress_path, state)
-                if pause:  # tests: a window in which to interrupt the run here
-                    time.sleep(pause)
         for split in SPLITS:
             entry = shards[split].close()
             if entry:

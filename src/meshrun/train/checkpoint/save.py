@@ -93,9 +93,6 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
 
     def finish() -> None:
         try:
-            delay = float(os.environ.get("MESHRUN_WRITE_DELAY_S") or 0)
-            if delay:  # a debugging aid: a slow disk (tests of the slow-writer advice)
-                time.sleep(delay)
             dcp.save(staged, storage_writer=writer, planner=planner, process_group=async_group)
             _hash_own_files(tmp, rank)
             pending.written = time.perf_counter()
@@ -234,9 +231,6 @@ def _commit(p: PendingSave) -> str:
         if failed:
             rank, why = failed[0]
             raise _write_failed(p.tmp, f"rank {rank}'s background write failed ({why})")
-    pause = float(os.environ.get("MESHRUN_SAVE_PAUSE_S") or 0)
-    if pause:  # a debugging aid: hold a save between its shards and its commit (crash tests)
-        time.sleep(pause)
     dist.barrier()  # every rank's shards and RNG file are on disk
     _refuse_incomplete(p.tmp)
     if dist.get_rank() == 0:
