@@ -1,5 +1,5 @@
-"""Snapshot cost: meshrun's sharded save/load (sync and async) against the seeds' recipe
-(full state dict gathered to rank 0, then torch.save), and the step-time overhead of
+"""Snapshot cost: meshrun's sharded save/load (sync and async) against the plain
+recipe (full state dict gathered to rank 0, then torch.save), and the step-time overhead of
 asynchronous saving.
 
     torchrun --standalone --nproc_per_node=N bench/checkpoint_bench.py --size gpt-1.3b --dir /tmp/ckb
@@ -45,7 +45,7 @@ def timed(fn) -> float:
 
 
 def sync_phases(args, t, data, root: str, pos, res: dict, rank: int) -> None:
-    """meshrun's synchronous save and verified load, then the seeds' recipe."""
+    """meshrun's synchronous save and verified load, then the plain recipe (torch.save of a full state dict on rank 0)."""
     cfg = t.cfg
     res["sync_save_s"] = timed(lambda: checkpoint.save(root, pos, t.model, t.optimizer, cfg.to_json(), 1))
     snap = checkpoint.latest(root)

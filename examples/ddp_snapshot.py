@@ -1,4 +1,5 @@
-"""The PyTorch Distributed slides' torchrun Trainer with snapshots, made runnable anywhere and fixed.
+"""The torchrun Trainer of pytorch/examples' DDP tutorial series (multigpu_torchrun.py) with
+snapshots, made runnable anywhere and fixed.
 
 Run it (2 CPU processes here, one per GPU on a GPU machine):
 
@@ -7,15 +8,15 @@ Run it (2 CPU processes here, one per GPU on a GPU machine):
 
 Stop it and run the same line again: it resumes from the last snapshot.
 
-What changed from the slides, and why:
+What changed from the tutorial, and why:
 - NCCL on GPU, gloo on CPU, so the same script runs on a laptop and a cluster.
-- The snapshot holds the optimizer state too (the slides saved only the model, so momentum
+- The snapshot holds the optimizer state too (the tutorial saved only the model, so momentum
   restarted from zero on resume), and it is written to a temporary file then renamed, so a
   crash mid-write never leaves a truncated snapshot in place of a good one.
-- The slides saved when ``epoch % save_every == 0`` and stored EPOCHS_RUN = epoch, so a
+- The tutorial saved when ``epoch % save_every == 0`` and stored EPOCHS_RUN = epoch, so a
   resume redid the saved epoch; here the snapshot records the next epoch to run.
 - ``torch.load(weights_only=True)``: loading a snapshot cannot execute code.
-- The "datautils" module of the slides is replaced by a small synthetic dataset.
+- The tutorial's "datautils" module is replaced by a small synthetic dataset.
 """
 
 import argparse
@@ -31,7 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 
 class MyTrainDataset(Dataset):
-    """Random regression pairs, the same on every rank (seeded), like the slides' dataset."""
+    """Random regression pairs, the same on every rank (seeded), like the tutorial's dataset."""
 
     def __init__(self, size: int) -> None:
         g = torch.Generator().manual_seed(1234)
@@ -131,7 +132,7 @@ def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="simple distributed training job (seed 002)")
+    parser = argparse.ArgumentParser(description="simple distributed training job")
     parser.add_argument("total_epochs", type=int, help="total epochs to train the model")
     parser.add_argument("save_every", type=int, help="save a snapshot every this many epochs")
     parser.add_argument("--batch_size", default=32, type=int, help="input batch size on each process (default 32)")

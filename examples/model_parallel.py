@@ -1,4 +1,4 @@
-"""The PyTorch Distributed slides' "very simple model parallelism": two layers, two devices, one process.
+"""The PyTorch model-parallel tutorial's "very simple model parallelism": two layers, two devices, one process.
 
     python examples/model_parallel.py [EPOCHS]
 

@@ -1,9 +1,9 @@
 """Exact commands per platform x framework: argv and the variables meshrun sets.
 
-The expected lines follow the documents: the Saturn Cloud document (torchrun, deepspeed on
-the torchrun path, accelerate with a GLOBAL --num_processes, JAX one process per pod,
-TF_CONFIG), the SkyPilot document (torchrun, c10d, the native deepspeed launcher on the head
-node with a hostfile), the PyTorch Distributed slides (Slurm with torchrun, one launcher per
+The expected lines follow each platform's own guide: Saturn Cloud's multi-node guide (torchrun,
+deepspeed on the torchrun path, accelerate with a GLOBAL --num_processes, JAX one process per
+pod, TF_CONFIG), SkyPilot's distributed-training guide (torchrun, c10d, the native deepspeed launcher on the head
+node with a hostfile), pytorch/examples' Slurm script (torchrun, one launcher per
 node).
 """
 
@@ -127,7 +127,7 @@ def test_skypilot_accelerate_jax_tensorflow():
     assert tf == {"cluster": {"worker": ["10.0.0.5:29500", "10.0.0.6:29500"]}, "task": {"type": "worker", "index": 1}}
 
 
-# ---- Slurm (the PyTorch Distributed slides), one task per node, 4 GPUs ----------------------
+# ---- Slurm (pytorch/examples' sbatch script), one task per node, 4 GPUs ----------------------
 
 def test_slurm_all_frameworks():
     port = 15000 + 123456 % 10000

@@ -178,11 +178,13 @@ HISTORY = [
     (re.compile(r"\bissue[\s-]*#?\d+", re.I), "an issue number"),
     (re.compile(r"(?<![\w/])#\d{2,}\b"), "an issue number"),
     (re.compile(r"\bseeds?\s+0\d\d\b", re.I), "a document's number"),
+    (re.compile(r"\b(the documents'|the documents (describe|prescribe|report|name)|seeds'|the seed guide|slides)(?!\w)",
+                re.I), "an unnamed source"),
     (re.compile(r"\.\./(shared|\.library)\b|/work/|\.\./\.\./"), "a path outside the repository"),
 ]
-CHECKED = [os.path.join(dp, f) for top in ("src", "tests", "bench", "examples")
+CHECKED = [os.path.join(dp, f) for top in ("src", "tests", "bench", "examples", "docs")
            for dp, _, fs in os.walk(os.path.join(ROOT, top)) for f in fs
-           if f.endswith((".py", ".sh", ".md")) and "__pycache__" not in dp]
+           if f.endswith((".py", ".sh", ".md")) and "__pycache__" not in dp] + [os.path.join(ROOT, "README.md")]
 
 
 def _history(text: str) -> list[str]:
@@ -195,6 +197,8 @@ def _history(text: str) -> list[str]:
     ("# see call AZ", "a lettered call"),
     ("# fixed for issue 5", "an issue number"),
     ("# as seed 002 does", "a document's number"),
+    ("# the documents' toy model", "an unnamed source"),
+    ("the PyTorch Distributed slides' script", "an unnamed source"),
     ("# from ../shared/BASELINE.md", "a path outside the repository"),
 ])
 def test_the_history_check_catches_each_kind(line, why):
@@ -226,8 +230,8 @@ def _comments_and_docstrings(path: str) -> list[tuple[int, str]]:
 
 
 def test_comments_and_docstrings_carry_no_history():
-    """Comments and docstrings in src/, tests/, bench/ and examples/ say what the code does
-    now and why; a measurement names its number, card and torch version, not the round of
+    """Comments and docstrings in src/, tests/, bench/ and examples/, and docs/ and the README,
+    say what the code does now and why, and name their sources; a measurement names its number, card and torch version, not the round of
     work that took it (docs/decisions.md keeps the measurements)."""
     found = []
     for path in CHECKED:
@@ -237,3 +241,12 @@ def test_comments_and_docstrings_carry_no_history():
             for why in _history(text):
                 found.append(f"{os.path.relpath(path, ROOT)}:{lineno}: {why}: {text.strip()[:100]}")
     assert not found, "\n".join(found[:60]) + f"\n({len(found)} in all)"
+
+
+def test_the_ci_script_names_only_files_that_exist():
+    """A path .ci/run names (a test file, a helper) is one the repository has."""
+    text = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    named = set(re.findall(r"(?<![\w$/.-])((?:tests|src|bench|docs|examples|\.ci)/[\w./-]*\w)", text))
+    assert named, "the pattern finds the paths .ci/run names"
+    missing = sorted(p for p in named if not os.path.exists(os.path.join(ROOT, p)))
+    assert not missing, missing

@@ -1,4 +1,4 @@
-"""The PyTorch Distributed slides' Trainer example, the README's main job: trains, snapshots, and resumes."""
+"""The pytorch/examples DDP tutorial's Trainer (examples/ddp_snapshot.py), the README's main job: trains, snapshots, and resumes."""
 
 import pytest
 

@@ -22,7 +22,7 @@ Start a training script on this node, for its framework, on the topology meshrun
 
 Run the same command on every node; meshrun reads where it is (Saturn Cloud, SkyPilot,
 Slurm, Kubeflow, MPI, LSF, SageMaker, a torchrun worker, MASTER_ADDR/NNODES/NODE_RANK, or a
-plain machine) and builds the launcher command the documents prescribe:
+plain machine) and builds the launcher command the framework's own guide prescribes:
 
   torch       torchrun --nproc_per_node=G --nnodes=N --node_rank=R --master_addr=A ...
   deepspeed   the same torchrun line (+ --deepspeed --deepspeed_config FILE for the script),

@@ -26,7 +26,7 @@ PLAN_HELP = f"""\
 Plan a training run before it wastes a cluster: the per-GPU memory of every strategy
 (parameters, gradients, optimizer state, activations, the loss's logits spike, buffers,
 CUDA context), whether it fits, the communication per step and an estimated step time;
-then the recommendation the documents' flowchart gives, with its reasons:
+then the recommendation of the usual flowchart, with its reasons:
 
   does a replica fit?           -> DDP (or gradient accumulation on one GPU)
   with optimizer + grads sharded -> ZeRO-2 / FSDP grad_op

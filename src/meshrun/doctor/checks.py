@@ -43,7 +43,7 @@ def check_gpus(topo: Topology, facts: Facts) -> list[Finding]:
                         "fine for testing; on a GPU node check the driver and CUDA_VISIBLE_DEVICES")]
     if topo.nproc_per_node > facts.gpus_visible:
         return [Finding("gpus", "fail", f"{topo.nproc_per_node} processes per node but {facts.gpus_visible} GPU(s) "
-                        "visible: two processes would share a GPU", "one process per GPU (seed 002): lower --nproc")]
+                        "visible: two processes would share a GPU", "one process per GPU: lower --nproc")]
     if topo.nproc_per_node < facts.gpus_visible:
         return [Finding("gpus", "warn", f"{topo.nproc_per_node} processes for {facts.gpus_visible} GPUs: "
                         f"{facts.gpus_visible - topo.nproc_per_node} idle", "use --nproc to match, or mean it")]

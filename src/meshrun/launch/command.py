@@ -12,7 +12,7 @@ class LaunchSpec:
 
     ``nnodes_range`` is torchrun's elastic ``MIN:MAX`` (nodes may join and leave); it needs
     the c10d rendezvous. ``deepspeed_launcher`` picks between the torchrun path (one
-    launcher per node, no SSH: the documents' recommendation) and DeepSpeed's own launcher,
+    launcher per node, no SSH, as DeepSpeed's own guide for Kubernetes and Slurm allows) and DeepSpeed's own launcher,
     which the head node runs with a hostfile and which reaches the others over SSH.
     """
 

@@ -22,7 +22,7 @@ from ..cluster.topology import Topology
 from ..errors import MeshrunError, bad_value
 from .command import Command, LaunchSpec
 
-# The documents' NCCL table: set the socket interface, but never override what the user set.
+# NCCL's documented variables: set the socket interface, but never override what the user set.
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 

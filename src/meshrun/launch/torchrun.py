@@ -2,7 +2,7 @@
 
 Rendezvous choice:
 - one node whose address nobody chose: ``--standalone`` (torchrun picks a free port);
-- a fixed cluster: the static rendezvous, exactly the documents' recipe
+- a fixed cluster: the static rendezvous, torchrun's documented multi-node recipe
   (``--nnodes --node_rank --master_addr --master_port``);
 - ``rdzv=c10d`` or an elastic ``MIN:MAX`` node range: the c10d rendezvous on the master,
   with the platform's run id so concurrent jobs on one master stay apart.
@@ -16,7 +16,7 @@ from .common import script_argv, topology_env
 
 
 def torchrun_args(topo: Topology, spec: LaunchSpec) -> list[str]:
-    """Flags in the documents' order, so a user can hold the dry run against their recipe."""
+    """Flags in the order of torchrun's documentation, so a user can hold the dry run against their recipe."""
     nproc = f"--nproc_per_node={topo.nproc_per_node}"
     elastic = spec.nnodes_range is not None
     if spec.rdzv == "c10d" or elastic:

@@ -1,4 +1,5 @@
-"""meshrun plan: the documents' decision guide as a memory and communication calculator.
+"""meshrun plan: the usual decision guide (DDP, then FSDP/ZeRO, then TP/PP) as a
+memory and communication calculator.
 
 Pure in the middle: ``ModelSpec`` + ``ClusterSpec`` + ``TrainSpec`` -> candidates (each a
 per-GPU memory breakdown, CPU memory, communication volume and an estimated step time) ->

@@ -1,4 +1,4 @@
-"""Job specs for the platforms in the documents, each a pure function of a RenderSpec.
+"""Job specs for Slurm, SkyPilot, Kubernetes and Saturn Cloud, each a pure function of a RenderSpec.
 
 The entry point of every spec is ``meshrun``: detection happens on the nodes, from the
 variables each platform sets, so a spec never hard-codes ranks or addresses it cannot know.

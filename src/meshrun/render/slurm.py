@@ -1,4 +1,4 @@
-"""An sbatch script in the pattern of the PyTorch Distributed slides' Slurm script: one task
+"""An sbatch script in the pattern of pytorch/examples' Slurm script (slurm/sbatch_run.sh): one task
 per node, srun, rendezvous on the head.
 
 meshrun on each node reads SLURM_JOB_NODELIST (head = its first host), SLURM_NNODES,

@@ -1,5 +1,5 @@
 """Data: the default corpus, token corpora (``meshrun.data``'s shards, flat token files) packed into
-sequences, random tokens, the PyTorch Distributed slides' toy set, and distributed loaders."""
+sequences, random tokens, pytorch/examples' toy set, and distributed loaders."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ class RandomTokens(Dataset):
 
 
 class ToyRegression(Dataset):
-    """The PyTorch Distributed slides' MyTrainDataset: 20 features -> 1 target, a noisy linear function."""
+    """pytorch/examples' MyTrainDataset (distributed/ddp-tutorial-series): 20 features -> 1 target, a noisy linear function."""
 
     def __init__(self, n: int = 2048, seed: int = 1234) -> None:
         g = torch.Generator().manual_seed(seed)

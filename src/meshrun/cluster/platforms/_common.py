@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-DEFAULT_PORT = 29500  # torchrun's and the documents' default rendezvous port
+DEFAULT_PORT = 29500  # torchrun's default rendezvous port
 
 
 def per_node_default(gpus: int) -> tuple[int, str]:

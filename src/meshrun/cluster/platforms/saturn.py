@@ -3,8 +3,9 @@
 Every pod gets SATURN_JOB_SCALE (pods in the job), SATURN_JOB_RANK (this pod's index) and
 SATURN_JOB_LEADER (DNS name of pod 0). Peers resolve at
 ``${SATURN_JOB_RUN}-N.${SATURN_INTERNAL_SUBDOMAIN}.${SATURN_NAMESPACE}.svc.cluster.local``.
-The document also spells the middle variable SATURN_INTERNAL_DOMAIN once; both are read.
-All pod-to-pod ports are open, so the documents' port 29500 is the default.
+Saturn Cloud's multi-node guide also spells the middle variable SATURN_INTERNAL_DOMAIN once;
+both are read.
+All pod-to-pod ports are open, so torchrun's port 29500 is the default.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Slurm allocations (the sbatch pattern of the PyTorch Distributed slides).
+"""Slurm allocations (the sbatch pattern of pytorch/examples' slurm/sbatch_run.sh).
 
 The usual layout is one task per node (``--ntasks-per-node=1``) running ``meshrun launch``,
 which starts one process per GPU. When the job instead asks Slurm for one task per GPU
 (``--ntasks-per-node=G``), each task is already a worker (SLURM_LOCALID is its local rank).
 
 The rendezvous host is the first node of SLURM_JOB_NODELIST (unless MASTER_ADDR is set, as the
-slides' Slurm script does with the head node's IP). The port, unless MASTER_PORT is set, comes
+pytorch/examples' Slurm script does with the head node's IP). The port, unless MASTER_PORT is set, comes
 from the job id so that two jobs sharing a node do not collide, and lies in 15000-24999: below
 Linux's ephemeral range (32768-60999), where the kernel hands out client ports.
 """

@@ -1,4 +1,4 @@
-"""The documents' toy model: Linear(20 -> 1), trained on ToyRegression."""
+"""pytorch/examples' DDP tutorial model: Linear(20 -> 1), trained on ToyRegression."""
 
 from __future__ import annotations
 
