@@ -279,7 +279,7 @@ class SmiSampler:
         """MiB per card index; None without a sample (no nvidia-smi, or it never answered)."""
         return dict(self.sampled) or None
 
-    def __enter__(self) -> "SmiSampler":
+    def __enter__(self) -> SmiSampler:
         if self.thread:
             self.thread.start()
         return self

@@ -109,9 +109,9 @@ def _deepspeed_step_fn(conf: dict, rt):
     import deepspeed
     import torch
 
+    from meshrun.modelinfo.spec import PRESETS
     from meshrun.plan import ClusterSpec, TrainSpec, make_plan
     from meshrun.plan.configs import ds_config
-    from meshrun.modelinfo.spec import PRESETS
     from meshrun.train.models.gpt import gpt
 
     spec = PRESETS[conf["model"]]
@@ -317,8 +317,8 @@ def measure(args: argparse.Namespace) -> None:
 
 def predict(row: dict, cal: dict | None = None) -> tuple[float, float]:
     """(reserved, allocated) bytes the planner predicts for a measured row."""
-    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
     from meshrun.modelinfo.spec import PRESETS
+    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
 
     if cal is not None:
         _override(cal)

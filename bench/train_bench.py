@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from meshrun.train.config import TrainConfig
-from meshrun.vocab import GPT_PRESETS
 from meshrun.train.metrics import peak_flops
 from meshrun.train.models.gpt import GPT, GPTConfig
+from meshrun.vocab import GPT_PRESETS
 
 
 def random_batch(micro: int, seq: int, vocab: int, device: torch.device, step: int, rank: int):

@@ -1,9 +1,9 @@
 """meshrun.run: a function on N local processes with the process group ready; meshrun.detect."""
 
 import pytest
+from helpers import require
 
 import meshrun
-from helpers import require
 from meshrun.api import RankError
 
 pytestmark = pytest.mark.framework

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import clean_env, meshrun, script
 
 from meshrun.cli import main

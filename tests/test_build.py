@@ -10,13 +10,12 @@ node).
 import json
 
 import pytest
+from platform_envs import KUBEFLOW, MPI_PER_GPU, SAGEMAKER, SATURN, SKYPILOT, SLURM, SLURM_PER_TASK, TORCHRUN_WORKER
 
 from meshrun.cluster.detect import Overrides, resolve
 from meshrun.errors import MeshrunError
 from meshrun.launch import LaunchSpec, build
 from meshrun.launch.build import per_framework
-
-from platform_envs import KUBEFLOW, MPI_PER_GPU, SAGEMAKER, SATURN, SKYPILOT, SLURM, SLURM_PER_TASK, TORCHRUN_WORKER
 
 LEAD = "train-0.jobs.team.svc.cluster.local"
 PEER = "train-1.jobs.team.svc.cluster.local"

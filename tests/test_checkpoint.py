@@ -8,9 +8,10 @@ import threading
 import time
 
 import pytest
+from helpers import clean_env, require, with_faults
+from helpers import meshrun as run_cli
 
 import meshrun
-from helpers import clean_env, meshrun as run_cli, require, with_faults
 
 pytestmark = pytest.mark.framework
 HERE = os.path.dirname(__file__)

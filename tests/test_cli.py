@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import clean_env, meshrun, script
 from platform_envs import SATURN, SKYPILOT, SLURM
 

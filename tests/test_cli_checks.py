@@ -7,11 +7,10 @@ import os
 import stat
 
 import pytest
+from helpers import clean_env, meshrun
 
 from meshrun.cli import bench, main
 from meshrun.errors import MeshrunError
-
-from helpers import clean_env, meshrun
 
 
 @pytest.fixture

@@ -14,10 +14,9 @@ import subprocess
 import sys
 import time
 
+import netns
 import pytest
 import yaml
-
-import netns
 from helpers import clean_env, example, lines, meshrun, require, script
 
 pytestmark = pytest.mark.netns

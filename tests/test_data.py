@@ -13,9 +13,10 @@ import sys
 import time
 
 import pytest
+from helpers import clean_env, require, with_faults
+from helpers import meshrun as run_cli
 
 import meshrun
-from helpers import clean_env, meshrun as run_cli, require, with_faults
 
 pytestmark = pytest.mark.framework
 WORDS = ("the quick brown fox jumps over the lazy dog; naïve café, Ünïcode 東京 données — «quotes» "

@@ -1,13 +1,25 @@
 """Detection: each platform's variables -> one Topology, with sources; the probe order."""
 
 import pytest
+from platform_envs import (
+    GENERIC,
+    KUBEFLOW,
+    KUBEFLOW_POD,
+    LSF_PER_GPU,
+    LSF_PER_NODE,
+    MPI_PER_GPU,
+    MPI_PER_NODE,
+    SAGEMAKER,
+    SATURN,
+    SKYPILOT,
+    SLURM,
+    SLURM_PER_TASK,
+    TORCHRUN_WORKER,
+)
 
 from meshrun.cluster.detect import Overrides, resolve
 from meshrun.cluster.topology import Topology
 from meshrun.errors import MeshrunError
-
-from platform_envs import (GENERIC, KUBEFLOW, KUBEFLOW_POD, LSF_PER_GPU, LSF_PER_NODE, MPI_PER_GPU, MPI_PER_NODE,
-                           SAGEMAKER, SATURN, SKYPILOT, SLURM, SLURM_PER_TASK, TORCHRUN_WORKER)
 
 SATURN_HOSTS = ("train-0.jobs.team.svc.cluster.local", "train-1.jobs.team.svc.cluster.local")
 

@@ -6,13 +6,12 @@ import json
 import os
 
 import pytest
+from helpers import clean_env, meshrun
+from platform_envs import KUBEFLOW, KUBEFLOW_POD, LSF_PER_GPU, MPI_PER_NODE, SKYPILOT, SLURM, TORCHRUN_WORKER
 
 from meshrun.cluster.detect import Overrides, resolve
 from meshrun.cluster.platforms import lsf, mpi
 from meshrun.errors import MeshrunError
-
-from helpers import clean_env, meshrun
-from platform_envs import KUBEFLOW, KUBEFLOW_POD, LSF_PER_GPU, MPI_PER_NODE, SKYPILOT, SLURM, TORCHRUN_WORKER
 
 # Lightning's rankfile: the launch node "batch", then one slot on each of four compute hosts.
 LIGHTNING_RANKFILE = "batch\n10.10.10.0\n10.10.10.1\n10.10.10.2\n10.10.10.3"

@@ -6,8 +6,8 @@ import json
 import socket
 
 import pytest
-
 from helpers import clean_env, meshrun, require
+
 from meshrun.doctor.checks import check_gpu_health, check_versions_across
 from meshrun.doctor.facts import Facts, parse_gpu_query
 

@@ -1,7 +1,6 @@
 """The pytorch/examples DDP tutorial's Trainer (examples/ddp_snapshot.py), the README's main job: trains, snapshots, and resumes."""
 
 import pytest
-
 from helpers import example, lines, meshrun, require
 
 pytestmark = pytest.mark.framework

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from meshrun.train.kernels import fused_mlp
 from meshrun.train.models.gpt import GPT, GPTConfig
 
-
 ONE_BLOCK = dict(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4)  # a GPT small enough for the CPU
 
 

@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import clean_env, marked_pids, meshrun, require, wait_for, with_faults
 
 pytestmark = [pytest.mark.framework,

@@ -16,7 +16,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import clean_env, require
 
 HERE = os.path.dirname(__file__)

@@ -10,9 +10,10 @@ import json
 import os
 
 import pytest
+from helpers import clean_env, require
+from helpers import meshrun as run_cli
 
 import meshrun
-from helpers import clean_env, meshrun as run_cli, require
 
 pytestmark = pytest.mark.framework
 STEPS = 4

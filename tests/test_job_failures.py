@@ -8,7 +8,6 @@ import json
 import os
 
 import pytest
-
 from helpers import clean_env, meshrun
 
 pytestmark = pytest.mark.framework

@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import clean_env, example, lines, meshrun, require, script
 
 pytestmark = pytest.mark.framework

@@ -7,8 +7,8 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from meshrun.train.models import losses  # noqa: E402
-from meshrun.train.models.losses import linear_cross_entropy  # noqa: E402
 from meshrun.train.models.gpt import GPT, GPTConfig  # noqa: E402
+from meshrun.train.models.losses import linear_cross_entropy  # noqa: E402
 
 
 @pytest.fixture
@@ -113,9 +113,9 @@ def test_the_planner_holds_one_chunk_of_logits_for_the_fused_loss():
     (about 170 GiB for GPT 1.3B: it cannot fit); the fused one holds a chunk."""
     from dataclasses import replace
 
+    from meshrun.modelinfo.spec import PRESETS
     from meshrun.plan import ClusterSpec, TrainSpec, make_plan
     from meshrun.plan.memory import logits_bytes
-    from meshrun.modelinfo.spec import PRESETS
 
     t = TrainSpec(262144, 1, None, precision="bf16", activation_checkpointing="full")
     peaks, logits = {}, {}

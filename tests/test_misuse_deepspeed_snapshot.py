@@ -8,8 +8,8 @@ import os
 import shutil
 
 import pytest
-
-from helpers import meshrun as run_cli, require
+from helpers import meshrun as run_cli
+from helpers import require
 
 
 class _Payload:

@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import clean_env, marked_pids, require, wait_for
 
 pytestmark = [pytest.mark.framework,

@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
-
-from helpers import clean_env, meshrun as run_cli, require
+from helpers import clean_env, require
+from helpers import meshrun as run_cli
 
 pytestmark = pytest.mark.framework
 TOY = ["--example", "toy", "--nproc", "1", "--log-every", "1", "--eval-batches", "1"]

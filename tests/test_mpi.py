@@ -21,10 +21,10 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 import netns
-from helpers import meshrun as run_cli, require, script
+import pytest
+from helpers import meshrun as run_cli
+from helpers import require, script
 
 pytestmark = pytest.mark.netns
 

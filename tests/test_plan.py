@@ -9,14 +9,14 @@ import os
 from dataclasses import replace
 
 import pytest
-
 from helpers import bench_module, clean_env, example, lines, meshrun, require
+
 from meshrun.errors import MeshrunError
+from meshrun.modelinfo.read import from_hf_config, resolve_model
+from meshrun.modelinfo.spec import PRESETS, gpt_spec
 from meshrun.plan import ClusterSpec, TrainSpec, make_plan
 from meshrun.plan.batch import solve
 from meshrun.plan.memory import Strategy, layer_activation_bytes, model_states
-from meshrun.modelinfo.read import from_hf_config, resolve_model
-from meshrun.modelinfo.spec import PRESETS, gpt_spec
 
 GB = 1e9
 GiB = 2**30
@@ -259,7 +259,7 @@ def _raw_rows() -> list[dict]:
     """The 4-GPU grid rows first in their process, before and after the early state, both kept."""
     import glob
 
-    files = sorted((f for f in glob.glob(os.path.join(CALIBRATION, "h200x4_*.jsonl")) if "layouts" not in f))
+    files = sorted(f for f in glob.glob(os.path.join(CALIBRATION, "h200x4_*.jsonl")) if "layouts" not in f)
     rows = _plan_accuracy().load(files, fresh_only=True, supersede=False)
     return [r for r in rows if r.get("reserved_gib") and not r.get("alloc_conf") and not r.get("setup_empty_cache")]
 
@@ -400,8 +400,8 @@ def test_autocast_weight_copies_are_gone_by_the_end_of_backward():
     copies there predicted 22.3 GiB (+11%)."""
     from dataclasses import replace
 
-    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
     from meshrun.modelinfo.spec import PRESETS
+    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
 
     spec = replace(PRESETS["gpt-1.3b"], bf16_residual=True)
     plan = make_plan(spec, ClusterSpec(1, 1, 10**15),
@@ -824,8 +824,8 @@ def test_long_sequence_step_time_follows_causal_work(gpus, seq, label, tokens_pe
     the work causal attention does (half of MFU's 12·L·h·s) and splits it over the
     context-parallel ranks at CP's measured efficiency; counting attention whole gives 115 s
     for both 256K rows (measured 64 and 52 s) and cannot tell CP from FSDP alone."""
-    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
     from meshrun.modelinfo.spec import PRESETS
+    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
 
     plan = make_plan(PRESETS["gpt-1.3b"], ClusterSpec(1, gpus, 141 * 10**9),
                      TrainSpec(seq, 1, None, precision="bf16", compile=False, activation_checkpointing="full"),
@@ -877,8 +877,8 @@ def test_plan_says_when_a_chunked_loss_would_let_a_simpler_layout_fit():
     context parallelism; without them FSDP2 alone fits (measured on 4 x H200, torch 2.11:
     without the chunked loss FSDP2 alone stops at 128K, the logits running out of memory at
     256K; docs/benchmarks/long-sequence_4xH200_2026-11-26.md). Short sequences get no such line."""
-    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
     from meshrun.modelinfo.spec import PRESETS
+    from meshrun.plan import ClusterSpec, TrainSpec, make_plan
 
     long = make_plan(PRESETS["gpt-1.3b"], ClusterSpec(1, 4, 141 * 10**9),
                      TrainSpec(262144, 1, None, precision="bf16", compile=False), framework="torch")
@@ -896,8 +896,8 @@ def test_fsdp2_reduce_scatter_stream_keeps_the_gradient_shards_reserved():
     torch 2.11) the side stream with the most segments,
     the reduce-scatter stream, holds within 10% of the fp32 gradient shards (1.27 GiB for 1.21),
     free at that moment and out of the compute stream's reach; the compute stream holds the rest."""
-    from meshrun.plan.memory import params_per_gpu
     from meshrun.modelinfo.spec import PRESETS
+    from meshrun.plan.memory import params_per_gpu
 
     path = os.path.join(CALIBRATION, "h200x4_early-state_2026-11-27.jsonl")
     with open(path) as f:
@@ -920,9 +920,9 @@ def test_plan_and_train_resolve_the_same_defaults(model):
     import torch
 
     from meshrun.modelinfo.factory import call_factory
+    from meshrun.modelinfo.read import context_of
     from meshrun.train.config import TrainConfig, resolve_seq_len, validate
     from meshrun.train.models.gpt import gpt
-    from meshrun.modelinfo.read import context_of
     from meshrun.train.parallel.auto import decide
 
     out = meshrun("plan", "--model", model, "--gpus-per-node", "4", "--gpu-mem", "80GiB", "--json",

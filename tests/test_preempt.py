@@ -15,7 +15,6 @@ import threading
 import time
 
 import pytest
-
 from helpers import clean_env, meshrun, require, with_faults
 from test_checkpoint import losses
 

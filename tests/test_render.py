@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import yaml
-
 from helpers import meshrun, require, script
+
 from meshrun.render import RenderSpec, render
 from meshrun.render.slurm import node_command
 

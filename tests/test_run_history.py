@@ -11,9 +11,10 @@ import os
 import subprocess
 
 import pytest
+from helpers import meshrun as run_cli
+from helpers import require
 
 import meshrun
-from helpers import meshrun as run_cli, require
 
 TINY = ("--model-size", "gpt-tiny", "--nproc", "1", "--seq-len", "32", "--micro-batch", "2", "--data", "random")
 

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 import slurm_cluster
 from helpers import clean_env, lines, meshrun, require, script
 from test_checkpoint import losses

@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-
 from helpers import clean_env, meshrun, require
 
 pytestmark = pytest.mark.framework

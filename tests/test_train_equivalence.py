@@ -17,9 +17,9 @@ shard) changes the loss at the first or second step by far more than 1e-2.
 import os
 
 import pytest
+from helpers import require
 
 import meshrun
-from helpers import require
 
 pytestmark = pytest.mark.framework
 
@@ -27,11 +27,12 @@ STEPS = 6
 
 
 def _train(overrides):
+    import torch
+
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import RandomTokens
     from meshrun.train.models.gpt import GPT, GPTConfig
     from meshrun.train.trainer import Trainer
-    import torch
 
     overrides = dict(overrides)
     layers = overrides.pop("layers", 2)
@@ -93,11 +94,12 @@ def _local_shape(t):
 
 def _sequence_parallel_shapes(sequence_parallel):
     """What each LayerNorm gets under TP=2 (its local tensor), and the head's local logits."""
+    import torch
+
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import BatchStream, RandomTokens
     from meshrun.train.models.gpt import GPT, GPTConfig
     from meshrun.train.trainer import Trainer
-    import torch
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
@@ -131,11 +133,12 @@ def test_sequence_and_loss_parallel_shard_what_they_should(sp):
 
 def _train_steps(overrides):
     """Like _train, but {step: loss} of the steps this run logged (after a resume: only those)."""
+    import torch
+
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import RandomTokens
     from meshrun.train.models.gpt import GPT, GPTConfig
     from meshrun.train.trainer import Trainer
-    import torch
 
     overrides = dict(overrides)
     layers = overrides.pop("layers", 2)

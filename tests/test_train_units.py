@@ -6,14 +6,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from helpers import DATA, bench_module  # noqa: E402
+
 from meshrun.errors import MeshrunError  # noqa: E402
+from meshrun.modelinfo.blocks import find_blocks  # noqa: E402
 from meshrun.train.config import TrainConfig, build_config  # noqa: E402
 from meshrun.train.data import ShardedIterable, TokenChunks  # noqa: E402
 from meshrun.train.metrics import mfu, peak_for_name  # noqa: E402
 from meshrun.train.models.gpt import GPT, GPTConfig  # noqa: E402
 from meshrun.train.optim import lr_factor  # noqa: E402
-from meshrun.modelinfo.blocks import find_blocks  # noqa: E402
-from helpers import DATA, bench_module  # noqa: E402
 
 nn = torch.nn
 

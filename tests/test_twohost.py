@@ -5,9 +5,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import netns
+import pytest
 from helpers import clean_env, require
 
 pytestmark = pytest.mark.netns
@@ -52,9 +51,8 @@ def test_two_nodes_survive_a_killed_rank_and_resume_bit_for_bit(hosts, tmp_path)
     in the shared output directory; every loss after the resume equals an uninterrupted
     run's."""
     require("torch")
-    from test_checkpoint import JOB, kill_when, losses, reached
-
     from helpers import meshrun as run_cli
+    from test_checkpoint import JOB, kill_when, losses, reached
 
     reference = tmp_path / "reference"
     res = run_cli("train", *JOB, "--out", str(reference), timeout=600)

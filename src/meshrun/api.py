@@ -7,7 +7,8 @@ import pickle
 import sys
 import time
 import traceback
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .cluster.detect import resolve
 from .cluster.gpus import count_visible_gpus

@@ -25,7 +25,8 @@ import shutil
 import stat
 import tempfile
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from .errors import MeshrunError, bad_value
 

@@ -21,7 +21,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 FAULTS = dict(item.split("=", 1) for item in os.environ.get("TEST_FAULTS", "").split(",") if "=" in item)
 

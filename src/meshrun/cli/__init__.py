@@ -28,7 +28,7 @@ import importlib
 import os
 import signal
 import sys
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 if sys.argv[1:2] == ["train"]:  # before the imports below: a preemption signal may come at once
     from ..launch.early import hold

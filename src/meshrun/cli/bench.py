@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.options import parse_int

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from .options import add_option, require_packages
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import socket
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.topology import Topology
@@ -52,7 +52,7 @@ def real_probes() -> Probes:
                 return "open"
         except ConnectionRefusedError:
             return "refused"
-        except socket.timeout:
+        except TimeoutError:
             return f"did not answer within {timeout:.0f} s"
         except OSError as exc:
             return f"is unreachable ({exc.strerror or exc})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..cluster.gpus import count_visible_gpus
 from ..errors import bad_value
@@ -14,8 +14,14 @@ from ..launch.dryrun import dry_run_text
 from ..launch.node import check_ports, prepare_network, run_job
 from ..launch.run import Waits
 from ..vocab import FRAMEWORKS
-from .options import (add_finish_timeout_option, add_option, add_rdzv_timeout_option, add_topology_options,
-                      int_option, topology_from_args)
+from .options import (
+    add_finish_timeout_option,
+    add_option,
+    add_rdzv_timeout_option,
+    add_topology_options,
+    int_option,
+    topology_from_args,
+)
 
 LAUNCH_HELP = """\
 Start a training script on this node, for its framework, on the topology meshrun detects.

@@ -8,8 +8,8 @@ import argparse
 import difflib
 import importlib.util
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from ..cluster.detect import PLATFORMS, resolve
 from ..cluster.net import free_port

@@ -6,14 +6,14 @@ import argparse
 import json
 import shutil
 import subprocess
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..cluster.gpus import count_visible_gpus
 from ..defaults import COMPILE_CHOICES, compile_enabled, global_batch_for, seq_len_for
 from ..errors import bad_value
 from ..modelinfo.read import resolve_model
-from ..paths import check_output_dir
 from ..modelinfo.spec import PRESETS
+from ..paths import check_output_dir
 from ..plan import ClusterSpec, TrainSpec, make_plan
 from ..plan.advice import check_choice
 from ..plan.recommend import MAX_MICRO_TOKENS

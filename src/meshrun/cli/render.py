@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..cluster.options import parse_int
 from ..errors import bad_value

@@ -6,7 +6,7 @@ import argparse
 import os
 import shutil
 import tempfile
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.topology import Topology
@@ -21,8 +21,17 @@ from ..launch.run import Waits
 from ..train.config import EXAMPLES, STRATEGY_CHOICES, TrainConfig, build_config, load_file
 from ..train.ranklog import LOG_DIR_ENV
 from ..vocab import AC_MODES, GPT_PRESETS, PRECISIONS, STRATEGIES
-from .options import (COLLECTIVE_TIMEOUT_S, add_finish_timeout_option, add_option, add_rdzv_timeout_option,
-                      add_topology_options, int_option, require_packages, topology_from_args, waits_line)
+from .options import (
+    COLLECTIVE_TIMEOUT_S,
+    add_finish_timeout_option,
+    add_option,
+    add_rdzv_timeout_option,
+    add_topology_options,
+    int_option,
+    require_packages,
+    topology_from_args,
+    waits_line,
+)
 
 _STRATEGY_LINES = "".join(f"  {name:<14s}  {kind.about}\n" for name, kind in STRATEGIES.items())
 

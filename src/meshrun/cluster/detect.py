@@ -25,14 +25,13 @@ single values, and the result is validated as a whole.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from types import ModuleType
-from typing import Callable, Mapping
 
 from ..errors import MeshrunError, bad_value
-from .platforms import (generic, kubeflow, local, lsf, mpi, sagemaker, saturn, skypilot, slurm,
-                        torchelastic)
 from .net import host_problem
+from .platforms import generic, kubeflow, local, lsf, mpi, sagemaker, saturn, skypilot, slurm, torchelastic
 from .topology import Topology
 
 PROBE_ORDER = (torchelastic, lsf, mpi, skypilot, saturn, kubeflow, sagemaker, slurm, generic, local)

@@ -6,7 +6,7 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Mapping
+from collections.abc import Mapping
 
 _DEV = re.compile(r"^nvidia\d+$")
 

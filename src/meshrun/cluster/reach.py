@@ -82,7 +82,7 @@ def wait_reachable(host: str, port: int, timeout_s: float, source: str) -> None:
                 return
         except ConnectionRefusedError:
             kinds["refused"] = "connection refused"
-        except socket.timeout:
+        except TimeoutError:
             kinds["timeout"] = "no answer"
         except OSError as exc:
             kinds["unreachable"] = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))

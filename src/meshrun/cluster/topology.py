@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 FIELDS = (
     "platform",
@@ -66,7 +67,7 @@ class Topology:
     def source(self, name: str) -> str:
         return self.sources.get(name, "default")
 
-    def replace(self, sources: Mapping[str, str] | None = None, **changes: Any) -> "Topology":
+    def replace(self, sources: Mapping[str, str] | None = None, **changes: Any) -> Topology:
         merged = dict(self.sources)
         merged.update(sources or {})
         return dataclasses.replace(self, sources=merged, **changes)

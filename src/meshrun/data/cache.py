@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from .prepare import PrepareSpec, prepare
 from .sources import find_source

@@ -24,9 +24,10 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 

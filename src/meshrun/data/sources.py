@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from ..errors import MeshrunError, bad_value
 from . import INDEX

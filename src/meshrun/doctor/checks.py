@@ -5,8 +5,8 @@ table and its common mistakes are the advice."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from ..cluster.topology import Topology
 from ..errors import MeshrunError

@@ -6,8 +6,8 @@ import os
 import shutil
 import socket
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from ..cluster.gpus import count_visible_gpus
 from ..paths import nearest_existing

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 def jax_arguments(env: Mapping[str, str]) -> dict[str, Any]:
@@ -72,7 +73,7 @@ def _gloo_on_interface(ifname: str | None) -> None:
 
     on_interface._meshrun_interface = ifname  # type: ignore[attr-defined]
     try:
-        setattr(lib, "make_gloo_tcp_collectives", on_interface)
+        lib.make_gloo_tcp_collectives = on_interface
     except (AttributeError, TypeError):
         pass
 

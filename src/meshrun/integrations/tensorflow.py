@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
+
 
 def tf_config(env: Mapping[str, str] | None = None, port: int | None = None,
               set_env: bool = True) -> dict[str, Any]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from ..cluster.topology import Topology
 from ..errors import bad_value
+from ..vocab import FRAMEWORKS
 from . import accelerate, deepspeed, direct, jax, tensorflow, torchrun
 from .command import Command, LaunchSpec
 from .common import deepspeed_script_args
-from ..vocab import FRAMEWORKS
 
 
 def _used_by(spec: LaunchSpec) -> list[tuple[str, object, tuple[str, ...]]]:

@@ -10,7 +10,7 @@ job's processes are up and passes them on as if they had just come.
 from __future__ import annotations
 
 import signal
-from typing import Iterable
+from collections.abc import Iterable
 
 _pending: list[int] = []
 

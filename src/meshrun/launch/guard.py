@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 TOKEN_VAR = "MESHRUN_JOB_TOKEN"
 PR_SET_PDEATHSIG = 1

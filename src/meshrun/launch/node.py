@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..cluster.net import port_is_free
 from ..cluster.reach import DEFAULT_TIMEOUT_S, route_interface, wait_reachable

@@ -11,14 +11,22 @@ import os
 import signal
 import sys
 import time
-from typing import BinaryIO, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import BinaryIO
 
 from ..cluster.net import free_port
 from ..cluster.topology import Topology
 from ..errors import PREEMPTED, JobFailed, MeshrunError
 from .command import Command, LaunchSpec
-from .failure import (ECHO_SUFFIX, TorchrunReport, parse_root_cause, ranks_named, signal_line, silent_line,
-                      timed_out_ranks)
+from .failure import (
+    ECHO_SUFFIX,
+    TorchrunReport,
+    parse_root_cause,
+    ranks_named,
+    signal_line,
+    silent_line,
+    timed_out_ranks,
+)
 from .node import prepare_network, run_job
 from .run import NO_WAITS, Waits
 

@@ -45,8 +45,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from ..errors import JobFailed, MeshrunError
 from . import early, guard

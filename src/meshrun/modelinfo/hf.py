@@ -10,8 +10,9 @@ import contextlib
 import glob
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import bad_value
 

@@ -7,9 +7,9 @@ a recommendation with its reasons and warnings -> config files. Nothing here tou
 or starts a process. A model's shape comes from ``meshrun.modelinfo``.
 """
 
-from .recommend import Plan, make_plan
-from .spec import ClusterSpec, TrainSpec
 from ..modelinfo.read import resolve_model
 from ..modelinfo.spec import ModelSpec
+from .recommend import Plan, make_plan
+from .spec import ClusterSpec, TrainSpec
 
 __all__ = ["ClusterSpec", "ModelSpec", "Plan", "TrainSpec", "make_plan", "resolve_model"]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from ..errors import bad_value
 from ..modelinfo.spec import ModelSpec
+from ..units import fmt_bytes, fmt_count
 from .candidate import Candidate, fitting_twin
 from .spec import ClusterSpec, TrainSpec
-from ..errors import bad_value
-from ..units import fmt_bytes, fmt_count
 
 
 def _first(cands: list[Candidate], *names: str, ac: bool | None = False) -> Candidate | None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from ..errors import MeshrunError
+from ..modelinfo.spec import ModelSpec
+from ..units import fmt_bytes
 from .batch import Batch, check_divisible, micro_choices, solve
 from .candidate import Candidate, Plan, fitting_twin
 from .memory import Strategy, estimate
-from ..modelinfo.spec import ModelSpec
 from .spec import ClusterSpec, TrainSpec, validate_cluster, validate_train
 from .strategies import ENGINES, candidates, comm_bytes, model_parallel
-from ..units import fmt_bytes
 
 # FSDP2's compute efficiency for the step-time estimate: 50.6% in the layouts benchmark that
 # layout_efficiency is relative to (GPT 1.3B, 4 x H200, torch 2.11); meshrun's defaults reach

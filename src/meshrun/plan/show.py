@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from ..units import fmt_bytes, fmt_count
 from .memory import BREAKDOWN_KEYS, calibration, layer_activation_bytes
 from .recommend import Plan, work_efficiency
-from ..units import fmt_bytes, fmt_count
 
 SHORT = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ", "logits": "logits",
          "comm_buffers": "buffers"}

@@ -6,7 +6,7 @@ variables each platform sets, so a spec never hard-codes ranks or addresses it c
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from . import hostfile, kubernetes, saturn, skypilot, slurm
 from .spec import TARGETS, RenderSpec, validate

@@ -54,7 +54,7 @@ def oom_line(micro: int, strategy: str, device: torch.device, predicted: int | N
     return "; ".join(parts) + f" (hint: {fit}--activation-checkpointing full, or an FSDP2 --strategy)"
 
 
-def _try_micro_step(trainer: "Trainer", data: BatchStream) -> bool:
+def _try_micro_step(trainer: Trainer, data: BatchStream) -> bool:
     """One micro-step at the run's micro-batch; whether this rank ran out of memory. Leaves
     no gradient, random state or data position behind."""
     device = trainer.rt.device
@@ -77,7 +77,7 @@ def _try_micro_step(trainer: "Trainer", data: BatchStream) -> bool:
     return failed
 
 
-def fit_micro_batch(trainer: "Trainer", data: BatchStream) -> BatchStream:
+def fit_micro_batch(trainer: Trainer, data: BatchStream) -> BatchStream:
     """The data stream to train from, at a micro-batch every rank has run one micro-step of
     (module docstring). Returns ``data`` itself, unread, when the micro-batch is the user's or
     the layout cannot change it (pipelines, DeepSpeed: their schedules are cut for it)."""
@@ -106,7 +106,7 @@ def fit_micro_batch(trainer: "Trainer", data: BatchStream) -> BatchStream:
                   "loss curve is the same)", flush=True)
 
 
-def _resize(trainer: "Trainer", micro: int, global_batch: int) -> None:
+def _resize(trainer: Trainer, micro: int, global_batch: int) -> None:
     """Train at ``micro`` with the accumulation that keeps ``global_batch``."""
     cfg = trainer.cfg
     sources: dict[str, Any] = {**cfg.sources, "micro_batch": "halved after running out of memory"}

@@ -9,8 +9,9 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 from ..data.sources import data_kind
 from ..defaults import COMPILE_CHOICES, compile_enabled, seq_len_for
@@ -136,10 +137,10 @@ class TrainConfig:
         return json.dumps(d)
 
     @classmethod
-    def from_json(cls, text: str) -> "TrainConfig":
+    def from_json(cls, text: str) -> TrainConfig:
         return cls(**json.loads(text))
 
-    def replace(self, **changes: Any) -> "TrainConfig":
+    def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
@@ -225,7 +226,7 @@ class BatchStream:
             sampler.set_start(self.samples)
         self._it = iter(self.loader)
 
-    def __iter__(self) -> "BatchStream":
+    def __iter__(self) -> BatchStream:
         return self
 
     def __next__(self) -> Any:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,8 @@ from . import checkpoint, preempt
 from .batchfit import fit_micro_batch, oom_line
 from .checkpoint import Position
 from .config import TrainConfig, resolve_seq_len, validate
-from .factories import vocab_size
 from .data import BatchStream, LoaderSpec, make_loader, val_micro
+from .factories import vocab_size
 from .kernels.liger import liger_applies
 from .metrics import MetricsSink, ReadCost, flops_per_token, mfu, peak_flops, read_cost_line
 from .optim import Schedule, build_scheduler, extend_schedule, lr_factor

@@ -18,8 +18,8 @@ import hashlib
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn

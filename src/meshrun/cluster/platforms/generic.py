@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..envread import EnvReader
 from ..topology import Topology

@@ -6,7 +6,7 @@ rank-0-only code paths really run, so a script debugged here behaves the same on
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..topology import Topology
 from ._common import DEFAULT_PORT

@@ -33,7 +33,7 @@ collide. LSB_DJOB_RANKFILE is the one file a detector reads: LSF gives the slot 
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ...errors import bad_value
 from ..envread import EnvReader

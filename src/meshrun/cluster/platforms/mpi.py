@@ -17,7 +17,7 @@ derives the same port and two jobs sharing a node do not collide.
 from __future__ import annotations
 
 import zlib
-from typing import Mapping
+from collections.abc import Mapping
 
 from ...errors import bad_value
 from ..envread import EnvReader

@@ -8,7 +8,7 @@ this instance.
 from __future__ import annotations
 
 import json
-from typing import Mapping
+from collections.abc import Mapping
 
 from ...errors import bad_value
 from ..envread import EnvReader

@@ -10,7 +10,7 @@ All pod-to-pod ports are open, so torchrun's port 29500 is the default.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..envread import EnvReader
 from ..topology import Topology

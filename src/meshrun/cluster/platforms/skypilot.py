@@ -7,7 +7,7 @@ SKYPILOT_TASK_ID is stable across preemptions (a good rendezvous id).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ...errors import bad_value
 from ..envread import EnvReader

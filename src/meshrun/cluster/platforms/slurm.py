@@ -12,7 +12,7 @@ Linux's ephemeral range (32768-60999), where the kernel hands out client ports.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ...errors import bad_value
 from ..envread import EnvReader

@@ -8,7 +8,7 @@ SkyPilot jobs, and the worker's own variables are then the truth.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ...errors import bad_value
 from ..envread import EnvReader

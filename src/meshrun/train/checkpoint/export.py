@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ...fsio import write_dir, write_file_with
 from ...errors import MeshrunError
+from ...fsio import write_dir, write_file_with
 from .load import check, load_shards
 
 NONEMPTY_HINT = "give a new or empty directory, or --overwrite to move its files aside first"

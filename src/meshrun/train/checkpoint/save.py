@@ -19,8 +19,21 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ...errors import MeshrunError
-from .layout import (DS_DIR, FORMAT, MARKER, TMP_PREFIX, Position, fsync_dir, fsync_file, io_threads, listing, prune,
-                     sha256, snapshot_name, write_json)
+from .layout import (
+    DS_DIR,
+    FORMAT,
+    MARKER,
+    TMP_PREFIX,
+    Position,
+    fsync_dir,
+    fsync_file,
+    io_threads,
+    listing,
+    prune,
+    sha256,
+    snapshot_name,
+    write_json,
+)
 from .load import METADATA, STATE, missing_files, unpickle_metadata
 from .parts import shards_as_dtensors
 from .rng import rng_state

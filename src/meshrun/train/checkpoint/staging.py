@@ -15,7 +15,8 @@ previous one (joining its writer) before staging the next.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -14,7 +14,7 @@ LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral"})
 
 
 def is_transformers_model(model: nn.Module) -> bool:
-    return hasattr(model, "config") and hasattr(getattr(model, "config"), "_attn_implementation")
+    return hasattr(model, "config") and hasattr(model.config, "_attn_implementation")
 
 
 def model_type(model: nn.Module) -> str:

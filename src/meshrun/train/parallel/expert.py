@@ -4,7 +4,8 @@ experts' rank and back by all-to-all (models/moe.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

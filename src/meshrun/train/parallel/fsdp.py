@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ...errors import bad_value
 
+
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList | None, mesh: DeviceMesh, flavour: str,
                bf16: bool, bf16_reduce: bool = False, ignored: set[nn.Parameter] | None = None) -> None:
     """FSDP2: ``fully_shard`` each block, then the root (embeddings, final norm, head).

@@ -9,7 +9,7 @@ gradient scaled by the same coefficient."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

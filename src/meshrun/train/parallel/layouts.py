@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ...errors import MeshrunError
 from ..models.hf import LLAMA_LIKE, check_whole_prefix, is_transformers_model, model_type
 
+
 def _place(root: nn.Module, path: str, module: nn.Module) -> None:
     """Put ``module`` at the dotted ``path`` under ``root``, with empty containers on the way,
     so that its parameters keep the unsplit model's names."""
@@ -157,8 +158,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, mesh: Any, schedule: str, n_microbatches: int, accum: int,
                  device: torch.device, seq_len: int, ignore_last: bool = False) -> None:
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         kind = stage_kind(model, seq_len, f"--pp={mesh['pp'].size()}")
         tied = model.get_parameter(kind.EMBEDDING) is model.get_parameter(kind.HEAD)

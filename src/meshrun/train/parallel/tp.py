@@ -66,8 +66,13 @@ def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh, sequence_parallel: bool
     norm takes the shards). The same for Llama-style HF blocks (their two RMSNorms). Returns
     whether sequence parallelism was applied (not for a mix of block kinds)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     tp = tp_mesh.size()
     families = {tp_family(b) for b in blocks}
@@ -165,8 +170,12 @@ def apply_loss_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel
     must run inside ``loss_parallel()`` (the trainer does). With sequence parallelism the
     final norm runs on the sequence shard and the head gathers it."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     parallelize_module(model, tp_mesh, {"tok": RowwiseParallel(input_layouts=Replicate(),
                                                                output_layouts=Replicate())})
