@@ -2,8 +2,10 @@
 
 Probe order (first match wins), and why:
 
-1. ``torchrun``   a TorchElastic worker: torchrun runs inside every platform below, and its
-                  per-worker variables are then the truth.
+1. ``torchrun``   a TorchElastic worker: torchrun runs inside every platform below (and the
+                  user's), and its per-worker variables are then the truth.
+1a. user platforms (userplatforms.py: MESHRUN_PLATFORMS, then the ``meshrun.platforms`` entry
+                  points), before every other built-in one: the user added them for this cluster.
 2. ``lsf``        LSB_JOBID (IBM LSF); jsrun's JSM_NAMESPACE_* say which job step placed this
                   process. Before ``mpi`` because jsrun also sets Open MPI's variables; mpirun
                   inside an LSF job (no JSM_*) is left to ``mpi``.
@@ -25,17 +27,31 @@ single values, and the result is validated as a whole.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from types import ModuleType
 
 from ..errors import MeshrunError, bad_value
+from . import userplatforms
 from .net import host_problem
 from .platforms import generic, kubeflow, local, lsf, mpi, sagemaker, saturn, skypilot, slurm, torchelastic
+from .platforms.base import DEFAULT_MASTER_HINT, Platform
 from .topology import Topology
 
-PROBE_ORDER = (torchelastic, lsf, mpi, skypilot, saturn, kubeflow, sagemaker, slurm, generic, local)
-PLATFORMS: dict[str, ModuleType] = {m.NAME: m for m in PROBE_ORDER}
+PROBE_ORDER: tuple[Platform, ...] = (
+    torchelastic.Torchrun(), lsf.LSF(), mpi.MPI(), skypilot.SkyPilot(), saturn.Saturn(), kubeflow.Kubeflow(),
+    sagemaker.SageMaker(), slurm.Slurm(), generic.Generic(), local.Local(),
+)
+PLATFORMS: dict[str, Platform] = {p.NAME: p for p in PROBE_ORDER}  # the built-in ones
+Detector = Callable[[Mapping[str, str], int], Topology | None]
+
+
+def probe_order(env: Mapping[str, str]) -> list[tuple[Platform, Detector]]:
+    """Every platform with its detect, in the order they are tried: a torchrun worker's own
+    variables, then the user's platforms (their detect guarded: see
+    userplatforms.Registration.detect), then the other built-in ones."""
+    users: list[tuple[Platform, Detector]] = [(r.platform, r.detect) for r in userplatforms.load(env, PLATFORMS)]
+    worker, *rest = PROBE_ORDER
+    return [(worker, worker.detect), *users, *((p, p.detect) for p in rest)]
 
 
 @dataclass(frozen=True)
@@ -56,21 +72,25 @@ class Overrides:
                 if f.name != "sources" and getattr(self, f.name) is not None}
 
 
-def detect_platform(env: Mapping[str, str], gpus: int, platform: str | None = None) -> Topology:
+def detect_platform(env: Mapping[str, str], gpus: int, platform: str | None = None,
+                    order: list[tuple[Platform, Detector]] | None = None) -> Topology:
+    """The first platform whose detect matches (``order``: probe_order(env)), or ``platform``'s."""
+    order = probe_order(env) if order is None else order
     if platform is not None:
-        module = PLATFORMS.get(platform)
-        if module is None:
+        named = {p.NAME: (p, d) for p, d in order}
+        if platform not in named:
             raise bad_value("--platform", platform, "unknown platform",
-                            f"choose one of {', '.join(PLATFORMS)}")
-        topo = module.detect(env, gpus)
+                            f"choose one of {', '.join(named)}")
+        chosen, detect = named[platform]
+        topo = detect(env, gpus)
         if topo is None:
             raise bad_value("--platform", platform, "its variables are not set here",
-                            f"{platform} is recognised by {module.MARKERS}")
+                            f"{platform} is recognised by {chosen.MARKERS}")
         return topo.replace(sources={"platform": "flag --platform"})
-    for module in PROBE_ORDER:
-        topo = module.detect(env, gpus)
+    for candidate, detect in order:
+        topo = detect(env, gpus)
         if topo is not None:
-            src = topo.sources.get("platform") or f"detected ({module.MARKERS} set)"
+            src = topo.sources.get("platform") or f"detected ({candidate.MARKERS} set)"
             return topo.replace(sources={"platform": src})
     raise MeshrunError("no platform matched")  # unreachable: local always matches
 
@@ -102,7 +122,8 @@ def apply_overrides(topo: Topology, ov: Overrides) -> Topology:
     return topo.replace(sources=srcs, **changes)
 
 
-def validate(topo: Topology, gpus: int) -> Topology:
+def validate(topo: Topology, gpus: int, platforms: Iterable[Platform] = PROBE_ORDER) -> Topology:
+    """Refuse a topology that cannot run; ``platforms`` (user ones too) give the master hint."""
     s = topo.source
     if topo.nnodes < 1:
         raise bad_value(s("nnodes"), topo.nnodes, "must be at least 1")
@@ -119,8 +140,7 @@ def validate(topo: Topology, gpus: int) -> Topology:
     if not 1 <= topo.master_port <= 65535:
         raise bad_value(s("master_port"), topo.master_port, "is not a TCP port (1-65535)")
     if topo.nnodes > 1 and not topo.master_addr:
-        hint = getattr(PLATFORMS.get(topo.platform), "MASTER_HINT",
-                       "pass --master-addr (or set MASTER_ADDR) to node 0's address")
+        hint = next((p.MASTER_HINT for p in platforms if p.NAME == topo.platform), DEFAULT_MASTER_HINT)
         raise bad_value("master address", "", f"unknown for a {topo.nnodes}-node job on platform {topo.platform}", hint)
     for host, name in [(topo.master_addr, s("master_addr")), *((h, s("hosts")) for h in topo.hosts)]:
         problem = host_problem(host) if host else None
@@ -149,7 +169,8 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
     try:
         return int(raw)
     except ValueError:
-        raise bad_value(f"env {name}", raw, "not an integer", f"{name} must be a whole number; fix or unset it") from None
+        raise bad_value(f"env {name}", raw, "not an integer",
+                        f"{name} must be a whole number; fix or unset it") from None
 
 
 def check_worker_variables(env: Mapping[str, str]) -> None:
@@ -180,10 +201,14 @@ def resolve(
     """Detect, override, validate. Pure unless ``free_port`` is given: on a single node whose
     port nobody chose, that callable picks a free one (the first of ``nproc_per_node`` free
     consecutive ports, enough for any framework's listeners) so parallel local runs do not
-    collide. Not for a worker: the platform started every rank, and each would pick its own."""
-    topo = apply_overrides(detect_platform(env, gpus, platform), overrides)
+    collide. Not for a worker: the platform started every rank, and each would pick its own.
+    User platforms (MESHRUN_PLATFORMS in ``env``, entry points) are tried before the built-in
+    ones, a torchrun worker's variables excepted."""
+    order = probe_order(env)
+    topo = apply_overrides(detect_platform(env, gpus, platform, order), overrides)
     check_worker_variables(env)  # (after the platform's own checks, which say more)
     if (free_port is not None and topo.nnodes == 1 and not topo.is_worker
             and topo.source("master_port") == "default"):
-        topo = topo.replace(master_port=free_port(topo.nproc_per_node), sources={"master_port": "free port (single node)"})
-    return validate(topo, gpus)
+        topo = topo.replace(master_port=free_port(topo.nproc_per_node),
+                            sources={"master_port": "free port (single node)"})
+    return validate(topo, gpus, [p for p, _ in order])

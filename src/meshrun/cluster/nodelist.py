@@ -23,7 +23,9 @@ MAX_HOSTS = 100_000  # far above any real allocation; the bound keeps expansion 
 
 
 def _split_top_level(text: str) -> list[str]:
-    items, depth, cur = [], 0, []
+    items: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1

@@ -18,6 +18,7 @@ INTERNAL_VARIABLES = (
     "MESHRUN_BENCH_OUT", "MESHRUN_LOCAL_RANK", "MESHRUN_PROCESS_ID", "MESHRUN_NUM_PROCESSES",
     "MESHRUN_TEST_STRICT", "MESHRUN_SKYPILOT_PYTHON", "MESHRUN_JOB_TOKEN", "MESHRUN_OUT_RUN_ID",
     "MESHRUN_CRASH_FILE", "MESHRUN_READY_FILE", "MESHRUN_INTERRUPT_FILE",
+    "MESHRUN_PLATFORMS",  # the user's platforms, read by detection itself (userplatforms.py)
 )
 TOPOLOGY_OPTIONS = ("platform", "nnodes", "node_rank", "nproc_per_node", "master_addr",
                     "master_port", "hosts", "run_id")

@@ -1,4 +1,6 @@
-"""One module per platform, each with ``NAME`` and ``detect(env, gpus) -> Topology | None``.
+"""One module per platform, each with ``NAME``, ``MARKERS``, ``detect(env, gpus) -> Topology | None``
+and a subclass of :class:`.base.Platform` (the contract, which users' platforms extend too)
+that carries them.
 
 ``detect`` returns None when the platform's marker variables are absent, a Topology when
 they are present and consistent, and raises MeshrunError naming the variable when they are

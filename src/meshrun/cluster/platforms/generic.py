@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from ..envread import EnvReader
 from ..topology import Topology
 from ._common import DEFAULT_PORT, lone_master, per_node_default
+from .base import Platform
 
 MARKERS = "MASTER_ADDR, NNODES or NODE_RANK"  # what detect() looks for
 NAME = "generic"
@@ -31,3 +32,9 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
         master_port=r.int_or("MASTER_PORT", "master_port", DEFAULT_PORT, minimum=1),
         sources=r.sources,
     )
+
+
+class Generic(Platform):
+    NAME = NAME
+    MARKERS = MARKERS
+    detect = staticmethod(detect)

@@ -26,6 +26,7 @@ from ...errors import bad_value
 from ..envread import EnvReader
 from ..topology import Topology
 from ._common import DEFAULT_PORT, lone_master, per_node_default
+from .base import Platform
 
 MARKERS = "PET_NNODES, or MASTER_ADDR, WORLD_SIZE and RANK in a Kubernetes pod"  # what detect() looks for
 NAME = "kubeflow"
@@ -106,3 +107,9 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
         run_id=r.str_or("PET_RDZV_ID", "run_id", "kubeflow"),
         sources=r.sources,
     )
+
+
+class Kubeflow(Platform):
+    NAME = NAME
+    MARKERS = MARKERS
+    detect = staticmethod(detect)

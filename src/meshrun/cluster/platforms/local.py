@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from ..topology import Topology
 from ._common import DEFAULT_PORT
+from .base import Platform
 
 MARKERS = "nothing"  # what detect() looks for
 NAME = "local"
@@ -31,3 +32,9 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology:
             "nproc_per_node": "visible GPUs" if gpus else f"default ({CPU_PROCESSES} CPU processes: no GPU)",
         },
     )
+
+
+class Local(Platform):
+    NAME = NAME
+    MARKERS = MARKERS
+    detect = staticmethod(detect)

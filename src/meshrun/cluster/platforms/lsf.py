@@ -39,6 +39,7 @@ from ...errors import bad_value
 from ..envread import EnvReader
 from ..topology import Topology
 from ._common import per_node_default
+from .base import Platform
 
 MARKERS = "LSB_JOBID"  # what detect() looks for
 NAME = "lsf"
@@ -216,3 +217,9 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
         local_rank=local_rank,
         sources=r.sources,
     )
+
+
+class LSF(Platform):
+    NAME = NAME
+    MARKERS = MARKERS
+    detect = staticmethod(detect)

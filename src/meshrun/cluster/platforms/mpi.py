@@ -23,6 +23,7 @@ from ...errors import bad_value
 from ..envread import EnvReader
 from ..topology import Topology
 from ._common import DEFAULT_PORT, lone_master, per_node_default
+from .base import Platform
 
 MARKERS = "OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_RANK"  # what detect() looks for
 NAME = "mpi"
@@ -100,3 +101,10 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
         local_rank=local_rank,
         sources=r.sources,
     )
+
+
+class MPI(Platform):
+    NAME = NAME
+    MARKERS = MARKERS
+    MASTER_HINT = MASTER_HINT
+    detect = staticmethod(detect)

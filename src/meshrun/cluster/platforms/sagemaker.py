@@ -14,6 +14,7 @@ from ...errors import bad_value
 from ..envread import EnvReader
 from ..topology import Topology
 from ._common import DEFAULT_PORT, per_node_default
+from .base import Platform
 
 MARKERS = "SM_HOSTS and SM_CURRENT_HOST"  # what detect() looks for
 NAME = "sagemaker"
@@ -52,3 +53,9 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
         run_id=r.str_or("TRAINING_JOB_NAME", "run_id", "sagemaker"),
         sources=r.sources,
     )
+
+
+class SageMaker(Platform):
+    NAME = NAME
+    MARKERS = MARKERS
+    detect = staticmethod(detect)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from ..envread import EnvReader
 from ..topology import Topology
 from ._common import DEFAULT_PORT, lone_master, per_node_default
+from .base import Platform
 
 MARKERS = "SATURN_JOB_SCALE and SATURN_JOB_RANK"  # what detect() looks for
 NAME = "saturn"
@@ -54,3 +55,9 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
         run_id=run or "saturn",
         sources=r.sources,
     )
+
+
+class Saturn(Platform):
+    NAME = NAME
+    MARKERS = MARKERS
+    detect = staticmethod(detect)

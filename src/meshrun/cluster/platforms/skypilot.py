@@ -13,6 +13,7 @@ from ...errors import bad_value
 from ..envread import EnvReader
 from ..topology import Topology
 from ._common import DEFAULT_PORT, lone_master, per_node_default
+from .base import Platform
 
 MARKERS = "SKYPILOT_NODE_IPS or SKYPILOT_NODE_RANK"  # what detect() looks for
 NAME = "skypilot"
@@ -48,3 +49,9 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
         run_id=r.str_or("SKYPILOT_TASK_ID", "run_id", "skypilot"),
         sources=r.sources,
     )
+
+
+class SkyPilot(Platform):
+    NAME = NAME
+    MARKERS = MARKERS
+    detect = staticmethod(detect)

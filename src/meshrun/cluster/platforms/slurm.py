@@ -19,6 +19,7 @@ from ..envread import EnvReader
 from ..nodelist import expand_nodelist
 from ..topology import Topology
 from ._common import lone_master, per_node_default
+from .base import Platform
 
 MARKERS = "SLURM_JOB_ID"  # what detect() looks for
 NAME = "slurm"
@@ -74,3 +75,9 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
         local_rank=local_rank,
         sources=r.sources,
     )
+
+
+class Slurm(Platform):
+    NAME = NAME
+    MARKERS = MARKERS
+    detect = staticmethod(detect)

@@ -14,6 +14,7 @@ from ...errors import bad_value
 from ..envread import EnvReader
 from ..topology import Topology
 from ._common import DEFAULT_PORT
+from .base import Platform
 
 MARKERS = "TORCHELASTIC_RUN_ID, LOCAL_RANK and WORLD_SIZE"  # what detect() looks for
 NAME = "torchrun"
@@ -47,3 +48,9 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
         local_rank=local_rank,
         sources=r.sources,
     )
+
+
+class Torchrun(Platform):
+    NAME = NAME
+    MARKERS = MARKERS
+    detect = staticmethod(detect)
