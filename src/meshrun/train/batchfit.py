@@ -16,12 +16,14 @@ allows (DDP), so a rank that ran out mid-backward leaves no collective half-done
 every rank gathers the same blocks, and a rank out of memory before its peers is bounded by
 the collectives' timeout. A micro-batch the user set is not changed: running out of memory
 then stops the run with the peak it reached, the planner's prediction and the largest
-micro-batch the planner thinks fits (``oom_line``).
+micro-batch the planner thinks fits (``oom_line``). Out of memory at the run's first step,
+whoever chose the micro-batch, ends the same way: that line, not a traceback (``guarded_step``).
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -116,3 +118,15 @@ def _resize(trainer: Trainer, micro: int, global_batch: int) -> None:
     trainer.loader_spec = LoaderSpec(micro, spec.dp_rank, spec.dp_size, spec.seed, spec.pin_memory, spec.shuffle)
     trainer.train_loader = make_loader(trainer.train_data, trainer.loader_spec, skip=trainer.loader_skip)
     trainer.val_loader = trainer.make_val_loader()
+
+
+def guarded_step(trainer: Trainer, data: Iterator, first: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``trainer.train_step``; out of memory on the run's first step becomes advice, not a traceback."""
+    try:
+        return trainer.train_step(data)
+    except torch.cuda.OutOfMemoryError:
+        if not first:
+            raise
+        raise MeshrunError(oom_line(trainer.cfg.micro, trainer.strategy, trainer.rt.device,
+                                    trainer.choice.predicted_peak, trainer.choice.largest_micro,
+                                    "at the first step")) from None
