@@ -79,8 +79,10 @@ def main() -> None:
         print("RESULT " + json.dumps({
             "card": torch.cuda.get_device_name(rt.device) if rt.cuda else "cpu", "world": n, "torch": torch.__version__,
             "allreduce_bytes": mine["bytes"], "busbw_direct_gbps": round(direct_busbw, 2),
-            "busbw_meshrun_gbps": round(mine["busbw_gbps"], 2), "busbw_ratio": round(mine["busbw_gbps"] / direct_busbw, 4),
-            "matmul_n": args.matmul_n, "tflops_direct": round(direct_tflops, 2), "tflops_meshrun": round(mm["tflops_min"], 2),
+            "busbw_meshrun_gbps": round(mine["busbw_gbps"], 2),
+            "busbw_ratio": round(mine["busbw_gbps"] / direct_busbw, 4),
+            "matmul_n": args.matmul_n, "tflops_direct": round(direct_tflops, 2),
+            "tflops_meshrun": round(mm["tflops_min"], 2),
             "matmul_ratio": round(mm["tflops_min"] / direct_tflops, 4),
             "tflops_direct_burst": round(direct_burst, 2), "tflops_meshrun_burst": round(mm["burst_tflops_min"], 2),
             "matmul_burst_ratio": round(mm["burst_tflops_min"] / direct_burst, 4)}), flush=True)

@@ -45,7 +45,8 @@ def timed(fn) -> float:
 
 
 def sync_phases(args, t, data, root: str, pos, res: dict, rank: int) -> None:
-    """meshrun's synchronous save and verified load, then the plain recipe (torch.save of a full state dict on rank 0)."""
+    """meshrun's synchronous save and verified load, then the plain recipe (torch.save of a full
+    state dict on rank 0)."""
     cfg = t.cfg
     res["sync_save_s"] = timed(lambda: checkpoint.save(root, pos, t.model, t.optimizer, cfg.to_json(), 1))
     snap = checkpoint.latest(root)

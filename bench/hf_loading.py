@@ -56,7 +56,8 @@ def main() -> None:
     out = meshrun.run(_load, a.model, nproc=a.nproc, timeout_s=1800)
     gib = 2**30
     print(f"model {out['model_bf16_bytes'] / gib:.2f} GiB bf16 (1/{a.nproc}: "
-          f"{out['model_bf16_bytes'] / a.nproc / gib:.2f} GiB), largest tensor {out['largest_tensor_bf16_bytes'] / gib:.2f} GiB")
+          f"{out['model_bf16_bytes'] / a.nproc / gib:.2f} GiB), "
+          f"largest tensor {out['largest_tensor_bf16_bytes'] / gib:.2f} GiB")
     for r in out["ranks"]:
         print(f"rank {r['rank']}: peak resident growth {r['peak_growth_bytes'] / gib:.2f} GiB in {r['seconds']} s")
     print(json.dumps(out))

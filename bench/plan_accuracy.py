@@ -3,8 +3,10 @@
 Three steps (docs/benchmarks/planner-accuracy_H200_2026-11-27.md records the results):
 
   # 1. on a GPU host: every configuration of a grid, one torchrun per GPU count, peaks per rank
-  torchrun --standalone --nproc_per_node=4 bench/plan_accuracy.py measure --grid quick --out tests/data/calibration/X.jsonl
-  torchrun --standalone --nproc_per_node=1 bench/plan_accuracy.py measure --grid quick --out tests/data/calibration/X.jsonl
+  torchrun --standalone --nproc_per_node=4 bench/plan_accuracy.py measure --grid quick \
+      --out tests/data/calibration/X.jsonl
+  torchrun --standalone --nproc_per_node=1 bench/plan_accuracy.py measure --grid quick \
+      --out tests/data/calibration/X.jsonl
 
   # 2. anywhere: predicted vs measured, median and worst error against the reserved peak
   python bench/plan_accuracy.py report tests/data/calibration/X.jsonl
@@ -78,7 +80,8 @@ def _meshrun_step_fn(conf: dict, rt):
     from meshrun.train.trainer import Trainer
 
     cfg = TrainConfig(strategy=conf["strategy"], micro_batch=conf["micro"], seq_len=conf["seq"],
-                      compile="on" if conf["compile"] else "off", activation_checkpointing="full" if conf["ac"] else "none",
+                      compile="on" if conf["compile"] else "off",
+                      activation_checkpointing="full" if conf["ac"] else "none",
                       steps=100, log_every=10**9, lr=3e-4)
     import torch
 
@@ -457,7 +460,8 @@ def main() -> None:
     m.add_argument("--setup-empty-cache", action="store_true",
                    help="empty the allocator's cache after the trainer is built, before its first step")
     m.add_argument("--history", action="store_true",
-                   help="record the allocator's history (CUDA): each row lists where it took new segments and at which step")
+                   help="record the allocator's history (CUDA): each row lists where it took new segments "
+                        "and at which step")
     m.add_argument("--trace-out", default=None,
                    help="with --history: write rank 0's allocator events of large blocks to PREFIX.ROW.jsonl")
     m.add_argument("--sync-lag", type=int, default=0,

@@ -27,7 +27,8 @@ from meshrun.train.data import BatchStream, RandomTokens
 from meshrun.train.trainer import Trainer
 
 # Attention first: cuDNN's flash kernels also carry "sm90" in their names.
-FAMILIES = (("attention", ("flash", "fmha", "attention", "sdpa")), ("gemm", ("gemm", "sm90", "cutlass", "matmul", "nvjet")),
+FAMILIES = (("attention", ("flash", "fmha", "attention", "sdpa")),
+            ("gemm", ("gemm", "sm90", "cutlass", "matmul", "nvjet")),
             ("optimizer", ("adam", "multi_tensor", "foreach")), ("nccl", ("nccl",)),
             ("triton", ("triton",)), ("copy", ("copy", "memcpy", "memset")))
 

@@ -45,7 +45,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-import netns  # (tests/netns.py: the namespaces the multi-host tests use)
+import netns  # noqa: E402 - tests/netns.py (the multi-host tests' namespaces) imports once its folder is on sys.path
 
 PORT = 29400
 # meshrun train's resume line: wall seconds, CPU seconds and MB read, fastest and slowest rank

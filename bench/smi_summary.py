@@ -6,8 +6,9 @@ clocks_event_reasons.active --format=csv,noheader,nounits -lms 1000 > smi.csv
 
 Why: a step whose memory-bound kernels get shorter can see its matmuls get slower, which a
 card held at its power limit does: it lowers the SM clock as the average power rises
-(docs/benchmarks/throughput_4xH200_2026-11-27.md, "The cards run at their power limit"). Only samples with the card at least ``--busy`` percent utilized
-count (compiling and loading are not the step).
+(docs/benchmarks/throughput_4xH200_2026-11-27.md, "The cards run at their power limit").
+Only samples with the card at least ``--busy`` percent utilized count (compiling and loading
+are not the step).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def parse(lines: list[str]) -> list[Sample]:
         if len(f) != 7:
             continue
         try:
-            out.append(Sample(int(f[0]), float(f[1]), float(f[2]), float(f[3]), float(f[4]), float(f[5]), int(f[6], 16)))
+            out.append(Sample(int(f[0]), float(f[1]), float(f[2]), float(f[3]), float(f[4]), float(f[5]),
+                              int(f[6], 16)))
         except ValueError:
             continue
     return out
@@ -57,7 +59,8 @@ def summarize(samples: list[Sample], busy: float = 90.0) -> list[str]:
         held = {name: sum(1 for s in mine if s.reasons & bit) / len(mine) for bit, name in REASONS.items()}
         why = ", ".join(f"{name} {frac:.0%}" for name, frac in held.items() if frac) or "no limiting reason"
         lines.append(f"SMI gpu {gpu}: {len(mine)} busy samples, SM clock median {statistics.median(clocks):.0f} MHz "
-                     f"(min {min(clocks):.0f}, max {max(clocks):.0f}, card max {mine[0].max_clock_mhz:.0f}), power median "
+                     f"(min {min(clocks):.0f}, max {max(clocks):.0f}, card max {mine[0].max_clock_mhz:.0f}), "
+                     "power median "
                      f"{statistics.median(s.power_w for s in mine):.0f} W of {mine[0].limit_w:.0f} W; {why}")
     return lines
 

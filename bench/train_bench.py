@@ -2,7 +2,8 @@
 
 Launch one configuration per torchrun run (all GPUs of the node), e.g.
 
-    torchrun --standalone --nproc_per_node=4 bench/train_bench.py --mode meshrun --size gpt-124m --micro 0 --global-tokens 524288
+    torchrun --standalone --nproc_per_node=4 bench/train_bench.py --mode meshrun --size gpt-124m --micro 0 \
+        --global-tokens 524288
     torchrun --standalone --nproc_per_node=4 bench/train_bench.py --mode accelerate --size gpt-124m --micro 16
 
 Modes: ddp (plain DDP, autocast bf16), ddp_compile (plain DDP + torch.compile: the
@@ -92,7 +93,8 @@ def inductor_settings(pairs: list[str]) -> dict:
     variables of the environment, so that a result line says which compiler settings made it."""
     import torch._inductor.config as cfg
 
-    applied: dict = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR"}
+    applied: dict = {k: v for k, v in sorted(os.environ.items())
+                     if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR"}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         owner, _, leaf = key.rpartition(".")  # "triton.cudagraphs" lives in a sub-config

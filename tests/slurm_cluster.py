@@ -174,8 +174,9 @@ def start(root: Path, tag: str, subnet: int, base_env: dict[str, str], timeout: 
         cluster.daemons.append(subprocess.Popen(cluster.in_host(0, ["slurmctld", "-D", "-f", cluster.conf]),
                                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for i, n in enumerate(NODES):
-            cluster.daemons.append(subprocess.Popen(cluster.in_host(i + 1, ["slurmd", "-D", "-N", n, "-f", cluster.conf]),
-                                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            slurmd = cluster.in_host(i + 1, ["slurmd", "-D", "-N", n, "-f", cluster.conf])
+            cluster.daemons.append(subprocess.Popen(slurmd, env=env, stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL))
         end = time.monotonic() + timeout
         while True:
             out = cluster.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=30)

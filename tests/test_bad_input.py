@@ -259,7 +259,8 @@ def test_bad_input_in_process(argv, env, expected, dirs, capsys):
     _check(code, captured.out, captured.err, expected.replace("{fix}", fix), cwd)
 
 
-@pytest.mark.parametrize("argv,env,expected", SUBPROCESS_CASES, ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+@pytest.mark.parametrize("argv,env,expected", SUBPROCESS_CASES,
+                         ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_bad_input_real_cli(argv, env, expected, dirs):
     fix, cwd = dirs
     out = meshrun(*_fill(argv, fix), env=clean_env(**env), cwd=str(cwd), timeout=120)

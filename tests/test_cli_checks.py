@@ -24,7 +24,8 @@ def test_val_fraction_of_two_exits_2_with_one_line(tmp_path, corpus):
     out = tmp_path / "shards"
     run = meshrun("data", "prepare", corpus, "--tokenizer", "gpt2", "--out", str(out), "--val-fraction", "2")
     assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr.strip().splitlines() == ["meshrun: error: --val-fraction=2.0: must be in [0, 1) (hint: e.g. 0.01)"]
+    assert run.stderr.strip().splitlines() == [
+        "meshrun: error: --val-fraction=2.0: must be in [0, 1) (hint: e.g. 0.01)"]
     assert not out.exists()
 
 

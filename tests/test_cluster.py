@@ -101,7 +101,7 @@ def skypilot_env(hosts):
 
 def slurm_env(n):
     return lambda i, h: clean_env(SLURM_JOB_ID="4242", SLURM_NNODES=str(n), SLURM_NODEID=str(i),
-                                  SLURM_JOB_NODELIST="gpu[01-0%d]" % n, SLURM_NTASKS_PER_NODE="1",
+                                  SLURM_JOB_NODELIST=f"gpu[01-0{n}]", SLURM_NTASKS_PER_NODE="1",
                                   SLURM_PROCID=str(i))
 
 

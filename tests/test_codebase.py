@@ -108,7 +108,7 @@ def _layer(module: str) -> tuple[int, str]:
 def test_the_check_sees_imports_inside_functions():
     inside = sum(1 for edges in GRAPH.values() for _, local in edges if local)
     assert inside > 20, inside  # the trainer's CLI imports torch-side modules only when it runs
-    assert ("meshrun.train.parallel.dims", True) in GRAPH["meshrun.cli.train"]
+    assert ("meshrun.train.parallel.dims", True) in GRAPH["meshrun.train.config"]  # TrainConfig.dims, when called
 
 
 def test_no_import_cycle_between_meshrun_modules():
@@ -231,8 +231,9 @@ def _comments_and_docstrings(path: str) -> list[tuple[int, str]]:
 
 def test_comments_and_docstrings_carry_no_history():
     """Comments and docstrings in src/, tests/, bench/ and examples/, and docs/ and the README,
-    say what the code does now and why, and name their sources; a measurement names its number, card and torch version, not the round of
-    work that took it (docs/decisions.md keeps the measurements)."""
+    say what the code does now and why, and name their sources; a measurement names its number,
+    card and torch version, not the round of work that took it (docs/decisions.md keeps the
+    measurements)."""
     found = []
     for path in CHECKED:
         if path == os.path.abspath(__file__):
@@ -250,3 +251,34 @@ def test_the_ci_script_names_only_files_that_exist():
     assert named, "the pattern finds the paths .ci/run names"
     missing = sorted(p for p in named if not os.path.exists(os.path.join(ROOT, p)))
     assert not missing, missing
+
+
+def _docstring_ids(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and its functions."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str):
+                out.add(id(first.value))
+    return out
+
+
+def test_strategy_rules_come_from_the_table():
+    """The trainer and the planner read what a strategy does from vocab's table (its kinds'
+    attributes and the named roles there), never by comparing or spelling out a strategy's name:
+    no string constant in meshrun.train or meshrun.plan is one of vocab.STRATEGIES' names."""
+    from meshrun.vocab import STRATEGIES
+
+    found = []
+    for module, path in sorted(MODULES.items()):
+        if not module.startswith(("meshrun.train", "meshrun.plan")):
+            continue
+        tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+        docs = _docstring_ids(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in STRATEGIES
+                    and id(node) not in docs):
+                found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {node.value!r}")
+    assert not found, "\n".join(found)

@@ -235,7 +235,8 @@ def test_a_tiktoken_encoding_not_in_the_cache_is_one_line(tmp_path, corpus):
     res = run_cli("data", "prepare", str(corpus["root"] / "corpus"), "--tokenizer", "gpt2", "--out",
                   str(tmp_path / "o"), env=clean_env(TIKTOKEN_CACHE_DIR=str(tmp_path / "empty-cache")), timeout=60)
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "tiktoken's file for it is not in its cache and meshrun never downloads" in res.stderr.strip().splitlines()[-1]
+    last = res.stderr.strip().splitlines()[-1]
+    assert "tiktoken's file for it is not in its cache and meshrun never downloads" in last
 
 
 # ---- packing with document masks ---------------------------------------------------------------

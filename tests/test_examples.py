@@ -1,4 +1,5 @@
-"""The pytorch/examples DDP tutorial's Trainer (examples/ddp_snapshot.py), the README's main job: trains, snapshots, and resumes."""
+"""The pytorch/examples DDP tutorial's Trainer (examples/ddp_snapshot.py), the README's main job:
+trains, snapshots, and resumes."""
 
 import pytest
 from helpers import example, lines, meshrun, require

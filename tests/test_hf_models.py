@@ -153,7 +153,8 @@ def _logits_after_loading(path: str, overrides: dict, tokens: list[list[int]]) -
     source = hf.locate(path)
     model = hf.build_on_meta(hf.load_config(source))
     cfg = TrainConfig(steps=1, seq_len=16, precision="fp32", model=path, **overrides)
-    t = Trainer(model, RandomTokens(64, 16, VOCAB), None, cfg, weights=Pretrained(source.directory, source.weight_files))
+    t = Trainer(model, RandomTokens(64, 16, VOCAB), None, cfg,
+                weights=Pretrained(source.directory, source.weight_files))
     with torch.no_grad():
         out = t.model(input_ids=torch.tensor(tokens))
     return out.logits.tolist()

@@ -17,6 +17,7 @@ from meshrun.modelinfo.spec import PRESETS, gpt_spec
 from meshrun.plan import ClusterSpec, TrainSpec, make_plan
 from meshrun.plan.batch import solve
 from meshrun.plan.memory import Strategy, layer_activation_bytes, model_states
+from meshrun.vocab import KINDS, STRATEGIES, StrategyKind
 
 GB = 1e9
 GiB = 2**30
@@ -35,7 +36,7 @@ def test_zero_paper_model_states(shard, expected_gb):
     m = gpt_spec("x", 4096, 1, 32)
     m = type(m)(**{**m.__dict__, "params": int(7.5e9)})
     t = TrainSpec(1024, 1, None)
-    s = Strategy("z", "deepspeed", shard, 64, 1 if shard == "none" else 64)
+    s = Strategy(StrategyKind("z", "deepspeed", shard, ""), 64, 1 if shard == "none" else 64)
     states, _, _ = model_states(m, t, s)
     total = states["params"] + states["grads"] + states["optimizer"]
     assert total / GB == pytest.approx(expected_gb, abs=0.06)
@@ -44,9 +45,9 @@ def test_zero_paper_model_states(shard, expected_gb):
 def test_torch_states_are_16_bytes_sharded_by_fsdp():
     m = PRESETS["gpt-1.3b"]
     t = TrainSpec(1024, 1, None, precision="fp32")
-    full = model_states(m, t, Strategy("fsdp-full", "torch", "params", 8, 8))[0]
+    full = model_states(m, t, Strategy(STRATEGIES["fsdp-full"], 8, 8))[0]
     assert full["params"] + full["grads"] + full["optimizer"] == pytest.approx(16 * m.params / 8, rel=1e-6)
-    ddp = model_states(m, t, Strategy("ddp", "torch", "none", 8, 1))[0]
+    ddp = model_states(m, t, Strategy(STRATEGIES["ddp"], 8, 1))[0]
     assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == pytest.approx(16 * m.params, rel=1e-6)
 
 
@@ -157,8 +158,8 @@ def test_checkpointed_activations_are_the_block_inputs():
     finally:
         torch.set_num_threads(threads)
     m = gpt_spec("x", h, layers, 4, 32, t)
-    stored, _ = memory.activations(m, TrainSpec(t, b, None, precision="fp32", compile=False, activation_checkpointing="full"),
-                                   memory.Strategy("single", "torch", "none", 1, 1, ac=True), b)
+    train = TrainSpec(t, b, None, precision="fp32", compile=False, activation_checkpointing="full")
+    stored, _ = memory.activations(m, train, memory.Strategy(STRATEGIES["single"], 1, 1, ac=True), b)
     assert sum(seen.values()) == stored == 4 * h * b * t * layers
 
 
@@ -225,7 +226,8 @@ def test_predictions_meet_the_accuracy_target_on_the_measured_grid():
     import statistics
 
     bench = _plan_accuracy()
-    files = [os.path.join(CALIBRATION, f) for f in ("h200_train-bench-peaks_2026-11-26.jsonl", "h200_grid-eager_2026-11-26.jsonl")]
+    files = [os.path.join(CALIBRATION, f)
+             for f in ("h200_train-bench-peaks_2026-11-26.jsonl", "h200_grid-eager_2026-11-26.jsonl")]
     errs = [abs(e) for *_, e in bench.errors(bench.load(files))]
     assert len(errs) >= 20, len(errs)
     assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10, (statistics.median(errs), max(errs))
@@ -280,7 +282,8 @@ def test_fsdp2_without_checkpointing_lost_its_extra_logits_block_with_the_early_
     rows = _raw_rows()
     keyed = {}
     for r in rows:
-        keyed.setdefault((r["model"], r["strategy"], r["ac"], r["micro"], r["compile"]), {})[bool(r.get("early_state"))] = r
+        key = (r["model"], r["strategy"], r["ac"], r["micro"], r["compile"])
+        keyed.setdefault(key, {})[bool(r.get("early_state"))] = r
     pairs = {k: v for k, v in keyed.items() if len(v) == 2}
     assert len(pairs) >= 14, sorted(pairs)
     for (model, strategy, ac, micro, _), v in pairs.items():
@@ -358,8 +361,10 @@ def test_grid_rows_say_which_stream_holds_the_reserved_segments():
     bench = _plan_accuracy()
     snap = [{"stream": 0, "total_size": 2 * GiB, "allocated_size": GiB,
              "blocks": [{"size": GiB, "state": "active_allocated"}, {"size": GiB, "state": "inactive"}]},
-            {"stream": 94, "total_size": GiB // 2, "allocated_size": 0, "blocks": [{"size": GiB // 2, "state": "inactive"}]},
-            {"stream": 0, "total_size": GiB, "allocated_size": GiB, "blocks": [{"size": GiB, "state": "active_allocated"}]}]
+            {"stream": 94, "total_size": GiB // 2, "allocated_size": 0,
+             "blocks": [{"size": GiB // 2, "state": "inactive"}]},
+            {"stream": 0, "total_size": GiB, "allocated_size": GiB,
+             "blocks": [{"size": GiB, "state": "active_allocated"}]}]
     assert bench.segments_by_stream(snap) == {"0": [2, 3.0, 2.0, 1.0], "94": [1, 0.5, 0.0, 0.5]}
 
 
@@ -382,7 +387,7 @@ def test_zero12_gradients_and_buckets_arrive_with_backward():
 
     m, t = PRESETS["gpt-1.3b"], TrainSpec(1024, 16, None, compile=False, activation_checkpointing="none")
     for shard, early in (("optimizer", 0), ("grads", 0), ("params", 4 * m.params / 2)):
-        s = memory.Strategy("z", "deepspeed", shard, 2, 2)
+        s = memory.Strategy(StrategyKind("z", "deepspeed", shard, ""), 2, 2)
         b = memory.estimate(m, ClusterSpec(1, 2, 141 * GiB), t, s, 16).breakdown
         assert b["grads"] == pytest.approx(early, rel=1e-6), (shard, b)
         assert b["activations"] > 0 and b["logits"] > 0
@@ -445,16 +450,17 @@ def test_step_time_follows_the_measured_layouts():
             continue
         tp, pp = r.get("tp") or 1, r.get("pp") or 1
         if r["strategy"] == "deepspeed":
-            s = Strategy(f"zero{r['zero']}", "deepspeed", {2: "grads", 3: "params"}[r["zero"]], 4, 4)
+            s = Strategy(STRATEGIES[f"zero{r['zero']}"], 4, 4)
         elif tp * pp > 1:
-            s = Strategy(f"tp{tp}-pp{pp}", "megatron", "optimizer", 4 // (tp * pp), 4 // (tp * pp), tp=tp, pp=pp)
+            s = Strategy(KINDS["megatron"], 4 // (tp * pp), 4 // (tp * pp), tp=tp, pp=pp)
         else:
-            s = Strategy("fsdp-grad-op", "torch", "grads", 4, 4, keep_gathered=True)
+            s = Strategy(STRATEGIES["fsdp-grad-op"], 4, 4)
         t = TrainSpec(r.get("seq", 1024), r["micro"], None, compile=r["compile"], activation_checkpointing="none")
         comm, _ = comm_bytes(m, t, s, r["micro"], 1)
         seconds = step_time(m, c, t, s, Batch(r["micro"], 1, s.dp), comm)
-        predicted[s.name] = r["micro"] * 1024 / seconds / (s.tp * s.pp)
-        measured[s.name] = r["tokens_per_s_per_gpu"]
+        name = f"tp{tp}-pp{pp}" if tp * pp > 1 else s.name  # the benchmark's layouts, by their model-parallel degrees
+        predicted[name] = r["micro"] * 1024 / seconds / (s.tp * s.pp)
+        measured[name] = r["tokens_per_s_per_gpu"]
     assert len(measured) == 6, measured
     for name in measured:
         assert abs(predicted[name] / measured[name] - 1) <= 0.12, (name, predicted[name], measured[name])
@@ -852,7 +858,7 @@ def test_long_sequence_memory_counts_the_position_table(gpus, seq, cp, allocated
     m = replace(PRESETS["gpt-1.3b"], fused_loss=True)
     assert m.at_seq(seq).params - m.params == (seq - 1024) * 2048
     t = TrainSpec(seq, 1, None, precision="bf16", compile=False, activation_checkpointing="full")
-    s = memory.Strategy("fsdp-grad-op", "torch", "grads", gpus // cp, gpus, ac=True, cp=cp, keep_gathered=True)
+    s = memory.Strategy(STRATEGIES["fsdp-grad-op"], gpus // cp, gpus, ac=True, cp=cp)
     est = memory.estimate(m.at_seq(seq), ClusterSpec(1, gpus, 141 * GiB), t, s, 1)
     allocated = est.allocator_peak - est.breakdown["fragmentation"] - est.breakdown["cuda_context"]
     assert abs(allocated / GiB / allocated_gib - 1) <= 0.11, allocated / GiB
@@ -904,7 +910,7 @@ def test_fsdp2_reduce_scatter_stream_keeps_the_gradient_shards_reserved():
         rows = [json.loads(line) for line in f if line.strip()]
     rows = [r for r in rows if r["model"] == "gpt-1.3b" and r["strategy"].startswith("fsdp")]
     assert len(rows) == 4
-    shards = 4 * params_per_gpu(PRESETS["gpt-1.3b"], Strategy("fsdp", "torch", "params", dp=4, shard_group=4)) / 4 / GiB
+    shards = 4 * params_per_gpu(PRESETS["gpt-1.3b"], Strategy(STRATEGIES["fsdp-full"], dp=4, shard_group=4)) / 4 / GiB
     for r in rows:
         side = [v for k, v in r["segments"].items() if k != "0"]
         rs = max(side, key=lambda v: v[0])  # [segments, GiB reserved, GiB in use, largest free]

@@ -181,7 +181,8 @@ def test_a_lost_node_restarts_the_job_step_and_resumes_bit_for_bit(cluster, one_
     which resumes from the last committed snapshot: every loss equals the uninterrupted
     run's, and the job ends COMPLETED."""
     out = tmp_path / "run"
-    job = render(tmp_path, "--max-restarts", "1", command=["meshrun", "train", "--nproc", "1", *LONG, "--out", str(out)])
+    job = render(tmp_path, "--max-restarts", "1",
+                 command=["meshrun", "train", "--nproc", "1", *LONG, "--out", str(out)])
     job_id = cluster.sbatch(str(job), str(tmp_path), env={**ONE_PER_NODE, "USERPKG_ITEM_DELAY_S": "0.02"})
     wait_for_step(out, 9, job_id, cluster, timeout=300)
     assert kill_node_step(cluster, 2)

@@ -64,15 +64,19 @@ def test_dry_run_launches_the_worker_through_torchrun():
 ERRORS = [
     (["--example", "toy", "--fused-loss"], "--fused-loss=True: is a loss of meshrun's built-in GPT"),
     (["--fused-loss", "--tp", "2"], "--fused-loss=True: does not combine with --tp/--pp"),
-    (["--attention", "fast"], "--attention='fast': unknown value (hint: choose one of auto, cudnn, flash, efficient, math)"),
+    (["--attention", "fast"],
+     "--attention='fast': unknown value (hint: choose one of auto, cudnn, flash, efficient, math)"),
     (["--kernels", "fast"], "--kernels='fast': unknown value (hint: choose one of auto, plain)"),
     (["--example", "toy", "--kernels", "plain"], "--kernels='plain': chooses the kernels of meshrun's built-in GPT"),
-    (["--strategy", "zero4"], "--strategy='zero4': unknown value (hint: choose one of auto, fsdp, single, ddp, "
-                              "fsdp-grad-op, fsdp-full, fsdp-hybrid, fsdp-no-shard, zero1, zero2, zero3, zero2-offload"),
+    (["--strategy", "zero4"],
+     "--strategy='zero4': unknown value (hint: choose one of auto, fsdp, single, ddp, "
+     "fsdp-grad-op, fsdp-full, fsdp-hybrid, fsdp-no-shard, zero1, zero2, zero3, zero2-offload"),
     (["--strategy", "deepspeed"], "--strategy='deepspeed': unknown value"),
     (["--global-batch", "100", "--micro-batch", "8"],
-     "--global-batch=100: is not a multiple of micro-batch 8 x data-parallel size 2 = 16 (hint: use a multiple of 16, e.g. 96 or 112)"),
-    (["--model", "nosuchpkg.models:build"], "--model='nosuchpkg.models:build': cannot import module 'nosuchpkg.models'"),
+     "--global-batch=100: is not a multiple of micro-batch 8 x data-parallel size 2 = 16 "
+     "(hint: use a multiple of 16, e.g. 96 or 112)"),
+    (["--model", "nosuchpkg.models:build"],
+     "--model='nosuchpkg.models:build': cannot import module 'nosuchpkg.models'"),
     (["--model", "userpkg.factories:nothing"], "module 'userpkg.factories' has no callable 'nothing'"),
     (["--model-size", "gpt-9t"], "--model-size='gpt-9t': unknown GPT preset"),
     (["--steps", "0"], "--steps=0: must be at least 1"),
@@ -136,7 +140,8 @@ def test_config_file_errors(tmp_path):
 
 
 @pytest.mark.parametrize("var,value,said", [
-    ("MESHRUN_COMPILE", "maybe", "--compile (from env MESHRUN_COMPILE)='maybe': unknown value (hint: choose one of auto, on, off"),
+    ("MESHRUN_COMPILE", "maybe",
+     "--compile (from env MESHRUN_COMPILE)='maybe': unknown value (hint: choose one of auto, on, off"),
     ("MESHRUN_COMPILE_TUNE", "sure", "--compile-tune (from env MESHRUN_COMPILE_TUNE)='sure': expected bool"),
     ("MESHRUN_STEPS", "0", "--steps (from env MESHRUN_STEPS)=0: must be at least 1"),
 ], ids=["bool", "compile-tune", "validated"])

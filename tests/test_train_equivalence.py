@@ -156,8 +156,9 @@ def test_tensor_parallel_snapshot_resumes_on_another_layout(reference, tmp_path)
     first = meshrun.run(_train_steps, {"strategy": "fsdp", "tp": 2, "micro_batch": 4, "out": out, "save_every": 3},
                         nproc=4, timeout_s=300)
     assert sorted(first) == list(range(1, STEPS + 1))
-    resumed = meshrun.run(_train_steps, {"strategy": "fsdp", "tp": 2, "micro_batch": 8, "out": out,
-                                         "resume": os.path.join(out, "checkpoints", "step-00000003")}, nproc=2, timeout_s=300)
+    resume = os.path.join(out, "checkpoints", "step-00000003")
+    resumed = meshrun.run(_train_steps, {"strategy": "fsdp", "tp": 2, "micro_batch": 8, "out": out, "resume": resume},
+                          nproc=2, timeout_s=300)
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(reference[step - 1][0], rel=2e-4)

@@ -176,7 +176,8 @@ def test_plan_write_through_a_symlink_onto_a_full_disk_changes_no_file(tmp_path)
     with _small_fs(tmp_path / "small") as small:
         (out / "train.yaml").symlink_to(small / "train.yaml")
         _fill(small)
-        line = _one_line(meshrun(*PLAN, "--write", str(out)), f"--write={str(out / 'train.yaml')!r}: cannot be written ")
+        line = _one_line(meshrun(*PLAN, "--write", str(out)),
+                         f"--write={str(out / 'train.yaml')!r}: cannot be written ")
         assert f"(at {small / 'train.yaml'})" in line and "No space left on device" in line
         assert sorted(os.listdir(out)) == ["ds_config.json", "train.yaml"] and os.path.islink(out / "train.yaml")
         assert (out / "ds_config.json").read_text() == "{}" and os.listdir(small) == [".filler"]
@@ -270,7 +271,8 @@ def test_export_never_writes_into_the_run_it_reads(snapshot, tmp_path, to, fmt):
     (tmp_path / "link").symlink_to(checkpoints)
     before = _tree(checkpoints)
     target = to.replace("SNAP", snapshot).replace("LINK", str(tmp_path / "link"))
-    _one_line(meshrun("export", os.path.dirname(snapshot), "--to", target, "--format", fmt), f"--to={target!r}: is inside ")
+    _one_line(meshrun("export", os.path.dirname(snapshot), "--to", target, "--format", fmt),
+              f"--to={target!r}: is inside ")
     assert _tree(checkpoints) == before
 
 

@@ -31,39 +31,126 @@ class StrategyKind:
     gathered from forward to backward), ``params`` (ZeRO-3, FSDP2 full shard)."""
 
     name: str
-    engine: str  # "torch" (meshrun's own trainer: DDP, FSDP2) or "deepspeed"
+    engine: str  # "torch" (meshrun's own trainer: DDP, FSDP2), "deepspeed", or "megatron" (the planner's TP x PP)
     shard: str
     about: str
     fsdp: str | None = None  # FSDP2's flavour: full | grad_op | hybrid | no_shard
     zero: int = 0  # DeepSpeed's ZeRO stage
     offload: str = "none"  # DeepSpeed: none | optimizer | all (optimizer and parameters)
+    wrapper: str = "none"  # how meshrun's trainer runs it: none (one process) | ddp | fsdp | deepspeed
+    composes: frozenset[str] = frozenset()  # the model-parallel dimensions meshrun train runs it with
+    planned: bool = True  # the planner estimates it
+    train: bool = True  # a choice of `meshrun train --strategy` (False: a layout only the planner plans)
+    runs_as: str | None = None  # a planner-only layout: the --strategy `meshrun train` runs it with
+    named_as: str = "{name}"  # a planned layout's name from its degrees (tp, pp, dp) when not the kind's own
+
+    @property
+    def keep_gathered(self) -> bool:
+        """FSDP2 reshard_after_forward=False: bf16 parameters live from forward to backward."""
+        return self.fsdp == "grad_op"
+
+    @property
+    def hybrid(self) -> bool:
+        """Sharded within a group (a node), replicated across groups (HSDP)."""
+        return self.fsdp == "hybrid"
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.offload != "none"
+
+    @property
+    def offload_params(self) -> bool:
+        return self.offload == "all"
+
+    @property
+    def one_process(self) -> bool:
+        return self.wrapper == "none"
+
+    @property
+    def uses_ddp(self) -> bool:
+        return self.wrapper == "ddp"
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return self.wrapper == "fsdp"
 
 
-STRATEGIES: dict[str, StrategyKind] = {k.name: k for k in (
+_ALL_MP = frozenset({"tp", "pp", "cp", "ep"})  # FSDP2 sharding over the data-parallel ranks composes with all
+_EP = frozenset({"ep"})  # expert parallelism beside replicated (or hybrid) data parallelism
+
+KINDS: dict[str, StrategyKind] = {k.name: k for k in (
     StrategyKind("single", "torch", "none", "one process, one device"),
-    StrategyKind("ddp", "torch", "none", "DistributedDataParallel: a replica per GPU, gradients all-reduced"),
+    StrategyKind("ddp", "torch", "none", "DistributedDataParallel: a replica per GPU, gradients all-reduced",
+                 wrapper="ddp", composes=_EP),
     StrategyKind("fsdp-grad-op", "torch", "grads", "FSDP2, parameters kept gathered from forward to backward "
-                 "(ZeRO-2)", fsdp="grad_op"),
-    StrategyKind("fsdp-full", "torch", "params", "FSDP2 full shard (ZeRO-3)", fsdp="full"),
+                 "(ZeRO-2)", fsdp="grad_op", wrapper="fsdp", composes=_ALL_MP),
+    StrategyKind("fsdp-full", "torch", "params", "FSDP2 full shard (ZeRO-3)", fsdp="full", wrapper="fsdp",
+                 composes=_ALL_MP),
     StrategyKind("fsdp-hybrid", "torch", "params", "FSDP2 sharded within a group (a node), replicated across "
-                 "groups (HSDP)", fsdp="hybrid"),
+                 "groups (HSDP)", fsdp="hybrid", wrapper="fsdp", composes=_EP),
     StrategyKind("fsdp-no-shard", "torch", "none", "FSDP2 on a (world, 1) mesh: every rank holds everything "
-                 "(DDP's memory, for comparison)", fsdp="no_shard"),
-    StrategyKind("zero1", "deepspeed", "optimizer", "DeepSpeed ZeRO-1", zero=1),
-    StrategyKind("zero2", "deepspeed", "grads", "DeepSpeed ZeRO-2", zero=2),
-    StrategyKind("zero3", "deepspeed", "params", "DeepSpeed ZeRO-3", zero=3),
+                 "(DDP's memory, for comparison)", fsdp="no_shard", wrapper="fsdp", composes=_EP, planned=False),
+    StrategyKind("zero1", "deepspeed", "optimizer", "DeepSpeed ZeRO-1", zero=1, wrapper="deepspeed"),
+    StrategyKind("zero2", "deepspeed", "grads", "DeepSpeed ZeRO-2", zero=2, wrapper="deepspeed"),
+    StrategyKind("zero3", "deepspeed", "params", "DeepSpeed ZeRO-3", zero=3, wrapper="deepspeed"),
     StrategyKind("zero2-offload", "deepspeed", "grads", "DeepSpeed ZeRO-2, optimizer on the CPU", zero=2,
-                 offload="optimizer"),
+                 offload="optimizer", wrapper="deepspeed"),
     StrategyKind("zero3-offload", "deepspeed", "params", "DeepSpeed ZeRO-3, optimizer on the CPU", zero=3,
-                 offload="optimizer"),
+                 offload="optimizer", wrapper="deepspeed"),
     StrategyKind("zero3-offload-all", "deepspeed", "params", "DeepSpeed ZeRO-3, optimizer and parameters on "
-                 "the CPU", zero=3, offload="all"),
+                 "the CPU", zero=3, offload="all", wrapper="deepspeed"),
+    # The planner's tensor x pipeline layouts (Megatron-style, a distributed optimizer), named by their
+    # degrees; `meshrun train` runs them as FSDP2 full shard with --tp/--pp.
+    StrategyKind("megatron", "megatron", "optimizer", "tensor x pipeline x data parallelism", train=False,
+                 runs_as="fsdp-full", named_as="tp{tp}-pp{pp}-dp{dp}"),
 )}
+
+# What `meshrun train --strategy` takes by name (the planner-only layouts left out).
+STRATEGIES: dict[str, StrategyKind] = {n: k for n, k in KINDS.items() if k.train}
 
 # What `meshrun train --strategy` takes besides the strategies themselves: ``auto``, the
 # planner's pick on GPUs (DDP on CPU); ``fsdp``, FSDP2 in the flavour the model's size calls
 # for (fsdp-grad-op when a bf16 copy of the parameters is small, else fsdp-full).
 POLICIES = ("auto", "fsdp")
+AUTO, FSDP_POLICY = POLICIES
+
+# The roles strategies play in meshrun's defaults.
+ONE_PROCESS = "single"  # a world of one process
+REPLICATE = "ddp"  # several processes where memory is no constraint (the CPU), and beside expert parallelism
+PIPELINE_DEFAULT = "fsdp-full"  # --strategy auto with --pp: FSDP2 over each stage's data-parallel ranks
+FSDP_SMALL_MODEL = "fsdp-grad-op"  # --strategy fsdp when a bf16 copy of the parameters is small
+FSDP_LARGE_MODEL = "fsdp-full"  # --strategy fsdp otherwise, and on the CPU
+CONTEXT_PARALLEL = "fsdp-full"  # the planner's context-parallel layouts (fsdp-full-cpN)
+EXPERT_PARALLEL = "ddp"  # the planner's expert-parallel layouts (ddp-epN)
+MODEL_PARALLEL = "megatron"  # the planner's tensor x pipeline layouts (tpN-ppN-dpN)
+# What `--strategy auto` chooses among on GPUs: the data-parallel strategies of meshrun's own
+# trainer that the planner estimates (DeepSpeed's are run when named).
+AUTO_CANDIDATES = tuple(n for n, k in STRATEGIES.items() if k.engine == "torch" and k.planned)
+# The planner's data-parallel candidates, least communication and complexity first, then CPU offload.
+PLAN_ORDER = ("ddp", "fsdp-grad-op", "zero1", "zero2", "fsdp-hybrid", "fsdp-full", "zero3")
+PLAN_OFFLOAD = tuple(n for n, k in STRATEGIES.items() if k.planned and k.offload_optimizer)
+# A replica per GPU and FSDP2 keeping the parameters gathered: memory close enough that the
+# step-time estimate picks between them (plan/recommend.py), in this order for smaller models.
+TWINS = ("ddp", "fsdp-grad-op")
+
+
+def runs_with(dims: frozenset[str] | set[str]) -> tuple[str, ...]:
+    """The --strategy names `meshrun train` runs with all of these model-parallel dimensions."""
+    return tuple(sorted(n for n, k in STRATEGIES.items() if dims <= k.composes))
+
+
+def strategy_hint(dims: frozenset[str] | set[str], policies: bool = True) -> str:
+    """``--strategy a, b or c``: the choices that run with ``dims``; every FSDP2 flavour as
+    ``fsdp-*`` (which takes in the fsdp policy)."""
+    names = list(runs_with(dims))
+    flavours = [n for n, k in STRATEGIES.items() if k.uses_fsdp]
+    shown = [p for p in POLICIES if policies]
+    if set(flavours) <= set(names):
+        names = [n for n in names if n not in flavours] + [f"{FSDP_POLICY}-*"]
+        shown = [p for p in shown if p != FSDP_POLICY]
+    words = [*shown, *names]
+    return "--strategy " + (", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0])
+
 
 # Pipeline schedules (torch.distributed.pipelining): 1F1B, GPipe, interleaved 1F1B (two stages a rank).
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved")

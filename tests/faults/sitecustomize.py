@@ -57,7 +57,8 @@ def _patch_save(module: Any) -> None:
                 try:
                     time.sleep(_seconds("slow_write"))
                 except KeyboardInterrupt as exc:  # as torch's C++ writer reports it
-                    raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos (a write cut short)") from exc
+                    raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos "
+                                       "(a write cut short)") from exc
                 return super().write_data(plan, planner)
 
         module.dcp.FileSystemWriter = SlowWriter
@@ -81,6 +82,16 @@ PATCHES: dict[str, Callable[[Any], None]] = {
 }
 
 
+def _patching(exec_module: Callable[[Any], None], name: str) -> Callable[[Any], None]:
+    """A loader's exec_module that runs the real one, then the patch of the module called name."""
+
+    def patched_exec(module: Any) -> None:
+        exec_module(module)
+        PATCHES[name](module)
+
+    return patched_exec
+
+
 class _Patcher(importlib.abc.MetaPathFinder):
     """Finds nothing itself: wraps the real loader of a patched module to patch it once loaded."""
 
@@ -93,13 +104,7 @@ class _Patcher(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
             if spec is not None and spec.loader is not None:
                 loader = spec.loader
-                exec_module = loader.exec_module
-
-                def patched_exec(module: Any) -> None:
-                    exec_module(module)
-                    PATCHES[name](module)
-
-                loader.exec_module = patched_exec  # type: ignore[method-assign]
+                loader.exec_module = _patching(loader.exec_module, name)  # type: ignore[method-assign]
                 return spec
         return None
 

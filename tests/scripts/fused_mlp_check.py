@@ -119,7 +119,8 @@ def fused(t):
 
 
 INDUCTOR, EPILOGUES = "Inductor (compiled Linear, GELU, Linear)", "epilogues (compiled)"
-runs = {INDUCTOR: torch.compile(plain), "plain eager": plain, EPILOGUES: torch.compile(fused), "epilogues (eager)": fused}
+runs = {INDUCTOR: torch.compile(plain), "plain eager": plain,
+        EPILOGUES: torch.compile(fused), "epilogues (eager)": fused}
 rows = {k: timed(f, x, name=k) for k, f in runs.items()}
 for k, v in rows.items():  # the peak: what one forward holds for its backward, and the backward's transients
     print(f"MLP fwd+bwd, {n} tokens x {d}: {k}: {v:.2f} ms, peak +{PEAKS[k]:.2f} GiB", flush=True)

@@ -143,7 +143,7 @@ class _WarnsEveryStep(torch.nn.Module):
 
         with warnings.catch_warnings():
             warnings.simplefilter("always")  # as a library that warns each time does
-            warnings.warn("kernel fell back to the slow path\nwith a second line", UserWarning)
+            warnings.warn("kernel fell back to the slow path\nwith a second line", UserWarning, stacklevel=1)
         return self.linear(x)
 
 

@@ -47,12 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                help="share of documents held out for validation (default 0.01)")
     add_option(q, "--workers", type=int, default=None, metavar="N", from_env=False,
                help="tokenizing processes (default: the CPUs here)")
-    add_option(q, "--text-field", default="text", metavar="NAME", from_env=False, help="the text field of .jsonl, .parquet and "
-               "saved datasets (default text)")
+    add_option(q, "--text-field", default="text", metavar="NAME", from_env=False,
+               help="the text field of .jsonl, .parquet and saved datasets (default text)")
     add_option(q, "--eos-token", default=None, metavar="TOKEN", from_env=False,
                help="the end-of-document token (default: the tokenizer's own)")
-    add_option(q, "--shard-tokens", type=int, default=None, metavar="N", from_env=False, help="tokens per training shard "
-               "(default 134217728: 256 MiB in uint16)")
+    add_option(q, "--shard-tokens", type=int, default=None, metavar="N", from_env=False,
+               help="tokens per training shard (default 134217728: 256 MiB in uint16)")
     q.set_defaults(func=cmd_prepare)
 
 

@@ -17,8 +17,8 @@ EXPORT_PACKAGES = ("torch", "numpy", "safetensors")
 def register(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("export", help="write a snapshot's weights as a Hugging Face model or one safetensors file",
                        description="Consolidate the model weights of a meshrun train snapshot (sharded or not):\n"
-                                   "  hf           a Hugging Face model directory (config.json, sharded safetensors and "
-                                   "their index,\n               the tokenizer's files) that "
+                                   "  hf           a Hugging Face model directory (config.json, sharded safetensors "
+                                   "and their index,\n               the tokenizer's files) that "
                                    "AutoModelForCausalLM.from_pretrained loads\n"
                                    "  safetensors  one .safetensors file of the weights\n\n"
                                    "examples:\n  meshrun export runs/a/checkpoints --to exported/       # the newest "

@@ -56,7 +56,8 @@ SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are forwarded to the job.
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="start a training script on this node for its framework",
                        description=LAUNCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_option(p, "--framework", "-f", metavar="NAME", default="torch", help=f"one of {', '.join(FRAMEWORKS)} (default torch)")
+    add_option(p, "--framework", "-f", metavar="NAME", default="torch",
+               help=f"one of {', '.join(FRAMEWORKS)} (default torch)")
     add_topology_options(p)
     g = p.add_argument_group("launcher")
     add_option(g, "--rdzv", choices=("static", "c10d"), default="static",

@@ -61,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_option(g, "--gpus-per-node", metavar="G", help="GPUs per node (default: this machine's, else 8)")
     add_option(g, "--gpu-mem", metavar="SIZE", help="memory per GPU, e.g. 80GiB (default: this machine's GPU)")
     add_option(g, "--cpu-mem", metavar="SIZE", help="CPU memory per node, for offload (e.g. 1TiB)")
-    add_option(g, "--intra", metavar="nvlink|pcie|GB/s", default="nvlink", help="GPU-to-GPU within a node (default nvlink)")
+    add_option(g, "--intra", metavar="nvlink|pcie|GB/s", default="nvlink",
+               help="GPU-to-GPU within a node (default nvlink)")
     add_option(g, "--inter", metavar="ib|efa|ethernet|GB/s", default="ib", help="between nodes, per GPU (default ib)")
     g = p.add_argument_group("training")
     add_option(g, "--seq-len", metavar="T", help="tokens per sample (default: the model's context, at most 4096, "
@@ -150,7 +151,8 @@ def train_from_args(ns: argparse.Namespace, context: int | None, world: int) -> 
         global_batch = global_batch_for(seq, world)
     ac = None if ns.activation_checkpointing == "auto" else ns.activation_checkpointing
     return TrainSpec(seq_len=seq, micro_batch=micro, global_batch=global_batch, precision=ns.precision,
-                     optimizer=ns.optimizer, activation_checkpointing=ac, compile=compile_enabled(ns.compile, cuda=True),
+                     optimizer=ns.optimizer, activation_checkpointing=ac,
+                     compile=compile_enabled(ns.compile, cuda=True),
                      max_micro_batch=max(1, MAX_MICRO_TOKENS // seq) if micro is None else None)
 
 

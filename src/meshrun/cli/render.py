@@ -108,7 +108,8 @@ def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         target=ns.target, command=tuple(cmd), nodes=_int(ns, "nodes", "--nodes") or 0,
         gpus_per_node=_int(ns, "gpus_per_node", "--gpus-per-node") or 0, framework=ns.framework,
         name=ns.name, image=ns.image, accelerator=ns.accelerator, port=_int(ns, "port", "--port") or 0,
-        setup=ns.setup, partition=ns.partition, time=ns.time, cpus_per_task=_int(ns, "cpus_per_task", "--cpus-per-task"),
+        setup=ns.setup, partition=ns.partition, time=ns.time,
+        cpus_per_task=_int(ns, "cpus_per_task", "--cpus-per-task"),
         namespace=ns.namespace, pytorchjob=ns.pytorchjob, requeue=ns.requeue,
         signal_before=_seconds(ns, "signal_before"), max_restarts=_int(ns, "max_restarts", "--max-restarts") or 0,
         # (an empty name between commas is kept, for validate() to refuse)

@@ -153,8 +153,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                help="expert parallel: experts sharded over N ranks, tokens exchanged by all-to-all; the rest "
                     "replicated, or sharded by FSDP2 with an FSDP2 --strategy")
     add_option(g, "--cp", type=int, metavar="N", default=None,
-               help="context parallel: each sequence sharded over N ranks (zig-zag, all-gathered K/V; meshrun's GPT and "
-                    "Hugging Face models with causal SDPA attention)")
+               help="context parallel: each sequence sharded over N ranks (zig-zag, all-gathered K/V; "
+                    "meshrun's GPT and Hugging Face models with causal SDPA attention)")
     add_option(g, "--precision", metavar="P", default=None, help=f"auto, {', '.join(PRECISIONS)} (default auto: bf16 "
                "on GPUs that have it)")
     add_option(g, "--compile", metavar="auto|on|off", nargs="?", const="on", default=None,
@@ -164,7 +164,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                help="Inductor's coordinate-descent tuning of the compiled kernels: a step up to 2%% faster "
                     "(H200: GPT 124M +1.0-1.9%%, 1.3B +0.3-0.7%%) for ~4 minutes more compiling; for runs of hours")
     add_option(g, "--activation-checkpointing", metavar="MODE", default=None, help=f"{', '.join(AC_MODES)}")
-    add_option(g, "--ddp-bucket-mb", type=int, metavar="MB", default=None, help="DDP gradient bucket size (default: 1000 compiled on one host, else 100)")
+    add_option(g, "--ddp-bucket-mb", type=int, metavar="MB", default=None,
+               help="DDP gradient bucket size (default: 1000 compiled on one host, else 100)")
     add_option(g, "--reduce-precision", metavar="P", default=None,
                help="gradient reduction across ranks: fp32 (default) or bf16 (half the bytes, less exact)")
     add_option(g, "--fused-loss", action="store_const", const=True, default=None,
@@ -199,7 +200,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("snapshots and restarts (with --out)")
     add_option(g, "--save-every", type=int, metavar="N", default=None,
                help="snapshot every N steps and at the end (default 100; 0: only at the end)")
-    add_option(g, "--keep-last", type=int, metavar="K", default=None, help="committed snapshots kept (default 3; 0: all)")
+    add_option(g, "--keep-last", type=int, metavar="K", default=None,
+               help="committed snapshots kept (default 3; 0: all)")
     add_option(g, "--resume", metavar="auto|none|PATH", default=None,
                help="auto (default): continue from the newest snapshot in OUT/checkpoints; none; or a snapshot")
     add_option(g, "--no-resume", action="store_const", const="none", dest="resume", from_env=False,
@@ -304,10 +306,7 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         raise MeshrunError("--nnodes: meshrun train takes a fixed node count (hint: give N, not MIN:MAX)")
     dp = topo.world_size
     if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:
-        from ..train.parallel.dims import make_dims
-
-        dp = make_dims(topo.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp,
-                       source=f"--tp {cfg.tp} --pp {cfg.pp} --cp {cfg.cp} on {topo.world_size} processes").dp
+        dp = cfg.dims(topo.world_size).dp
     cfg.accumulation(dp)  # the batch arithmetic, checked before anything starts
     for name in ("model", "data"):
         value = getattr(cfg, name)

@@ -102,7 +102,8 @@ def _field(record: object, field: str, where: str) -> str:
         raise MeshrunError(f"{where}: no {field!r} field (it has {keys}) (hint: --text-field NAME)")
     value = record[field]
     if not isinstance(value, str):
-        raise MeshrunError(f"{where}: the {field!r} field is {type(value).__name__}, not text (hint: --text-field NAME)")
+        raise MeshrunError(f"{where}: the {field!r} field is {type(value).__name__}, not text "
+                           "(hint: --text-field NAME)")
     return value
 
 

@@ -76,21 +76,22 @@ def comm(opts: dict, device: torch.device) -> dict:
             count = max(n, size // esize // n * n)  # divisible by n for the sharded collectives
             nbytes = count * esize
             buf = torch.ones(count, dtype=dtype, device=device)
+            # each call's tensors bound as defaults: this size's, not the loop's last
             if op == "all_reduce":
-                fn = lambda: dist.all_reduce(buf)  # noqa: E731
+                fn = lambda buf=buf: dist.all_reduce(buf)  # noqa: E731
             elif op == "broadcast":
-                fn = lambda: dist.broadcast(buf, src=0)  # noqa: E731
+                fn = lambda buf=buf: dist.broadcast(buf, src=0)  # noqa: E731
             elif op == "all_gather":
                 part = buf[: count // n].clone()
-                fn = lambda: ALL_GATHER(buf, part)  # noqa: E731
+                fn = lambda buf=buf, part=part: ALL_GATHER(buf, part)  # noqa: E731
             else:
                 out = torch.empty(count // n, dtype=dtype, device=device)
-                fn = lambda: REDUCE_SCATTER(out, buf)  # noqa: E731
+                fn = lambda buf=buf, out=out: REDUCE_SCATTER(out, buf)  # noqa: E731
             t, _ = _time(fn, device, opts["warmup"], opts["min_time"], opts["max_iters"])
             algbw = nbytes / t
             rows.append({"op": op, "bytes": nbytes, "time_us": t * 1e6, "algbw_gbps": algbw / 1e9,
                          "busbw_gbps": algbw * BUS_FACTOR[op](n) / 1e9})
-            buf = None  # free it before the next size allocates (a 1 GiB buffer)
+            buf = fn = None  # free it before the next size allocates (a 1 GiB buffer)
     return {"kind": "comm", "world": n, "backend": dist.get_backend(), "dtype": str(dtype).replace("torch.", ""),
             "rows": rows}
 
@@ -105,7 +106,7 @@ def matmul(opts: dict, device: torch.device) -> dict:
         n = opts["n"]
         a = torch.randn(n, n, dtype=dtype, device=device)
         b = torch.randn(n, n, dtype=dtype, device=device)
-        t, short = _time(lambda: a @ b, device, opts["warmup"], opts["min_time"], opts["max_iters"], burst=20)
+        t, short = _time(lambda a=a, b=b: a @ b, device, opts["warmup"], opts["min_time"], opts["max_iters"], burst=20)
         tflops = torch.tensor([2 * n**3 / t / 1e12], device=device)
         each = [torch.zeros_like(tflops) for _ in range(dist.get_world_size())]
         dist.all_gather(each, tflops)

@@ -21,7 +21,8 @@ def _used_by(spec: LaunchSpec) -> list[tuple[str, object, tuple[str, ...]]]:
         ("--mixed-precision", spec.mixed_precision, ("accelerate",)),
         ("--hostfile", spec.hostfile, ("deepspeed",)),
         ("--max-restarts", spec.max_restarts or None, () if native else ("torch", "deepspeed", "accelerate")),
-        ("--rdzv", None if spec.rdzv == "static" else spec.rdzv, () if native else ("torch", "deepspeed", "accelerate")),
+        ("--rdzv", None if spec.rdzv == "static" else spec.rdzv,
+         () if native else ("torch", "deepspeed", "accelerate")),
     ]
     if spec.deepspeed_launcher != "torchrun":
         rows.append(("--deepspeed-launcher", spec.deepspeed_launcher, ("deepspeed",)))

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import json
 import shlex
+from typing import TypedDict
 
 from ..errors import MeshrunError
 from .command import Command
+
+
+class _Process(TypedDict):
+    argv: list[str]
+    env: dict[str, str]
 
 
 def dry_run_text(cmd: Command, as_json: bool) -> str:
@@ -20,7 +26,7 @@ def dry_run_text(cmd: Command, as_json: bool) -> str:
         except MeshrunError:
             return list(argv)
 
-    procs = [{"argv": exact(p.argv), "env": cmd.env_of(i)} for i, p in enumerate(cmd.processes)]
+    procs: list[_Process] = [{"argv": exact(p.argv), "env": cmd.env_of(i)} for i, p in enumerate(cmd.processes)]
     if as_json:
         out = {"argv": procs[0]["argv"] if procs else [], "env": procs[0]["env"] if procs else dict(cmd.env),
                "processes": procs, "files": dict(cmd.files), "note": cmd.note}
@@ -30,6 +36,6 @@ def dry_run_text(cmd: Command, as_json: bool) -> str:
         lines.append(f"# file {path}:")
         lines += [f"#   {line}" for line in text.splitlines()]
     for p in procs:
-        assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p["env"].items()))  # type: ignore[union-attr]
-        lines.append(f"{assigns} {shlex.join(p['argv'])}".strip())  # type: ignore[arg-type]
+        assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p["env"].items()))
+        lines.append(f"{assigns} {shlex.join(p['argv'])}".strip())
     return "\n".join(lines)

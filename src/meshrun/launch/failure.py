@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import re
 import signal
+from typing import BinaryIO
+
+from .rdzvwatch import StderrFilter
 
 # What a rank raises when another rank went away in the middle of a collective: an echo of
 # that rank's failure, not a cause of its own.
@@ -129,7 +132,7 @@ class TorchrunReport:
     and every line is also written to ``log`` (a binary file) when one is given, so nothing
     torchrun said is lost. Wraps another filter (``inner``: multi-node rendezvous handling)."""
 
-    def __init__(self, inner: object | None = None, log: object | None = None) -> None:
+    def __init__(self, inner: StderrFilter | None = None, log: BinaryIO | None = None) -> None:
         self.inner, self.log = inner, log
         self.held: list[bytes] = []
 
@@ -137,8 +140,8 @@ class TorchrunReport:
         out = []
         for line in lines:
             if self.log is not None:
-                self.log.write(line)  # type: ignore[attr-defined]
-                self.log.flush()  # type: ignore[attr-defined]
+                self.log.write(line)
+                self.log.flush()
             if self.held or any(s in line for s in _REPORT_START):
                 self.held.append(line)
             else:
@@ -146,13 +149,13 @@ class TorchrunReport:
         return out
 
     def feed(self, line: bytes) -> list[bytes]:
-        return self._pass(self.inner.feed(line) if self.inner is not None else [line])  # type: ignore[attr-defined]
+        return self._pass(self.inner.feed(line) if self.inner is not None else [line])
 
     def stale(self) -> list[bytes]:
-        return self._pass(self.inner.stale() if self.inner is not None else [])  # type: ignore[attr-defined]
+        return self._pass(self.inner.stale() if self.inner is not None else [])
 
     def close(self) -> list[bytes]:
-        return self._pass(self.inner.close() if self.inner is not None else [])  # type: ignore[attr-defined]
+        return self._pass(self.inner.close() if self.inner is not None else [])
 
     def text(self) -> str:
         return b"".join(self.held).decode(errors="replace")

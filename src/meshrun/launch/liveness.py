@@ -103,7 +103,7 @@ class RankWatch:
     ``stall_s``: how long a rank may stay stopped (the collective timeout); ``finish_s``: how
     long ranks may run after another one finished; None: not watched."""
 
-    def __init__(self, procs: list[subprocess.Popen], launchers: list[bool], stall_s: float | None,
+    def __init__(self, procs: list[subprocess.Popen[bytes]], launchers: list[bool], stall_s: float | None,
                  finish_s: float | None) -> None:
         self.procs, self.launchers = procs, launchers
         self.stall_s, self.finish_s = stall_s, finish_s

@@ -22,6 +22,7 @@ from ..cluster.reach import resolve as resolve_host
 from ..cluster.topology import Topology
 from ..errors import MeshrunError, bad_value
 from .command import Command, LaunchSpec
+from .rdzvwatch import StderrFilter
 
 # NCCL's documented variables: set the socket interface, but never override what the user set.
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -119,7 +120,7 @@ class HeldUntilReached:
     runs, let out once node 0 answered, dropped when it never did (the probe's line says
     it all). Wraps the RendezvousWatch of a torchrun job, when there is one."""
 
-    def __init__(self, probe: MasterProbe, inner: Any = None) -> None:
+    def __init__(self, probe: MasterProbe, inner: StderrFilter | None = None) -> None:
         self.probe, self.inner = probe, inner
         self.held: list[bytes] = []
 

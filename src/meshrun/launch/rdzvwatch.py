@@ -9,9 +9,22 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Protocol
 
 _STATIC = re.compile(rb"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined")
 _C10D = re.compile(rb"RendezvousTimeoutError")
+
+
+class StderrFilter(Protocol):
+    """A filter on a child's relayed stderr (``run.execute``'s ``watch``): this RendezvousWatch,
+    failure.TorchrunReport, node.HeldUntilReached. Each call returns the lines to write now.
+    A filter may also have ``stopping()``, called when a signal stops the job."""
+
+    def feed(self, line: bytes) -> list[bytes]: ...
+
+    def stale(self) -> list[bytes]: ...
+
+    def close(self) -> list[bytes]: ...
 
 
 class RendezvousWatch:
@@ -51,7 +64,8 @@ class RendezvousWatch:
         return out
 
     def message(self, host: str, port: int, nnodes: int, timeout_s: int | None) -> str:
-        joined = f"{self.joined[0]} of {self.joined[1]} nodes joined" if self.joined else f"not all {nnodes} nodes joined"
+        joined = (f"{self.joined[0]} of {self.joined[1]} nodes joined" if self.joined
+                  else f"not all {nnodes} nodes joined")
         after = f" within {timeout_s} s" if timeout_s else ""
         return (f"rendezvous at {host}:{port} timed out{after}: {joined} (hint: start meshrun on every node "
                 "with the same master address and port, or raise --rdzv-timeout)")

@@ -104,8 +104,8 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
             finally:
                 if log is not None:
                     log.close()
-                for path in glob.glob(glob.escape(ready_file) + ".*") if ready_file else ():
-                    os.unlink(path)  # the next attempt has a rendezvous of its own
+                for ready_path in glob.glob(glob.escape(ready_file) + ".*") if ready_file else ():
+                    os.unlink(ready_path)  # the next attempt has a rendezvous of its own
             if interrupted:
                 return _interrupted(*interrupted[0], interrupt_file, last_snapshot)
             if preempt_file and os.path.exists(preempt_file):

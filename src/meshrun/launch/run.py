@@ -52,6 +52,7 @@ from ..errors import JobFailed, MeshrunError
 from . import early, guard
 from .command import Command
 from .liveness import RankWatch, children
+from .rdzvwatch import StderrFilter
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # signals that end a job (the others warn it)
@@ -87,7 +88,7 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -122,7 +123,7 @@ class WorkerSignals:
     signals the process groups). Without /proc (not Linux) the signal goes to each process
     group at once."""
 
-    def __init__(self, procs: list[subprocess.Popen], argvs: list[list[str]]) -> None:
+    def __init__(self, procs: list[subprocess.Popen[bytes]], argvs: list[list[str]]) -> None:
         self.procs, self.argvs = procs, argvs
         self.signals: list[tuple[int, bool]] = []  # (signal, launchers' children only)
         self.sent: set[tuple[int, int]] = set()  # (pid, signal)
@@ -155,7 +156,8 @@ class WorkerSignals:
                             pass
 
 
-def _relay_stderr(proc: subprocess.Popen, mute: Callable[[], bool] | None, watch: object | None) -> threading.Thread:
+def _relay_stderr(proc: subprocess.Popen[bytes], mute: Callable[[], bool] | None,
+                  watch: StderrFilter | None) -> threading.Thread:
     """Copy a child's stderr to ours line by line, dropping lines once ``mute()`` holds, and
     through ``watch`` (a RendezvousWatch) when given. select() with a timeout lets held
     lines out even when the child goes quiet."""
@@ -173,7 +175,7 @@ def _relay_stderr(proc: subprocess.Popen, mute: Callable[[], bool] | None, watch
         while True:
             ready, _, _ = select.select([fd], [], [], 0.5)
             if watch is not None:
-                write(watch.stale())  # type: ignore[attr-defined]
+                write(watch.stale())
             if not ready:
                 continue
             chunk = os.read(fd, 65536)
@@ -183,7 +185,7 @@ def _relay_stderr(proc: subprocess.Popen, mute: Callable[[], bool] | None, watch
             *lines, buf = buf.split(b"\n")
             for line in lines:
                 line += b"\n"
-                write(watch.feed(line) if watch is not None else [line])  # type: ignore[attr-defined]
+                write(watch.feed(line) if watch is not None else [line])
         tail = [buf] if buf else []
         write((watch.feed(buf) if watch is not None and buf else tail) + (watch.close() if watch is not None else []))
 
@@ -224,7 +226,7 @@ class _Ending:
 
 
 def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
-            mute_stderr: Callable[[], bool] | None = None, watch: object | None = None,
+            mute_stderr: Callable[[], bool] | None = None, watch: StderrFilter | None = None,
             to_workers: tuple[int, ...] = (), abort: Callable[[], bool] | None = None,
             waits: Waits = NO_WAITS) -> int:
     """Run the command; returns the job's exit code.
@@ -250,7 +252,7 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
     if not cmd.processes:
         return 0
     argvs = [resolved_argv(p.argv) for p in cmd.processes]  # fail before starting anything
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[bytes]] = []
     stopping_since: list[float] = []
 
     workers = WorkerSignals(procs, argvs)
@@ -259,8 +261,8 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
     ending = _Ending()
 
     def forward(signum: int, _frame: object) -> None:
-        if signum in STOPPING and hasattr(watch, "stopping"):
-            watch.stopping()  # type: ignore[union-attr]
+        if signum in STOPPING and watch is not None and hasattr(watch, "stopping"):
+            watch.stopping()
         if signum in STOPPING and _ends_now(signum, ranks, waits, ending):
             return
         if signum == signal.SIGINT and waits.on_interrupt is not None:
@@ -302,7 +304,7 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
             signal.signal(s, h)
 
 
-def _end_job(procs: list[subprocess.Popen], token: str, watchdog: guard.Watchdog,
+def _end_job(procs: list[subprocess.Popen[bytes]], token: str, watchdog: guard.Watchdog,
              relays: list[threading.Thread], quiet: bool = False) -> None:
     """Kill what is left of the job: the launched processes still running, then any process of
     the job that outlived them (it would hold the stderr pipe open, keep training, and write
@@ -331,7 +333,7 @@ class _Waiter:
     CPU a second on a 2-core box, torch 2.13: docs/decisions.md#the-launchers-supervision).
     Where pidfds are missing (not Linux 5.3+) it sleeps the short tick."""
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
         self.procs = procs
         self.pidfds: dict[int, int] | None = {}
         try:
@@ -389,14 +391,14 @@ def _ends_now(signum: int, ranks: RankWatch, waits: Waits, ending: _Ending) -> b
     return True
 
 
-def _kill_all(procs: list[subprocess.Popen]) -> None:
+def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         if p.poll() is None:
             _signal_group(p, signal.SIGKILL)
             p.wait()
 
 
-def _supervise(procs: list[subprocess.Popen], stopping_since: list[float], grace_s: float,
+def _supervise(procs: list[subprocess.Popen[bytes]], stopping_since: list[float], grace_s: float,
                workers: WorkerSignals, abort: Callable[[], bool] | None, ranks: RankWatch, ending: _Ending) -> int:
     waiter = _Waiter(procs)
     try:
@@ -405,7 +407,7 @@ def _supervise(procs: list[subprocess.Popen], stopping_since: list[float], grace
         waiter.close()
 
 
-def _supervise_loop(procs: list[subprocess.Popen], stopping_since: list[float], grace_s: float,
+def _supervise_loop(procs: list[subprocess.Popen[bytes]], stopping_since: list[float], grace_s: float,
                     workers: WorkerSignals, abort: Callable[[], bool] | None, waiter: _Waiter,
                     ranks: RankWatch, ending: _Ending) -> int:
     first_failure: int | None = None

@@ -111,7 +111,8 @@ PRESETS: dict[str, ModelSpec] = {
     # 8 experts (top-2) in each of gpt-1.3b's 24 blocks: ~7B parameters, ~2.1B active per token
     "gpt-moe-8x1.3b": replace(gpt_spec("gpt-moe-8x1.3b", 2048, 24, 16), experts=8,
                               params=gpt_spec("x", 2048, 24, 16).params + 7 * 24 * (2 * 2048 * 8192 + 8192 + 2048),
-                              block_params=gpt_spec("x", 2048, 24, 16).block_params + 7 * (2 * 2048 * 8192 + 8192 + 2048)),
+                              block_params=gpt_spec("x", 2048, 24, 16).block_params
+                              + 7 * (2 * 2048 * 8192 + 8192 + 2048)),
     "llama-7b": llama_spec("llama-7b", 4096, 32, 32, 32, 11008, 32000, seq=4096),
     "llama-13b": llama_spec("llama-13b", 5120, 40, 40, 40, 13824, 32000, seq=4096),
     "llama-70b": llama_spec("llama-70b", 8192, 80, 64, 8, 28672, 32000, seq=4096),

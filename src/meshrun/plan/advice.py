@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..errors import bad_value
 from ..modelinfo.spec import ModelSpec
 from ..units import fmt_bytes, fmt_count
 from .candidate import Candidate, fitting_twin
+from .memory import Strategy
 from .spec import ClusterSpec, TrainSpec
 
 
-def _first(cands: list[Candidate], *names: str, ac: bool | None = False) -> Candidate | None:
-    """The first candidate of these names (without checkpointing unless ac says otherwise;
-    with it when only checkpointed ones were planned)."""
-    found = next((x for x in cands if x.strategy.name in names and (ac is None or x.strategy.ac == ac)), None)
-    return found or next((x for x in cands if x.strategy.name in names), None)
+def replica(s: Strategy) -> bool:
+    """A full replica per GPU (one process, DDP)."""
+    return s.shard == "none" and s.data_parallel_only
+
+
+def sharded(s: Strategy, shard: str) -> bool:
+    """The data-parallel ranks shard ``shard`` (grads: ZeRO-2 / FSDP2 grad_op; params: ZeRO-3 /
+    FSDP2 full shard) over all of them, on the GPUs, with no other parallelism."""
+    return s.shard == shard and s.data_parallel_only and not s.offload_optimizer and not s.kind.hybrid
+
+
+def _first(cands: list[Candidate], pred: Callable[[Strategy], bool], ac: bool | None = False) -> Candidate | None:
+    """The first candidate whose strategy is ``pred``'s (without checkpointing unless ac says
+    otherwise; with it when only checkpointed ones were planned)."""
+    found = next((x for x in cands if pred(x.strategy) and (ac is None or x.strategy.ac == ac)), None)
+    return found or next((x for x in cands if pred(x.strategy)), None)
 
 
 def _peak(x: Candidate | None) -> str:
@@ -26,9 +40,9 @@ def reasons_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidat
     everything sharded? with activation checkpointing? with offload? with TP x PP?"""
     out = [f"{m.name}: {fmt_count(m.params)} parameters; usable per GPU {fmt_bytes(limit)} "
            f"({fmt_bytes(c.gpu_mem)} less the safety margin)"]
-    base = _first(cands, "single", "ddp")
-    zero2 = _first(cands, "fsdp-grad-op", "zero2")
-    zero3 = _first(cands, "fsdp-full", "zero3")
+    base = _first(cands, replica)
+    zero2 = _first(cands, lambda s: sharded(s, "grads"))
+    zero3 = _first(cands, lambda s: sharded(s, "params"))
     steps = [("a full replica per GPU (DDP)", base), ("sharded optimizer and gradients (ZeRO-2 / FSDP grad_op)", zero2),
              ("everything sharded (ZeRO-3 / FSDP full shard)", zero3)]
     for what, x in steps:
@@ -72,7 +86,7 @@ def warnings_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candida
     if pick is not None and pick.strategy.offload_optimizer and c.cpu_mem is None and pick.memory:
         out.append(f"offload needs {fmt_bytes(pick.memory.cpu_bytes_per_node)} of CPU memory per node; "
                    "give --cpu-mem to check it")
-    base = _first(cands, "ddp", "single")
+    base = _first(cands, replica)
     if base is not None and not base.fits and pick is not None:
         out.append("a full replica does not fit: FSDP NO_SHARD or plain DDP would run out of memory; shard instead")
     return out
@@ -121,12 +135,12 @@ def check_choice(name: str, cands: list[Candidate], pick: Candidate | None) -> l
     out = []
     if not mine.fits:
         out.append(f"--strategy {name}: {mine.why_not}")
-    zero2 = _first(cands, "zero2", "fsdp-grad-op", ac=None)
+    zero2 = _first(cands, lambda s: sharded(s, "grads"), ac=None)
     if mine.strategy.offload_optimizer and zero2 is not None and zero2.fits:
         out.append(f"--strategy {name}: CPU offload although {zero2.strategy.label} fits on the GPUs "
                    "(start with ZeRO-2; offload is the last resort, 2-5x slower)")
-    elif mine.strategy.name in ("zero3", "fsdp-full") and zero2 is not None and zero2.fits and not zero2.strategy.ac:
+    elif sharded(mine.strategy, "params") and zero2 is not None and zero2.fits and not zero2.strategy.ac:
         out.append(f"--strategy {name}: full sharding although {zero2.strategy.label} fits (it communicates less)")
-    if mine.strategy.name in ("ddp",) and not mine.fits:
+    if mine.strategy.kind.uses_ddp and mine.strategy.data_parallel_only and not mine.fits:
         out.append("NO_SHARD / DDP does not save memory; use FULL_SHARD (fsdp-full) or ZeRO-3")
     return out

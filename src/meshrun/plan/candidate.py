@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..modelinfo.spec import ModelSpec
+from ..vocab import TWINS as PAIR
 from .batch import Batch
 from .memory import Memory, Strategy
 from .spec import ClusterSpec, TrainSpec
@@ -20,9 +22,9 @@ class Candidate:
     comm_bytes: float = 0.0
     step_time_s: float = 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         s = self.strategy
-        out = {"strategy": s.label, "engine": s.engine,
+        out: dict[str, Any] = {"strategy": s.label, "engine": s.engine,
                "activation_checkpointing": "full" if s.ac else "selective" if s.sac else "none",
                "dp": s.dp, "tp": s.tp, "pp": s.pp, "fits": self.fits}
         if self.batch:
@@ -49,7 +51,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         m, c = self.model, self.cluster
         return {
             "model": {"name": m.name, "params": m.params, "layers": m.layers, "hidden": m.hidden,
@@ -65,7 +67,7 @@ class Plan:
         }
 
 
-TWINS = {"ddp": "fsdp-grad-op", "fsdp-grad-op": "ddp"}
+TWINS = dict(zip(PAIR, reversed(PAIR)))  # each of vocab.TWINS to the other
 
 
 def fitting_twin(pick: Candidate, cands: list[Candidate]) -> Candidate | None:

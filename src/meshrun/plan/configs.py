@@ -18,7 +18,8 @@ def zero_stage(c: Candidate) -> int:
     return 1 if c.strategy.engine == "megatron" else ZERO_STAGE[c.strategy.shard]
 
 
-def zero_section(stage: int, hidden: int, offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, Any]:
+def zero_section(stage: int, hidden: int, offload_optimizer: bool = False,
+                 offload_params: bool = False) -> dict[str, Any]:
     """The SkyPilot document's ``zero_optimization`` block for a stage. DeepSpeed's "auto" values are
     what its HF integration would put there: reduce bucket h², prefetch 0.9·h², persistence
     threshold 10·h."""
@@ -72,18 +73,18 @@ def accelerate_config(plan: Plan, c: Candidate, ds_config_file: str = "ds_config
     if s.engine == "deepspeed":
         out["distributed_type"] = "DEEPSPEED"
         out["deepspeed_config"] = {"deepspeed_config_file": ds_config_file, "zero3_init_flag": zero_stage(c) == 3}
-    elif s.name.startswith("fsdp"):
+    elif s.kind.uses_fsdp:
         out["distributed_type"] = "FSDP"
         fsdp: dict[str, Any] = {
             "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_reshard_after_forward": s.name != "fsdp-grad-op", "fsdp_offload_params": False,
+            "fsdp_reshard_after_forward": not s.keep_gathered, "fsdp_offload_params": False,
             "fsdp_activation_checkpointing": s.ac, "fsdp_cpu_ram_efficient_loading": True,
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         }
         if plan.model.block_class:
             fsdp["fsdp_transformer_layer_cls_to_wrap"] = plan.model.block_class
         out["fsdp_config"] = fsdp
-        if s.name == "fsdp-hybrid":
+        if s.kind.hybrid:
             out["parallelism_config"] = {"parallelism_config_dp_replicate_size": cl.world // s.shard_group,
                                          "parallelism_config_dp_shard_size": s.shard_group}
     else:
@@ -100,17 +101,18 @@ def train_config(plan: Plan, c: Candidate, m: ModelSpec) -> dict[str, Any]:
     if m.name in GPT_PRESETS:
         out["model_size"] = m.name
     if s.ep > 1:
-        out.update(strategy="ddp", ep=s.ep)
+        out.update(strategy=s.kind.name, ep=s.ep)
     elif s.cp > 1:
-        out.update(strategy="fsdp-full", cp=s.cp)
-    elif s.engine == "megatron":  # each sample of the micro-batch is one pipeline micro-batch
-        out.update(strategy="fsdp-full", tp=s.tp, pp=s.pp)
+        out.update(strategy=s.kind.name, cp=s.cp)
+    elif s.kind.runs_as is not None:  # TP x PP; each sample of the micro-batch is one pipeline micro-batch
+        out.update(strategy=s.kind.runs_as, tp=s.tp, pp=s.pp)
         if s.pp > 1 and b is not None:
             out["pp_microbatches"] = b.micro
     else:
         out["strategy"] = s.name
-    out.update(activation_checkpointing="full" if s.ac else "selective" if s.sac else "none", seq_len=plan.train.seq_len,
-               precision=plan.train.precision, compile="on" if plan.train.compile else "off")
+    out.update(activation_checkpointing="full" if s.ac else "selective" if s.sac else "none",
+               seq_len=plan.train.seq_len, precision=plan.train.precision,
+               compile="on" if plan.train.compile else "off")
     if b is not None:
         out.update(micro_batch=b.micro, global_batch=b.global_batch)
     return out

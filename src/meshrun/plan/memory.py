@@ -21,40 +21,70 @@ import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
+from typing import Any
 
 from ..modelinfo.spec import LOSS_CHUNK_TOKENS, ModelSpec
+from ..vocab import StrategyKind
 from .spec import ClusterSpec, TrainSpec
 
 
 @lru_cache(maxsize=1)
-def calibration() -> dict:
+def calibration() -> dict[str, Any]:
     # Package data (pyproject.toml's package-data ships it in the wheel), read through
     # importlib.resources so it is found however the package is installed.
-    return json.loads(resources.files(__package__).joinpath("calibration.json").read_text(encoding="utf-8"))
+    data: dict[str, Any] = json.loads(resources.files(__package__).joinpath("calibration.json")
+                                      .read_text(encoding="utf-8"))
+    return data
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """One way to lay the model over the GPUs.
+    """One way to lay the model over the GPUs: a kind of vocab.KINDS at these degrees.
 
-    shard: what the data-parallel group shards: none (DDP), optimizer (ZeRO-1),
+    shard (the kind's): what the data-parallel group shards: none (DDP), optimizer (ZeRO-1),
     grads (ZeRO-2, FSDP SHARD_GRAD_OP), params (ZeRO-3, FSDP FULL_SHARD).
     """
 
-    name: str
-    engine: str  # torch | deepspeed | megatron (TP x PP)
-    shard: str
+    kind: StrategyKind
     dp: int  # data-parallel replicas x shards: the batch is split dp ways
     shard_group: int  # ranks one copy of the states is sharded over
     tp: int = 1
     pp: int = 1
     ac: bool = False
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    keep_gathered: bool = False  # FSDP2 reshard_after_forward=False: bf16 params live fwd -> bwd
     cp: int = 1  # context parallel: each sequence over cp ranks (activations / cp, K/V gathered)
     sac: bool = False  # selective activation checkpointing: each block keeps its matmuls' outputs
     ep: int = 1  # expert parallel: experts over ep ranks
+
+    @property
+    def name(self) -> str:
+        """The kind's name (or its layout's degrees), then any context- and expert-parallel degree."""
+        base = self.kind.named_as.format(name=self.kind.name, tp=self.tp, pp=self.pp, dp=self.dp)
+        return base + "".join(f"-{d}{n}" for d, n in (("cp", self.cp), ("ep", self.ep)) if n > 1)
+
+    @property
+    def engine(self) -> str:  # torch | deepspeed | megatron (TP x PP)
+        return self.kind.engine
+
+    @property
+    def shard(self) -> str:
+        return self.kind.shard
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.kind.offload_optimizer
+
+    @property
+    def offload_params(self) -> bool:
+        return self.kind.offload_params
+
+    @property
+    def keep_gathered(self) -> bool:  # FSDP2 reshard_after_forward=False: bf16 params live fwd -> bwd
+        return self.kind.keep_gathered
+
+    @property
+    def data_parallel_only(self) -> bool:
+        """No tensor, pipeline, context or expert parallelism beside the data parallelism."""
+        return self.tp == self.pp == self.cp == self.ep == 1
 
     @property
     def label(self) -> str:
@@ -94,9 +124,10 @@ def layer_activation_bytes(m: ModelSpec, precision: str, fp32_residual: bool = T
     bf16 autocast: the residual stream and LayerNorm inputs stay fp32 (r = 4) unless the model
     casts them (meshrun's GPT: r = 2); matmul inputs
     and outputs are bf16 (a = 2). Saved: norm input (r·h) and its bf16 cast for the next
-    matmul (a·h), twice (a model run in bf16 outright: r = 2); the q/k/v projection (a·(h + 2·kv)); with rotary embeddings the
-    rotated q and k (a·(h + kv)); the attention output (a·h); the MLP's hidden (a·f for up and
-    a·f for the activation; a gated MLP keeps gate, up, act(gate) and their product: 4·a·f);
+    matmul (a·h), twice (a model run in bf16 outright: r = 2); the q/k/v projection
+    (a·(h + 2·kv)); with rotary embeddings the rotated q and k (a·(h + kv)); the attention
+    output (a·h); the MLP's hidden (a·f for up and a·f for the activation; a gated MLP keeps
+    gate, up, act(gate) and their product: 4·a·f);
     flash attention's log-sum-exp (4 bytes per head). fp32: a = r = 4.
     """
     h, f, kv = m.hidden, m.ffn, m.kv_dim
@@ -249,7 +280,8 @@ def deepspeed_step_bytes(m: ModelSpec, s: Strategy) -> float:
     step runs on the CPU)."""
     if s.engine != "deepspeed" or s.offload_optimizer:
         return 0.0
-    return calibration()["deepspeed_step_bytes_per_param"] * params_per_gpu(m, s) / s.shard_group
+    per_param: float = calibration()["deepspeed_step_bytes_per_param"]
+    return per_param * params_per_gpu(m, s) / s.shard_group
 
 
 def side_stream_grads(s: Strategy, grads: float) -> float:

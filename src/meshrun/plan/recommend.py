@@ -38,7 +38,7 @@ def layout_efficiency(s: Strategy) -> float:
     if s.pp > 1:
         out *= eff.get("pp", 1.0)
     if s.engine == "deepspeed" and not s.offload_optimizer:
-        out *= eff.get({"grads": "zero2", "params": "zero3"}.get(s.shard, ""), 1.0)
+        out *= eff.get(f"zero{s.kind.zero}", 1.0)  # measured: zero2, zero3
     if s.cp > 1:
         out *= eff.get("cp", 1.0)
     return out
@@ -63,7 +63,8 @@ def step_time(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Batch,
     tokens = b.micro * b.accum * t.seq_len  # per data-parallel replica, which spans tp x pp x cp GPUs
     # full checkpointing runs each block's forward again (a third more); selective only its cheap,
     # memory-bound operations (assumed 2% more: not yet measured)
-    flops = m.work_flops_per_token(t.seq_len) * tokens / (s.tp * s.pp * s.cp) * (4 / 3 if s.ac else 1.02 if s.sac else 1)
+    recompute = 4 / 3 if s.ac else 1.02 if s.sac else 1
+    flops = m.work_flops_per_token(t.seq_len) * tokens / (s.tp * s.pp * s.cp) * recompute
     compute = flops / (c.gpu_flops * work_efficiency() * layout_efficiency(s))
     if s.pp > 1:  # the 1F1B bubble: meshrun cuts each micro-batch into pp pieces (--pp-microbatches)
         compute *= 1 + (s.pp - 1) / (max(1, b.accum) * s.pp)
@@ -110,7 +111,7 @@ def _evaluate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, limit: fl
         if cand.fits:
             return cand
         tried = cand  # none fits: report the smallest micro-batch tried
-    return tried  # type: ignore[return-value]  # micros is never empty here
+    return tried if tried is not None else Candidate(s, None, None, False, "no micro-batch to try")
 
 
 def _faster_twin(pick: Candidate | None, cands: list[Candidate]) -> Candidate | None:

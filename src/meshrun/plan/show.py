@@ -24,7 +24,8 @@ def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
     mp = [x for x in plan.candidates if x.strategy.engine == "megatron"]
     # Of the TP x PP combinations, the ones that fit (fewest GPUs per model copy first),
     # else the smallest footprints; all of them are in --json.
-    mp_shown = {id(x) for x in sorted(mp, key=lambda x: (not x.fits, 0 if x.fits else (x.memory.peak if x.memory else 1 << 62)))
+    mp_shown = {id(x) for x in sorted(mp, key=lambda x: (not x.fits,
+                                                         0 if x.fits else (x.memory.peak if x.memory else 1 << 62)))
                 [:MAX_MODEL_PARALLEL_ROWS]}
     for x in plan.candidates:
         s = x.strategy
@@ -77,7 +78,8 @@ def explanation(plan: Plan) -> str:
         "    as DeepSpeed runs it: ZeRO-1/2 grads and buckets arrive as backward frees activations, ZeRO-3 keeps",
         f"    its grad partitions in fp32 (4P/n), and the step takes {cal['deepspeed_step_bytes_per_param']}P/n "
         "of fresh segments (counted as fragmentation)",
-        f"  activations per layer per token (eager, flash attention): {layer_activation_bytes(m, t.precision):.0f} B here =",
+        "  activations per layer per token (eager, flash attention): "
+        f"{layer_activation_bytes(m, t.precision):.0f} B here =",
         "    2·(r·h + a·h) norms + a·(h + 2·kv) qkv [+ a·(h + kv) rotary] + a·h attention out + 2·a·f MLP "
         "(4·a·f gated) + 4·heads",
         "    a = 2 (bf16) or 4; r = 4 under autocast (fp32 residual), else a; with checkpointing: r·h per layer",

@@ -11,7 +11,8 @@ from ..vocab import AC_MODES, PRECISIONS
 # nccl-tests reports as busbw). Datasheet-derived defaults; `meshrun doctor` measures them.
 INTRA_NODE = {"nvlink": 360e9, "pcie": 20e9}
 INTER_NODE = {"ib": 45e9, "efa": 40e9, "ethernet": 10e9}  # per GPU: 400 Gb/s IB per GPU, 100 Gb/s shared
-OPTIMIZERS = {"adamw": 8, "sgd": 4, "adam8bit": 2}  # optimizer-state bytes per parameter (fp32 m, v / momentum / 8-bit m, v)
+# optimizer-state bytes per parameter (fp32 m, v / momentum / 8-bit m, v)
+OPTIMIZERS = {"adamw": 8, "sgd": 4, "adam8bit": 2}
 
 
 @dataclass(frozen=True)

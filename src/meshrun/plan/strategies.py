@@ -8,7 +8,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..modelinfo.spec import ModelSpec
-from ..vocab import STRATEGIES
+from ..vocab import (
+    CONTEXT_PARALLEL,
+    EXPERT_PARALLEL,
+    KINDS,
+    MODEL_PARALLEL,
+    ONE_PROCESS,
+    PLAN_OFFLOAD,
+    PLAN_ORDER,
+    STRATEGIES,
+    TWINS,
+)
 from .memory import Strategy
 from .spec import ClusterSpec, TrainSpec
 
@@ -23,28 +33,31 @@ FSDP_FIRST_FROM_PARAMS = 1_000_000_000
 def named(name: str, dp: int, shard_group: int, ac: bool, sac: bool = False) -> Strategy:
     """A data-parallel strategy of vocab.STRATEGIES over ``dp`` ranks, its states sharded
     over ``shard_group`` of them."""
-    kind = STRATEGIES[name]
-    return Strategy(name, kind.engine, kind.shard, dp, shard_group, ac=ac, keep_gathered=kind.fsdp == "grad_op",
-                    offload_optimizer=kind.offload != "none", offload_params=kind.offload == "all", sac=sac)
+    return Strategy(STRATEGIES[name], dp, shard_group, ac=ac, sac=sac)
 
 
 def _dp_family(c: ClusterSpec, ac: bool, m: ModelSpec) -> list[Strategy]:
     w, g = c.world, c.gpus_per_node
     if w == 1:
-        return [named("single", 1, 1, ac)]
-    ddp, grad_op = named("ddp", w, 1, ac), named("fsdp-grad-op", w, w, ac)
-    out = [grad_op, ddp] if m.params >= FSDP_FIRST_FROM_PARAMS else [ddp, grad_op]
-    out += [named("zero1", w, w, ac), named("zero2", w, w, ac)]
-    if c.nodes > 1 and g > 1:
-        out.append(named("fsdp-hybrid", w, g, ac))
-    out += [named("fsdp-full", w, w, ac), named("zero3", w, w, ac)]
+        return [named(ONE_PROCESS, 1, 1, ac)]
+    order = list(PLAN_ORDER)
+    if m.params >= FSDP_FIRST_FROM_PARAMS:  # the twins the other way round
+        i, j = (order.index(n) for n in TWINS)
+        order[i], order[j] = order[j], order[i]
+    out = []
+    for name in order:
+        kind = STRATEGIES[name]
+        if not kind.hybrid:
+            out.append(named(name, w, 1 if kind.shard == "none" else w, ac))
+        elif c.nodes > 1 and g > 1:  # sharded within a node, replicated across nodes
+            out.append(named(name, w, g, ac))
     return out
 
 
 def _offload(c: ClusterSpec) -> list[Strategy]:
     w = c.world
     return [named(name, w, w, ac) for ac in (False, True)
-            for name in ("zero2-offload", "zero3-offload", "zero3-offload-all")]
+            for name in PLAN_OFFLOAD]
 
 
 def _tp_pp(m: ModelSpec, c: ClusterSpec) -> list[Strategy]:
@@ -57,7 +70,7 @@ def _tp_pp(m: ModelSpec, c: ClusterSpec) -> list[Strategy]:
         while tp * pp <= c.world:
             if (tp, pp) != (1, 1) and c.world % (tp * pp) == 0 and pp <= m.layers:
                 dp = c.world // (tp * pp)
-                out.append(Strategy(f"tp{tp}-pp{pp}-dp{dp}", "megatron", "optimizer", dp, dp, tp=tp, pp=pp, ac=True))
+                out.append(Strategy(KINDS[MODEL_PARALLEL], dp, dp, tp=tp, pp=pp, ac=True))
             pp *= 2
     return sorted(out, key=lambda s: (s.tp * s.pp, s.pp))
 
@@ -82,7 +95,7 @@ def model_parallel(m: ModelSpec, c: ClusterSpec) -> list[Strategy]:
     activations no sharding of the states can make room for): the flowchart's last branch,
     planned only when no data-parallel strategy fits on the GPUs."""
     w = c.world
-    cps = [Strategy(f"fsdp-full-cp{cp}", "torch", "params", w // cp, w, ac=True, cp=cp)
+    cps = [Strategy(STRATEGIES[CONTEXT_PARALLEL], w // cp, w, ac=True, cp=cp)
            for cp in (2, 4, 8, 16) if cp <= w and w % cp == 0]
     return cps + _tp_pp(m, c)
 
@@ -91,7 +104,7 @@ def expert_parallel(m: ModelSpec, c: ClusterSpec, acs: list[bool]) -> list[Strat
     """A mixture of experts: experts over ep ranks, everything else replicated (meshrun
     train --ep); the fewest ep ranks first."""
     w = c.world
-    return [Strategy(f"ddp-ep{ep}", "torch", "none", w, 1, ac=ac, ep=ep)
+    return [Strategy(STRATEGIES[EXPERT_PARALLEL], w, 1, ac=ac, ep=ep)
             for ac in acs for ep in (2, 4, 8, 16, 32, 64) if ep <= w and w % ep == 0 and m.experts % ep == 0]
 
 
@@ -115,7 +128,7 @@ def comm_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int, accum: int) 
         vol = {"none": 2 * ring * 4 * p,
                "grads": ring * (g * p * accum + 4 * p),
                "params": ring * (2 * g * p * accum + 4 * p)}[s.shard]
-        if s.name == "fsdp-hybrid" and s.dp > s.shard_group:
+        if s.kind.hybrid and s.dp > s.shard_group:
             reps = s.dp // s.shard_group
             return vol, 2 * (reps - 1) / reps * 4 * p / s.shard_group
     tokens = micro * t.seq_len * accum

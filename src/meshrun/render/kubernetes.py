@@ -12,6 +12,8 @@ meshrun's argv itself (exec form, no shell).
 
 from __future__ import annotations
 
+from typing import Any
+
 import yaml
 
 from .spec import RenderSpec
@@ -26,8 +28,8 @@ def _exec_form(argv: tuple[str, ...]) -> list[str]:
     return [arg.replace("$", "$$") for arg in argv]
 
 
-def _container(spec: RenderSpec, name: str) -> dict:
-    c: dict = {"name": name, "image": spec.image, "command": _exec_form(spec.node_command()),
+def _container(spec: RenderSpec, name: str) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": name, "image": spec.image, "command": _exec_form(spec.node_command()),
                "ports": [{"containerPort": spec.port, "name": "rdzv"}],
                "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}
     if spec.gpus_per_node:
@@ -35,17 +37,17 @@ def _container(spec: RenderSpec, name: str) -> dict:
     return c
 
 
-def _pod_spec(spec: RenderSpec, name: str, restart: str) -> dict:
+def _pod_spec(spec: RenderSpec, name: str, restart: str) -> dict[str, Any]:
     # NCCL and DataLoader workers need more shared memory than a container's 64 MB default.
     return {"restartPolicy": restart, "containers": [_container(spec, name)],
             "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]}
 
 
-def _meta(spec: RenderSpec) -> dict:
+def _meta(spec: RenderSpec) -> dict[str, Any]:
     return {"name": spec.name, **({"namespace": spec.namespace} if spec.namespace else {})}
 
 
-def indexed_job(spec: RenderSpec) -> list[dict]:
+def indexed_job(spec: RenderSpec) -> list[dict[str, Any]]:
     hosts = ",".join(f"{spec.name}-{i}.{spec.name}" for i in range(spec.nodes))
     service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec),
                "spec": {"clusterIP": "None", "selector": {"job-name": spec.name},
@@ -66,8 +68,8 @@ def indexed_job(spec: RenderSpec) -> list[dict]:
     return [service, job]
 
 
-def pytorchjob(spec: RenderSpec) -> list[dict]:
-    def replica(count: int) -> dict:
+def pytorchjob(spec: RenderSpec) -> list[dict[str, Any]]:
+    def replica(count: int) -> dict[str, Any]:
         return {"replicas": count, "restartPolicy": "OnFailure",
                 "template": {"spec": _pod_spec(spec, "pytorch", "OnFailure")}}  # the operator wants "pytorch"
 
@@ -85,4 +87,5 @@ def render(spec: RenderSpec) -> str:
     head = "# Rendered by `meshrun render kubernetes`: kubectl apply -f this.yaml\n"
     if any("$" in arg for arg in spec.node_command()):
         head += "# ($$ in the command is Kubernetes' escape for a literal $: the container gets $)\n"
-    return head + yaml.safe_dump_all(docs, sort_keys=False)
+    body: str = yaml.safe_dump_all(docs, sort_keys=False)
+    return head + body

@@ -8,13 +8,15 @@ check it against; the tests check its fields and that the command is meshrun's."
 
 from __future__ import annotations
 
+from typing import Any
+
 import yaml
 
 from .spec import RenderSpec
 
 
 def render(spec: RenderSpec) -> str:
-    job: dict = {"type": "job", "spec": {
+    job: dict[str, Any] = {"type": "job", "spec": {
         "name": spec.name,
         "image": spec.image,
         "command": spec.shell_command(),
@@ -26,4 +28,5 @@ def render(spec: RenderSpec) -> str:
     head = ("# Rendered by `meshrun render saturn`: the settings of a Saturn Cloud Job resource.\n"
             "# In the Job form: Command and Instance Count as below; pick an instance type with\n"
             f"# {spec.gpus_per_node} GPU(s). All pod-to-pod ports are open; meshrun uses {spec.port}.\n")
-    return head + yaml.safe_dump(job, sort_keys=False)
+    body: str = yaml.safe_dump(job, sort_keys=False)
+    return head + body

@@ -7,6 +7,8 @@ native``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import yaml
 
 from .spec import RenderSpec
@@ -23,16 +25,17 @@ def _literal(dumper: yaml.SafeDumper, value: _Literal) -> yaml.Node:
 def render(spec: RenderSpec) -> str:
     # (validate() allows NAME:COUNT only where COUNT is gpus_per_node)
     gpu = spec.accelerator.split(":", 1)[0]
-    resources: dict = {"accelerators": f"{gpu}:{spec.gpus_per_node}"} if spec.gpus_per_node else {}
+    resources: dict[str, Any] = {"accelerators": f"{gpu}:{spec.gpus_per_node}"} if spec.gpus_per_node else {}
     if spec.nodes > 1:
         resources["network_tier"] = "best"  # InfiniBand / EFA / GPUDirect-TCPX: the SkyPilot document
     if spec.image:
         resources["image_id"] = f"docker:{spec.image}"
-    task: dict = {"name": spec.name, "num_nodes": spec.nodes, "resources": resources, "workdir": "."}
+    task: dict[str, Any] = {"name": spec.name, "num_nodes": spec.nodes, "resources": resources, "workdir": "."}
     if spec.setup:
         task["setup"] = _Literal(spec.setup.rstrip() + "\n")
     task["run"] = _Literal(spec.shell_command() + "\n")
     dumper = yaml.SafeDumper
     dumper.add_representer(_Literal, _literal)
     head = "# Rendered by `meshrun render skypilot`: sky launch -c NAME this.yaml\n"
-    return head + yaml.dump(task, Dumper=dumper, sort_keys=False)
+    body: str = yaml.dump(task, Dumper=dumper, sort_keys=False)
+    return head + body

@@ -70,7 +70,8 @@ def render(spec: RenderSpec) -> str:
                   *(f"  {line}" for line in step[:-1]), f"  {step[-1]} || status=$?",
                   f"  # a node or a process failed: run the step again ({PREEMPTED} means preempted, below); meshrun",
                   "  # train resumes from its newest committed snapshot",
-                  f'  if [ "$status" -eq 0 ] || [ "$status" -eq {PREEMPTED} ] || [ "$attempt" -eq {n} ]; then break; fi',
+                  f'  if [ "$status" -eq 0 ] || [ "$status" -eq {PREEMPTED} ] || [ "$attempt" -eq {n} ]; '
+                  'then break; fi',
                   f'  echo "meshrun: job step exited with code $status; restart $((attempt + 1)) of {n}" >&2',
                   "done"]
     else:

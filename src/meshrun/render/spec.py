@@ -148,7 +148,8 @@ def validate(spec: RenderSpec) -> RenderSpec:
             raise bad_value("--image", None, "Kubernetes runs containers: an image is required",
                             "e.g. --image ghcr.io/you/train:latest (with meshrun installed)")
     if spec.target == "saturn" and not spec.image:
-        raise bad_value("--image", None, "a Saturn Cloud job needs an image", "e.g. --image saturncloud/saturn-python-pytorch:2024.08.01")
+        raise bad_value("--image", None, "a Saturn Cloud job needs an image",
+                        "e.g. --image saturncloud/saturn-python-pytorch:2024.08.01")
     if spec.requeue and spec.target != "slurm":
         raise bad_value("--requeue", True, f"is for Slurm jobs, not {spec.target}",
                         "drop it: run the same command again and meshrun train resumes from its newest snapshot")

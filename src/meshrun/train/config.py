@@ -11,14 +11,17 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..data.sources import data_kind
 from ..defaults import COMPILE_CHOICES, compile_enabled, seq_len_for
 from ..errors import MeshrunError, bad_value
 from ..modelinfo.hf import is_hf_path, locate
 from ..paths import check_output_dir
-from ..vocab import AC_MODES, GPT_PRESETS, POLICIES, PP_SCHEDULES, PRECISIONS, STRATEGIES
+from ..vocab import AC_MODES, GPT_PRESETS, POLICIES, PP_SCHEDULES, PRECISIONS, STRATEGIES, strategy_hint
+
+if TYPE_CHECKING:
+    from .parallel.dims import ParallelDims
 
 STRATEGY_CHOICES = (*POLICIES, *STRATEGIES)
 REDUCE_PRECISIONS = ("fp32", "bf16")
@@ -113,6 +116,13 @@ class TrainConfig:
     def warmup_steps(self) -> int:
         return self.warmup if self.warmup is not None else min(100, self.steps // 10)
 
+    def dims(self, world: int) -> ParallelDims:
+        """The parallel dimensions of ``world`` processes under --tp, --pp and --cp (validated)."""
+        from .parallel.dims import make_dims  # no torch at import: the CLI stays torch-free
+
+        return make_dims(world, tp=self.tp, pp=self.pp, cp=self.cp,
+                         source=f"--tp {self.tp} --pp {self.pp} --cp {self.cp} on {world} processes")
+
     def accumulation(self, dp_size: int) -> int:
         """Micro-steps per optimizer step: global = micro x accumulation x data-parallel size."""
         per_step = self.micro * dp_size
@@ -168,19 +178,18 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     kind = STRATEGIES.get(cfg.strategy)
     if cfg.experts < 0:
         raise bad_value(cfg.source("experts"), cfg.experts, "must be >= 0")
-    if cfg.ep > 1 and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.strategy == "single"
-                       or (kind is not None and kind.engine == "deepspeed")):
+    if cfg.ep > 1 and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or (kind is not None and "ep" not in kind.composes)):
         raise bad_value(cfg.source("ep"), cfg.ep, "runs with data parallelism (DDP-style or FSDP2) for the rest",
-                        "--strategy auto, ddp or fsdp-*, without --tp/--pp/--cp")
-    if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:
+                        f"{strategy_hint({'ep'})}, without --tp/--pp/--cp")
+    used = {k for k, v in (("tp", cfg.tp), ("pp", cfg.pp), ("cp", cfg.cp)) if v > 1}
+    if used and kind is not None and not used <= kind.composes:
         what = " and ".join(f"--{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp), ("cp", cfg.cp)) if v > 1)
-        if cfg.strategy in ("single", "ddp", "fsdp-no-shard") or (kind is not None and kind.engine == "deepspeed"):
+        if not kind.hybrid:
             raise bad_value(cfg.source("strategy"), cfg.strategy, f"does not compose with {what}: tensor, "
                             "pipeline and context parallelism run with FSDP2 over the data-parallel ranks",
-                            "--strategy auto, fsdp, fsdp-full or fsdp-grad-op")
-        if cfg.strategy == "fsdp-hybrid":
-            raise bad_value(cfg.source("strategy"), cfg.strategy, f"does not compose with {what} yet",
-                            "--strategy fsdp-full or fsdp-grad-op")
+                            strategy_hint(used))
+        raise bad_value(cfg.source("strategy"), cfg.strategy, f"does not compose with {what} yet",
+                        strategy_hint(used, policies=False))
     if cfg.cp > 1 and (cfg.tp > 1 or cfg.pp > 1):
         raise bad_value(cfg.source("cp"), cfg.cp, "does not combine with --tp/--pp yet", "context parallel with FSDP2")
     if cfg.cp > 1 and cfg.seq_len is not None and cfg.seq_len % (2 * cfg.cp):
@@ -196,7 +205,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                         "of Hugging Face models", "drop it with a module:factory model or --example toy")
     if cfg.fused_loss and (cfg.model is not None or cfg.example != "gpt"):
         raise bad_value(cfg.source("fused_loss"), True, "is a loss of meshrun's built-in GPT",
-                        "drop it, or compute your model's loss in chunks (e.g. Liger-Kernel's fused linear cross-entropy)")
+                        "drop it, or compute your model's loss in chunks "
+                        "(e.g. Liger-Kernel's fused linear cross-entropy)")
     if cfg.fused_loss and (cfg.tp > 1 or cfg.pp > 1):
         raise bad_value(cfg.source("fused_loss"), True, "does not combine with --tp/--pp (their loss is vocabulary-"
                         "parallel or per stage)", "drop --fused-loss: under --tp each rank holds 1/tp of the logits")
@@ -230,7 +240,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise bad_value(cfg.source("document_mask"), True, "does not combine with --cp/--pp",
                             "FSDP2 or TP with document masking")
     positive = ("steps", "seq_len", "log_every", "eval_batches", "ddp_bucket_mb")
-    for name in positive + ("micro_batch", "global_batch", "fsdp_shard_size", "tp", "pp", "pp_microbatches", "cp", "ep"):
+    optional = ("micro_batch", "global_batch", "fsdp_shard_size", "tp", "pp", "pp_microbatches", "cp", "ep")
+    for name in positive + optional:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise bad_value(cfg.source(name), value, "must be at least 1")

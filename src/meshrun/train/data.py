@@ -125,7 +125,8 @@ class RandomTokens(Dataset):
 
 
 class ToyRegression(Dataset):
-    """pytorch/examples' MyTrainDataset (distributed/ddp-tutorial-series): 20 features -> 1 target, a noisy linear function."""
+    """pytorch/examples' MyTrainDataset (distributed/ddp-tutorial-series): 20 features -> 1 target,
+    a noisy linear function."""
 
     def __init__(self, n: int = 2048, seed: int = 1234) -> None:
         g = torch.Generator().manual_seed(seed)

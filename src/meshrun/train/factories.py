@@ -91,7 +91,8 @@ def build_data(cfg: TrainConfig, vocab: int | None) -> tuple[Any, Any]:
 
         return corpus_splits(name, cfg.seq, cfg.document_mask, cfg.data_dtype, vocab)
     if kind == "text":  # `meshrun train` tokenizes text into its cache before it starts the ranks
-        raise bad_value(cfg.source("data"), name, "text, not tokens", "meshrun data prepare it, and give that directory")
+        raise bad_value(cfg.source("data"), name, "text, not tokens",
+                        "meshrun data prepare it, and give that directory")
     if name == "stdlib":
         if vocab is not None and vocab < 256:
             raise bad_value(cfg.source("data"), "stdlib", f"bytes (0-255) do not fit the model's vocabulary of {vocab}",

@@ -47,7 +47,8 @@ def init_runtime(timeout_s: float = 600) -> Runtime:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world, local_world = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    world = int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     if torch.cuda.is_available():
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         device = torch.device("cuda", local_rank)

@@ -11,4 +11,5 @@ from .load import load, verify
 from .save import PendingSave, begin_save, commit, save, slow_writer_advice
 
 __all__ = ["MARKER", "PendingSave", "Position", "begin_save", "check_name", "clear_partial", "commit", "committed",
-           "export_hf", "export_safetensors", "latest", "load", "prune", "save", "slow_writer_advice", "verify", "wait_pruned"]
+           "export_hf", "export_safetensors", "latest", "load", "prune", "save", "slow_writer_advice", "verify",
+           "wait_pruned"]

@@ -79,7 +79,8 @@ class MoE(nn.Module):
             sel = (ids == self.first_expert + j).nonzero(as_tuple=True)[0]
             if sel.numel():
                 # the experts stay fp32 under FSDP2's bf16 (it leaves them alone): compute in x's dtype
-                w_up, b_up, w_down, b_down = (t[j].to(x.dtype) for t in (self.w_up, self.b_up, self.w_down, self.b_down))
+                w_up, b_up, w_down, b_down = (t[j].to(x.dtype)
+                                              for t in (self.w_up, self.b_up, self.w_down, self.b_down))
                 h = F.gelu(x[sel] @ w_up + b_up, approximate="tanh")
                 out = out.index_add(0, sel, h @ w_down + b_down)
         return out

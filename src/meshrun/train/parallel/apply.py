@@ -116,7 +116,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
     found = find_blocks(model, cfg.blocks)
     blocks = found[1] if found else None
     zero3 = kind.engine == "deepspeed" and kind.zero == 3  # its partitioned weights take the plain paths
-    kernels = model.meshrun_kernels(rt.device, cfg.tp, cfg.pp) if hasattr(model, "meshrun_kernels") and not zero3 else []
+    kernels = (model.meshrun_kernels(rt.device, cfg.tp, cfg.pp)
+               if hasattr(model, "meshrun_kernels") and not zero3 else [])
     if choice.liger and not zero3 and not kernels:
         from ..kernels.liger import apply_liger
 
@@ -254,7 +255,7 @@ class Build:
             self.done.append(f"FSDP2 {flavour} over {dims.dp * cfg.cp} ranks")
             self._materialize()
             wrapped: nn.Module = model
-        elif kind.name == "ddp":
+        elif kind.uses_ddp:
             from .ddp import apply_ddp, ddp_bucket_mb
 
             self._materialize()

@@ -29,12 +29,21 @@ from ...plan import ClusterSpec, TrainSpec, make_plan
 from ...plan.candidate import Candidate
 from ...plan.recommend import MAX_MICRO_TOKENS, choose
 from ...units import fmt_bytes
-from ...vocab import STRATEGIES
+from ...vocab import (
+    AUTO_CANDIDATES,
+    FSDP_LARGE_MODEL,
+    FSDP_POLICY,
+    FSDP_SMALL_MODEL,
+    ONE_PROCESS,
+    PIPELINE_DEFAULT,
+    REPLICATE,
+    STRATEGIES,
+)
 from ..config import TrainConfig
 
 # What `--strategy auto` chooses among on GPUs: the data-parallel strategies of meshrun's
 # own trainer (DeepSpeed's are run when named).
-AUTO_STRATEGIES = ("single", "ddp", "fsdp-grad-op", "fsdp-full", "fsdp-hybrid")
+AUTO_STRATEGIES = AUTO_CANDIDATES
 
 # FSDP2 keeps the parameters gathered from forward to backward (fsdp-grad-op) when a bf16
 # copy of them takes under this share of the GPU: one all-gather per block per step less
@@ -78,10 +87,10 @@ def compile_and_kernels(cfg: TrainConfig, cuda: bool, liger: bool) -> tuple[bool
 def fsdp_flavour(n_params: int, gpu_mem: int | None) -> tuple[str, str]:
     """(fsdp-grad-op or fsdp-full, why) for ``--strategy fsdp``."""
     if gpu_mem is None:
-        return "fsdp-full", "FSDP2 on the CPU: full shard"
+        return FSDP_LARGE_MODEL, "FSDP2 on the CPU: full shard"
     if 2 * n_params < GATHERED_COPY_SHARE * gpu_mem:
-        return "fsdp-grad-op", f"a bf16 copy of the parameters takes under {GATHERED_COPY_SHARE:.0%} of the GPU"
-    return "fsdp-full", "the parameters are too large to keep gathered"
+        return FSDP_SMALL_MODEL, f"a bf16 copy of the parameters takes under {GATHERED_COPY_SHARE:.0%} of the GPU"
+    return FSDP_LARGE_MODEL, "the parameters are too large to keep gathered"
 
 
 def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, gpu_mem: int | None,
@@ -97,13 +106,14 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
 
 def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, gpu_mem: int | None,
             bf16: bool, compiled: bool) -> Choice:
-    if cfg.strategy == "single" and world > 1:
-        raise bad_value(cfg.source("strategy"), "single", f"runs one process, but the world has {world}",
+    kind = STRATEGIES.get(cfg.strategy)
+    if kind is not None and kind.one_process and world > 1:
+        raise bad_value(cfg.source("strategy"), cfg.strategy, f"runs one process, but the world has {world}",
                         "use --nproc 1, or --strategy ddp/fsdp")
     ac = cfg.activation_checkpointing
     n_params = sum(p.numel() for p in model.parameters())
-    named = cfg.strategy if cfg.strategy in STRATEGIES else None
-    if cfg.strategy == "fsdp":
+    named = cfg.strategy if kind is not None else None
+    if cfg.strategy == FSDP_POLICY:
         named, why = fsdp_flavour(n_params, gpu_mem)
         reasons = [f"--strategy fsdp: {named} ({why})"]
     else:
@@ -111,16 +121,16 @@ def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int,
     if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.ep > 1:
         if named is None:  # auto
             if cfg.ep > 1:
-                named = "ddp"
+                named = REPLICATE
             elif cfg.pp > 1:
-                named = "fsdp-full"
+                named = PIPELINE_DEFAULT
             else:
                 named, why = fsdp_flavour(n_params, gpu_mem)
                 reasons.append(f"{named}: {why}")
         return Choice(named, ac, cfg.micro, cfg.global_batch, tuple(reasons))
     if gpu_mem is None or find_blocks(model, cfg.blocks) is None:  # the CPU, or nothing the planner can read
         if named is None:
-            named = "single" if world == 1 else "ddp"
+            named = ONE_PROCESS if world == 1 else REPLICATE
             reasons.append("one process" if world == 1 else "DDP: on the CPU memory is not the constraint"
                            if gpu_mem is None else "DDP: the model has no block list for the planner to read")
         return Choice(named, ac, cfg.micro, cfg.global_batch, tuple(reasons))
@@ -133,7 +143,7 @@ def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int,
     pick, usable, largest = _planned(model, cfg, world, local_world, gpu_mem, bf16, global_batch, names, compiled,
                                      ac_open=named is None and "activation_checkpointing" not in cfg.sources)
     if pick is None or pick.batch is None:  # a strategy the planner does not plan (fsdp-no-shard)
-        named = named or ("single" if world == 1 else "ddp")
+        named = named or (ONE_PROCESS if world == 1 else REPLICATE)
         return Choice(named, ac, cfg.micro, global_batch, tuple(reasons))
     peak = fmt_bytes(pick.memory.peak) if pick.memory else "?"
     if not pick.fits and named is None and cfg.micro_batch is None and "activation_checkpointing" not in cfg.sources:
@@ -142,7 +152,8 @@ def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int,
         raise MeshrunError(
             f"the model ({n_params / 1e9:.2f}B parameters) does not fit {world} GPU(s) of {fmt_bytes(gpu_mem)}: "
             f"the planner's least, {pick.strategy.name} at micro-batch {pick.batch.micro}"
-            f"{' with activation checkpointing' if pick.strategy.ac else ''}, needs {peak} per GPU of {fmt_bytes(usable)} usable (hint: more GPUs (--nproc, --nnodes), a shorter "
+            f"{' with activation checkpointing' if pick.strategy.ac else ''}, needs {peak} per GPU of "
+            f"{fmt_bytes(usable)} usable (hint: more GPUs (--nproc, --nnodes), a shorter "
             "--seq-len, or to try anyway: --strategy, --micro-batch and --activation-checkpointing set by hand)")
     if pick.fits:
         reasons.insert(0, f"planner: {pick.strategy.name} predicted {peak} per GPU of {fmt_bytes(usable)} usable")

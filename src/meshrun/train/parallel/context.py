@@ -26,7 +26,8 @@ def zigzag_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
         raise MeshrunError(f"--seq-len={seq_len}: context parallelism over {cp} ranks cuts sequences into "
                            f"{2 * cp} equal chunks (hint: a multiple of {2 * cp})")
     c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
 
 
 class _GatherSeq(torch.autograd.Function):

@@ -98,7 +98,8 @@ def make_dims(world: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1
             raise MeshrunError(f"--{name.replace('_', '-')}={v}: must be >= 1, or -1 to infer it ({source})")
     unknown = [n for n, v in values.items() if v == -1]
     if len(unknown) > 1:
-        raise MeshrunError(f"{' and '.join(unknown)} are both -1: only one degree can be inferred (hint: give the others)")
+        raise MeshrunError(f"{' and '.join(unknown)} are both -1: only one degree can be inferred "
+                           "(hint: give the others)")
     known = 1
     for v in values.values():
         if v != -1:

@@ -176,7 +176,8 @@ class Pipeline:
         self.group = pp_mesh.get_group()
         self.n_micro = n_microbatches
         self.accum = accum
-        self._pipe_stages = [PipelineStage(st, s, n_stages, device, group=self.group) for st, s in zip(self.stages, ids)]
+        self._pipe_stages = [PipelineStage(st, s, n_stages, device, group=self.group)
+                             for st, s in zip(self.stages, ids)]
         self._make = (lambda: ScheduleInterleaved1F1B(self._pipe_stages, n_microbatches, loss_fn=self._loss,
                                                       scale_grads=False)) if schedule == "interleaved" else (
             lambda: {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](

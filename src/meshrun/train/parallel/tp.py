@@ -77,7 +77,7 @@ def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh, sequence_parallel: bool
     tp = tp_mesh.size()
     families = {tp_family(b) for b in blocks}
     sp = sequence_parallel and len(families) == 1 and None not in families
-    for i, block in enumerate(blocks):
+    for block in blocks:
         family = tp_family(block)
         if family is None:
             raise bad_value("--tp", tp, f"no tensor-parallel plan for block {type(block).__name__}",
