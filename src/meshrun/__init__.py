@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Topology", "MeshrunError", "Trainer", "TrainConfig", "detect", "run", "tf_config", "jax_initialize",
-           "__version__"]
+__all__ = ["Topology", "MeshrunError", "Trainer", "TrainConfig", "TrainResult", "detect", "run", "train",
+           "tf_config", "jax_initialize", "__version__"]
 
 if TYPE_CHECKING:
     from .api import detect, run
@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     from .errors import MeshrunError
     from .integrations.jax import jax_initialize
     from .integrations.tensorflow import tf_config
+    from .train.api import train
     from .train.config import TrainConfig
+    from .train.job import TrainResult
     from .train.trainer import Trainer
 
 _LAZY = {
@@ -31,10 +33,15 @@ _LAZY = {
     "jax_initialize": ("meshrun.integrations.jax", "jax_initialize"),
     "Trainer": ("meshrun.train.trainer", "Trainer"),
     "TrainConfig": ("meshrun.train.config", "TrainConfig"),
+    "TrainResult": ("meshrun.train.job", "TrainResult"),
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name == "train":  # the package meshrun.train, which is callable: meshrun.train(...) runs a job
+        import importlib
+
+        return importlib.import_module("meshrun.train")
     if name in _LAZY:
         import importlib
 

@@ -42,3 +42,6 @@ def global_batch_for(seq_len: int, dp: int) -> int:
     """GLOBAL_BATCH_TOKENS of sequences, rounded up to a whole number per data-parallel rank."""
     per_rank = -(-GLOBAL_BATCH_TOKENS // (seq_len * dp))
     return max(1, per_rank) * dp
+
+
+FINISH_TIMEOUT_S = 300  # a rank still running this long after another finished is stopped

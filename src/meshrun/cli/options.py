@@ -16,6 +16,7 @@ from ..cluster.net import free_port
 from ..cluster.options import ENV_PREFIX, INTERNAL_VARIABLES, TOPOLOGY_OPTIONS, parse_int, user_topology
 from ..cluster.reach import DEFAULT_TIMEOUT_S
 from ..cluster.topology import Topology
+from ..defaults import FINISH_TIMEOUT_S
 from ..errors import MeshrunError, bad_value
 
 
@@ -158,8 +159,6 @@ def add_rdzv_timeout_option(g: argparse._ActionsContainer) -> None:
                     f"error saying why (default {DEFAULT_TIMEOUT_S})")
 
 
-FINISH_TIMEOUT_S = 300  # a rank still running this long after another finished is stopped
-COLLECTIVE_TIMEOUT_S = 300  # meshrun train: a collective waits this long for a peer
 
 
 def add_finish_timeout_option(g: argparse._ActionsContainer) -> None:

@@ -1,36 +1,23 @@
-"""`meshrun train`: validate a TrainConfig here, then launch the trainer on the topology."""
+"""`meshrun train`: its options, parsed into a TrainConfig, a topology and JobOptions for train/job.py."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 
 from ..cluster.gpus import count_visible_gpus
-from ..cluster.topology import Topology
 from ..defaults import GLOBAL_BATCH_TOKENS
-from ..errors import JobFailed, MeshrunError, bad_value
-from ..launch.build import build
-from ..launch.command import Command, LaunchSpec
-from ..launch.dryrun import dry_run_text
-from ..launch.node import check_ports, rdzv_timeout_s
-from ..launch.restart import attempt_topology, run_with_restarts
-from ..launch.run import Waits
+from ..errors import MeshrunError
 from ..train.config import EXAMPLES, STRATEGY_CHOICES, TrainConfig, build_config, load_file
-from ..train.ranklog import LOG_DIR_ENV
+from ..train.job import JobOptions, require_trainer_packages, run
 from ..vocab import AC_MODES, GPT_PRESETS, PRECISIONS, STRATEGIES
 from .options import (
-    COLLECTIVE_TIMEOUT_S,
     add_finish_timeout_option,
     add_option,
     add_rdzv_timeout_option,
     add_topology_options,
     int_option,
-    require_packages,
     topology_from_args,
-    waits_line,
 )
 
 _STRATEGY_LINES = "".join(f"  {name:<14s}  {kind.about}\n" for name, kind in STRATEGIES.items())
@@ -215,7 +202,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_finish_timeout_option(g)
     add_option(g, "--collective-timeout", type=int, metavar="S", default=None,
                help=f"seconds a collective waits for a rank that does not answer (stopped, hung); then the job ends "
-                    f"in one line naming that rank, its last snapshot kept (default {COLLECTIVE_TIMEOUT_S})")
+                    f"in one line naming that rank, its last snapshot kept (default {TrainConfig.collective_timeout})")
     add_option(g, "--max-restarts", type=int, metavar="N", default=0,
                help="after a crash, start the job again (a fresh rendezvous) up to N times; it resumes "
                     "(a preempted job, exit 75, is not restarted)")
@@ -232,7 +219,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 TRAIN_KEYS = [f for f in TrainConfig.__dataclass_fields__ if f != "sources"]
-TRAINER_PACKAGES = ("torch", "numpy", "safetensors")
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
@@ -242,200 +228,16 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     return build_config(file_values, flags, ns.config, env_sources)
 
 
-def count_visible_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainConfig:
-    """A corpus given by path, ready for the ranks: text tokenized into the cache (with the
-    tokenizer named, else the Hugging Face model directory's), token files opened (a prepared
-    corpus' structure checked) and every id checked against a prepared corpus' tokenizer and a
-    Hugging Face model's vocabulary; the config pointed at the tokens."""
-    from ..data.sources import data_kind
-    from ..train.config import BUILTIN_DATA
-
-    kind = data_kind(cfg.data) if cfg.data and cfg.data not in BUILTIN_DATA else None
-    if kind is None:
-        if cfg.tokenizer:
-            raise bad_value(cfg.source("tokenizer"), cfg.tokenizer, "tokenizes text given with --data",
-                            "drop it, or give --data a text corpus")
-        return cfg
-    if kind == "text":
-        from ..data.cache import tokens_for_text
-
-        tokenizer = cfg.tokenizer or _model_tokenizer(cfg)
-        if tokenizer is None:
-            raise bad_value(cfg.source("data"), cfg.data, "text needs a tokenizer",
-                            "--tokenizer DIR|FILE|NAME, or --model a Hugging Face directory with tokenizer.json")
-        cfg = cfg.replace(data=tokens_for_text(cfg.data, tokenizer, cfg.text_field, env, cpus, cfg.source("data")))
-    from ..data.store import FULL_CHECK_TOKENS, check_ids, open_tokens
-
-    vocab = None
-    if cfg.model and ":" not in cfg.model:  # a Hugging Face model's vocabulary is known here: check before starting
-        from ..modelinfo import hf
-
-        vocab = getattr(hf.load_config(hf.locate(cfg.model, cfg.source("model")), cfg.source("model")),
-                        "vocab_size", None)
-    # Opened (its structure checked) and, up to FULL_CHECK_TOKENS, every id read here once; a
-    # larger corpus is sampled here and each sample is checked as the ranks read it (data.py)
-    corpus = open_tokens(cfg.data, cfg.data_dtype, cfg.source("data"))
-    full = sum(len(split) for split in corpus.splits.values()) <= FULL_CHECK_TOKENS
-    check_ids(corpus, vocab if isinstance(vocab, int) else None, cfg.source("data"), full=full)
-    return cfg
-
-
-def _model_tokenizer(cfg: TrainConfig) -> str | None:
-    if cfg.model and ":" not in cfg.model:
-        from ..modelinfo import hf
-
-        directory = hf.locate(cfg.model, cfg.source("model")).directory
-        if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-            return directory
-    return None
+def job_from_args(ns: argparse.Namespace) -> JobOptions:
+    return JobOptions(max_restarts=ns.max_restarts, overwrite=ns.overwrite, dry_run=ns.dry_run, json=ns.json,
+                      rdzv_timeout=ns.rdzv_timeout, finish_timeout=int_option(ns, "finish_timeout", minimum=1))
 
 
 def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
-    require_packages("train", TRAINER_PACKAGES, "torch")
+    """Parse, then run the job as `meshrun.train(...)` does (train/job.py)."""
+    require_trainer_packages()
     cfg = config_from_args(ns)
-    gpus = count_visible_gpus(env)
-    topo, elastic = topology_from_args(ns, env, gpus)
+    topo, elastic = topology_from_args(ns, env, count_visible_gpus(env))
     if elastic is not None:
         raise MeshrunError("--nnodes: meshrun train takes a fixed node count (hint: give N, not MIN:MAX)")
-    dp = topo.world_size
-    if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:
-        dp = cfg.dims(topo.world_size).dp
-    cfg.accumulation(dp)  # the batch arithmetic, checked before anything starts
-    for name in ("model", "data"):
-        value = getattr(cfg, name)
-        if value and ":" in value and not os.path.exists(value):
-            from ..modelinfo.factory import load_factory
-
-            load_factory(value, f"--{name}")  # import errors now, not in every rank
-    if cfg.model and ":" not in cfg.model:  # a Hugging Face model: read and built (on meta) now, not in every rank
-        from ..modelinfo import hf
-
-
-        hf.build_on_meta(hf.load_config(hf.locate(cfg.model, cfg.source("model")), cfg.source("model")),
-                         cfg.source("model"), cfg.model)
-        if not cfg.data:
-            raise bad_value("--data", "stdlib", "the default data is the standard library's source as bytes, not "
-                            "text in this model's vocabulary", "--data random (random tokens of its vocabulary), "
-                            "or --data pkg.mod:factory for your Dataset of token ids")
-    if ns.max_restarts < 0:
-        raise MeshrunError(f"--max-restarts={ns.max_restarts}: must be >= 0")
-    if ns.max_restarts and not cfg.out:
-        raise MeshrunError("--max-restarts: a restarted job resumes from its snapshots, which need --out DIR "
-                           "(hint: add --out)")
-    if ns.overwrite and not cfg.out:
-        raise MeshrunError("--overwrite: sets aside an earlier run's files in --out, and there is no --out "
-                           "(hint: add --out DIR, or drop --overwrite)")
-    # Node rank 0 owns OUT for the run's whole life, restarts included (on shared storage
-    # every node names the same OUT; the other nodes leave it to node 0). With one process per
-    # task (Slurm, mpirun), node 0's first process owns it.
-    lock = None
-    if cfg.out and topo.node_rank == 0 and (topo.local_rank or 0) == 0 and not ns.dry_run:
-        from ..train.runlock import OutputLock
-
-        lock = OutputLock(cfg.out, cfg.source("out"))
-        lock.acquire()
-    try:
-        if not ns.dry_run:  # (a dry run tokenizes nothing: its command names the corpus as given)
-            cfg = corpus_ready(cfg, env, count_visible_cpus())
-        run_id = None
-        if lock is not None:
-            from ..train import outdir
-
-            prepared = outdir.prepare(lock.out, cfg.resume, ns.overwrite, cfg.source("resume"), cfg.steps)
-            if prepared.note:
-                print(prepared.note, flush=True)
-            if prepared.done is not None and topo.nnodes == 1 and topo.local_rank is None:
-                # (with other nodes or tasks waiting to meet this one, the ranks say it: Trainer.fit)
-                print(f"meshrun train: {lock.out} is already at step {prepared.done}"
-                      + (f" of {cfg.steps}" if prepared.done == cfg.steps else f", past --steps {cfg.steps}")
-                      + "; nothing to do (hint: pass a larger --steps to train on)", flush=True)
-                return 0
-            lock.hold_snapshots()
-            cfg, run_id = cfg.replace(resume=prepared.resume), prepared.run_id
-        elif ns.overwrite:  # the other nodes start afresh, as node 0 does
-            cfg = cfg.replace(resume="none")
-        # The ranks' one-line error and preemption account go to a directory of this run's own
-        # (mkdtemp: a fresh name, mode 0700), so no file another user planted, or an earlier run
-        # left behind, can stand in for them; it is removed when the run ends, however it ends.
-        run_dir = tempfile.mkdtemp(prefix="meshrun-train-")
-        keep = False
-        try:
-            return _launch(ns, env, cfg, topo, run_dir, run_id)
-        except JobFailed:
-            # without --out the ranks' logs live here: kept when a rank failed (its line names them)
-            keep = not cfg.out and os.path.isdir(os.path.join(run_dir, "logs"))
-            raise
-        finally:
-            for name in os.listdir(run_dir) if keep else ():
-                if name != "logs":
-                    os.unlink(os.path.join(run_dir, name))
-            if not keep:
-                shutil.rmtree(run_dir, ignore_errors=True)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _launch(ns: argparse.Namespace, env: Mapping[str, str], cfg: TrainConfig, topo: Topology, run_dir: str,
-            run_id: str | None = None) -> int:
-    """Launch the workers (or print the command, under --dry-run) with their report files in
-    ``run_dir``; ``run_id``: the run the snapshots belong to (node rank 0 knows it)."""
-    error_file = os.path.join(run_dir, "error")
-    preempt_file = os.path.join(run_dir, "preempted")
-    crash_file = os.path.join(run_dir, "crash")
-    # Each rank's whole output goes to LOGS/rank-N.log (train/ranklog.py): OUT/logs, or without
-    # --out a directory of this run's own, kept only when the job fails (its line names it)
-    log_dir = os.path.join(cfg.out, "logs") if cfg.out else os.path.join(run_dir, "logs")
-    ready_file, interrupt_file = os.path.join(run_dir, "ready"), os.path.join(run_dir, "interrupted")
-    extra = {"MESHRUN_ERROR_FILE": error_file, "MESHRUN_PREEMPT_FILE": preempt_file,
-             "MESHRUN_CRASH_FILE": crash_file, LOG_DIR_ENV: log_dir, "MESHRUN_READY_FILE": ready_file,
-             "MESHRUN_INTERRUPT_FILE": interrupt_file}
-    if cfg.collective_timeout < 1:
-        raise bad_value(cfg.source("collective_timeout"), cfg.collective_timeout, "must be >= 1 second")
-    waits = Waits(stall_s=cfg.collective_timeout, finish_s=int_option(ns, "finish_timeout", minimum=1))
-    if "OMP_NUM_THREADS" not in env and topo.nproc_per_node > 1:
-        extra["OMP_NUM_THREADS"] = "1"  # what torchrun sets then, without its four-line banner
-    if run_id:
-        from ..train.outdir import RUN_ID_ENV
-
-        extra[RUN_ID_ENV] = run_id
-
-    def command(attempt: int) -> tuple[Command, LaunchSpec, Topology]:
-        t = attempt_topology(topo, attempt)
-        spec = LaunchSpec(framework="torch", script="meshrun.train.worker", module=True, rdzv_timeout=ns.rdzv_timeout)
-        launch = build(t, spec)
-        # a restart continues this run: from its own snapshots, even when it started afresh
-        attempt_cfg = cfg.replace(resume="auto") if attempt and cfg.resume == "none" else cfg
-        return Command(processes=launch.processes, env={**launch.env, "MESHRUN_TRAIN_CONFIG": attempt_cfg.to_json(),
-                                                        **extra}, files=launch.files, note=launch.note), spec, t
-
-    cmd, spec, _ = command(0)
-    if ns.dry_run:
-        print(dry_run_text(cmd, ns.json))
-        return 0
-    check_ports(topo, cmd, spec)
-    if topo.node_rank == 0 and (topo.local_rank or 0) == 0:
-        rdzv = rdzv_timeout_s(ns.rdzv_timeout) if topo.nnodes > 1 or topo.local_rank is not None else None
-        print(waits_line(rdzv, waits.stall_s, waits.finish_s), flush=True)
-    from ..train.preempt import SIGNALS  # (signal numbers only: no torch import here)
-
-    return run_with_restarts(command, env, ns.max_restarts, ns.rdzv_timeout, error_file, preempt_file, SIGNALS,
-                             crash_file=crash_file, log_dir=log_dir, waits=waits, ready_file=ready_file,
-                             interrupt_file=interrupt_file, last_snapshot=lambda: _last_snapshot(cfg.out))
-
-
-def _last_snapshot(out: str | None) -> str:
-    """Where a run stopped by Ctrl-C resumes from, in words."""
-    if not out:
-        return "no snapshot without --out"
-    from ..train.outdir import snapshots
-
-    found = snapshots(os.path.join(out, "checkpoints"))
-    return f"the last snapshot is {found[-1][1]}" if found else "no snapshot yet"
+    return run(cfg, topo, job_from_args(ns), env).code

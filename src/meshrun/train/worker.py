@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import PREEMPTED, MeshrunError
 from . import preempt
-from .ranklog import LOG_DIR_ENV, redirect
+from .ranklog import LOG_DIR_ENV, RESULT_ENV, redirect
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 # What a rank's exception says when a collective waited out its timeout (gloo: "Timed out
@@ -107,6 +107,14 @@ def _say_interrupted() -> None:
     os.replace(tmp, path)
 
 
+def _write_result(path: str, record: dict[str, Any]) -> None:
+    import json
+
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
 _ready = False
 
 
@@ -156,7 +164,9 @@ def main() -> int:
         cfg = resolve_seq_len(cfg, context_of(model))  # (a user's model states its own context)
         train, val = build_data(cfg, vocab_size(model))
         _trainer = Trainer(model, train, val, cfg, rt, weights=pretrained_weights(cfg))
-        _trainer.fit()
+        records = _trainer.fit()
+        if records and os.environ.get(RESULT_ENV):  # rank 0's last record, for meshrun.train(...)
+            _write_result(os.environ[RESULT_ENV], records[-1])
     except preempt.Preempted as stop:  # every rank stopped at the same step, past the snapshot's commit
         _report_preempted(stop)
         teardown()

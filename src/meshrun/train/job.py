@@ -1,0 +1,298 @@
+"""One `meshrun train` job, from a validated TrainConfig to its result, for the CLI and for
+`meshrun.train(...)` alike: the checks made once before any rank starts (the batch
+arithmetic, a user's factories importable, a Hugging Face model buildable, the corpus
+tokenized and its ids in range), the output directory's lock and history, the launch with its
+restarts, and what the run leaves: rank 0's last metrics and the newest snapshot.
+
+Torch-free: the ranks import torch, this process does not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..cluster.topology import Topology
+from ..defaults import FINISH_TIMEOUT_S
+from ..errors import JobFailed, MeshrunError, bad_value
+from ..launch.build import build
+from ..launch.command import Command, LaunchSpec
+from ..launch.dryrun import dry_run_text
+from ..launch.node import check_ports, rdzv_timeout_s
+from ..launch.restart import attempt_topology, run_with_restarts
+from ..launch.run import Waits
+from .config import TrainConfig
+from .ranklog import LOG_DIR_ENV, RESULT_ENV
+
+TRAINER_PACKAGES = ("torch", "numpy", "safetensors")
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """How the job runs, beside what it trains (TrainConfig) and where (Topology)."""
+
+    max_restarts: int = 0  # after a crash, start again (resuming) up to this many times
+    overwrite: bool = False  # set an earlier run in OUT aside first (outdir.move_aside)
+    dry_run: bool = False  # print the launch command instead of running it
+    json: bool = False  # with dry_run: one JSON object
+    rdzv_timeout: int | None = None  # seconds to wait for the other nodes (None: the default)
+    finish_timeout: int | None = FINISH_TIMEOUT_S  # seconds ranks may run on after another finished
+    sources: Mapping[str, str] = field(default_factory=dict)  # option -> how it was given, for errors
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, "--" + name.replace("_", "-"))
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished job leaves on this node."""
+
+    code: int  # 0; 75 (PREEMPTED) after a preemption's snapshot; 130 after Ctrl-C
+    metrics: dict[str, Any]  # rank 0's last log record (loss, val_loss, tokens_per_s, ...); {} on other nodes
+    snapshot: str | None  # the newest committed snapshot under OUT/checkpoints
+    out: str | None
+
+
+def require_trainer_packages() -> None:
+    missing = [m for m in TRAINER_PACKAGES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MeshrunError(f"meshrun train needs {', '.join(missing)}, not installed here "
+                           "(hint: pip install 'meshrun[torch]')")
+
+
+def waits_line(rdzv_s: int | None, stall_s: float | None, finish_s: float | None) -> str:
+    """The run's line of its bounded waits: how long it waits for the other nodes
+    (``rdzv_s``, None when a single node starts every rank itself), for a collective, and
+    for ranks still running after another finished."""
+    parts = [f"for the other nodes {rdzv_s} s (--rdzv-timeout)"] if rdzv_s is not None else []
+    if stall_s is not None:
+        parts.append(f"for a rank that stops answering {stall_s:.0f} s (--collective-timeout)")
+    if finish_s is not None:
+        parts.append(f"for ranks left running after another finished {finish_s:.0f} s (--finish-timeout)")
+    return "meshrun train: waits at most " + ", ".join(parts)
+
+
+def count_visible_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainConfig:
+    """A corpus given by path, ready for the ranks: text tokenized into the cache (with the
+    tokenizer named, else the Hugging Face model directory's), token files opened (a prepared
+    corpus' structure checked) and every id checked against a prepared corpus' tokenizer and a
+    Hugging Face model's vocabulary; the config pointed at the tokens."""
+    from ..data.sources import data_kind
+    from .config import BUILTIN_DATA
+
+    kind = data_kind(cfg.data) if cfg.data and cfg.data not in BUILTIN_DATA else None
+    if kind is None:
+        if cfg.tokenizer:
+            raise bad_value(cfg.source("tokenizer"), cfg.tokenizer, "tokenizes text given with --data",
+                            "drop it, or give --data a text corpus")
+        return cfg
+    if kind == "text":
+        from ..data.cache import tokens_for_text
+
+        tokenizer = cfg.tokenizer or _model_tokenizer(cfg)
+        if tokenizer is None:
+            raise bad_value(cfg.source("data"), cfg.data, "text needs a tokenizer",
+                            "--tokenizer DIR|FILE|NAME, or --model a Hugging Face directory with tokenizer.json")
+        cfg = cfg.replace(data=tokens_for_text(cfg.data, tokenizer, cfg.text_field, env, cpus, cfg.source("data")))
+    from ..data.store import FULL_CHECK_TOKENS, check_ids, open_tokens
+
+    vocab = None
+    if cfg.model and ":" not in cfg.model:  # a Hugging Face model's vocabulary is known here: check before starting
+        from ..modelinfo import hf
+
+        vocab = getattr(hf.load_config(hf.locate(cfg.model, cfg.source("model")), cfg.source("model")),
+                        "vocab_size", None)
+    # Opened (its structure checked) and, up to FULL_CHECK_TOKENS, every id read here once; a
+    # larger corpus is sampled here and each sample is checked as the ranks read it (data.py)
+    corpus = open_tokens(cfg.data, cfg.data_dtype, cfg.source("data"))
+    full = sum(len(split) for split in corpus.splits.values()) <= FULL_CHECK_TOKENS
+    check_ids(corpus, vocab if isinstance(vocab, int) else None, cfg.source("data"), full=full)
+    return cfg
+
+
+def _model_tokenizer(cfg: TrainConfig) -> str | None:
+    if cfg.model and ":" not in cfg.model:
+        from ..modelinfo import hf
+
+        directory = hf.locate(cfg.model, cfg.source("model")).directory
+        if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+            return directory
+    return None
+
+
+
+
+def check(cfg: TrainConfig, topo: Topology, job: JobOptions) -> None:
+    """What can be known wrong before anything starts, refused in one line each."""
+    dp = topo.world_size
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:
+        dp = cfg.dims(topo.world_size).dp
+    cfg.accumulation(dp)  # the batch arithmetic
+    for name in ("model", "data"):
+        value = getattr(cfg, name)
+        if value and ":" in value and not os.path.exists(value):
+            from ..modelinfo.factory import load_factory
+
+            load_factory(value, f"--{name}")  # import errors now, not in every rank
+    if cfg.model and ":" not in cfg.model:  # a Hugging Face model: read and built (on meta) now, not in every rank
+        from ..modelinfo import hf
+
+        hf.build_on_meta(hf.load_config(hf.locate(cfg.model, cfg.source("model")), cfg.source("model")),
+                         cfg.source("model"), cfg.model)
+        if not cfg.data:
+            raise bad_value("--data", "stdlib", "the default data is the standard library's source as bytes, not "
+                            "text in this model's vocabulary", "--data random (random tokens of its vocabulary), "
+                            "or --data pkg.mod:factory for your Dataset of token ids")
+    if job.max_restarts < 0:
+        raise bad_value(job.source("max_restarts"), job.max_restarts, "must be >= 0")
+    if job.max_restarts and not cfg.out:
+        raise MeshrunError(f"{job.source('max_restarts')}: a restarted job resumes from its snapshots, which need "
+                           "--out DIR (hint: add --out)")
+    if job.overwrite and not cfg.out:
+        raise MeshrunError(f"{job.source('overwrite')}: sets aside an earlier run's files in --out, and there is "
+                           "no --out (hint: add --out DIR, or drop --overwrite)")
+    if cfg.collective_timeout < 1:
+        raise bad_value(cfg.source("collective_timeout"), cfg.collective_timeout, "must be >= 1 second")
+
+
+def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str]) -> TrainResult:
+    """Check, then run the job on this node (or print its command under ``job.dry_run``)."""
+    require_trainer_packages()
+    check(cfg, topo, job)
+    # Node rank 0 owns OUT for the run's whole life, restarts included (on shared storage
+    # every node names the same OUT; the other nodes leave it to node 0). With one process per
+    # task (Slurm, mpirun), node 0's first process owns it.
+    lock = None
+    if cfg.out and topo.node_rank == 0 and (topo.local_rank or 0) == 0 and not job.dry_run:
+        from .runlock import OutputLock
+
+        lock = OutputLock(cfg.out, cfg.source("out"))
+        lock.acquire()
+    try:
+        if not job.dry_run:  # (a dry run tokenizes nothing: its command names the corpus as given)
+            cfg = corpus_ready(cfg, env, count_visible_cpus())
+        run_id = None
+        if lock is not None:
+            from . import outdir
+
+            prepared = outdir.prepare(lock.out, cfg.resume, job.overwrite, cfg.source("resume"), cfg.steps)
+            if prepared.note:
+                print(prepared.note, flush=True)
+            if prepared.done is not None and topo.nnodes == 1 and topo.local_rank is None:
+                # (with other nodes or tasks waiting to meet this one, the ranks say it: Trainer.fit)
+                print(f"meshrun train: {lock.out} is already at step {prepared.done}"
+                      + (f" of {cfg.steps}" if prepared.done == cfg.steps else f", past --steps {cfg.steps}")
+                      + "; nothing to do (hint: pass a larger --steps to train on)", flush=True)
+                return TrainResult(0, {}, _newest_snapshot(cfg.out), cfg.out)
+            lock.hold_snapshots()
+            cfg, run_id = cfg.replace(resume=prepared.resume), prepared.run_id
+        elif job.overwrite:  # the other nodes start afresh, as node 0 does
+            cfg = cfg.replace(resume="none")
+        # The ranks' one-line error and preemption account go to a directory of this run's own
+        # (mkdtemp: a fresh name, mode 0700), so no file another user planted, or an earlier run
+        # left behind, can stand in for them; it is removed when the run ends, however it ends.
+        run_dir = tempfile.mkdtemp(prefix="meshrun-train-")
+        keep = False
+        try:
+            code = _launch(job, env, cfg, topo, run_dir, run_id)
+            return TrainResult(code, _last_record(run_dir), _newest_snapshot(cfg.out), cfg.out)
+        except JobFailed:
+            # without --out the ranks' logs live here: kept when a rank failed (its line names them)
+            keep = not cfg.out and os.path.isdir(os.path.join(run_dir, "logs"))
+            raise
+        finally:
+            for name in os.listdir(run_dir) if keep else ():
+                if name != "logs":
+                    os.unlink(os.path.join(run_dir, name))
+            if not keep:
+                shutil.rmtree(run_dir, ignore_errors=True)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Topology, run_dir: str,
+            run_id: str | None = None) -> int:
+    """Launch the workers (or print the command, under --dry-run) with their report files in
+    ``run_dir``; ``run_id``: the run the snapshots belong to (node rank 0 knows it)."""
+    error_file = os.path.join(run_dir, "error")
+    preempt_file = os.path.join(run_dir, "preempted")
+    crash_file = os.path.join(run_dir, "crash")
+    # Each rank's whole output goes to LOGS/rank-N.log (train/ranklog.py): OUT/logs, or without
+    # --out a directory of this run's own, kept only when the job fails (its line names it)
+    log_dir = os.path.join(cfg.out, "logs") if cfg.out else os.path.join(run_dir, "logs")
+    ready_file, interrupt_file = os.path.join(run_dir, "ready"), os.path.join(run_dir, "interrupted")
+    extra = {"MESHRUN_ERROR_FILE": error_file, "MESHRUN_PREEMPT_FILE": preempt_file,
+             "MESHRUN_CRASH_FILE": crash_file, LOG_DIR_ENV: log_dir, "MESHRUN_READY_FILE": ready_file,
+             "MESHRUN_INTERRUPT_FILE": interrupt_file, RESULT_ENV: os.path.join(run_dir, "result.json")}
+    waits = Waits(stall_s=cfg.collective_timeout, finish_s=job.finish_timeout)
+    if "OMP_NUM_THREADS" not in env and topo.nproc_per_node > 1:
+        extra["OMP_NUM_THREADS"] = "1"  # what torchrun sets then, without its four-line banner
+    if run_id:
+        from .outdir import RUN_ID_ENV
+
+        extra[RUN_ID_ENV] = run_id
+
+    def command(attempt: int) -> tuple[Command, LaunchSpec, Topology]:
+        t = attempt_topology(topo, attempt)
+        spec = LaunchSpec(framework="torch", script="meshrun.train.worker", module=True,
+                          rdzv_timeout=job.rdzv_timeout)
+        launch = build(t, spec)
+        # a restart continues this run: from its own snapshots, even when it started afresh
+        attempt_cfg = cfg.replace(resume="auto") if attempt and cfg.resume == "none" else cfg
+        return Command(processes=launch.processes, env={**launch.env, "MESHRUN_TRAIN_CONFIG": attempt_cfg.to_json(),
+                                                        **extra}, files=launch.files, note=launch.note), spec, t
+
+    cmd, spec, _ = command(0)
+    if job.dry_run:
+        print(dry_run_text(cmd, job.json))
+        return 0
+    check_ports(topo, cmd, spec)
+    if topo.node_rank == 0 and (topo.local_rank or 0) == 0:
+        rdzv = rdzv_timeout_s(job.rdzv_timeout) if topo.nnodes > 1 or topo.local_rank is not None else None
+        print(waits_line(rdzv, waits.stall_s, waits.finish_s), flush=True)
+    from .preempt import SIGNALS  # (signal numbers only: no torch import here)
+
+    return run_with_restarts(command, env, job.max_restarts, job.rdzv_timeout, error_file, preempt_file, SIGNALS,
+                             crash_file=crash_file, log_dir=log_dir, waits=waits, ready_file=ready_file,
+                             interrupt_file=interrupt_file, last_snapshot=lambda: _last_snapshot(cfg.out))
+
+
+def _newest_snapshot(out: str | None) -> str | None:
+    if not out:
+        return None
+    from .outdir import snapshots
+
+    found = snapshots(os.path.join(out, "checkpoints"))
+    return found[-1][1] if found else None
+
+
+def _last_snapshot(out: str | None) -> str:
+    """Where a run stopped by Ctrl-C resumes from, in words."""
+    if not out:
+        return "no snapshot without --out"
+    newest = _newest_snapshot(out)
+    return f"the last snapshot is {newest}" if newest else "no snapshot yet"
+
+
+def _last_record(run_dir: str) -> dict[str, Any]:
+    """Rank 0's last log record, when rank 0 ran on this node and trained."""
+    try:
+        with open(os.path.join(run_dir, "result.json")) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}

@@ -1,0 +1,64 @@
+"""meshrun.train(...): the `meshrun train` job from a Python script, through the same
+train/job.py the CLI calls; its result is rank 0's last metrics and the newest snapshot."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import clean_env, meshrun, require
+
+import meshrun as meshrun_pkg
+
+OPTIONS = dict(model_size="gpt-tiny", steps=2, nproc=2, seq_len=32, micro_batch=2, eval_batches=1, data="random")
+FLAGS = ["--model-size", "gpt-tiny", "--steps", "2", "--nproc", "2", "--seq-len", "32", "--micro-batch", "2",
+         "--eval-batches", "1", "--data", "random"]
+
+
+def test_a_script_trains_with_meshrun_train_and_gets_what_the_cli_run_leaves(tmp_path):
+    require("torch")
+    api_out, cli_out = str(tmp_path / "api"), str(tmp_path / "cli")
+    script = tmp_path / "job.py"
+    script.write_text("import json, meshrun\n"
+                      f"r = meshrun.train(**{OPTIONS!r}, out={api_out!r})\n"
+                      "print('RESULT', json.dumps({'code': r.code, 'metrics': r.metrics, 'snapshot': r.snapshot}))\n")
+    res = subprocess.run([sys.executable, str(script)], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout.split("RESULT ", 1)[1])
+    assert result["code"] == 0 and result["metrics"]["step"] == 2
+    assert result["snapshot"] == os.path.join(api_out, "checkpoints", "step-00000002")
+    assert os.path.isfile(os.path.join(result["snapshot"], "COMMITTED.json"))
+    cli = meshrun("train", *FLAGS, "--out", cli_out, env=clean_env(), timeout=300)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    with open(os.path.join(cli_out, "metrics.jsonl")) as f:
+        last = [json.loads(line) for line in f if line.strip()][-1]
+    # the same job: the same losses to the bit (same seed, same data, same layout)
+    assert (last["loss"], last["val_loss"]) == (result["metrics"]["loss"], result["metrics"]["val_loss"])
+
+
+def test_without_out_the_metrics_come_back_and_no_snapshot(tmp_path):
+    require("torch")
+    code = ("import json, meshrun\n"
+            f"r = meshrun.train(**{dict(OPTIONS, nproc=1)!r})\n"
+            "print('RESULT', json.dumps([r.code, r.metrics['step'], r.snapshot, r.out]))\n")
+    res = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.split("RESULT ", 1)[1]) == [0, 2, None, None]
+    assert os.listdir(tmp_path) == []  # nothing written where it ran
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(model_sise="gpt-tiny"), "meshrun.train() option='model_sise': unknown option (hint: did you mean "
+                                  "model_size?)"),
+    (dict(steps="many"), "--steps (from meshrun.train)='many': expected int"),
+    (dict(nproc=2, nproc_per_node=2), "meshrun.train() option='nproc_per_node': given twice"),
+    (dict(strategy="fsdp-hybrid", tp=2, nproc=2), "--strategy (from meshrun.train)='fsdp-hybrid': does not compose"),
+    (dict(max_restarts=2), "meshrun.train max_restarts: a restarted job resumes from its snapshots"),
+])
+def test_a_bad_option_raises_the_clis_one_line_error_before_anything_starts(tmp_path, options, message):
+    with pytest.raises(meshrun_pkg.MeshrunError) as err:
+        meshrun_pkg.train(**options, env=clean_env())
+    assert str(err.value).startswith(message), str(err.value)
+    assert "\n" not in str(err.value)
