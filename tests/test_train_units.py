@@ -345,3 +345,43 @@ def test_the_defaults_matrix_reads_meshruns_first_lines_as_the_gpu_runs_printed_
         "  planner: single predicted 125 GiB per GPU of 126 GiB usable",
     ])
     assert gpt["compiled"] and gpt["strategy"] == "single" and gpt["micro"] == 64
+
+
+def test_a_users_modules_offer_the_hooks_by_their_methods_alone():
+    """The trainer's hooks are declared protocols (models/hooks.py): a user's module that has
+    the methods is treated as meshrun's own, without inheriting from anything of meshrun's."""
+    import torch.distributed as dist
+
+    from meshrun.api import run
+    from meshrun.train.models.hooks import ExpertModule, KernelModel
+    from meshrun.train.models.moe import MoE
+    from meshrun.train.parallel.expert import shard_experts
+
+    class MyExperts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stats_group, self.kept = None, None
+
+        def shard_experts(self, group):
+            self.kept = (dist.get_rank(group), dist.get_world_size(group))
+
+    class MyModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe = MyExperts()
+
+        def meshrun_kernels(self, device, tp=1, pp=1):
+            return [f"mine on {device.type}"]
+
+    assert isinstance(MyModel(), KernelModel) and not isinstance(torch.nn.Linear(2, 2), KernelModel)
+    assert isinstance(MyExperts(), ExpertModule) and isinstance(MoE(8, 2), ExpertModule)
+    assert not isinstance(torch.nn.Linear(2, 2), ExpertModule)
+
+    def shard() -> tuple:
+        model = MyModel()
+        shard_experts(model, dist.group.WORLD, dist.get_world_size())
+        return model.moe.kept
+
+    assert run(shard, nproc=2, backend="gloo", timeout_s=120) == (0, 2)
+    with pytest.raises(MeshrunError, match="the model has no experts"):
+        shard_experts(torch.nn.Linear(2, 2), None, 2)

@@ -173,3 +173,14 @@ GPT_PRESETS: dict[str, GPTPreset] = {
     "gpt-350m": GPTPreset(1024, 24, 16, 1024),
     "gpt-1.3b": GPTPreset(2048, 24, 16, 1024),
 }
+
+
+# The words a yes/no value may be given as, in a flag's MESHRUN_<NAME> variable or a config file.
+YES_WORDS = ("1", "true", "yes", "on")
+NO_WORDS = ("0", "false", "no", "off")
+
+
+def yes_no(text: str) -> bool | None:
+    """``text`` as a yes/no word (any case, spaces around it ignored), or None when it is none."""
+    word = text.strip().lower()
+    return True if word in YES_WORDS else False if word in NO_WORDS else None

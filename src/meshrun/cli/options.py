@@ -18,6 +18,7 @@ from ..cluster.reach import DEFAULT_TIMEOUT_S
 from ..cluster.topology import Topology
 from ..defaults import FINISH_TIMEOUT_S
 from ..errors import MeshrunError, bad_value
+from ..vocab import yes_no
 
 
 class Parser(argparse.ArgumentParser):
@@ -67,9 +68,6 @@ def add_option(p: argparse._ActionsContainer, name: str, *aliases: str, from_env
     action.meshrun_env = env_default  # type: ignore[attr-defined]
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
-
-
 def fill_env_defaults(ns: argparse.Namespace, env: Mapping[str, str],
                       actions: Sequence[argparse.Action]) -> None:
     """Give every option of the command (its parser's ``actions``) left unset on the command
@@ -89,9 +87,10 @@ def fill_env_defaults(ns: argparse.Namespace, env: Mapping[str, str],
         env_sourced[dest] = src
         ns._env_sources = env_sourced
         if opt.kind == "bool":
-            if raw.strip().lower() not in _TRUE + _FALSE:
+            answer = yes_no(raw) if raw.strip() else False  # (set but empty: no)
+            if answer is None:
                 raise bad_value(src, raw, "not a yes/no value", "use 1 or 0")
-            value: object = raw.strip().lower() in _TRUE
+            value: object = answer
         elif opt.kind == "int":
             value = parse_int(raw, src)
         else:

@@ -18,7 +18,7 @@ from ..defaults import COMPILE_CHOICES, compile_enabled, seq_len_for
 from ..errors import MeshrunError, bad_value
 from ..modelinfo.hf import is_hf_path, locate
 from ..paths import check_output_dir
-from ..vocab import AC_MODES, GPT_PRESETS, POLICIES, PP_SCHEDULES, PRECISIONS, STRATEGIES, strategy_hint
+from ..vocab import AC_MODES, GPT_PRESETS, POLICIES, PP_SCHEDULES, PRECISIONS, STRATEGIES, strategy_hint, yes_no
 
 if TYPE_CHECKING:
     from .parallel.dims import ParallelDims
@@ -163,7 +163,7 @@ def _check_choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Checks that need no torch and no process group (the batch arithmetic needs the world
     size and is checked by ``accumulation``)."""
-    if isinstance(cfg.compile, bool) or str(cfg.compile).lower() in _BOOL_WORDS:
+    if isinstance(cfg.compile, bool) or yes_no(str(cfg.compile)) is not None:
         cfg = dataclasses.replace(cfg, compile=_compile_word(cfg.compile))
     _check_choice(cfg, "compile", COMPILE_CHOICES)
     _check_choice(cfg, "example", EXAMPLES)
@@ -270,14 +270,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-_BOOL_WORDS = {"true": "on", "1": "on", "yes": "on", "on": "on", "false": "off", "0": "off", "no": "off",
-               "off": "off"}
-
-
 def _compile_word(value: object) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return _BOOL_WORDS[str(value).lower()]
+    return "on" if (value if isinstance(value, bool) else yes_no(str(value))) else "off"
 
 
 def resolve_seq_len(cfg: TrainConfig, context: int | None) -> TrainConfig:
@@ -380,9 +374,10 @@ def _coerce(name: str, value: Any, type_name: str, source: str) -> Any:
     try:
         if "bool" in type_name:
             if isinstance(value, str):
-                if value.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                answer = yes_no(value)
+                if answer is None:
                     raise ValueError
-                return value.lower() in ("1", "true", "yes", "on")
+                return answer
             return bool(value)
         if "int" in type_name:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):

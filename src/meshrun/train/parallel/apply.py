@@ -27,12 +27,13 @@ from ...errors import MeshrunError, bad_value
 from ...modelinfo.blocks import find_blocks
 from ...vocab import STRATEGIES, StrategyKind
 from ..config import TrainConfig
+from ..models.hooks import ExpertModule, KernelModel
 from ..optim import build_optimizer, create_state
 from ..runtime import Runtime, take_blas_workspaces
 from ..weights import Pretrained, materialize, on_meta
 from .auto import Choice
 from .dims import Meshes, make_dims
-from .layouts import DataParallel, DeepSpeedZeRO, ExpertParallel, Layout, Pipelined, loss_mode
+from .layouts import DataParallel, DeepSpeedZeRO, ExpertParallel, Layout, Pipelined, StepSettings, loss_mode
 
 
 def same_initial_weights(model: nn.Module) -> None:
@@ -116,14 +117,13 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
     found = find_blocks(model, cfg.blocks)
     blocks = found[1] if found else None
     zero3 = kind.engine == "deepspeed" and kind.zero == 3  # its partitioned weights take the plain paths
-    kernels = (model.meshrun_kernels(rt.device, cfg.tp, cfg.pp)
-               if hasattr(model, "meshrun_kernels") and not zero3 else [])
+    kernels = model.meshrun_kernels(rt.device, cfg.tp, cfg.pp) if isinstance(model, KernelModel) and not zero3 else []
     if choice.liger and not zero3 and not kernels:
         from ..kernels.liger import apply_liger
 
         kernels = apply_liger(model)
-    common: dict[str, Any] = dict(accum=accum, max_norm=cfg.grad_clip or float("inf"), device=rt.device,
-                                  loss_mode=loss_mode(model), attention=cfg.attention)
+    settings = StepSettings(accum=accum, max_norm=cfg.grad_clip or float("inf"), device=rt.device,
+                            loss_mode=loss_mode(model), attention=cfg.attention)
     deferred = on_meta(model)
     if not deferred:
         model = model.to(rt.device)
@@ -131,9 +131,9 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
         raise MeshrunError("--init pretrained: no weight files were given for the model")
     if rt.world_size > 1:  # MoE load balancing over the global batch: any layout trains like one process
         for m in model.modules():
-            if hasattr(m, "shard_experts"):
+            if isinstance(m, ExpertModule):
                 m.stats_group = dist.group.WORLD
-    build = Build(model, blocks, cfg, rt, choice, kind, bf16, common, weights if deferred else None, deferred)
+    build = Build(model, blocks, cfg, rt, choice, kind, bf16, settings, weights if deferred else None, deferred)
     if kind.engine == "deepspeed":
         layout = build.deepspeed()
     elif cfg.ep > 1:
@@ -154,11 +154,11 @@ class Build:
     """The steps of ``parallelize`` for each kind of layout, in the module's order."""
 
     def __init__(self, model: nn.Module, blocks: nn.ModuleList | None, cfg: TrainConfig, rt: Runtime,
-                 choice: Choice, kind: StrategyKind, bf16: bool, common: dict[str, Any],
+                 choice: Choice, kind: StrategyKind, bf16: bool, settings: StepSettings,
                  weights: Pretrained | None, deferred: bool) -> None:
         self.model, self.blocks, self.cfg, self.rt = model, blocks, cfg, rt
         self.weights, self.deferred = weights, deferred
-        self.choice, self.kind, self.bf16, self.common = choice, kind, bf16, common
+        self.choice, self.kind, self.bf16, self.settings = choice, kind, bf16, settings
         self.compiled, self.tune = choice.compile, cfg.compile_tune
         self.bf16_reduce = cfg.reduce_precision == "bf16"
         self.done: list[str] = []
@@ -270,7 +270,7 @@ class Build:
         return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, cp_index=cp_index, cp=cfg.cp,
                             loss_parallel=loss_parallel, description=self._describe(), dp_rank=dp_rank,
                             dp_size=dp_size, autocast=self.bf16 and flavour is None, token_share=cfg.tp,
-                            loss_ranks=rt.world_size, **self.common)
+                            loss_ranks=rt.world_size, settings=self.settings)
 
     def pipelined(self) -> Layout:
         """Pipeline stages, tensor parallel inside, FSDP2 per stage over the data-parallel rest."""
@@ -289,8 +289,8 @@ class Build:
         self._checkpointing()
         self._compile(per_block=True)
         pipe = Pipeline(model, meshes.world, cfg.pp_schedule, cfg.pp_microbatches or cfg.pp,
-                        self.common["accum"], rt.device, cfg.seq,
-                        ignore_last=self.common["loss_mode"].startswith("labels"))
+                        self.settings.accum, rt.device, cfg.seq,
+                        ignore_last=self.settings.loss_mode.startswith("labels"))
         self.done.append(f"pipeline {cfg.pp} ({cfg.pp_schedule})")
         # Under TP every parameter must be a DTensor of one mesh (clipping, snapshots): FSDP2
         # over the data-parallel ranks even when there is one; under PP alone with one
@@ -311,7 +311,7 @@ class Build:
         return Pipelined(pipe.union, self._optimizer(pipe.union), pipe=pipe, sharded=sharded,
                          description=self._describe(), dp_rank=meshes["dp_shard"].get_local_rank(),
                          dp_size=dims.dp_shard, autocast=self.bf16 and not sharded, token_share=cfg.tp * cfg.pp,
-                         loss_ranks=rt.world_size // cfg.pp, **self.common)
+                         loss_ranks=rt.world_size // cfg.pp, settings=self.settings)
 
     def expert_parallel(self) -> Layout:
         """Experts shared out over ep groups of consecutive ranks (rank 0's initial weights
@@ -342,7 +342,7 @@ class Build:
         # falls back to the unfused one then
         return ExpertParallel(model, self._optimizer(model), meshes=meshes, fsdp=flavour, world=rt.world_size,
                               description=self._describe(), dp_rank=rt.rank, dp_size=rt.world_size,
-                              autocast=self.bf16, loss_ranks=rt.world_size, **self.common)
+                              autocast=self.bf16, loss_ranks=rt.world_size, settings=self.settings)
 
     def deepspeed(self) -> Layout:
         from .deepspeed import deepspeed_engine
@@ -350,12 +350,12 @@ class Build:
         cfg, rt, kind = self.cfg, self.rt, self.kind
         self._checkpointing()
         self._materialize()  # DeepSpeed partitions a whole model
-        engine, optimizer = deepspeed_engine(self.model, kind, self.choice.micro_batch, self.common["accum"],
+        engine, optimizer = deepspeed_engine(self.model, kind, self.choice.micro_batch, self.settings.accum,
                                              rt.world_size, self.bf16, cfg.grad_clip, cfg.lr, cfg.weight_decay, rt.cuda)
         self.done.append(f"DeepSpeed ZeRO-{kind.zero}" + (f", {kind.offload} offloaded" if kind.offload != "none"
                                                           else ""))
         return DeepSpeedZeRO(engine, optimizer, description=self._describe(), dp_rank=rt.rank,
-                             dp_size=rt.world_size, loss_ranks=rt.world_size, **self.common)
+                             dp_size=rt.world_size, loss_ranks=rt.world_size, settings=self.settings)
 
     def _describe(self) -> str:
         return f"{self.kind.name}: " + " -> ".join(self.done) if self.done else self.kind.name

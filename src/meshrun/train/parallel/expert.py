@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ...errors import MeshrunError
+from ..models.hooks import ExpertModule
 
 
 def is_expert(name: str) -> bool:
@@ -21,7 +22,7 @@ def is_expert(name: str) -> bool:
 
 def shard_experts(model: nn.Module, ep_group: Any, ep: int) -> None:
     """Keep this rank's E/ep experts of every mixture-of-experts block."""
-    moes = [m for m in model.modules() if hasattr(m, "shard_experts")]
+    moes = [m for m in model.modules() if isinstance(m, ExpertModule)]
     if not moes:
         raise MeshrunError(f"--ep={ep}: the model has no experts (hint: --experts E with meshrun's GPT)")
     for m in moes:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,21 +106,35 @@ def _replicate_plain_tensors() -> contextlib.AbstractContextManager:
     return implicit_replication()
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """What every layout's step needs, whatever the layout: micro-steps per optimizer step,
+    the gradient-norm clip, the device, how the model returns its loss (``loss_mode``) and
+    the attention kernel SDPA tries first."""
+
+    accum: int
+    max_norm: float
+    device: torch.device
+    loss_mode: str
+    attention: str = "auto"
+
+
 class Layout:
     """What the loop calls. ``dp_rank``/``dp_size`` say which data this rank reads;
     ``token_share`` how many ranks work on the same tokens (tensor and pipeline parallel
     groups: throughput per GPU divides by it); ``loss_ranks`` how many ranks hold the loss."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, *, description: str, dp_rank: int, dp_size: int,
-                 accum: int, max_norm: float, device: torch.device, loss_mode: str, autocast: bool = False,
-                 attention: str = "auto", token_share: int = 1, loss_ranks: int = 1) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, *, settings: StepSettings, description: str,
+                 dp_rank: int, dp_size: int, autocast: bool = False, token_share: int = 1,
+                 loss_ranks: int = 1) -> None:
         self.model, self.optimizer = model, optimizer
         self.description = description
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.accum, self.max_norm, self.device = accum, max_norm, device
-        self.loss_mode, self.autocast, self.attention = loss_mode, autocast, attention
+        self.accum, self.max_norm, self.device = settings.accum, settings.max_norm, settings.device
+        self.loss_mode, self.autocast, self.attention = settings.loss_mode, autocast, settings.attention
         self.token_share, self.loss_ranks = token_share, loss_ranks
-        self._bad_step = torch.zeros((), dtype=torch.long, device=device)  # the first non-finite step (0: none)
+        # the first non-finite step (0: none)
+        self._bad_step = torch.zeros((), dtype=torch.long, device=settings.device)
 
     # ---- what the loop calls ------------------------------------------------------------
     def batch(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> Batch:
