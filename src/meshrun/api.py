@@ -8,7 +8,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .cluster.detect import resolve
 from .cluster.gpus import count_visible_gpus
@@ -16,6 +16,13 @@ from .cluster.net import free_port
 from .cluster.options import user_topology
 from .cluster.topology import Topology
 from .errors import MeshrunError, bad_value
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
+
+# What a rank reports: (rank, ok, rank 0's pickled result or None / the traceback, time.time()).
+_Report = tuple[int, bool, Any, float]
 
 
 def detect(env: Mapping[str, str] | None = None, platform: str | None = None) -> Topology:
@@ -33,8 +40,16 @@ class RankError(RuntimeError):
         self.rank = rank
 
 
+class _Context(Protocol):
+    """What ``run`` uses of a multiprocessing context (fork, spawn or forkserver)."""
+
+    def Process(self, *, target: Callable[..., object], args: tuple[Any, ...], daemon: bool) -> BaseProcess: ...
+
+    def Queue(self) -> Queue[_Report]: ...
+
+
 def _worker(rank: int, nproc: int, port: int, backend: str, fn: Callable[..., Any],
-            args: tuple, kwargs: dict, queue: Any, forked: bool = False) -> None:
+            args: tuple[Any, ...], kwargs: dict[str, Any], queue: Queue[_Report], forked: bool = False) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                        "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch
@@ -51,7 +66,7 @@ def _worker(rank: int, nproc: int, port: int, backend: str, fn: Callable[..., An
         # queues work for threads that do not exist and hangs. A fresh pool on first use.
         async_compile = sys.modules.get("torch._inductor.async_compile")
         pool = getattr(getattr(async_compile, "AsyncCompile", None), "pool", None)
-        if hasattr(pool, "cache_clear"):
+        if pool is not None and hasattr(pool, "cache_clear"):
             pool.cache_clear()
 
     try:
@@ -99,9 +114,11 @@ def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: s
         raise bad_value("nproc", nproc, f"exceeds the {gpus} visible GPU(s) for the nccl backend",
                         "lower nproc or use backend='gloo'")
     if start_method == "auto":
-        can_fork = "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+        can_fork = ("fork" in mp.get_all_start_methods()
+                    and not torch.cuda.is_initialized())  # type: ignore[no-untyped-call]  # torch: unannotated
         start_method = "fork" if can_fork else "spawn"
-    ctx = mp.get_context(start_method)
+    # Every context has a Process class; typeshed's BaseContext, what get_context of a str returns, declares none.
+    ctx = cast(_Context, mp.get_context(start_method))
     results = ctx.Queue()
     port = free_port()
     forked = start_method == "fork"

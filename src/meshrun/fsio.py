@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
 import re
 import shutil
@@ -188,14 +189,14 @@ def write_files(files: dict[str, bytes | str], *, source: str, mode: int = 0o644
             kind, where = _kind(path, source)
             tmp = ""
             if kind in ("new", "regular"):
-                tmp = _fill_temp(where, lambda p, b=blob: _write_bytes(p, b), source, path, mode, temps)
+                tmp = _fill_temp(where, functools.partial(_write_bytes, data=blob), source, path, mode, temps)
             staged.append((path, kind, where, tmp, blob))
         for path, kind, where, tmp, blob in staged:
             if tmp:
                 _replace(tmp, where, source, path)
                 temps.remove(tmp)
             else:
-                _write_in_place(where, kind, lambda fd, b=blob: _write_all(fd, b), source, path)
+                _write_in_place(where, kind, functools.partial(_write_all, data=blob), source, path)
         return [where for _, _, where, _, _ in staged]
     finally:
         for tmp in temps:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from .store import (
     shards_problem,
 )
 from .tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 PROGRESS = "progress.json"
 CHUNK_DOCS = 256  # documents per unit of work
@@ -88,7 +91,7 @@ def _chunks(source: Source) -> Iterator[tuple[int, list[str], int]]:
         yield first, docs, sum(len(t.encode()) for t in docs)
 
 
-_WORKER: dict[str, Any] = {}
+_WORKER: dict[str, Tokenizer] = {}
 
 
 def _init_worker(spec: str, eos_token: str | None) -> None:
@@ -98,13 +101,17 @@ def _init_worker(spec: str, eos_token: str | None) -> None:
     _WORKER["tok"] = load_tokenizer(spec, eos_token=eos_token)
 
 
-def _encode(tok: Tokenizer, first: int, docs: list[str], fraction: float, dtype: str) -> dict[str, tuple]:
+# Each split's part of a chunk: its tokens end to end, and its documents' lengths.
+_Encoded = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def _encode(tok: Tokenizer, first: int, docs: list[str], fraction: float, dtype: str) -> _Encoded:
     """Each split's tokens of a chunk (documents end to end, each with the end-of-document
     token) and its documents' lengths."""
     kind = np.dtype(dtype).newbyteorder("<")
     arrays = [np.asarray(d, dtype=kind) for d in tok.encode_batch(docs)]
     eos = np.array([tok.eos_id], dtype=kind)
-    out: dict[str, tuple] = {}
+    out: _Encoded = {}
     for split in SPLITS:
         mine = [a for k, a in enumerate(arrays) if is_val(first + k, fraction) == (split == "val")]
         flat = np.concatenate([part for a in mine for part in (a, eos)]) if mine else np.zeros(0, dtype=kind)
@@ -112,9 +119,18 @@ def _encode(tok: Tokenizer, first: int, docs: list[str], fraction: float, dtype:
     return out
 
 
-def _encode_in_worker(job: tuple[int, list[str], int, float, str]) -> tuple[dict[str, tuple], int, int]:
+def _encode_in_worker(job: tuple[int, list[str], int, float, str]) -> tuple[_Encoded, int, int]:
     first, docs, size, fraction, dtype = job
     return _encode(_WORKER["tok"], first, docs, fraction, dtype), size, len(docs)
+
+
+class ShardEntry(TypedDict):
+    """A complete shard as the index (and the progress record) lists it."""
+
+    file: str
+    tokens: int
+    documents: int
+    max_id: int
 
 
 class _Shard:
@@ -133,7 +149,7 @@ class _Shard:
             return
         self.starts.append(self.count + np.concatenate([[0], np.cumsum(lengths)[:-1]]))
         try:
-            self.tokens.write(memoryview(np.ascontiguousarray(flat)).cast("B"))  # (an OSError with its errno)
+            self.tokens.write(np.ascontiguousarray(flat).data.cast("B"))  # (an OSError with its errno)
         except OSError as exc:
             exc.filename = self.tokens.name
             raise
@@ -141,7 +157,7 @@ class _Shard:
         self.documents += len(lengths)
         self.max_id = max(self.max_id, int(flat.max()))
 
-    def close(self) -> dict[str, Any] | None:
+    def close(self) -> ShardEntry | None:
         """Make the shard complete (fsync, then renamed); its index entry, None if empty."""
         try:
             self.tokens.flush()
@@ -156,7 +172,7 @@ class _Shard:
             return None
         starts = np.concatenate(self.starts).astype("<i8")
         with open(base + ".docs.tmp", "wb") as f:
-            f.write(memoryview(starts).cast("B"))
+            f.write(starts.data.cast("B"))
             f.flush()
             os.fsync(f.fileno())
         os.replace(base + ".docs.tmp", base + ".docs")
@@ -235,7 +251,7 @@ class _Progress:
     def __init__(self, total_bytes: int | None, enabled: bool) -> None:
         self.total, self.enabled, self.start, self.last = total_bytes, enabled, time.monotonic(), 0.0
         self.bytes = self.tokens = self.docs = 0
-        self.bar: Any = None
+        self.bar: Progress | None = None
         if enabled and sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import (
@@ -360,14 +376,14 @@ def _tokenize(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: boo
     dtype = tok.dtype
     jobs = ((first, docs, size, spec.val_fraction, dtype) for n, (first, docs, size) in enumerate(_chunks(spec.source))
             if n >= state["chunks"])
-    total = sum(size for _, size, _ in spec.source.fingerprint()) if not spec.source.dataset else None
+    total = sum(size for _, size, _ in spec.source.inputs()) if not spec.source.dataset else None
     progress = _Progress(total, log)
     shards = {s: _Shard(spec.out, s, len(state["splits"][s])) for s in SPLITS}
     pool = None
     try:
         if spec.workers > 1:
             pool = mp.get_context("spawn").Pool(spec.workers, _init_worker, (spec.tokenizer, spec.eos_token))
-            results: Iterator = pool.imap(_encode_in_worker, jobs)
+            results: Iterator[tuple[_Encoded, int, int]] = pool.imap(_encode_in_worker, jobs)
         else:
             results = ((_encode(tok, j[0], j[1], j[3], j[4]), j[2], len(j[1])) for j in jobs)
         for parts, size, n_docs in results:
@@ -417,10 +433,11 @@ def _finish(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: bool)
     """Write the index (last: it makes the directory a corpus) and drop the progress file."""
     if not state["splits"]["train"] and state["splits"]["val"]:
         _no_validation(spec, state, log)
-    index = {"format": FORMAT, "dtype": tok.dtype, "tokenizer": tok.record(), "identity": state["identity"],
-             "documents": state["documents"],
-             "splits": {s: {"shards": state["splits"][s], "tokens": sum(e["tokens"] for e in state["splits"][s]),
-                            "documents": sum(e["documents"] for e in state["splits"][s])} for s in SPLITS}}
+    index: dict[str, Any] = {
+        "format": FORMAT, "dtype": tok.dtype, "tokenizer": tok.record(), "identity": state["identity"],
+        "documents": state["documents"],
+        "splits": {s: {"shards": state["splits"][s], "tokens": sum(e["tokens"] for e in state["splits"][s]),
+                       "documents": sum(e["documents"] for e in state["splits"][s])} for s in SPLITS}}
     if not index["splits"]["train"]["tokens"]:
         raise MeshrunError(f"{', '.join(spec.source.paths[:2])}: an empty corpus, no text in it "
                            "(hint: check the path and --text-field)")

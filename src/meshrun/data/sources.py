@@ -16,13 +16,14 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 from ..errors import MeshrunError, bad_value
 from . import INDEX
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
+DataKind = Literal["tokens", "text"]  # what a --data path holds (data_kind)
 
 
 @dataclass(frozen=True)
@@ -33,15 +34,19 @@ class Source:
     dataset: bool  # a `datasets` save_to_disk directory
     text_field: str
 
-    def fingerprint(self) -> list[list]:
+    def fingerprint(self) -> list[list[str | int]]:
         """What a prepared corpus was made from: each input's path, size and modification time."""
+        return [list(entry) for entry in self.inputs()]
+
+    def inputs(self) -> list[tuple[str, int, int]]:
+        """Each input file: its absolute path, size and modification time (whole seconds)."""
         out = []
         for p in self.paths:
             files = [p] if os.path.isfile(p) else sorted(
                 os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs)
             for f in files:
                 st = _stat(f)
-                out.append([os.path.abspath(f), st.st_size, int(st.st_mtime)])
+                out.append((os.path.abspath(f), st.st_size, int(st.st_mtime)))
         return out
 
 
@@ -60,7 +65,7 @@ def _stat(path: str) -> os.stat_result:
         raise _gone(path, exc) from None
 
 
-def data_kind(path: str) -> str | None:
+def data_kind(path: str) -> DataKind | None:
     """What a ``--data`` path holds: ``tokens`` (a prepared corpus, a ``.bin`` token file or a
     directory of them), ``text`` (a corpus file or directory, or a saved dataset), or None."""
     path = os.path.expanduser(path)

@@ -269,7 +269,7 @@ def check_ids(corpus: Corpus, vocab: int | None, where: str = "--data", full: bo
     and offset. ``full``: every token of every shard is read (a vectorised max per block of the
     memory-mapped shards: about 0.1 s a GiB from the page cache, the disk's read speed
     otherwise); else a sample of each shard."""
-    if vocab is not None and corpus.vocab_size is not None and corpus.vocab_size > vocab:
+    if vocab is not None and corpus.tokenizer and corpus.vocab_size is not None and corpus.vocab_size > vocab:
         raise bad_value(where, corpus.path, f"its tokenizer ({corpus.tokenizer['name']}) has {corpus.vocab_size} "
                         f"tokens, more than the model's vocabulary of {vocab}",
                         "prepare the data with the model's own tokenizer")

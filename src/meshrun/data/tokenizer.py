@@ -10,7 +10,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from ..errors import MeshrunError, bad_value
 
@@ -18,6 +18,15 @@ from ..errors import MeshrunError, bad_value
 # tokenizer's own config names none.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 TIKTOKEN_NAMES = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")
+
+
+class TokenizerRecord(TypedDict):
+    """A tokenizer as a prepared corpus' index records it."""
+
+    name: str
+    sha256: str
+    vocab_size: int
+    eos_id: int
 
 
 @dataclass(frozen=True)
@@ -36,7 +45,7 @@ class Tokenizer:
     def dtype(self) -> str:
         return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> TokenizerRecord:
         return {"name": self.name, "sha256": self.sha256, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
 
 

@@ -10,18 +10,53 @@ traffic, comparable with the hardware's peak."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from ..train.runtime import Runtime
+
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); 2.6-2.12 have only the old.
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+# The options `meshrun bench` passes (cli/bench.py's ``options``), one kind's per run, as JSON.
+class _Timing(TypedDict):
+    warmup: int
+    min_time: float
+    max_iters: int
+
+
+class CommOptions(_Timing):
+    ops: list[str]
+    sizes: list[int]
+
+
+class MatmulOptions(_Timing):
+    n: int
+
+
+class TrainOptions(TypedDict):
+    model: str
+    seq: int
+    micro: int
+    steps: int
+    warmup: int
+
+
+# A result, written as JSON for the CLI's table.
+Result = dict[str, object]
 
 
 def _sync(device: torch.device) -> None:
@@ -29,7 +64,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device: torch.device, warmup: int, min_time_s: float, max_iters: int,
+def _time(fn: Callable[[], object], device: torch.device, warmup: int, min_time_s: float, max_iters: int,
           burst: int = 0) -> tuple[float, float | None]:
     """Mean seconds per call, sustained: warm up, then as many calls as fit in min_time_s
     (agreed on by all ranks so they run the same number of collectives). With ``burst``,
@@ -66,9 +101,10 @@ def _slowest(seconds: float, device: torch.device) -> float:
     return float(took.item())
 
 
-def comm(opts: dict, device: torch.device) -> dict:
+def comm(opts: CommOptions, device: torch.device) -> Result:
     n = dist.get_world_size()
-    rows = []
+    rows: list[Result] = []
+    fn: Callable[[], object]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     esize = torch.tensor([], dtype=dtype).element_size()
     for op in opts["ops"]:
@@ -76,37 +112,38 @@ def comm(opts: dict, device: torch.device) -> dict:
             count = max(n, size // esize // n * n)  # divisible by n for the sharded collectives
             nbytes = count * esize
             buf = torch.ones(count, dtype=dtype, device=device)
-            # each call's tensors bound as defaults: this size's, not the loop's last
+            # each call's tensors bound: this size's, not the loop's last
             if op == "all_reduce":
-                fn = lambda buf=buf: dist.all_reduce(buf)  # noqa: E731
+                fn = functools.partial(dist.all_reduce, buf)
             elif op == "broadcast":
-                fn = lambda buf=buf: dist.broadcast(buf, src=0)  # noqa: E731
+                fn = functools.partial(dist.broadcast, buf, src=0)
             elif op == "all_gather":
                 part = buf[: count // n].clone()
-                fn = lambda buf=buf, part=part: ALL_GATHER(buf, part)  # noqa: E731
+                fn = functools.partial(ALL_GATHER, buf, part)
             else:
                 out = torch.empty(count // n, dtype=dtype, device=device)
-                fn = lambda buf=buf, out=out: REDUCE_SCATTER(out, buf)  # noqa: E731
+                fn = functools.partial(REDUCE_SCATTER, out, buf)
             t, _ = _time(fn, device, opts["warmup"], opts["min_time"], opts["max_iters"])
             algbw = nbytes / t
             rows.append({"op": op, "bytes": nbytes, "time_us": t * 1e6, "algbw_gbps": algbw / 1e9,
                          "busbw_gbps": algbw * BUS_FACTOR[op](n) / 1e9})
-            buf = fn = None  # free it before the next size allocates (a 1 GiB buffer)
+            del buf, fn  # free it before the next size allocates (a 1 GiB buffer)
     return {"kind": "comm", "world": n, "backend": dist.get_backend(), "dtype": str(dtype).replace("torch.", ""),
             "rows": rows}
 
 
-def matmul(opts: dict, device: torch.device) -> dict:
+def matmul(opts: MatmulOptions, device: torch.device) -> Result:
     from ..train.metrics import peak_flops
 
-    rows = []
+    rows: list[Result] = []
     dtypes = ["bfloat16", "float32"] if device.type == "cuda" else ["float32"]
     for name in dtypes:
         dtype = getattr(torch, name)
         n = opts["n"]
         a = torch.randn(n, n, dtype=dtype, device=device)
         b = torch.randn(n, n, dtype=dtype, device=device)
-        t, short = _time(lambda a=a, b=b: a @ b, device, opts["warmup"], opts["min_time"], opts["max_iters"], burst=20)
+        t, short = _time(functools.partial(torch.matmul, a, b), device, opts["warmup"], opts["min_time"],
+                         opts["max_iters"], burst=20)
         tflops = torch.tensor([2 * n**3 / t / 1e12], device=device)
         each = [torch.zeros_like(tflops) for _ in range(dist.get_world_size())]
         dist.all_gather(each, tflops)
@@ -119,7 +156,7 @@ def matmul(opts: dict, device: torch.device) -> dict:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
 
 
-def train(opts: dict, rt) -> dict:
+def train(opts: TrainOptions, rt: Runtime) -> Result:
     from ..train.config import TrainConfig
     from ..train.data import BatchStream, RandomTokens
     from ..train.models import gpt
@@ -155,13 +192,15 @@ def train(opts: dict, rt) -> dict:
 def main() -> None:
     from ..train.runtime import init_runtime, teardown
 
-    kind, opts = sys.argv[1], json.loads(sys.argv[2])
+    kind, opts = sys.argv[1], json.loads(sys.argv[2])  # the options of ``kind``
     rt = init_runtime()
     try:
         if kind == "train":
             result = train(opts, rt)
+        elif kind == "comm":
+            result = comm(opts, rt.device)
         else:
-            result = (comm if kind == "comm" else matmul)(opts, rt.device)
+            result = matmul(opts, rt.device)
         if rt.rank == 0:
             import os
 

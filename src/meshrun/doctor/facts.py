@@ -75,7 +75,7 @@ def gather(env: Mapping[str, str], disk_path: str = ".") -> Facts:
         torch_v = torch.__version__
         cuda_v = torch.version.cuda
         if torch.cuda.is_available():
-            nccl = torch.cuda.nccl.version()
+            nccl = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]  # torch: unannotated
             nccl_v = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     except ImportError:
         pass

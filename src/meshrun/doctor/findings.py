@@ -15,7 +15,7 @@ class Finding:
     fix: str = ""
     node: int | None = None  # set when gathered from several nodes
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, str | int]:
         return {k: v for k, v in asdict(self).items() if v not in ("", None)}
 
 

@@ -43,7 +43,7 @@ def jax_initialize(**overrides: Any) -> dict[str, Any]:
 
     kwargs = {**jax_arguments(os.environ), **overrides}
     if os.environ.get("JAX_PLATFORMS", "") == "cpu" or not _has_gpu_backend():
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]  # jax: unannotated
         _gloo_on_interface(os.environ.get("GLOO_SOCKET_IFNAME"))
     jax.distributed.initialize(**kwargs)
     return kwargs
@@ -64,14 +64,14 @@ def _gloo_on_interface(ifname: str | None) -> None:
         return
     lib = getattr(xla_bridge, "_jax", None)
     factory = getattr(lib, "make_gloo_tcp_collectives", None)
-    if factory is None or getattr(factory, "_meshrun_interface", None):
+    if lib is None or factory is None or getattr(factory, "_meshrun_interface", None):
         return
 
     def on_interface(*args: Any, **kw: Any) -> Any:
         kw.setdefault("interface", ifname)
         return factory(*args, **kw)
 
-    on_interface._meshrun_interface = ifname  # type: ignore[attr-defined]
+    on_interface._meshrun_interface = ifname  # type: ignore[attr-defined]  # a mark on the wrapper
     try:
         lib.make_gloo_tcp_collectives = on_interface
     except (AttributeError, TypeError):

@@ -23,7 +23,8 @@ def tf_config(env: Mapping[str, str] | None = None, port: int | None = None,
 
     environ = os.environ if env is None else env
     if environ.get("TF_CONFIG"):
-        return json.loads(environ["TF_CONFIG"])
+        given: dict[str, Any] = json.loads(environ["TF_CONFIG"])  # TensorFlow reads it as a JSON object
+        return given
     topo = detect(dict(environ))
     # One worker per node unless the platform itself started one process per device.
     per_node = topo.nproc_per_node if topo.is_worker else 1
@@ -32,5 +33,6 @@ def tf_config(env: Mapping[str, str] | None = None, port: int | None = None,
     text = tf_config_json(worker_addresses(topo), index)
     if set_env and env is None:
         os.environ["TF_CONFIG"] = text
-    return json.loads(text)
+    built: dict[str, Any] = json.loads(text)  # tf_config_json's object
+    return built
 

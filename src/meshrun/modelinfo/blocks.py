@@ -24,7 +24,7 @@ def _attr_path(model: nn.Module, path: str) -> object:
     return obj
 
 
-def find_blocks(model: nn.Module, override: str | None = None) -> tuple[str, nn.ModuleList] | None:
+def find_blocks(model: nn.Module, override: str | None = None) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
     """(attribute path, the block list) of the model, or None. ``override`` names the path
     (``--blocks model.layers``); otherwise the usual paths are tried, then the largest
     ModuleList of more than one module."""
@@ -35,7 +35,7 @@ def find_blocks(model: nn.Module, override: str | None = None) -> tuple[str, nn.
         if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) == 0:
             raise bad_value("--blocks", override, "does not name a non-empty ModuleList of the model",
                             "give the attribute path of the block list, e.g. model.layers")
-        return override, blocks  # type: ignore[return-value]
+        return override, blocks
     for path in BLOCK_PATHS:
         blocks = _attr_path(model, path)
         if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:

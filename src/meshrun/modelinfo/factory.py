@@ -22,7 +22,7 @@ def load_factory(spec: str, flag: str) -> Callable[[], Any]:
     except Exception as exc:  # ImportError, or the module itself failing to import
         raise bad_value(flag, spec, f"cannot import module {module_name!r} ({type(exc).__name__}: {exc})",
                         "run from the directory that holds it, or set PYTHONPATH") from None
-    factory = getattr(module, attr, None)
+    factory: object = getattr(module, attr, None)
     if not callable(factory):
         raise bad_value(flag, spec, f"module {module_name!r} has no callable {attr!r}")
     return factory

@@ -139,21 +139,23 @@ def parameters_on_meta() -> Iterator[None]:
 
     register = nn.Module.register_parameter
 
-    def on_meta(module: nn.Module, name: str, param: Any) -> None:
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            kind = type(module._parameters[name])
-            attrs = dict(module._parameters[name].__dict__)
-            meta = kind(module._parameters[name].to("meta"), requires_grad=param.requires_grad)
+        registered = module._parameters[name]  # (param, or what a registration hook made of it)
+        if param is not None and registered is not None and param.device.type != "meta":
+            kind = type(registered)
+            attrs = dict(registered.__dict__)
+            meta = kind(registered.to("meta"), requires_grad=param.requires_grad)
             meta.__dict__.update(attrs)
             module._parameters[name] = meta
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    # (a patch of the class for the duration; mypy also reads a function stored on a class as taking another self)
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign, assignment]
     try:
         with torch.device("cpu"):
             yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        nn.Module.register_parameter = register  # type: ignore[method-assign]  # the patch undone
 
 
 def build_on_meta(config: Any, where: str = "--model", path: str = "") -> Any:
@@ -170,7 +172,9 @@ def build_on_meta(config: Any, where: str = "--model", path: str = "") -> Any:
                 kwargs = {"attn_implementation": attn} if attn else {}
                 # a fresh copy each time: a refused attempt leaves its choice in the config
                 # (Gemma-2 refuses SDPA, then the default kept asking for it, transformers 5.24)
-                return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)
+                # (transformers leaves from_config unannotated)
+                return transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                    copy.deepcopy(config), **kwargs)
         except Exception as exc:  # an architecture without SDPA, or one transformers cannot build
             errors.append(_first_line(exc))
     raise bad_value(where, path or getattr(config, "model_type", "?"), f"transformers cannot build it ({errors[-1]})",
@@ -186,7 +190,7 @@ def export_record(model: Any, source: str | None) -> dict[str, Any] | None:
     """What a snapshot keeps to export a Hugging Face model again (state.json's "model"): its
     config, and the directory it came from (for the tokenizer's files); None for other models."""
     config = getattr(model, "config", None)
-    if not hasattr(config, "to_json_string") or not getattr(config, "model_type", None):
+    if config is None or not hasattr(config, "to_json_string") or not getattr(config, "model_type", None):
         return None
     return {"hf_config": json.loads(config.to_json_string(use_diff=False)),
             "source": os.path.abspath(source) if source and is_hf_path(source) else None}

@@ -28,7 +28,7 @@ def resolve_model(text: str, where: str = "--model") -> ModelSpec:
                     f"presets: {', '.join(PRESETS)}")
 
 
-def _need(cfg: dict, where: str, *keys: str) -> int:
+def _need(cfg: dict[str, Any], where: str, *keys: str) -> int:
     for key in keys:
         value = cfg.get(key)
         if value is not None:
@@ -123,7 +123,7 @@ def from_module(model: Any, name: str, source: str) -> ModelSpec:
     import torch.nn as nn
 
     cfg = getattr(model, "cfg", None)
-    if all(hasattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "vocab", "seq_len")):
+    if cfg is not None and all(hasattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "vocab", "seq_len")):
         spec = gpt_spec(name, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.vocab, cfg.seq_len, context=cfg.seq_len)
         return replace(spec, source=source, bf16_residual=bool(getattr(cfg, "low_precision_residual", False)),
                        fused_loss=bool(getattr(cfg, "fused_loss", False)),

@@ -223,17 +223,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     elif cfg.init != "auto":
         raise bad_value(cfg.source("init"), cfg.init, "chooses the weights of a Hugging Face model directory",
                         "drop it, or give --model a model directory")
-    kind = data_kind(cfg.data) if cfg.data is not None and cfg.data not in BUILTIN_DATA else None
-    if kind is not None:
-        if os.path.abspath(os.path.expanduser(cfg.data)) != cfg.data:  # type: ignore[arg-type]
-            cfg = dataclasses.replace(cfg, data=os.path.abspath(os.path.expanduser(cfg.data)))  # type: ignore[arg-type]
+    data_form = data_kind(cfg.data) if cfg.data is not None and cfg.data not in BUILTIN_DATA else None
+    if data_form is not None and cfg.data is not None:  # (a form only of a path given)
+        if os.path.abspath(os.path.expanduser(cfg.data)) != cfg.data:
+            cfg = dataclasses.replace(cfg, data=os.path.abspath(os.path.expanduser(cfg.data)))
     elif cfg.data is not None and ":" not in cfg.data and cfg.data not in BUILTIN_DATA:
         raise bad_value(cfg.source("data"), cfg.data, "no such file or directory, and not module:factory",
                         f"a corpus path, module:factory, or one of {', '.join(BUILTIN_DATA)}")
     if cfg.data_dtype not in ("uint16", "uint32"):
         raise bad_value(cfg.source("data_dtype"), cfg.data_dtype, "unknown token type", "uint16 or uint32")
     if cfg.document_mask:
-        if kind != "tokens" and kind != "text":
+        if data_form != "tokens" and data_form != "text":
             raise bad_value(cfg.source("document_mask"), True, "needs document boundaries: a corpus given by path",
                             "--data DIR prepared by meshrun data prepare, or text")
         if cfg.cp > 1 or cfg.pp > 1:
@@ -296,8 +296,8 @@ def load_file(path: str) -> dict[str, Any]:
         else:
             import yaml
 
-            with open(path) as f:
-                raw = yaml.load(f, Loader=_unique_key_loader(yaml)) or {}
+            with open(path) as text:
+                raw = yaml.load(text, Loader=_unique_key_loader(yaml)) or {}
     except ImportError:
         raise bad_value("--config", path, "YAML needs PyYAML", "pip install pyyaml, or use a .toml file") from None
     except MeshrunError:
@@ -307,7 +307,8 @@ def load_file(path: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise bad_value("--config", path, "must hold a mapping of option: value")
     known = {f.name for f in fields(TrainConfig)} - {"sources"}
-    out, spelled = {}, {}
+    out: dict[str, Any] = {}
+    spelled: dict[str, object] = {}  # each option's key as the file spells it
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name not in known:
@@ -388,5 +389,6 @@ def _coerce(name: str, value: Any, type_name: str, source: str) -> Any:
         return str(value)
     except (TypeError, ValueError, OverflowError):  # OverflowError: int() of an infinite float
         kind = type_name.replace(" | None", "")
-        hint = {"bool": "true or false (1/0, yes/no, on/off)", "int": "a whole number", "float": "a number"}.get(kind)
+        hint = {"bool": "true or false (1/0, yes/no, on/off)", "int": "a whole number",
+                "float": "a number"}.get(kind, "")
         raise bad_value(where, value, f"expected {kind}", hint) from None

@@ -93,8 +93,9 @@ def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainCo
     from ..data.sources import data_kind
     from .config import BUILTIN_DATA
 
-    kind = data_kind(cfg.data) if cfg.data and cfg.data not in BUILTIN_DATA else None
-    if kind is None:
+    data = cfg.data if cfg.data and cfg.data not in BUILTIN_DATA else None
+    kind = data_kind(data) if data is not None else None
+    if data is None or kind is None:
         if cfg.tokenizer:
             raise bad_value(cfg.source("tokenizer"), cfg.tokenizer, "tokenizes text given with --data",
                             "drop it, or give --data a text corpus")
@@ -106,7 +107,8 @@ def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainCo
         if tokenizer is None:
             raise bad_value(cfg.source("data"), cfg.data, "text needs a tokenizer",
                             "--tokenizer DIR|FILE|NAME, or --model a Hugging Face directory with tokenizer.json")
-        cfg = cfg.replace(data=tokens_for_text(cfg.data, tokenizer, cfg.text_field, env, cpus, cfg.source("data")))
+        data = tokens_for_text(data, tokenizer, cfg.text_field, env, cpus, cfg.source("data"))
+        cfg = cfg.replace(data=data)
     from ..data.store import FULL_CHECK_TOKENS, check_ids, open_tokens
 
     vocab = None
@@ -117,7 +119,7 @@ def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainCo
                         "vocab_size", None)
     # Opened (its structure checked) and, up to FULL_CHECK_TOKENS, every id read here once; a
     # larger corpus is sampled here and each sample is checked as the ranks read it (data.py)
-    corpus = open_tokens(cfg.data, cfg.data_dtype, cfg.source("data"))
+    corpus = open_tokens(data, cfg.data_dtype, cfg.source("data"))  # (cfg.data)
     full = sum(len(split) for split in corpus.splits.values()) <= FULL_CHECK_TOKENS
     check_ids(corpus, vocab if isinstance(vocab, int) else None, cfg.source("data"), full=full)
     return cfg
