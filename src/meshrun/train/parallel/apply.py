@@ -32,7 +32,7 @@ from ..optim import build_optimizer, create_state
 from ..runtime import Runtime, take_blas_workspaces
 from ..weights import Pretrained, materialize, on_meta
 from .auto import Choice
-from .dims import Meshes, make_dims
+from .dims import Meshes, ParallelDims, make_dims
 from .layouts import DataParallel, DeepSpeedZeRO, ExpertParallel, Layout, Pipelined, StepSettings, loss_mode
 
 
@@ -133,7 +133,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
         for m in model.modules():
             if isinstance(m, ExpertModule):
                 m.stats_group = dist.group.WORLD
-    build = Build(model, blocks, cfg, rt, choice, kind, bf16, settings, weights if deferred else None, deferred)
+    dims = layout_dims(cfg, kind, rt) if kind.engine != "deepspeed" else None
+    build = Build(model, blocks, cfg, rt, choice, kind, bf16, settings, weights if deferred else None, deferred, dims)
     if kind.engine == "deepspeed":
         layout = build.deepspeed()
     elif cfg.ep > 1:
@@ -150,18 +151,49 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
     return layout
 
 
+def layout_dims(cfg: TrainConfig, kind: StrategyKind, rt: Runtime) -> ParallelDims:
+    """Every degree of this job's layout, built once (each sub-mesh comes from it): experts over
+    ``--ep`` ranks; pipeline stages and tensor shards; or data parallelism, replicated across
+    shard groups for FSDP2's hybrid and no-shard flavours, with tensor and context shards."""
+    world = rt.world_size
+    if cfg.ep > 1:
+        return make_dims(world, ep=cfg.ep, source=f"--ep {cfg.ep} on {world} processes")
+    if cfg.pp > 1:
+        return make_dims(world, tp=cfg.tp, pp=cfg.pp,
+                         source=" and ".join(f"--{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp)) if v > 1)
+                         + f" on {world} processes")
+    replicate = 1
+    if kind.hybrid:
+        shard = cfg.fsdp_shard_size or rt.local_world_size
+        if world % shard:
+            raise bad_value("--fsdp-shard-size", shard, f"does not divide the world size {world}",
+                            "hybrid sharding needs equal shard groups")
+        replicate = world // shard
+    elif kind.uses_fsdp and kind.shard == "none":  # FSDP2 on a (world, 1) mesh: every rank a replica
+        replicate = world
+    return make_dims(world, dp_replicate=replicate, tp=cfg.tp, cp=cfg.cp,
+                     source=f"--tp {cfg.tp} --cp {cfg.cp} on {world} processes")
+
+
 class Build:
     """The steps of ``parallelize`` for each kind of layout, in the module's order."""
 
     def __init__(self, model: nn.Module, blocks: nn.ModuleList | None, cfg: TrainConfig, rt: Runtime,
                  choice: Choice, kind: StrategyKind, bf16: bool, settings: StepSettings,
-                 weights: Pretrained | None, deferred: bool) -> None:
+                 weights: Pretrained | None, deferred: bool, dims: ParallelDims | None) -> None:
         self.model, self.blocks, self.cfg, self.rt = model, blocks, cfg, rt
+        self._dims = dims
         self.weights, self.deferred = weights, deferred
         self.choice, self.kind, self.bf16, self.settings = choice, kind, bf16, settings
         self.compiled, self.tune = choice.compile, cfg.compile_tune
         self.bf16_reduce = cfg.reduce_precision == "bf16"
         self.done: list[str] = []
+
+    @property
+    def dims(self) -> ParallelDims:
+        if self._dims is None:  # (a DeepSpeed engine lays itself out)
+            raise MeshrunError(f"{self.kind.name}: DeepSpeed lays out its own engine, over no meshrun mesh")
+        return self._dims
 
     def _materialize(self, module: nn.Module | None = None, optional: set[str] | None = None) -> None:
         """A model built on the meta device gets its storage and values here: after its
@@ -223,17 +255,7 @@ class Build:
             raise MeshrunError(f"--strategy={kind.name}: tensor and context parallelism run with FSDP2")
         meshes, dp_rank, dp_size, loss_parallel, cp_index = None, rt.rank, rt.world_size, False, None
         if flavour is not None:
-            replicate = 1
-            if flavour == "hybrid":
-                shard = cfg.fsdp_shard_size or rt.local_world_size
-                if rt.world_size % shard:
-                    raise bad_value("--fsdp-shard-size", shard, f"does not divide the world size {rt.world_size}",
-                                    "hybrid sharding needs equal shard groups")
-                replicate = rt.world_size // shard
-            elif flavour == "no_shard":
-                replicate = rt.world_size
-            dims = make_dims(rt.world_size, dp_replicate=replicate, tp=cfg.tp, cp=cfg.cp,
-                             source=f"--tp {cfg.tp} --cp {cfg.cp} on {rt.world_size} processes")
+            dims = self.dims
             meshes = dims.build(rt.device.type)
             dp_rank, dp_size = meshes.data_rank(), dims.dp
             self._same_weights()
@@ -279,9 +301,7 @@ class Build:
         cfg, rt, model = self.cfg, self.rt, self.model
         if self.blocks is None:
             raise MeshrunError("--tp/--pp: no block list found in the model (hint: name it with --blocks)")
-        dims = make_dims(rt.world_size, tp=cfg.tp, pp=cfg.pp,
-                         source=" and ".join(f"--{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp)) if v > 1)
-                         + f" on {rt.world_size} processes")
+        dims = self.dims
         meshes = dims.build(rt.device.type, keep=("pp", "dp_shard", "tp"))
         self._same_weights()
         if cfg.tp > 1:  # sequence parallelism needs the whole block list in one piece: not here
@@ -322,7 +342,7 @@ class Build:
         if self.deferred:
             raise MeshrunError(f"--ep={cfg.ep}: expert parallelism is built for meshrun's GPT with --experts "
                                "(hint: an FSDP2 strategy for this model)")
-        dims = make_dims(rt.world_size, ep=cfg.ep, source=f"--ep {cfg.ep} on {rt.world_size} processes")
+        dims = self.dims
         meshes = dims.build(rt.device.type)
         same_initial_weights(model)
         shard_experts(model, meshes["ep"].get_group(), cfg.ep)
