@@ -7,6 +7,8 @@ exceptions raised by real checks, never ``assert``, so they survive ``python -O`
 
 from __future__ import annotations
 
+import importlib.util
+
 
 class MeshrunError(Exception):
     """A problem with what the user asked for; its message is one self-contained line."""
@@ -59,3 +61,11 @@ def shown(value: object) -> str:
 # snapshot: EX_TEMPFAIL of sysexits.h ("try again later"). Running the same command again
 # resumes; a job script requeues on it, and `--max-restarts` does not count it as a crash.
 PREEMPTED = 75
+
+
+def require_packages(command: str, modules: tuple[str, ...], extra: str) -> None:
+    """A one-line error naming what to install when a command's packages are missing."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MeshrunError(f"meshrun {command} needs {', '.join(missing)}, not installed here "
+                           f"(hint: pip install 'meshrun[{extra}]')")

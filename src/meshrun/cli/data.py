@@ -7,7 +7,8 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from .options import add_option, require_packages
+from ..errors import require_packages
+from .options import add_option
 
 PREPARE_HELP = """\
 Tokenize a text corpus once, in parallel, into token shards that `meshrun train --data DIR`

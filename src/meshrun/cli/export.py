@@ -8,8 +8,8 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from ..errors import bad_value
-from .options import add_option, require_packages
+from ..errors import bad_value, require_packages
+from .options import add_option
 
 EXPORT_PACKAGES = ("torch", "numpy", "safetensors")
 

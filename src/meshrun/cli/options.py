@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.util
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -184,23 +183,3 @@ def int_option(ns: argparse.Namespace, name: str, minimum: int = 0) -> int | Non
     if value < minimum:
         raise bad_value(src, raw, f"must be >= {minimum}")
     return value
-
-
-def require_packages(command: str, modules: tuple[str, ...], extra: str) -> None:
-    """A one-line error naming what to install when a command's packages are missing."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise MeshrunError(f"meshrun {command} needs {', '.join(missing)}, not installed here "
-                           f"(hint: pip install 'meshrun[{extra}]')")
-
-
-def waits_line(rdzv_s: int | None, stall_s: float | None, finish_s: float | None) -> str:
-    """The run's line of its bounded waits: how long it waits for the other nodes
-    (``rdzv_s``, None when a single node starts every rank itself), for a collective, and
-    for ranks still running after another finished."""
-    parts = [f"for the other nodes {rdzv_s} s (--rdzv-timeout)"] if rdzv_s is not None else []
-    if stall_s is not None:
-        parts.append(f"for a rank that stops answering {stall_s:.0f} s (--collective-timeout)")
-    if finish_s is not None:
-        parts.append(f"for ranks left running after another finished {finish_s:.0f} s (--finish-timeout)")
-    return "meshrun train: waits at most " + ", ".join(parts)

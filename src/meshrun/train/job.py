@@ -9,7 +9,6 @@ Torch-free: the ranks import torch, this process does not.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ from typing import Any
 
 from ..cluster.topology import Topology
 from ..defaults import FINISH_TIMEOUT_S
-from ..errors import JobFailed, MeshrunError, bad_value
+from ..errors import JobFailed, MeshrunError, bad_value, require_packages
 from ..launch.build import build
 from ..launch.command import Command, LaunchSpec
 from ..launch.dryrun import dry_run_text
@@ -60,10 +59,7 @@ class TrainResult:
 
 
 def require_trainer_packages() -> None:
-    missing = [m for m in TRAINER_PACKAGES if importlib.util.find_spec(m) is None]
-    if missing:
-        raise MeshrunError(f"meshrun train needs {', '.join(missing)}, not installed here "
-                           "(hint: pip install 'meshrun[torch]')")
+    require_packages("train", TRAINER_PACKAGES, "torch")
 
 
 def waits_line(rdzv_s: int | None, stall_s: float | None, finish_s: float | None) -> str:
