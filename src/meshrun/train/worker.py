@@ -20,6 +20,7 @@ left); the first rank to see it writes the step to MESHRUN_INTERRUPT_FILE at onc
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -72,10 +73,8 @@ def _report_preempted(stop: preempt.Preempted) -> None:
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
     path = os.environ.get("MESHRUN_PREEMPT_FILE")
-    if path:  # whole or not at all: `meshrun train` reads it as soon as it exists
-        with open(path + ".tmp", "w") as f:
-            f.write(f"{stop.message()}\n")
-        os.replace(path + ".tmp", path)
+    if path:
+        _write_whole(path, f"{stop.message()}\n")
     elif os.environ.get("RANK", "0") == "0":
         print(f"meshrun: {stop.message()}", file=sys.stderr, flush=True)
 
@@ -101,18 +100,16 @@ def _say_interrupted() -> None:
     if not path or os.path.exists(path):
         return
     line = "interrupted during start-up" if _trainer is None else f"interrupted at step {_trainer.step}"
-    tmp = f"{path}.tmp.{os.getpid()}"  # each rank its own: two may say it at once
+    _write_whole(path, line + "\n")
+
+
+def _write_whole(path: str, text: str) -> None:
+    """Whole or not at all: `meshrun train` reads these files as soon as they exist. The
+    temporary name is this process's own: two ranks may write one at once."""
+    tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        f.write(line + "\n")
+        f.write(text)
     os.replace(tmp, path)
-
-
-def _write_result(path: str, record: dict[str, Any]) -> None:
-    import json
-
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
 
 
 _ready = False
@@ -166,7 +163,7 @@ def main() -> int:
         _trainer = Trainer(model, train, val, cfg, rt, weights=pretrained_weights(cfg))
         records = _trainer.fit()
         if records and os.environ.get(RESULT_ENV):  # rank 0's last record, for meshrun.train(...)
-            _write_result(os.environ[RESULT_ENV], records[-1])
+            _write_whole(os.environ[RESULT_ENV], json.dumps(records[-1]))
     except preempt.Preempted as stop:  # every rank stopped at the same step, past the snapshot's commit
         _report_preempted(stop)
         teardown()
