@@ -512,7 +512,7 @@ def test_resume_path_and_no_resume(snapshot, tmp_path):
 
 def test_each_rank_reads_its_own_shards_and_rank_0s_on_resume(tmp_path):
     """FSDP2 on 4 ranks, saved and resumed on 4: the resume line's bytes per rank stay under
-    the whole snapshot (each rank hashes its share and reads its own shard file and rank 0's,
+    the whole snapshot (each rank reads, hashing as it reads, its own shard file and rank 0's,
     which holds what all ranks hold alike), not every file of it."""
     require("torch")
     import re

@@ -108,7 +108,7 @@ def _layer(module: str) -> tuple[int, str]:
 def test_the_check_sees_imports_inside_functions():
     inside = sum(1 for edges in GRAPH.values() for _, local in edges if local)
     assert inside > 20, inside  # the trainer's CLI imports torch-side modules only when it runs
-    assert ("meshrun.train.parallel.dims", True) in GRAPH["meshrun.train.config"]  # TrainConfig.dims, when called
+    assert ("meshrun.train.parallel.dims", True) in GRAPH["meshrun.train.job"]  # job.check, for --tp/--pp/--cp
 
 
 def test_no_import_cycle_between_meshrun_modules():

@@ -212,3 +212,125 @@ def test_commit_refuses_a_snapshot_missing_a_ranks_files(out, tmp_path):
     finally:
         dist.destroy_process_group()
     assert not os.path.exists(os.path.join(tmp, "COMMITTED.json"))
+
+
+# Put first on a job's PYTHONPATH: every rank records, through an audit hook, each open of a
+# file in the snapshot TEST_READS_SNAPSHOT names and each listing of its parent directory,
+# made within snapshots.restore (the resume), one JSON line each, into
+# TEST_READS_LOG/rank<R>-<pid>.jsonl.
+# Audit events see every open (builtins.open, io.open, os.open, pathlib) and every listing
+# (os.listdir, os.scandir), whoever makes them.
+_READS_HOOK = '''
+import json, os, sys
+
+_log, _snap, _rank = os.environ.get("TEST_READS_LOG"), os.environ.get("TEST_READS_SNAPSHOT"), os.environ.get("RANK")
+if _log and _snap and _rank is not None:
+    _root = os.path.dirname(_snap)
+    _out = open(os.path.join(_log, f"rank{_rank}-{os.getpid()}.jsonl"), "a", buffering=1)
+
+    def _where(path):
+        try:
+            return os.path.abspath(os.fsdecode(os.fspath(path)))
+        except TypeError:  # a file descriptor
+            return None
+
+    def _in_resume():  # finding the snapshot (starting_point) or loading it (restore)
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name in ("starting_point", "restore") and \
+                    code.co_filename.endswith(os.path.join("train", "snapshots.py")):
+                return True
+            frame = frame.f_back
+        return False
+
+    def _hook(event, args):
+        if event == "open":
+            path = _where(args[0])
+            if path is not None and os.path.dirname(path) == _snap and _in_resume():
+                _out.write(json.dumps({"open": os.path.basename(path)}) + "\\n")
+        elif event in ("os.listdir", "os.scandir") and args[0] is not None:
+            if _where(args[0]) == _root and _in_resume():
+                _out.write(json.dumps({"list": event}) + "\\n")
+
+    sys.addaudithook(_hook)
+'''
+
+
+def _recorded_reads(log):
+    """{rank: (opens per file name, listings of the root while resuming)} from the hook's logs."""
+    from collections import Counter
+
+    out = {}
+    for path in log.iterdir():
+        rank = int(path.name[len("rank"):].split("-")[0])
+        opens, listed = out.setdefault(rank, (Counter(), Counter()))
+        for record in map(json.loads, path.read_text().splitlines()):
+            if "open" in record:
+                opens[record["open"]] += 1
+            else:
+                listed[record["list"]] += 1
+    return out
+
+
+def test_a_resume_reads_each_hashed_file_once_and_lists_the_root_once(out, tmp_path):
+    """A real resume of the 2-rank DDP snapshot on 2 ranks: while restoring, each rank opens
+    each shard file, .metadata, state.json and its own RNG file once (its hash checked as it
+    is read), no other rank's RNG file, and lists OUT/checkpoints once to find the snapshot
+    and clear partial saves. (The marker is not among the hashed files: finding the snapshot
+    reads it for its step, the check for its hashes.)"""
+    from helpers import clean_env
+
+    snap = _snap(out)
+    hook, log = tmp_path / "hook", tmp_path / "log"
+    hook.mkdir()
+    log.mkdir()
+    (hook / "sitecustomize.py").write_text(_READS_HOOK)
+    env = clean_env(PYTHONPATH=str(hook), TEST_READS_LOG=str(log), TEST_READS_SNAPSHOT=str(snap))
+    res = run_cli("train", "--example", "toy", "--steps", "3", "--out", str(out), env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resumed from {snap} at step 2" in res.stdout, res.stdout[-2000:]
+    hashed = sorted(n for n in json.loads((snap / "COMMITTED.json").read_text())["files"])
+    assert sum(n.endswith(".distcp") for n in hashed) == 2, hashed
+    reads = _recorded_reads(log)
+    assert sorted(reads) == [0, 1], reads
+    for rank, (opens, listed) in reads.items():
+        mine = {n: 1 for n in hashed if n.endswith(".distcp") or n in (".metadata", "state.json",
+                                                                       f"rng-rank{rank}.json")}
+        assert {n: c for n, c in opens.items() if n in hashed} == mine, (rank, opens)
+        assert sum(listed.values()) == 1, (rank, listed)
+
+
+def _damage(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("name", "nproc"), [("__1_0.distcp", "2"), ("rng-rank1.json", "2"), ("rng-rank1.json", "1")])
+def test_a_damaged_file_is_refused_on_resume_in_one_line(out, name, nproc):
+    """A shard (read, and hashed as it is read, by every rank), rank 1's RNG file (read by
+    rank 1 alone) and, on 1 rank, that same file which no rank reads (hashed apart): each
+    altered, the resume is refused in one line naming it, and nothing is saved."""
+    snap = _snap(out)
+    _damage(snap / name)
+    res = run_cli("train", "--example", "toy", "--nproc", nproc, "--steps", "4", "--save-every", "1", "--out",
+                  str(out))
+    _one_line_refusal(res, f"{snap / name} does not match the checksum in its marker: truncated or altered; "
+                      "refusing to load it")
+    assert "resumed from" not in res.stdout
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-00000002"]
+
+
+def test_an_export_hashes_the_files_it_does_not_read(out):
+    """An export reads the shards holding the weights (each hashed as it is read), never the
+    RNG files: a damaged one is refused all the same."""
+    from meshrun.errors import MeshrunError
+    from meshrun.train.checkpoint.export import read_weights
+
+    snap = _snap(out)
+    tensors, _ = read_weights(str(snap))
+    assert sorted(tensors) == ["linear.bias", "linear.weight"]
+    _damage(snap / "rng-rank0.json")
+    with pytest.raises(MeshrunError, match="rng-rank0.json does not match the checksum in its marker"):
+        read_weights(str(snap))

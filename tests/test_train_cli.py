@@ -93,7 +93,7 @@ ERRORS = [
      "--tp=3: the model's 4 attention heads do not split over 3 ranks"),
     (["--tp", "2", "--seq-len", "15", "--model-size", "gpt-tiny"],
      "--seq-len=15: does not split over --tp 2 for sequence parallelism"),
-    (["--sequence-parallel", "maybe"], "invalid choice: 'maybe'"),
+    (["--sequence-parallel", "maybe"], "--sequence-parallel='maybe': expected bool (hint: true or false"),
     (["--pp", "3", "--micro-batch", "6"], "dp_replicate(1) * dp_shard(?) * tp(1) * pp(3) cannot equal WORLD_SIZE(2)"),
     (["--pp", "2", "--micro-batch", "3"], "--micro-batch=3: does not split into 2 pipeline micro-batches"),
     (["--pp", "2", "--pp-schedule", "interleaved", "--model-size", "gpt-tiny"],

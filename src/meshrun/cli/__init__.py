@@ -61,7 +61,8 @@ def make_parser(command: str | None = None) -> Parser:
 
 def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices[command]
+    found: argparse.ArgumentParser = sub.choices[command]
+    return found
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:

@@ -9,6 +9,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Mapping
+from typing import Any
 
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.options import parse_int
@@ -38,7 +39,7 @@ examples:
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="collectives, matmul and a training step, against the hardware's limits",
                        description=BENCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", metavar="KIND", choices=("comm", "matmul", "train"), help="comm, matmul or train")
@@ -74,7 +75,7 @@ def _sizes(text: str | None, gpu: bool) -> list[int]:
     return out
 
 
-def options(ns: argparse.Namespace, gpu: bool) -> dict:
+def options(ns: argparse.Namespace, gpu: bool) -> dict[str, Any]:
     def num(name: str, default: int) -> int:
         raw = getattr(ns, name)
         value = default if raw is None else parse_int(str(raw), "--" + name.replace("_", "-"))
@@ -136,7 +137,7 @@ def cmd_bench(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     return 0
 
 
-def show(result: dict) -> None:
+def show(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 

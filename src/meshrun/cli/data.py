@@ -34,7 +34,7 @@ examples:
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("data", help="prepare training data: tokenize a corpus into token shards",
                        description="Training data for meshrun train. Commands: prepare.")
     dsub = p.add_subparsers(dest="data_command", metavar="prepare", required=True)

@@ -8,6 +8,7 @@ import json
 import socket
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.topology import Topology
@@ -33,7 +34,7 @@ examples:
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("doctor", help="check GPUs, versions, master reachability, interfaces, NCCL settings, disk",
                        description=DOCTOR_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_topology_options(p)
@@ -60,7 +61,7 @@ def real_probes() -> Probes:
     return Probes(resolve=resolve, connect=connect, port_free=port_is_free, route=route_interface)
 
 
-def _print(findings: list[Finding], title: str, as_json: bool, extra: dict | None = None) -> None:
+def _print(findings: list[Finding], title: str, as_json: bool, extra: dict[str, Any] | None = None) -> None:
     if as_json:
         print(json.dumps({"status": worst(findings), "findings": [f.to_dict() for f in findings], **(extra or {})},
                          indent=2))
@@ -108,7 +109,7 @@ def _across_ranks(topo: Topology, env: Mapping[str, str], facts: Facts, as_json:
         if topo.local_rank == 0:
             mine = [dataclasses.replace(f, node=topo.node_rank) for f in
                     run_checks(topo.replace(local_rank=topo.local_rank), env, facts, _in_job_probes())]
-        gathered: list = [None] * dist.get_world_size()
+        gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (topo.node_rank, topo.local_rank, facts, mine))
         per_node = {node: f for node, local, f, _ in gathered if local == 0}
         findings = [f for *_, fs in gathered for f in fs]

@@ -21,7 +21,7 @@ examples:
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("env", help="show the detected topology and where each value came from",
                            description=ENV_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_topology_options(p)

@@ -14,7 +14,7 @@ from .options import add_option
 EXPORT_PACKAGES = ("torch", "numpy", "safetensors")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e = sub.add_parser("export", help="write a snapshot's weights as a Hugging Face model or one safetensors file",
                        description="Consolidate the model weights of a meshrun train snapshot (sharded or not):\n"
                                    "  hf           a Hugging Face model directory (config.json, sharded safetensors "

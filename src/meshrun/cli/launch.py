@@ -53,7 +53,7 @@ in one line and stopped.
 SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are forwarded to the job.
 """
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("launch", help="start a training script on this node for its framework",
                        description=LAUNCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_option(p, "--framework", "-f", metavar="NAME", default="torch",

@@ -60,7 +60,8 @@ def add_option(p: argparse._ActionsContainer, name: str, *aliases: str, from_env
     env_default = None
     if from_env:
         kind = "bool" if kw.get("action") == "store_true" else "int" if kw.get("type") is int else "str"
-        choices = tuple(kw["choices"]) if "choices" in kw else None  # type: ignore[call-overload]
+        listed = kw.get("choices")
+        choices = tuple(str(c) for c in listed) if isinstance(listed, (list, tuple)) else None
         env_default = EnvDefault(name, kw.pop("default", False if kind == "bool" else None), kind, choices)
         kw["default"] = None
     action = p.add_argument(*spellings, **kw)  # type: ignore[arg-type]

@@ -50,7 +50,7 @@ The GPU's memory and count are read from this machine when it has GPUs; elsewher
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("plan", help="per-GPU memory of each strategy, the one to use, and its config files",
                        description=PLAN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")

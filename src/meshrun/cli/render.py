@@ -38,7 +38,7 @@ examples:
 """
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("render", help="write a Slurm / SkyPilot / Kubernetes / Saturn Cloud job spec or a hostfile",
                        description=RENDER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="TARGET", help=f"one of {', '.join(TARGETS)}")

@@ -1,10 +1,12 @@
 """`meshrun.train(...)`: the `meshrun train` job from Python (a script, a notebook).
 
-The options are the command's, spelled as Python names: every TrainConfig field
-(``model_size="gpt-tiny"``, ``steps=2``, ``out="runs/a"``, ...), the topology options
-(``nproc``/``nproc_per_node``, ``nnodes``, ``node_rank``, ``master_addr``, ...), the job
-options (``max_restarts``, ``overwrite``, ``rdzv_timeout``, ``finish_timeout``) and
-``config`` (a YAML or TOML file, under the given values). The ranks run in processes of their
+The options are the command's, spelled as Python names: every option of the config's
+sections (``model_size="gpt-tiny"``, ``steps=2``, ``out="runs/a"``, ...: train/sections.py),
+the topology options (``nproc``/``nproc_per_node``, ``nnodes``, ``node_rank``,
+``master_addr``, ...), the job options (``max_restarts``, ``overwrite``, ``rdzv_timeout``,
+``finish_timeout``, ``dry_run``, ``json``) and ``config`` (a YAML or TOML file). As on the
+command line, a keyword wins over a MESHRUN_<NAME> variable of ``env``, and a variable over the
+file. The ranks run in processes of their
 own, as under the CLI, which calls the same train/job.py. A bad value raises MeshrunError with
 the CLI's one-line message; a failed rank raises JobFailed (a MeshrunError) naming it.
 """
@@ -23,12 +25,12 @@ from ..cluster.gpus import count_visible_gpus
 from ..cluster.net import free_port
 from ..cluster.options import TOPOLOGY_OPTIONS, user_topology
 from ..errors import PREEMPTED, MeshrunError, bad_value
-from .config import TrainConfig, build_config, load_file
+from .config import build_config, env_values, load_file, option_names
 from .job import JobOptions, TrainResult, run
 
 SOURCE = "meshrun.train"  # how a value given here is named in an error
 ALIASES = {"nproc": "nproc_per_node"}
-JOB_OPTIONS = tuple(f.name for f in fields(JobOptions) if f.name not in ("sources", "dry_run", "json"))
+JOB_OPTIONS = tuple(f.name for f in fields(JobOptions) if f.name != "sources")
 
 
 def train(config: str | None = None, env: Mapping[str, str] | None = None, **options: Any) -> TrainResult:
@@ -36,7 +38,7 @@ def train(config: str | None = None, env: Mapping[str, str] | None = None, **opt
     metrics, the newest snapshot). ``env``: the environment to read the platform from and to
     start the ranks with (default: this process's)."""
     env = dict(os.environ if env is None else env)
-    train_keys = [f.name for f in fields(TrainConfig) if f.name != "sources"]
+    train_keys = option_names()
     values: dict[str, Any] = {}
     for name, value in options.items():
         key = ALIASES.get(name, name)
@@ -48,8 +50,11 @@ def train(config: str | None = None, env: Mapping[str, str] | None = None, **opt
         if key in values:
             raise bad_value(f"{SOURCE}() option", name, f"given twice (as {key} too)", "give it once")
         values[key] = value
-    cfg_values = {k: v for k, v in values.items() if k in train_keys}
-    cfg = build_config(load_file(config) if config else {}, cfg_values, config, dict.fromkeys(cfg_values, SOURCE))
+    cfg_values, cfg_sources = env_values(env)
+    for name, value in values.items():
+        if name in train_keys and value is not None:
+            cfg_values[name], cfg_sources[name] = value, SOURCE
+    cfg = build_config(load_file(config) if config else {}, cfg_values, config, cfg_sources)
     user = user_topology({k: v for k, v in values.items() if k in TOPOLOGY_OPTIONS}, env)
     if user.elastic is not None:
         raise bad_value(f"{SOURCE} nnodes", values.get("nnodes"), "meshrun train takes a fixed node count",
@@ -57,7 +62,7 @@ def train(config: str | None = None, env: Mapping[str, str] | None = None, **opt
     topo = resolve(env, count_visible_gpus(env), user.platform, user.overrides, free_port=free_port)
     job_values = {k: v for k, v in values.items() if k in JOB_OPTIONS}
     for name, value in job_values.items():
-        want = bool if name == "overwrite" else int
+        want = bool if name in ("overwrite", "dry_run", "json") else int
         if value is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
             raise bad_value(f"{SOURCE} {name}", value, f"expected {want.__name__}")
     if job_values.get("finish_timeout") is not None and job_values["finish_timeout"] < 1:

@@ -135,10 +135,13 @@ def _model_tokenizer(cfg: TrainConfig) -> str | None:
 
 def check(cfg: TrainConfig, topo: Topology, job: JobOptions) -> None:
     """What can be known wrong before anything starts, refused in one line each."""
-    dp = topo.world_size
-    if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:
-        dp = cfg.dims(topo.world_size).dp
-    cfg.accumulation(dp)  # the batch arithmetic
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:  # the split by the layout's rule (no torch imported)
+        from .parallel.dims import make_dims
+
+        world = topo.world_size
+        make_dims(world, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, source=f"--tp {cfg.tp} --pp {cfg.pp} --cp {cfg.cp} on "
+                  f"{world} processes")
+    cfg.accumulation(cfg.dp_size(topo.world_size))  # the batch arithmetic
     for name in ("model", "data"):
         value = getattr(cfg, name)
         if value and ":" in value and not os.path.exists(value):

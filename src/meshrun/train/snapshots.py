@@ -34,9 +34,10 @@ def checkpoint_root(cfg: TrainConfig) -> str | None:
     return os.path.join(cfg.out, "checkpoints") if cfg.out else None
 
 
-def resume_path(cfg: TrainConfig) -> str | None:
+def resume_path(cfg: TrainConfig, names: list[str] | None = None) -> str | None:
     """The snapshot to start from: --resume PATH, or the newest committed one under
-    --out (``auto``), or none."""
+    --out (``auto``; ``names``: the listing of OUT/checkpoints when the caller has it), or
+    none."""
     root = checkpoint_root(cfg)
     if cfg.resume == "none":
         return None
@@ -49,15 +50,25 @@ def resume_path(cfg: TrainConfig) -> str | None:
             raise MeshrunError(f"--resume={cfg.resume!r}: not a committed snapshot nor a directory of them "
                                "(hint: give OUT/checkpoints/step-N, or --resume none)")
         return found
-    return checkpoint.latest(root) if root else None
+    return checkpoint.latest(root, names) if root else None
+
+
+def starting_point(cfg: TrainConfig, is_main: bool) -> tuple[str | None, list[str] | None]:
+    """The snapshot to resume from, and the listing of OUT/checkpoints it was found in. The
+    directory is listed once: the same names give the snapshot to resume and, on rank 0, the
+    partial saves ``restore`` clears (--resume PATH on another rank needs no listing)."""
+    root = checkpoint_root(cfg)
+    names = checkpoint.entries(root) if root and (is_main or cfg.resume == "auto") else None
+    return resume_path(cfg, names), names
 
 
 def restore(trainer: Trainer) -> BatchStream:
-    """Load the snapshot to resume from, if any, and return the data stream positioned
-    where it stopped."""
-    rt, path, root = trainer.rt, resume_path(trainer.cfg), checkpoint_root(trainer.cfg)
+    """Load the snapshot to resume from (``Trainer.resume_from``), if any, and return the data
+    stream positioned where it stopped."""
+    rt, root = trainer.rt, checkpoint_root(trainer.cfg)
+    path, names = trainer.resume_from, trainer.checkpoint_names
     if root and rt.is_main:
-        checkpoint.clear_partial(root)  # a save killed halfway
+        checkpoint.clear_partial(root, names)  # a save killed halfway
     dist.barrier()
     position = Position()
     if path:

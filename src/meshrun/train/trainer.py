@@ -66,8 +66,10 @@ class Trainer:
         self.model_record = export_record(model, cfg.model)  # for `meshrun export --format hf`
         self.n_params = sum(p.numel() for p in model.parameters())
         self.vocab = vocab_size(model)
-        dp = cfg.dims(rt.world_size).dp
-        resume_from = snapshots.resume_path(cfg)
+        dp = cfg.dp_size(rt.world_size)
+        # the snapshot to start from, and the listing of OUT/checkpoints it was found in
+        resume_from, self.checkpoint_names = snapshots.starting_point(cfg, rt.is_main)
+        self.resume_from = resume_from
         cfg, resized = keep_global_batch(cfg, resume_from, dp)
         gpu_mem = torch.cuda.get_device_properties(rt.device).total_memory if rt.cuda else None
         liger = cfg.kernels == "auto" and rt.cuda and liger_applies(model, rt.device, cfg.tp, cfg.pp)
@@ -258,11 +260,6 @@ class Trainer:
     @property
     def checkpoint_root(self) -> str | None:
         return snapshots.checkpoint_root(self.cfg)
-
-    def resume_path(self) -> str | None:
-        """The snapshot to start from: --resume PATH, or the newest committed one under
-        --out (``auto``), or none."""
-        return snapshots.resume_path(self.cfg)
 
     def restore(self) -> BatchStream:
         """Load the snapshot to resume from, if any, and return the data stream positioned

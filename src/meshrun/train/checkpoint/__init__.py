@@ -6,10 +6,10 @@ the CPU buffers of asynchronous saves.
 """
 
 from .export import export_hf, export_safetensors
-from .layout import MARKER, Position, check_name, clear_partial, committed, latest, prune, wait_pruned
+from .layout import MARKER, Position, check_name, clear_partial, committed, entries, latest, prune, wait_pruned
 from .load import load, verify
 from .save import PendingSave, begin_save, commit, save, slow_writer_advice
 
 __all__ = ["MARKER", "PendingSave", "Position", "begin_save", "check_name", "clear_partial", "commit", "committed",
-           "export_hf", "export_safetensors", "latest", "load", "prune", "save", "slow_writer_advice", "verify",
-           "wait_pruned"]
+           "entries", "export_hf", "export_safetensors", "latest", "load", "prune", "save", "slow_writer_advice",
+           "verify", "wait_pruned"]

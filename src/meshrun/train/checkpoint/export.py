@@ -13,18 +13,18 @@ import torch
 
 from ...errors import MeshrunError
 from ...fsio import write_dir, write_file_with
-from .load import check, load_shards
+from .load import check, load_shards, verify_unread
 
 NONEMPTY_HINT = "give a new or empty directory, or --overwrite to move its files aside first"
 
 
 def read_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The snapshot's model weights, whole, on the CPU (one process, no process group), and its
-    state.json (verified first: marker, hashes, metadata; each shard file hash-checked as it
-    is read)."""
+    state.json (verified first: marker, metadata, state.json; each shard file hash-checked as
+    it is read, then the files it did not read hashed: each file is read once)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    snapshot = check(path)
+    snapshot = check(path, defer_hashes=True)
     meta = snapshot.metadata()  # allow-listed, from the bytes check() hashed
     sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
           if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
@@ -34,7 +34,8 @@ def read_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        load_shards(snapshot, sd, no_dist=True)
+        read = load_shards(snapshot, sd, no_dist=True)
+    verify_unread(snapshot, read)
     return {k[len("model."):]: t.contiguous() for k, t in sd.items()}, snapshot.state
 
 

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,13 +56,18 @@ def snapshot_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
 
-def committed(root: str) -> list[tuple[int, str]]:
-    """(step, path) of committed snapshots, oldest first. A ``step-*`` directory without
-    its marker is not a partial save (those stay under ``.tmp-*``): it was damaged."""
+def entries(root: str) -> list[str]:
+    """The names in the snapshot directory ``root`` (none when it is not one yet): one listing
+    that ``committed``, ``latest`` and ``clear_partial`` can share."""
+    return os.listdir(root) if os.path.isdir(root) else []
+
+
+def committed(root: str, names: Sequence[str] | None = None) -> list[tuple[int, str]]:
+    """(step, path) of committed snapshots, oldest first, from ``names`` (``entries(root)``,
+    listed now when not given). A ``step-*`` directory without its marker is not a partial
+    save (those stay under ``.tmp-*``): it was damaged."""
     out = []
-    if not os.path.isdir(root):
-        return out
-    for name in os.listdir(root):
+    for name in entries(root) if names is None else names:
         if not name.startswith(PREFIX):
             continue
         path = os.path.join(root, name)
@@ -77,8 +83,8 @@ def committed(root: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def latest(root: str) -> str | None:
-    snaps = committed(root)
+def latest(root: str, names: Sequence[str] | None = None) -> str | None:
+    snaps = committed(root, names)
     return snaps[-1][1] if snaps else None
 
 
@@ -168,10 +174,10 @@ def wait_pruned() -> None:
         _PRUNING.pop().join()
 
 
-def clear_partial(root: str) -> None:
+def clear_partial(root: str, names: Sequence[str] | None = None) -> None:
     """Remove ``.tmp-*`` directories left by a save that was killed, and ``.trash-*`` ones
-    left by a deletion that was."""
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    left by a deletion that was, found among ``names`` (``entries(root)``, listed now when
+    not given)."""
+    for name in entries(root) if names is None else names:
+        if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)

@@ -7,6 +7,11 @@ Every file that is parsed or unpickled (``.metadata``, ``state.json``, the RNG f
 SHA-256 compared with the marker's, and parsed from those same bytes: a file swapped on disk
 after its check is never what is read. DeepSpeed's files are unpickled with
 ``weights_only=True`` and an allow-list of the few DeepSpeed classes they hold.
+
+Resuming or exporting a DCP snapshot reads each file once: the shard and RNG files are hashed
+as they are read for loading, and only the files no rank read are hashed apart
+(``verify_unread``), before any of the loaded state is used. A DeepSpeed snapshot's files
+are all hashed before its engine loads them (``check``).
 """
 
 from __future__ import annotations
@@ -190,8 +195,8 @@ def _read_marker(path: str) -> tuple[dict[str, str], int]:
 
 
 def _hash_share(path: str, digests: Mapping[str, str], part: int, parts: int) -> None:
-    """Hash files ``part::parts`` of those not read whole by every rank anyway: a damaged
-    file is found before any rank reads, whichever rank would read it."""
+    """Hash files ``part::parts`` of those in ``digests`` not read whole by every rank anyway
+    (.metadata, state.json), over several threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     mine = sorted((n, d) for n, d in digests.items() if n not in _READ_WHOLE)[part::parts]
@@ -216,17 +221,22 @@ def _parse_state(data: bytes, source: str) -> dict[str, Any]:
     return state
 
 
-def check(path: str, part: int = 0, parts: int = 1) -> Snapshot:
+def check(path: str, part: int = 0, parts: int = 1, defer_hashes: bool = False) -> Snapshot:
     """Check the marker, that the files on disk are exactly those it lists, that the layout's
     required files are all there, the hashes of files ``part::parts`` (all by default), and
-    the metadata's classes; ``.metadata`` and state.json are read once and kept as verified."""
+    the metadata's classes; ``.metadata`` and state.json are read once and kept as verified.
+    ``defer_hashes``: a DCP snapshot's other files are not hashed here but as they are read
+    (``load_shards``, ``read_verified``), and those no rank read by ``verify_unread``: each
+    file is read once. A DeepSpeed snapshot's are hashed here all the same: its engine loads
+    them between collectives, where one rank's refusal would leave the others waiting."""
     digests, world = _read_marker(path)
     on_disk = set(listing(path)) - {MARKER}
     if on_disk != set(digests):
         extra, missing = sorted(on_disk - set(digests)), sorted(set(digests) - on_disk)
         raise MeshrunError(f"{path}: files differ from its marker (missing {missing}, unexpected {extra})")
     _require(path, digests, world, None)
-    _hash_share(path, digests, part, parts)
+    if not defer_hashes or _is_deepspeed(digests):
+        _hash_share(path, digests, part, parts)
     metadata_bytes = None
     if not _is_deepspeed(digests):
         metadata_bytes = read_verified(path, METADATA, digests)
@@ -241,6 +251,14 @@ def check(path: str, part: int = 0, parts: int = 1) -> Snapshot:
 def verify(path: str, part: int = 0, parts: int = 1) -> dict[str, Any]:
     """``check`` the snapshot; return its state.json."""
     return check(path, part, parts).state
+
+
+def verify_unread(snapshot: Snapshot, read: Collection[str], part: int = 0, parts: int = 1) -> None:
+    """After a load from a snapshot checked with ``defer_hashes``: hash files ``part::parts``
+    of those not in ``read`` (the files the ranks read through ``read_verified``, each hashed
+    as it was read), so that a damaged file is refused as ``check`` alone would refuse it,
+    and no file is read twice."""
+    _hash_share(snapshot.path, {n: d for n, d in snapshot.digests.items() if n not in read}, part, parts)
 
 
 class _VerifiedFiles(FileSystem):
@@ -274,7 +292,8 @@ class SnapshotReader(FileSystemReader):
     def __init__(self, snapshot: Snapshot) -> None:
         super().__init__(snapshot.path)
         self.snapshot = snapshot
-        self.fs = _VerifiedFiles(snapshot)  # DCP opens every shard file through self.fs
+        self.verified = _VerifiedFiles(snapshot)
+        self.fs = self.verified  # DCP opens every shard file through self.fs
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("rank") is not None:  # (a per-rank .metadata is no part of meshrun's layout)
@@ -304,7 +323,7 @@ class SnapshotReader(FileSystemReader):
             except Exception as exc:  # noqa: BLE001  (DCP's and torch.load's failures on a shard's contents)
                 raise MeshrunError(f"{full}: refused while reading it ({type(exc).__name__}: {_gist(exc)}); "
                                    "no object in it was run (hint: resume from another snapshot)") from None
-            if name not in self.fs.served:
+            if name not in self.verified.served:
                 raise MeshrunError(f"{full}: this torch read it around meshrun's verified reader, so its checksum "
                                    "was not checked as it was read; refusing the load (hint: use torch 2.6 to 2.14)")
         done: Any = Future()
@@ -343,14 +362,18 @@ def dcp_failure(exc: BaseException, path: str) -> MeshrunError:
                         "(hint: resume it with the model and strategy that wrote it)")
 
 
-def load_shards(snapshot: Snapshot, state_dict: dict[str, Any], no_dist: bool = False) -> None:
-    """``dcp.load`` through the verified reader, its failures as one line."""
+def load_shards(snapshot: Snapshot, state_dict: dict[str, Any], no_dist: bool = False) -> set[str]:
+    """``dcp.load`` through the verified reader, its failures as one line (DCP gathers every
+    rank's, so a shard refused on one rank is refused on all); returns the names of the shard
+    files it read, each hash-checked as it was read."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    reader = SnapshotReader(snapshot)
     try:
-        dcp.load(state_dict, storage_reader=SnapshotReader(snapshot), planner=SafeLoadPlanner(), no_dist=no_dist)
+        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
     except CheckpointException as exc:
         raise dcp_failure(exc, snapshot.path) from None
+    return set(reader.verified.served)
 
 
 def _deepspeed_safe_globals() -> list[Any]:
@@ -489,16 +512,16 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     snapshot: Snapshot | None = None
     error: str | None = None
     try:
-        snapshot = check(path, rank, world)
+        snapshot = check(path, rank, world, defer_hashes=True)  # (a DCP snapshot's files: as they are read)
     except MeshrunError as exc:
         error = str(exc)
-    outcomes: list[Any] = [None] * world
-    dist.all_gather_object(outcomes, error)
-    failed = [outcome for outcome in outcomes if outcome]
+    failed = _first_failure(error)
     if failed or snapshot is None:  # (this rank's own failure is among them)
-        raise MeshrunError(failed[0])
+        raise MeshrunError(failed or str(error))
     state = snapshot.state
     saved_world = int(state["world_size"])
+    same_world = saved_world == world
+    rng: Any = None
     if hasattr(model, "load_checkpoint"):  # a DeepSpeed engine
         if not os.path.isdir(os.path.join(path, DS_DIR)):
             raise MeshrunError(f"{path}: not a DeepSpeed snapshot (hint: resume it with the strategy that wrote it)")
@@ -506,6 +529,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             raise MeshrunError(f"{path}: a DeepSpeed snapshot of {saved_world} ranks cannot be resumed on {world} "
                                "(ZeRO partitions are per rank; hint: resume on the same world size)")
         load_deepspeed(snapshot, model)
+        rng = _rng_state(snapshot, rank) if same_world else None  # (every file was hashed by check)
     else:
         if os.path.isdir(os.path.join(path, DS_DIR)):
             raise MeshrunError(f"{path}: a DeepSpeed snapshot (hint: resume it with --strategy deepspeed)")
@@ -513,7 +537,8 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         model_sd, optim_sd = get_state_dict(model, optimizer)
         moved = _borrow_tied_state(snapshot, optim_sd, ties or {})
         sd = shards_as_dtensors({"model": model_sd, "optim": optim_sd}, local_shards)
-        load_shards(snapshot, sd)  # into the wrapped local tensors, in place
+        read = load_shards(snapshot, sd)  # into the wrapped local tensors, in place
+        rng = _rng_and_unread(snapshot, read, same_world)  # before any of it is used
         sd = shards_as_local(sd)
         for theirs, mine in moved.items():
             sd["optim"]["state"][mine] = sd["optim"]["state"].pop(theirs)
@@ -529,9 +554,42 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     group[key] = value
                 else:
                     group.setdefault(key, value)
-    if saved_world == world:
-        set_rng_state(_rng_state(snapshot, rank))
+    if same_world:
+        set_rng_state(rng)
     return _position(state), saved_world
+
+
+def _first_failure(error: str | None) -> str | None:
+    """Collective: the first rank's failure (None: no rank failed), the same on every rank."""
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, error)
+    return next((outcome for outcome in outcomes if outcome), None)
+
+
+def _rng_and_unread(snapshot: Snapshot, read: set[str], same_world: bool) -> Any:
+    """Collective, after ``load_shards`` of a DCP snapshot: this rank's RNG state (on the
+    world size that saved it; its file hash-checked as it is read), then the files no rank
+    read hashed, a share on each rank. A failure on any rank is raised on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rng, error = None, None
+    if same_world:
+        try:
+            rng = _rng_state(snapshot, rank)
+            read = read | {rng_file(rank)}
+        except MeshrunError as exc:
+            error = str(exc)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (sorted(read), error))
+    failed = next((failure for _, failure in everyone if failure), None)
+    if failed is None:  # (the same on every rank: all of them go on to this collective, or none)
+        try:
+            verify_unread(snapshot, {name for names, _ in everyone for name in names}, rank, world)
+        except MeshrunError as exc:
+            error = str(exc)
+        failed = _first_failure(error)
+    if failed:
+        raise MeshrunError(failed)
+    return rng
 
 
 def _position(state: dict[str, Any]) -> Position:

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ...errors import MeshrunError, bad_value
 from ...modelinfo.blocks import find_blocks
-from ...vocab import STRATEGIES, StrategyKind
+from ...vocab import StrategyKind
 from ..config import TrainConfig
 from ..models.hooks import ExpertModule, KernelModel
 from ..optim import build_optimizer, create_state
@@ -113,7 +113,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
     optimizer built over the laid-out parameters. A model whose parameters are on the meta
     device is laid out first and filled after (``weights``: from those files, else a random
     initialisation; train/weights.py), so that no rank holds more of it than its layout needs."""
-    kind = STRATEGIES[choice.strategy]
+    kind = choice.kind
     found = find_blocks(model, cfg.blocks)
     blocks = found[1] if found else None
     zero3 = kind.engine == "deepspeed" and kind.zero == 3  # its partitioned weights take the plain paths

@@ -38,6 +38,7 @@ from ...vocab import (
     PIPELINE_DEFAULT,
     REPLICATE,
     STRATEGIES,
+    StrategyKind,
 )
 from ..config import TrainConfig
 
@@ -53,7 +54,7 @@ GATHERED_COPY_SHARE = 0.1
 
 @dataclass(frozen=True)
 class Choice:
-    strategy: str  # a name of vocab.STRATEGIES
+    kind: StrategyKind  # one of vocab.STRATEGIES
     activation_checkpointing: str  # none | full | selective (vocab.AC_MODES)
     micro_batch: int
     global_batch: int | None  # None: micro-batch x data-parallel ranks
@@ -62,6 +63,10 @@ class Choice:
     liger: bool = False  # Liger Kernel's kernels patched into a Hugging Face model
     predicted_peak: int | None = None  # the planner's peak bytes per GPU for this choice
     largest_micro: int | None = None  # the largest micro-batch the planner thinks fits
+
+    @property
+    def strategy(self) -> str:
+        return self.kind.name
 
 
 def compile_and_kernels(cfg: TrainConfig, cuda: bool, liger: bool) -> tuple[bool, bool, list[str]]:
@@ -127,13 +132,13 @@ def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int,
             else:
                 named, why = fsdp_flavour(n_params, gpu_mem)
                 reasons.append(f"{named}: {why}")
-        return Choice(named, ac, cfg.micro, cfg.global_batch, tuple(reasons))
+        return Choice(STRATEGIES[named], ac, cfg.micro, cfg.global_batch, tuple(reasons))
     if gpu_mem is None or find_blocks(model, cfg.blocks) is None:  # the CPU, or nothing the planner can read
         if named is None:
             named = ONE_PROCESS if world == 1 else REPLICATE
             reasons.append("one process" if world == 1 else "DDP: on the CPU memory is not the constraint"
                            if gpu_mem is None else "DDP: the model has no block list for the planner to read")
-        return Choice(named, ac, cfg.micro, cfg.global_batch, tuple(reasons))
+        return Choice(STRATEGIES[named], ac, cfg.micro, cfg.global_batch, tuple(reasons))
     global_batch = cfg.global_batch
     if cfg.micro_batch is None and global_batch is None:
         global_batch = global_batch_for(cfg.seq, dp)
@@ -144,7 +149,7 @@ def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int,
                                      ac_open=named is None and "activation_checkpointing" not in cfg.sources)
     if pick is None or pick.batch is None:  # a strategy the planner does not plan (fsdp-no-shard)
         named = named or (ONE_PROCESS if world == 1 else REPLICATE)
-        return Choice(named, ac, cfg.micro, global_batch, tuple(reasons))
+        return Choice(STRATEGIES[named], ac, cfg.micro, global_batch, tuple(reasons))
     peak = fmt_bytes(pick.memory.peak) if pick.memory else "?"
     if not pick.fits and named is None and cfg.micro_batch is None and "activation_checkpointing" not in cfg.sources:
         # Nothing left to the planner fits: refused here, not out of memory at the first step
@@ -168,7 +173,7 @@ def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int,
     if pick.strategy.ac and ac != "full":
         reasons.append("activation checkpointing on to fit (--activation-checkpointing none to refuse it)")
         ac = "full"
-    return Choice(pick.strategy.name, ac, micro, global_batch, tuple(reasons),
+    return Choice(STRATEGIES[pick.strategy.name], ac, micro, global_batch, tuple(reasons),
                   predicted_peak=pick.memory.peak if pick.memory else None, largest_micro=largest)
 
 

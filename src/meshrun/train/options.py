@@ -1,0 +1,141 @@
+"""One declaration per option of `meshrun train`: a dataclass field made with ``option()``.
+
+From that field alone come the command-line flag (``--name-with-dashes`` and its help), the
+``MESHRUN_<NAME>`` variable, the key of a ``--config`` file, the keyword of ``meshrun.train()``,
+the conversion of a loosely typed value (text from a variable, a number from YAML) and the
+checks every option of its kind gets: a choice among ``choices``, a bound, a finite number.
+What concerns several options at once is checked by the section that declares them
+(sections.py).
+
+Torch-free, like the rest of the configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..cluster.options import ENV_PREFIX
+from ..errors import bad_value
+from ..vocab import yes_no
+
+SPEC = "meshrun_option"  # the field metadata key that holds an Option
+KINDS = ("bool", "int", "float", "str")
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a field is given and checked. ``help`` may name ``{default}``."""
+
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    cli: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # extra argparse keywords (nargs, const)
+
+
+def option(default: Any, help: str, *, metavar: str | None = None, choices: tuple[str, ...] | None = None,
+           minimum: float | None = None, maximum: float | None = None, **cli: Any) -> Any:
+    """A config field with everything meshrun needs to offer it (see the module's docstring)."""
+    spec = Option(help, metavar, tuple(choices) if choices is not None else None, minimum, maximum, cli)
+    return dataclasses.field(default=default, metadata={SPEC: spec})
+
+
+def spec(f: dataclasses.Field[Any]) -> Option:
+    found = f.metadata.get(SPEC)
+    if not isinstance(found, Option):
+        raise TypeError(f"config field {f.name} is not declared with option()")
+    return found
+
+
+def option_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    """The fields of ``cls`` declared with ``option()``, in declaration order."""
+    return [f for f in dataclasses.fields(cls) if SPEC in f.metadata]
+
+
+def kind(f: dataclasses.Field[Any]) -> str:
+    """bool, int, float or str: the field's type without ``| None`` (annotations are strings here)."""
+    name = str(f.type).replace(" | None", "").strip()
+    if name not in KINDS:
+        raise TypeError(f"config field {f.name}: type {f.type} is not one of {', '.join(KINDS)} (or | None)")
+    return name
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def help_text(f: dataclasses.Field[Any]) -> str:
+    return spec(f).help.format(default=f.default)
+
+
+def argparse_keywords(f: dataclasses.Field[Any]) -> dict[str, Any]:
+    """What ``add_argument`` takes for the field's flag. Its default is always None, so that a
+    value not given on the command line can come from MESHRUN_<NAME>, the config file or the
+    field's default, in that order. A yes/no option that is off by default is a bare flag; one
+    that is on takes on|off. Choices are checked by ``check`` (one line naming the source),
+    not by argparse."""
+    s, k = spec(f), kind(f)
+    kw: dict[str, Any] = {"default": None, "help": help_text(f).replace("%", "%%")}
+    if k == "bool" and f.default is False:
+        kw.update(action="store_const", const=True)
+    else:
+        if k in ("int", "float"):
+            kw["type"] = int if k == "int" else float
+        kw["metavar"] = s.metavar or ("on|off" if k == "bool" else "|".join(s.choices) if s.choices else "X")
+    kw.update(s.cli)
+    return kw
+
+
+def coerce(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
+    """A value from a config file, a variable or Python, as the field's type; one line when it
+    is not one."""
+    k = kind(f)
+    try:
+        if k == "bool":
+            if isinstance(value, str):
+                answer = yes_no(value)
+                if answer is None:
+                    raise ValueError
+                return answer
+            if not isinstance(value, (bool, int)):
+                raise ValueError
+            return bool(value)
+        if k == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if k == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int() of an infinite float
+        hint = {"bool": "true or false (1/0, yes/no, on/off)", "int": "a whole number", "float": "a number"}.get(k, "")
+        raise bad_value(where, value, f"expected {k}", hint) from None
+
+
+def check(f: dataclasses.Field[Any], value: Any, where: str) -> None:
+    """The checks an option's declaration asks for: a choice, a finite number, a bound."""
+    s = spec(f)
+    if value is None:
+        return
+    if s.choices is not None and value not in s.choices:
+        raise bad_value(where, value, "unknown value", f"choose one of {', '.join(s.choices)}")
+    if isinstance(value, float) and not math.isfinite(value):  # NaN compares false with every bound
+        raise bad_value(where, value, "must be a finite number")
+    lo, hi = s.minimum, s.maximum
+    if lo is not None and hi is not None and not lo <= value <= hi:
+        raise bad_value(where, value, f"must be between {lo:g} and {hi:g}")
+    if lo is not None and value < lo:
+        raise bad_value(where, value, f"must be at least {lo:g}")
+    if hi is not None and value > hi:
+        raise bad_value(where, value, f"must be at most {hi:g}")

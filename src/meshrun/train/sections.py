@@ -1,0 +1,316 @@
+"""The sections of `meshrun train`'s configuration: model, data, parallelism, schedule,
+optimizer, snapshots, metrics, runtime. Each is a small dataclass whose fields are the
+section's options, declared once with ``option()`` (options.py), and whose ``check`` holds
+the rules that tie its options to others. TrainConfig (config.py) is every section at once,
+so a rule reads ``cfg.tp`` wherever the option lives.
+
+Adding an option is adding a field to a section: the flag, its help, MESHRUN_<NAME>, the
+config-file key, the keyword of ``meshrun.train()`` and the checks of its declaration follow.
+
+Torch-free: the CLI validates a config before launching anything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from ..data.sources import data_kind
+from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS
+from ..errors import bad_value
+from ..modelinfo.hf import is_hf_path, locate
+from ..paths import check_output_dir
+from ..vocab import AC_MODES, GPT_PRESETS, POLICIES, PP_SCHEDULES, PRECISIONS, STRATEGIES, strategy_hint, yes_no
+from .options import option
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+STRATEGY_CHOICES = (*POLICIES, *STRATEGIES)
+REDUCE_PRECISIONS = ("fp32", "bf16")
+ATTENTION = ("auto", "cudnn", "flash", "efficient", "math")  # SDPA kernel first in line (models/attention.py)
+KERNELS = ("auto", "plain")  # the built-in GPT's own kernels (Liger's for a Hugging Face model) where they run, or none
+INITS = ("auto", "pretrained", "random")
+EXAMPLES = ("gpt", "toy")
+BUILTIN_DATA = ("stdlib", "random", "toy")
+TOKEN_TYPES = ("uint16", "uint32")
+
+
+class Section(Protocol):
+    """A section: a frozen dataclass of options, the title --help shows it under, and the
+    rules that tie its options to the others."""
+
+    TITLE: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @staticmethod
+    def check(cfg: TrainConfig) -> TrainConfig: ...
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    TITLE: ClassVar[str] = "model"
+
+    example: str = option("gpt", "built-in job: gpt (default) or toy (pytorch/examples' Linear(20 -> 1))",
+                          choices=EXAMPLES)
+    model: str | None = option(
+        None, "a Hugging Face model directory (save_pretrained's: config.json, *.safetensors) or config.json (any "
+        "causal LM transformers knows; local paths only, nothing is downloaded), or your nn.Module factory",
+        metavar="DIR|CONFIG|MODULE:FACTORY")
+    init: str = option("auto", "a Hugging Face model's weights: auto (default: the directory's *.safetensors when it "
+                       "has them, else a random initialisation), pretrained, random", choices=INITS)
+    model_size: str = option("gpt-small", f"GPT preset: {', '.join(GPT_PRESETS)} (default {{default}})",
+                             metavar="PRESET")
+    blocks: str | None = option(None, "the model's block list, when meshrun does not find it (e.g. model.layers)",
+                                metavar="ATTR.PATH")
+    experts: int = option(0, "built-in GPT: a mixture of E experts (top-2, dropless) in every block", metavar="E",
+                          minimum=0)
+    kernels: str = option(
+        "auto", "built-in GPT on GPUs: auto (default: the loss with its gradient in the forward, by Triton; the MLP's "
+        "GELU in cuBLASLt's epilogues where nvmath-python is installed; together +6% at 124M on H200s) or plain "
+        "(torch's modules only)", metavar="K", choices=KERNELS)
+    attention: str = option("auto", "attention kernel SDPA tries first: auto (torch's order), cudnn, flash, "
+                            "efficient, math (the others stay as fallbacks)", metavar="K", choices=ATTENTION)
+    fused_loss: bool = option(False, "built-in GPT: the loss chunk by chunk, never holding all logits (for long "
+                              "sequences)")
+
+    @staticmethod
+    def check(cfg: TrainConfig) -> TrainConfig:
+        hf_model = cfg.model is not None and is_hf_path(cfg.model)
+        if cfg.kernels != "auto" and ((cfg.model is not None and not hf_model) or cfg.example != "gpt"):
+            raise bad_value(cfg.source("kernels"), cfg.kernels, "chooses the kernels of meshrun's built-in GPT and "
+                            "of Hugging Face models", "drop it with a module:factory model or --example toy")
+        if cfg.fused_loss and (cfg.model is not None or cfg.example != "gpt"):
+            raise bad_value(cfg.source("fused_loss"), True, "is a loss of meshrun's built-in GPT",
+                            "drop it, or compute your model's loss in chunks "
+                            "(e.g. Liger-Kernel's fused linear cross-entropy)")
+        if cfg.model is None and cfg.example == "gpt" and cfg.model_size not in GPT_PRESETS:
+            raise bad_value(cfg.source("model_size"), cfg.model_size, "unknown GPT preset",
+                            f"choose one of {', '.join(GPT_PRESETS)}")
+        if cfg.model is not None and ":" not in cfg.model:
+            model = locate(cfg.model, cfg.source("model"))  # a Hugging Face directory or config, or a clear error
+            if cfg.init == "pretrained" and not model.has_weights:
+                raise bad_value(cfg.source("init"), "pretrained", f"{model.directory} holds no *.safetensors "
+                                "weights", "--init random to train from a random initialisation, or give the "
+                                "directory with weights")
+            if os.path.abspath(cfg.model) != cfg.model:  # the workers may start elsewhere
+                cfg = cfg.replace(model=os.path.abspath(cfg.model))
+        elif cfg.init != "auto":
+            raise bad_value(cfg.source("init"), cfg.init, "chooses the weights of a Hugging Face model directory",
+                            "drop it, or give --model a model directory")
+        return cfg
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    TITLE: ClassVar[str] = "data"
+
+    data: str | None = option(
+        None, "a corpus: a directory meshrun data prepare wrote, token files (nanoGPT's train.bin/val.bin, or a "
+        "folder of .bin), or text (.txt, .jsonl, .parquet, a folder of them, a saved dataset: tokenized once into a "
+        "cache); or stdlib (default for gpt), random (tokens), toy, or your Dataset factory (or (train, val))",
+        metavar="PATH|NAME|MODULE:FACTORY")
+    tokenizer: str | None = option(None, "text data: a tokenizer directory, tokenizer.json or tiktoken encoding "
+                                   "(default: the Hugging Face model directory's)", metavar="DIR|FILE|NAME")
+    text_field: str = option("text", "text data: the field of .jsonl, .parquet and saved datasets (default "
+                             "{default})", metavar="NAME")
+    data_dtype: str = option("uint16", "flat token files: the token type (default {default}, nanoGPT's)",
+                             choices=TOKEN_TYPES)
+    document_mask: bool = option(False, "attend and predict within documents: position ids restart at each "
+                                 "document and a target across a document's end is ignored (a prepared corpus or "
+                                 "text; default: sequences cut across documents)")
+    seq_len: int | None = option(None, "tokens per sample (default: the model's context, at most 4096)",
+                                 metavar="T", minimum=1)
+
+    @staticmethod
+    def check(cfg: TrainConfig) -> TrainConfig:
+        form = data_kind(cfg.data) if cfg.data is not None and cfg.data not in BUILTIN_DATA else None
+        if form is not None and cfg.data is not None:  # a path: absolute, for workers that start elsewhere
+            if os.path.abspath(os.path.expanduser(cfg.data)) != cfg.data:
+                cfg = cfg.replace(data=os.path.abspath(os.path.expanduser(cfg.data)))
+        elif cfg.data is not None and ":" not in cfg.data and cfg.data not in BUILTIN_DATA:
+            raise bad_value(cfg.source("data"), cfg.data, "no such file or directory, and not module:factory",
+                            f"a corpus path, module:factory, or one of {', '.join(BUILTIN_DATA)}")
+        if cfg.document_mask and form not in ("tokens", "text"):
+            raise bad_value(cfg.source("document_mask"), True, "needs document boundaries: a corpus given by path",
+                            "--data DIR prepared by meshrun data prepare, or text")
+        return cfg
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    TITLE: ClassVar[str] = "parallelism"
+
+    strategy: str = option("auto", f"{', '.join(STRATEGY_CHOICES)} (default auto; see above)", metavar="S",
+                           choices=STRATEGY_CHOICES)
+    fsdp_shard_size: int | None = option(None, "fsdp-hybrid: ranks per shard group (default: processes per node)",
+                                         metavar="N", minimum=1)
+    tp: int = option(1, "tensor-parallel degree (DTensor, Megatron-style); FSDP2 shards over the remaining ranks",
+                     metavar="N", minimum=1)
+    sequence_parallel: bool = option(True, "with --tp: keep the residual stream sharded along the sequence between "
+                                     "the tensor-parallel layers (meshrun's GPT and Llama-style blocks, without "
+                                     "--pp; default on)")
+    pp: int = option(1, "pipeline stages (torch.distributed.pipelining; meshrun's GPT and Hugging Face models of the "
+                     "Llama, Mistral, Mixtral and Qwen2/3 families)", metavar="N", minimum=1)
+    pp_schedule: str = option("1f1b", "1f1b (default), gpipe, interleaved (two stages per rank)", metavar="S",
+                              choices=PP_SCHEDULES)
+    pp_microbatches: int | None = option(None, "pieces each micro-batch is cut into for the pipeline (default: "
+                                         "--pp)", metavar="N", minimum=1)
+    ep: int = option(1, "expert parallel: experts sharded over N ranks, tokens exchanged by all-to-all; the rest "
+                     "replicated, or sharded by FSDP2 with an FSDP2 --strategy", metavar="N", minimum=1)
+    cp: int = option(1, "context parallel: each sequence sharded over N ranks (zig-zag, all-gathered K/V; meshrun's "
+                     "GPT and Hugging Face models with causal SDPA attention)", metavar="N", minimum=1)
+    activation_checkpointing: str = option("none", ", ".join(AC_MODES), metavar="MODE", choices=AC_MODES)
+    ddp_bucket_mb: int | None = option(None, "DDP gradient bucket size (default: 1000 compiled on one host, else "
+                                       "100)", metavar="MB", minimum=1)
+    reduce_precision: str = option("fp32", "gradient reduction across ranks: fp32 (default) or bf16 (half the "
+                                   "bytes, less exact)", metavar="P", choices=REDUCE_PRECISIONS)
+
+    @staticmethod
+    def check(cfg: TrainConfig) -> TrainConfig:
+        kind = STRATEGIES.get(cfg.strategy)
+        if cfg.ep > 1 and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or (kind is not None and "ep" not in kind.composes)):
+            raise bad_value(cfg.source("ep"), cfg.ep, "runs with data parallelism (DDP-style or FSDP2) for the rest",
+                            f"{strategy_hint({'ep'})}, without --tp/--pp/--cp")
+        degrees = (("tp", cfg.tp), ("pp", cfg.pp), ("cp", cfg.cp))
+        used = {k for k, v in degrees if v > 1}
+        if used and kind is not None and not used <= kind.composes:
+            what = " and ".join(f"--{k}={v}" for k, v in degrees if v > 1)
+            if not kind.hybrid:
+                raise bad_value(cfg.source("strategy"), cfg.strategy, f"does not compose with {what}: tensor, "
+                                "pipeline and context parallelism run with FSDP2 over the data-parallel ranks",
+                                strategy_hint(used))
+            raise bad_value(cfg.source("strategy"), cfg.strategy, f"does not compose with {what} yet",
+                            strategy_hint(used, policies=False))
+        if cfg.cp > 1 and (cfg.tp > 1 or cfg.pp > 1):
+            raise bad_value(cfg.source("cp"), cfg.cp, "does not combine with --tp/--pp yet",
+                            "context parallel with FSDP2")
+        if cfg.cp > 1 and cfg.seq_len is not None and cfg.seq_len % (2 * cfg.cp):
+            raise bad_value(cfg.source("seq_len"), cfg.seq_len, f"context parallelism over {cfg.cp} ranks cuts "
+                            f"sequences into {2 * cfg.cp} equal chunks", f"a multiple of {2 * cfg.cp}")
+        if cfg.pp > 1 and cfg.micro % (cfg.pp_microbatches or cfg.pp):
+            n = cfg.pp_microbatches or cfg.pp
+            raise bad_value(cfg.source("micro_batch"), cfg.micro, f"does not split into {n} pipeline micro-batches",
+                            f"a micro-batch that is a multiple of {n}, or set --pp-microbatches")
+        if cfg.fused_loss and (cfg.tp > 1 or cfg.pp > 1):
+            raise bad_value(cfg.source("fused_loss"), True, "does not combine with --tp/--pp (their loss is "
+                            "vocabulary-parallel or per stage)", "drop --fused-loss: under --tp each rank holds "
+                            "1/tp of the logits")
+        if cfg.document_mask and (cfg.cp > 1 or cfg.pp > 1):
+            raise bad_value(cfg.source("document_mask"), True, "does not combine with --cp/--pp",
+                            "FSDP2 or TP with document masking")
+        return cfg
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    TITLE: ClassVar[str] = "schedule"
+
+    steps: int = option(200, "optimizer steps (default {default})", metavar="N", minimum=1)
+    # Neither batch given, on GPUs: a global batch of defaults.GLOBAL_BATCH_TOKENS and the
+    # largest micro-batch that fits (the planner's); on the CPU: micro-batch 8 (32 for toy)
+    micro_batch: int | None = option(None, "samples per process per micro-step (default: the largest that fits on "
+                                     "GPUs; 8 on the CPU)", metavar="B", minimum=1)
+    global_batch: int | None = option(None, "samples per optimizer step, all ranks (default on GPUs: about "
+                                      f"{GLOBAL_BATCH_TOKENS // 1024}K tokens' worth)", metavar="B", minimum=1)
+    warmup: int | None = option(None, "warmup steps (default 10% of steps, at most 100)", metavar="N", minimum=0)
+    min_lr_ratio: float = option(0.1, "final lr / peak lr (default {default})", metavar="R", minimum=0, maximum=1)
+
+    @staticmethod
+    def check(cfg: TrainConfig) -> TrainConfig:
+        return cfg
+
+
+@dataclass(frozen=True)
+class OptimOptions:
+    TITLE: ClassVar[str] = "optimizer (AdamW)"
+
+    lr: float = option(1e-3, "peak learning rate (default {default:g})", metavar="LR")
+    weight_decay: float = option(0.1, "weight decay (default {default})", metavar="W", minimum=0)
+    grad_clip: float = option(1.0, "global gradient norm clip (default {default}; 0: off)", metavar="C", minimum=0)
+
+    @staticmethod
+    def check(cfg: TrainConfig) -> TrainConfig:
+        if cfg.lr <= 0:
+            raise bad_value(cfg.source("lr"), cfg.lr, "must be a finite number > 0", "e.g. 3e-4")
+        return cfg
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    TITLE: ClassVar[str] = "snapshots and restarts (with --out)"
+
+    save_every: int = option(100, "snapshot every N steps and at the end (default {default}; 0: only at the end)",
+                             metavar="N", minimum=0)
+    keep_last: int = option(3, "committed snapshots kept (default {default}; 0: all)", metavar="K", minimum=0)
+    resume: str = option("auto", "auto (default): continue from the newest snapshot in OUT/checkpoints; none; or a "
+                         "snapshot", metavar="auto|none|PATH")
+    async_save: bool = option(False, "write snapshots in the background while training continues (one in flight)")
+
+    @staticmethod
+    def check(cfg: TrainConfig) -> TrainConfig:
+        return cfg
+
+
+@dataclass(frozen=True)
+class MetricsOptions:
+    TITLE: ClassVar[str] = "metrics"
+
+    out: str | None = option(None, "write metrics.jsonl, TensorBoard events, loss.png (and snapshots) here",
+                             metavar="DIR")
+    log_every: int = option(10, "steps between log lines (default {default})", metavar="N", minimum=1)
+    eval_every: int = option(0, "steps between validations (default {default}: at the end)", metavar="N", minimum=0)
+    eval_batches: int = option(8, "validation micro-batches per rank (default {default})", metavar="N", minimum=1)
+
+    @staticmethod
+    def check(cfg: TrainConfig) -> TrainConfig:
+        if cfg.out is not None:
+            check_output_dir(cfg.out, cfg.source("out"))
+        return cfg
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    TITLE: ClassVar[str] = "runtime"
+
+    precision: str = option("auto", f"auto, {', '.join(PRECISIONS)} (default auto: bf16 on GPUs that have it)",
+                            metavar="P", choices=("auto", *PRECISIONS))
+    # auto: compiled on GPUs (defaults.compile_enabled); True/False and yes/no words are taken too
+    compile: str = option("auto", "torch.compile (per block under FSDP2): auto (default: on GPUs, but not with "
+                          "Liger's kernels), on (a Hugging Face model then gets torch.compile's kernels, not "
+                          "Liger's), off; --compile alone: on", metavar="auto|on|off", nargs="?", const="on")
+    # Inductor's coordinate-descent tuning of its kernels (implies compile on): a step up to 2%
+    # faster for minutes more compiling (parallel/apply.py: compile_options)
+    compile_tune: bool = option(False, "Inductor's coordinate-descent tuning of the compiled kernels: a step up to "
+                                "2% faster (H200: GPT 124M +1.0-1.9%, 1.3B +0.3-0.7%) for ~4 minutes more "
+                                "compiling; for runs of hours")
+    deterministic: bool = option(False, "deterministic kernels: reruns and resumes reproduce the loss bit for bit")
+    collective_timeout: int = option(300, "seconds a collective waits for a rank that does not answer (stopped, "
+                                     "hung); then the job ends in one line naming that rank, its last snapshot "
+                                     "kept (default {default})", metavar="S", minimum=1)
+    seed: int = option(0, "seed for weights and data order (default {default})", metavar="S")
+
+    @staticmethod
+    def check(cfg: TrainConfig) -> TrainConfig:
+        if isinstance(cfg.compile, bool) or yes_no(str(cfg.compile)) is not None:
+            cfg = cfg.replace(compile="on" if (cfg.compile if isinstance(cfg.compile, bool)
+                                               else yes_no(str(cfg.compile))) else "off")
+        if cfg.compile not in COMPILE_CHOICES:
+            raise bad_value(cfg.source("compile"), cfg.compile, "unknown value",
+                            f"choose one of {', '.join(COMPILE_CHOICES)}")
+        if cfg.compile_tune and cfg.compile == "off":
+            raise bad_value(cfg.source("compile_tune"), True, "tunes compiled kernels, but --compile is off",
+                            "drop one of them")
+        return cfg
+
+
+# In the order --help shows them and validate() checks them
+SECTIONS: tuple[type[Section], ...] = (ModelOptions, DataOptions, ParallelOptions, ScheduleOptions, OptimOptions,
+                              CheckpointOptions, MetricsOptions, RuntimeOptions)
+
+
+def section_names() -> dict[str, type[Section]]:
+    """Each section by the name a config file's table gives it (``[parallel]``, ``schedule:``)."""
+    return {s.__name__.removesuffix("Options").lower(): s for s in SECTIONS}
+
