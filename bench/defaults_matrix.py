@@ -318,6 +318,7 @@ class Suite:
         self.lock = threading.Lock()
         self.running: dict[int, subprocess.Popen] = {}
         self.results: list[dict[str, Any]] = []
+        self.smi_every = 0.5  # seconds between nvidia-smi samples
 
     def elapsed(self) -> float:
         return time.time() - self.t0
@@ -358,7 +359,7 @@ class Suite:
         self.say(f"start {job.label} on {where}, limit {limit:.0f} s: {row['cmd']}")
         t0 = time.monotonic()
         timed_out = False
-        with open(job.log, "w") as fh, SmiSampler([] if self.cpu else job.cards) as smi:
+        with open(job.log, "w") as fh, SmiSampler([] if self.cpu else job.cards, self.smi_every) as smi:
             proc = subprocess.Popen(job.argv, stdout=fh, stderr=subprocess.STDOUT, env=self.env(job, parallel),
                                     cwd=REPO, start_new_session=True)
             with self.lock:

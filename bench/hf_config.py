@@ -11,7 +11,10 @@ qwen2.5-1.5b (1536, 28 layers, 12/2 heads, 8960, vocabulary 151936, theta 1e6, t
 biases, 32K context), mistral-7b (Mistral-7B v0.3: 4096, 32 layers, 32/8 heads, 14336,
 vocabulary 32768, theta 1e6, untied, no sliding window, 32K context), gemma-2-2b (2304, 26
 layers, 8/4 heads of 256, GeGLU 9216, vocabulary 256000, tied, sliding window 4096 in every
-other layer, attention and final logits soft-capped at 50 and 30, 8K context).
+other layer, attention and final logits soft-capped at 50 and 30, 8K context), gpt2 and
+gpt2-medium (GPT-2 124M and 355M: 768/1024 wide, 12/24 layers, vocabulary 50257, 1024
+positions, tied), mixtral-small (Mixtral's block at a small size: 1024 wide, 8 layers, 16/8
+heads, 8 experts of 3584 with 2 per token, vocabulary 32000, untied).
 ``--seq`` sets max_position_embeddings (default: the shape's published context where it states
 one here, else 8192); ``--layers`` keeps the shape with fewer layers (memory tests of a large
 model on a small host); ``--weights`` also writes random bf16 weights as save_pretrained lays
@@ -46,6 +49,14 @@ SHAPES = {
                                   query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
                                   final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
                                   rope_theta=10000.0, max_position_embeddings=8192)),
+    "gpt2": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024,
+                          tie_word_embeddings=True)),
+    "gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257, n_positions=1024,
+                                 tie_word_embeddings=True)),
+    "mixtral-small": ("mixtral", dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
+                                      num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
+                                      num_experts_per_tok=2, vocab_size=32000, rope_theta=1000000.0,
+                                      tie_word_embeddings=False, sliding_window=None)),
 }
 # max_position_embeddings of a shape that states no context of its own here
 DEFAULT_SEQ = 8192
@@ -71,13 +82,14 @@ def write_config(shape: str, out: str, layers: int | None = None, seq: int | Non
     import transformers
 
     family, values = SHAPES[shape]
-    values = {**values, "max_position_embeddings": seq or values.get("max_position_embeddings", DEFAULT_SEQ)}
+    positions, depth = ("n_positions", "n_layer") if family == "gpt2" else ("max_position_embeddings",
+                                                                              "num_hidden_layers")
+    values = {**values, positions: seq or values.get(positions, DEFAULT_SEQ)}
     if layers:
-        values["num_hidden_layers"] = layers
+        values[depth] = layers
     config = transformers.AutoConfig.for_model(family, **values)
     config.save_pretrained(out)
-    print(f"wrote {out}/config.json ({shape}, {values['num_hidden_layers']} layers, "
-          f"{values['max_position_embeddings']} positions)")
+    print(f"wrote {out}/config.json ({shape}, {values[depth]} layers, {values[positions]} positions)")
     return config
 
 

@@ -1,0 +1,248 @@
+"""Peak GPU memory of `meshrun train` with the layout given in full, on models the planner was
+never fitted to: the numbers `meshrun plan` must predict (docs/benchmarks.md; the rows go to
+tests/data/calibration/).
+
+Each row runs exactly
+
+    python3 -m meshrun train --model SOURCE --data random --steps 4 --log-every 1 --nproc G \\
+        --seq-len T --micro-batch B --global-batch B*G --strategy S \\
+        --activation-checkpointing none|full --compile on|off
+
+(SOURCE: meshrun's GPT preset by --model-size; a Hugging Face shape of bench/hf_config.py,
+random init, its config.json written once into OUT/models/NAME; or a plain torch module of
+bench/usermodels.py, module:factory) and records nvidia-smi's peak memory.used of its cards
+(sampled every 0.1 s), meshrun's own peak_reserved of its metrics lines, its layout line, the
+exit status and whether it ran out of memory. Rows marked held out are kept out of any fitting
+and reported apart.
+
+On a 2-GPU host, from the repository root, the grid in two calls of under 10 minutes:
+
+    python3 bench/memory_grid.py --part 1/2 --out $OUT/a
+    python3 bench/memory_grid.py --part 2/2 --out $OUT/b
+
+Rows not started before --deadline-s are printed SKIPPED with the command that runs them
+(--rows NAME,NAME). --cpu-check runs tiny stand-ins of every kind on the CPU (2 processes),
+to check the suite itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH)
+
+from defaults_matrix import REPO, Job, Model, Suite, count_gpus  # noqa: E402
+
+STEPS = 4  # the optimizer's state exists from the first step; the peak repeats from the second
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str  # a key of SOURCES
+    seq: int
+    micro: int
+    strategy: str
+    ac: str = "none"
+    compiled: bool = False
+    held_out: bool = False  # never used to fit the planner's constants
+
+    @property
+    def name(self) -> str:
+        return (f"{self.model}-{self.strategy}-s{self.seq}-b{self.micro}" + ("-ac" if self.ac != "none" else "")
+                + ("-compiled" if self.compiled else ""))
+
+
+# model -> (kind, what: preset | hf_config shape | usermodels factory, layers kept (None: all), billions)
+SOURCES: dict[str, tuple[str, str, int | None, float]] = {
+    "gpt-124m": ("gpt", "gpt-124m", None, 0.124),
+    "hf-gpt2": ("hf", "gpt2", None, 0.124),
+    "hf-gpt2-medium": ("hf", "gpt2-medium", None, 0.355),
+    "user-gpt-124m": ("user", "gpt_124m", None, 0.124),
+    "user-gpt-1.3b": ("user", "gpt_1b3", None, 1.3),
+    "user-llama-1b": ("user", "llama_1b", None, 1.1),
+    "hf-llama3.2-1b": ("hf", "llama3.2-1b", None, 1.24),
+    "hf-qwen2.5-1.5b": ("hf", "qwen2.5-1.5b", None, 1.54),
+    "hf-gemma-2-2b": ("hf", "gemma-2-2b", None, 2.61),
+    "hf-mistral-8l": ("hf", "mistral-7b", 8, 1.9),
+    "hf-mixtral-small": ("hf", "mixtral-small", None, 0.9),
+}
+
+GRID: list[Row] = [
+    Row("gpt-124m", 1024, 16, "ddp"), Row("gpt-124m", 1024, 16, "fsdp-full"),
+    Row("hf-gpt2", 1024, 16, "ddp"), Row("hf-gpt2", 1024, 16, "fsdp-full"), Row("hf-gpt2", 1024, 16, "fsdp-grad-op"),
+    Row("hf-gpt2", 1024, 16, "fsdp-full", ac="full"),
+    Row("hf-gpt2-medium", 1024, 8, "ddp", held_out=True), Row("hf-gpt2-medium", 1024, 8, "fsdp-full", held_out=True),
+    Row("user-gpt-124m", 1024, 16, "ddp"), Row("user-gpt-124m", 1024, 16, "fsdp-full"),
+    Row("user-gpt-1.3b", 1024, 8, "ddp"), Row("user-gpt-1.3b", 1024, 8, "fsdp-full"),
+    Row("user-gpt-1.3b", 1024, 8, "fsdp-full", compiled=True),
+    Row("user-llama-1b", 2048, 4, "ddp", held_out=True), Row("user-llama-1b", 2048, 4, "fsdp-full", held_out=True),
+    Row("user-llama-1b", 2048, 4, "ddp", compiled=True, held_out=True),
+    Row("user-llama-1b", 2048, 4, "fsdp-full", ac="full", held_out=True),
+    Row("hf-llama3.2-1b", 2048, 4, "ddp"), Row("hf-llama3.2-1b", 2048, 4, "fsdp-full"),
+    Row("hf-llama3.2-1b", 2048, 4, "fsdp-grad-op"), Row("hf-llama3.2-1b", 2048, 4, "fsdp-full", ac="full"),
+    Row("hf-llama3.2-1b", 2048, 4, "ddp", compiled=True),
+    Row("hf-qwen2.5-1.5b", 2048, 4, "ddp"), Row("hf-qwen2.5-1.5b", 2048, 4, "fsdp-full"),
+    Row("hf-qwen2.5-1.5b", 2048, 4, "fsdp-full", ac="full"),
+    Row("hf-gemma-2-2b", 2048, 2, "ddp", held_out=True), Row("hf-gemma-2-2b", 2048, 2, "fsdp-full", held_out=True),
+    Row("hf-gemma-2-2b", 2048, 2, "fsdp-full", ac="full", held_out=True),
+    Row("hf-mistral-8l", 2048, 4, "ddp"), Row("hf-mistral-8l", 2048, 4, "fsdp-full"),
+    Row("hf-mixtral-small", 2048, 4, "ddp", held_out=True),
+    Row("hf-mixtral-small", 2048, 4, "fsdp-full", held_out=True),
+    Row("hf-mixtral-small", 2048, 4, "fsdp-full", ac="full", held_out=True),
+]
+
+# --cpu-check: every kind of source at a size the CPU runs, 2 processes
+CPU_SOURCES: dict[str, tuple[str, str, int | None, float]] = {
+    "gpt-tiny": ("gpt", "gpt-tiny", None, 0.001),
+    "hf-gpt2": ("hf", "gpt2", 1, 0.001),
+    "user-llama-tiny": ("user", "llama_tiny", None, 0.001),
+}
+CPU_GRID = [Row("gpt-tiny", 32, 2, "ddp"), Row("hf-gpt2", 32, 2, "fsdp-full", ac="full"),
+            Row("user-llama-tiny", 32, 2, "fsdp-full")]
+
+
+def estimate_s(row: Row, billions: float) -> float:
+    """Rough: start-up and the model's build, compilation, then the steps."""
+    return 25.0 + 4.0 * billions + (60.0 if row.compiled else 0.0)
+
+
+def source_args(kind: str, what: str, layers: int | None, out: str, name: str) -> list[str]:
+    if kind == "gpt":
+        return ["--model-size", what]
+    if kind == "user":
+        return ["--model", f"usermodels:{what}"]
+    path = os.path.join(out, "models", name)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        from hf_config import write_config
+
+        write_config(what, path, layers=layers)
+    return ["--model", path]
+
+
+class GridSuite(Suite):
+    """The matrix suite's runner, each row's record completed with the grid's own fields."""
+
+    def __init__(self, *args: Any, meta: dict[str, dict[str, Any]], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.meta = meta
+        self.smi_every = 0.1
+
+    def record(self, row: dict[str, Any]) -> dict[str, Any]:
+        row.update(self.meta.get(row["log"], {}))
+        return super().record(row)
+
+    def env(self, job: Job, parallel: bool) -> dict[str, str]:
+        env = super().env(job, parallel)
+        env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + BENCH  # usermodels
+        return env
+
+
+def jobs_for(rows: list[Row], sources: dict[str, tuple[str, str, int | None, float]], gpus: int, out: str,
+             cpu: bool, host: dict[str, Any]) -> tuple[list[Job], dict[str, dict[str, Any]]]:
+    jobs, meta = [], {}
+    for row in rows:
+        kind, what, layers, billions = sources[row.model]
+        argv = [sys.executable, "-m", "meshrun", "train", *source_args(kind, what, layers, out, row.model),
+                "--data", "random", "--steps", str(STEPS), "--log-every", "1", "--nproc", str(gpus),
+                "--seq-len", str(row.seq), "--micro-batch", str(row.micro), "--global-batch", str(row.micro * gpus),
+                "--strategy", row.strategy, "--activation-checkpointing", row.ac,
+                "--compile", "on" if row.compiled else "off"]
+        log = os.path.join(out, f"{row.name}.log")
+        est = 30.0 if cpu else estimate_s(row, billions)
+        jobs.append(Job("meshrun", Model(row.name, kind, billions), gpus, argv, log, est, max(180.0, 3 * est)))
+        meta[log] = {"row": row.name, "source": f"{kind}:{what}" + (f" ({layers} layers)" if layers else ""),
+                     "seq": row.seq, "micro_batch": row.micro, "strategy_asked": row.strategy, "ac_asked": row.ac,
+                     "compile_asked": row.compiled, "held_out": row.held_out, "steps": STEPS, **host}
+    return jobs, meta
+
+
+def host_facts(cpu: bool) -> dict[str, Any]:
+    facts: dict[str, Any] = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "python": platform.python_version()}
+    try:
+        facts["torch"] = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                                        capture_output=True, text=True, timeout=120).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        facts["torch"] = None
+    if not cpu:
+        try:
+            text = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                   "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout
+            name, total, driver = (p.strip() for p in text.splitlines()[0].split(","))
+            facts.update(card=name, card_memory=total, driver=driver)
+        except (OSError, subprocess.TimeoutExpired, IndexError, ValueError):
+            pass
+    return facts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=2, help="processes (GPUs) per row (default 2)")
+    ap.add_argument("--part", default="1/1", metavar="K/N", help="every N-th row from the K-th (default 1/1)")
+    ap.add_argument("--rows", default=None, help="only these rows, by name (comma-separated)")
+    ap.add_argument("--out", default="/tmp/meshrun-memory-grid", help="logs, model configs, matrix.jsonl")
+    ap.add_argument("--deadline-s", type=float, default=500, help="start no row after this many seconds (500)")
+    ap.add_argument("--end-s", type=float, default=560, help="every row ends by this many seconds (560)")
+    ap.add_argument("--list", action="store_true", help="print the rows and their commands; run nothing")
+    ap.add_argument("--cpu-check", action="store_true", help="tiny stand-ins of every kind on the CPU")
+    a = ap.parse_args()
+    start = time.time()
+    try:
+        k, n = (int(x) for x in a.part.split("/"))
+        if not 1 <= k <= n:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--part {a.part!r}: give K/N with 1 <= K <= N")
+    grid, sources = (CPU_GRID, CPU_SOURCES) if a.cpu_check else (GRID, SOURCES)
+    rows = grid[k - 1::n]
+    if a.rows:
+        wanted = a.rows.split(",")
+        unknown = sorted(set(wanted) - {r.name for r in grid})
+        if unknown:
+            ap.error(f"unknown row(s) {','.join(unknown)}; --list shows them")
+        rows = [r for r in grid if r.name in wanted]
+    gpus = 2 if a.cpu_check else a.gpus
+    if not a.cpu_check and not a.list:
+        found = count_gpus()
+        if found is not None and found < gpus:
+            ap.error(f"{gpus} GPUs needed, nvidia-smi lists {found}")
+    a.out = os.path.abspath(a.out)
+    os.makedirs(a.out, exist_ok=True)
+    jobs, meta = jobs_for(rows, sources, gpus, a.out, a.cpu_check, {} if a.list else host_facts(a.cpu_check))
+    if a.list:
+        for job in jobs:
+            print(f"{job.model.name}: {' '.join(job.argv[1:])}")
+        return 0
+    suite = GridSuite(a.out, a.deadline_s, a.end_s, cpu=a.cpu_check, since=start, meta=meta)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        suite.end_all()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for job in jobs:
+        job.cards = list(range(gpus))
+        suite.run(job)
+    print(f"\n{len(suite.results)} row(s) in {suite.elapsed():.0f} s; {a.out}/matrix.jsonl", flush=True)
+    for r in suite.results:
+        smi = r.get("smi_peak_gib")
+        print(f"{r['row']:<45s} {r['status']:<8s} smi {smi if smi is not None else '-':>6} GiB  reserved "
+              f"{r.get('peak_reserved_gib', '-')} GiB{'  OOM' if r.get('oom') else ''}", flush=True)
+    skipped = [r["row"] for r in suite.results if r["status"] == "skipped"]
+    if skipped:
+        print(f"\nSKIPPED: python3 bench/memory_grid.py --rows {','.join(skipped)} --out OUT", flush=True)
+    return 0 if all(r.get("ran") for r in suite.results) else 1
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    sys.exit(main())
