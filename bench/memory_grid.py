@@ -15,10 +15,11 @@ bench/usermodels.py, module:factory) and records nvidia-smi's peak memory.used o
 exit status and whether it ran out of memory. Rows marked held out are kept out of any fitting
 and reported apart.
 
-On a 2-GPU host, from the repository root, the grid in two calls of under 10 minutes:
+From the repository root, the grid in two calls of under 10 minutes (a 1-GPU host: --gpus 1,
+where DDP and FSDP2 run on one rank; their own buffers and states are there all the same):
 
-    python3 bench/memory_grid.py --part 1/2 --out $OUT/a
-    python3 bench/memory_grid.py --part 2/2 --out $OUT/b
+    python3 bench/memory_grid.py --gpus 1 --part 1/2 --out $OUT/a
+    python3 bench/memory_grid.py --gpus 1 --part 2/2 --out $OUT/b
 
 Rows not started before --deadline-s are printed SKIPPED with the command that runs them
 (--rows NAME,NAME). --cpu-check runs tiny stand-ins of every kind on the CPU (2 processes),
@@ -90,6 +91,8 @@ GRID: list[Row] = [
     Row("hf-llama3.2-1b", 2048, 4, "ddp"), Row("hf-llama3.2-1b", 2048, 4, "fsdp-full"),
     Row("hf-llama3.2-1b", 2048, 4, "fsdp-grad-op"), Row("hf-llama3.2-1b", 2048, 4, "fsdp-full", ac="full"),
     Row("hf-llama3.2-1b", 2048, 4, "ddp", compiled=True),
+    Row("hf-llama3.2-1b", 2048, 2, "single"), Row("hf-llama3.2-1b", 2048, 8, "single"),
+    Row("user-llama-1b", 2048, 8, "single", held_out=True), Row("hf-qwen2.5-1.5b", 2048, 8, "single"),
     Row("hf-qwen2.5-1.5b", 2048, 4, "ddp"), Row("hf-qwen2.5-1.5b", 2048, 4, "fsdp-full"),
     Row("hf-qwen2.5-1.5b", 2048, 4, "fsdp-full", ac="full"),
     Row("hf-gemma-2-2b", 2048, 2, "ddp", held_out=True), Row("hf-gemma-2-2b", 2048, 2, "fsdp-full", held_out=True),
