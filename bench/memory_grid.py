@@ -24,11 +24,19 @@ where DDP and FSDP2 run on one rank; their own buffers and states are there all 
 Rows not started before --deadline-s are printed SKIPPED with the command that runs them
 (--rows NAME,NAME). --cpu-check runs tiny stand-ins of every kind on the CPU (2 processes),
 to check the suite itself.
+
+Anywhere (the CPU does: the models are built on the meta device), what `meshrun plan`
+predicts for each measured row against nvidia-smi's peak, fitted and held-out rows apart:
+
+    python3 bench/memory_grid.py --report tests/data/calibration/h200_memory-grid_2026-11-28.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import json
 import os
 import platform
 import signal
@@ -186,17 +194,103 @@ def host_facts(cpu: bool) -> dict[str, Any]:
     return facts
 
 
+# ---- the planner against the measurements ----------------------------------------------------
+
+def model_spec(row: dict[str, Any], where: str) -> Any:
+    """The planner's ModelSpec of a measured row's model, read from the model as `meshrun
+    train` reads it (built on the meta device; meshrun's GPT: its preset)."""
+    import torch
+
+    from meshrun.modelinfo.read import from_module
+
+    kind, _, what = row["source"].partition(":")
+    what, _, layers_text = what.partition(" (")
+    if kind == "gpt":  # as meshrun train builds it on GPUs (--kernels auto)
+        from meshrun.train.models.gpt import gpt
+
+        with torch.device("meta"):
+            model = gpt(what, seq_len=row["seq"], head_loss=True, fused_mlp="auto")
+    elif kind == "user":
+        import usermodels
+
+        with torch.device("meta"):
+            model = getattr(usermodels, what)()
+    else:
+        from hf_config import write_config
+
+        from meshrun.modelinfo import hf
+
+        path = os.path.join(where, row["source"].replace(":", "-").replace(" ", ""))
+        layers = int(layers_text.split()[0]) if layers_text else None
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            with contextlib.redirect_stdout(io.StringIO()):  # (its "wrote ..." line is no part of the table)
+                write_config(what, path, layers=layers)
+        model = hf.build_on_meta(hf.load_config(hf.locate(path, "--model"), "--model"), "--model", path)
+    return from_module(model, what, "the model")
+
+
+def predicted_gib(row: dict[str, Any], where: str) -> dict[str, float]:
+    """The planner's peak for the row's layout (nvidia-smi's view: the CUDA context included)
+    and its terms, in GiB. The layout is estimated as asked, also where the planner would
+    not list it (DDP or FSDP2 on one GPU)."""
+    from meshrun.plan import ClusterSpec, TrainSpec
+    from meshrun.plan.memory import estimate
+    from meshrun.plan.strategies import named
+
+    gpus = int(row["gpus"])
+    card = int(str(row.get("card_memory", "143771 MiB")).split()[0]) * 2**20
+    train = TrainSpec(seq_len=row["seq"], micro_batch=row["micro_batch"], global_batch=row["micro_batch"] * gpus,
+                      precision="bf16", compile=row["compile_asked"], activation_checkpointing=row["ac_asked"])
+    strategy = named(row["strategy_asked"], gpus, gpus, row["ac_asked"] == "full")
+    memory = estimate(model_spec(row, where), ClusterSpec(nodes=1, gpus_per_node=gpus, gpu_mem=card), train,
+                      strategy, row["micro_batch"])
+    return {"peak": memory.peak / GIB, **{k: v / GIB for k, v in memory.breakdown.items()}}
+
+
+GIB = 2**30
+
+
+def report(files: list[str]) -> None:
+    import statistics
+    import tempfile
+
+    rows = [json.loads(line) for path in files for line in open(path) if line.strip()]
+    rows = [r for r in rows if r.get("ran") and r.get("smi_peak_gib")]
+    where = tempfile.mkdtemp(prefix="memory-grid-")
+    print("| row | held out | planned GiB | nvidia-smi GiB | error |")
+    print("|---|---|---|---|---|")
+    errors: dict[bool, list[float]] = {False: [], True: []}
+    for r in rows:
+        got = predicted_gib(r, where)
+        err = got["peak"] / r["smi_peak_gib"] - 1
+        errors[bool(r["held_out"])].append(err)
+        print(f"| {r['row']} | {'yes' if r['held_out'] else ''} | {got['peak']:.2f} | {r['smi_peak_gib']:.2f} | "
+              f"{err:+.1%} |")
+    print()
+    for held, errs in errors.items():
+        if errs:
+            print(f"{'held-out' if held else 'fitted-side'} rows: {len(errs)}, median |error| "
+                  f"{statistics.median(abs(e) for e in errs):.1%}, worst {max(errs, key=abs):+.1%}, "
+                  f"under by more than 5%: {sum(e < -0.05 for e in errs)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=2, help="processes (GPUs) per row (default 2)")
     ap.add_argument("--part", default="1/1", metavar="K/N", help="every N-th row from the K-th (default 1/1)")
-    ap.add_argument("--rows", default=None, help="only these rows, by name (comma-separated)")
+    ap.add_argument("--rows", default=None, help="only these rows, by name (comma-separated), in this order")
     ap.add_argument("--out", default="/tmp/meshrun-memory-grid", help="logs, model configs, matrix.jsonl")
     ap.add_argument("--deadline-s", type=float, default=500, help="start no row after this many seconds (500)")
     ap.add_argument("--end-s", type=float, default=560, help="every row ends by this many seconds (560)")
     ap.add_argument("--list", action="store_true", help="print the rows and their commands; run nothing")
     ap.add_argument("--cpu-check", action="store_true", help="tiny stand-ins of every kind on the CPU")
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSONL",
+                    help="the planner's prediction for each measured row against nvidia-smi's peak")
     a = ap.parse_args()
+    if a.report:
+        sys.path.insert(0, os.path.join(REPO, "src"))
+        report(a.report)
+        return 0
     start = time.time()
     try:
         k, n = (int(x) for x in a.part.split("/"))
@@ -211,7 +305,8 @@ def main() -> int:
         unknown = sorted(set(wanted) - {r.name for r in grid})
         if unknown:
             ap.error(f"unknown row(s) {','.join(unknown)}; --list shows them")
-        rows = [r for r in grid if r.name in wanted]
+        by_name = {r.name: r for r in grid}
+        rows = [by_name[name] for name in dict.fromkeys(wanted)]  # in the order given
     gpus = 2 if a.cpu_check else a.gpus
     if not a.cpu_check and not a.list:
         found = count_gpus()
