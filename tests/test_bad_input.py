@@ -112,7 +112,8 @@ CASES = [
     (["train", "--dry-run", "--data", "/nonexistent/corpus"], {}, "/nonexistent/corpus"),
     (["train", "--dry-run", "--example", "toy", "--fused-loss"], {}, "--fused-loss"),
     (["train", "--dry-run", "--sequence-parallel", "maybe"], {}, "'maybe'"),
-    (["train", "--dry-run"], {"MESHRUN_EXAMPLE": "bogus"}, "MESHRUN_EXAMPLE='bogus'"),
+    (["train", "--dry-run"], {"MESHRUN_EXAMPLE": "bogus"},
+     "--example (from env MESHRUN_EXAMPLE)='bogus': unknown value"),
     (["train"], {"MESHRUN_DRY_RUN": "maybe"}, "MESHRUN_DRY_RUN='maybe'"),
     (["train", "--dry-run", "--model", "no_such_module_xyz:build"], {}, "no_such_module_xyz:build"),
     # train: where it writes

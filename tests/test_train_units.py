@@ -405,7 +405,7 @@ def test_the_memory_grid_runs_a_row_and_reports_the_planner_on_every_measured_mo
     row = json.loads((tmp_path / "grid" / "matrix.jsonl").read_text())
     assert (row["status"], row["strategy"], row["micro"], row["held_out"]) == ("ran", "fsdp-full", 2, False)
     assert row["source"] == "user:llama_tiny" and row["metrics_lines"] == 4
-    data = os.path.join(DATA, "calibration", "h200_memory-grid_2026-11-28.jsonl")
+    data = os.path.join(DATA, "calibration", "unseen-models_h200_2026-11-28.jsonl")
     rep = subprocess.run([sys.executable, grid, "--report", data], capture_output=True, text=True, timeout=300,
                          env=clean_env())
     assert rep.returncode == 0, rep.stderr[-2000:]

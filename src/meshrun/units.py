@@ -43,3 +43,12 @@ def fmt_count(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.3g}{unit}"
     return f"{n:.0f}"
+
+
+def fmt_seconds(s: float) -> str:
+    """A duration with 3 significant figures in the unit that reads best: 293 µs, 4.75 ms, 3.78 s."""
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"

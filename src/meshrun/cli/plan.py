@@ -15,7 +15,7 @@ from ..modelinfo.read import resolve_model
 from ..modelinfo.spec import PRESETS
 from ..paths import check_output_dir
 from ..plan import ClusterSpec, TrainSpec, make_plan
-from ..plan.advice import check_choice
+from ..plan.advice import check_choice, verdict
 from ..plan.recommend import MAX_MICRO_TOKENS
 from ..plan.spec import INTER_NODE, INTRA_NODE, OPTIMIZERS
 from ..units import parse_bytes
@@ -39,7 +39,7 @@ downloaded), or module:factory for any nn.Module (built on the meta device: no m
 examples:
   meshrun plan --model llama-7b --gpus-per-node 8 --gpu-mem 80GiB
   meshrun plan --model gpt-1.3b --gpu-mem 80GiB --gpus-per-node 4 --global-batch 256 --write plans/
-  meshrun plan --model ./llama/config.json --nodes 4 --gpus-per-node 8 --gpu-mem 80GiB --inter ib
+  meshrun plan --model ./llama/config.json --nnodes 4 --gpus-per-node 8 --gpu-mem 80GiB --inter ib
   meshrun plan --model llama-70b --gpus-per-node 8 --gpu-mem 80GiB --framework deepspeed --json
   meshrun plan --model llama-13b --gpu-mem 40GiB --strategy zero3-offload   # check a choice
   meshrun plan --explain                                   # the formulas, with this plan's numbers
@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_option(g, "--model", "--model-size", metavar="PRESET|CONFIG.JSON|MODULE:FACTORY", default="gpt-small",
                help="what to plan for (default gpt-small, meshrun train's default job)")
     g = p.add_argument_group("cluster")
-    add_option(g, "--nodes", metavar="N", help="nodes (default 1)")
+    add_option(g, "--nnodes", "--nodes", metavar="N", help="nodes (default 1; --nodes is the same)")
     add_option(g, "--gpus-per-node", metavar="G", help="GPUs per node (default: this machine's, else 8)")
     add_option(g, "--gpu-mem", metavar="SIZE", help="memory per GPU, e.g. 80GiB (default: this machine's GPU)")
     add_option(g, "--cpu-mem", metavar="SIZE", help="CPU memory per node, for offload (e.g. 1TiB)")
@@ -136,7 +136,7 @@ def cluster_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> Cluster
         mem = found
         sources.append(("gpu_mem", "this machine's GPU 0"))
     cpu = parse_bytes(ns.cpu_mem, "--cpu-mem") if ns.cpu_mem is not None else None
-    return ClusterSpec(nodes=int_option(ns, "nodes", 1) or 1, gpus_per_node=gpn, gpu_mem=mem, cpu_mem=cpu,
+    return ClusterSpec(nodes=int_option(ns, "nnodes", 1) or 1, gpus_per_node=gpn, gpu_mem=mem, cpu_mem=cpu,
                        intra_bw=_bandwidth(ns.intra, INTRA_NODE, "--intra"),
                        inter_bw=_bandwidth(ns.inter, INTER_NODE, "--inter"), sources=tuple(sources))
 
@@ -170,6 +170,7 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     train = train_from_args(ns, model.context, cluster.world)
     plan = make_plan(model, cluster, train, ns.plan_framework, margin)
     if ns.strategy:
+        plan.reasons.append(verdict(ns.strategy, plan.candidates, plan.recommended))
         plan.warnings.extend(check_choice(ns.strategy, plan.candidates, plan.recommended))
     written = []
     if ns.write:

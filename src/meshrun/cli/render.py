@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        description=RENDER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="TARGET", help=f"one of {', '.join(TARGETS)}")
     g = p.add_argument_group("the job")
-    add_option(g, "--nodes", metavar="N", default="2", help="nodes (default 2)")
+    add_option(g, "--nodes", "--nnodes", metavar="N", default="2", help="nodes (default 2; --nnodes is the same)")
     add_option(g, "--gpus-per-node", metavar="G", default="8", help="GPUs per node (default 8)")
     add_option(g, "--framework", "-f", metavar="NAME", default="torch",
                help=f"for a script command: {', '.join(FRAMEWORKS)} (default torch)")

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from ..errors import bad_value
 from ..modelinfo.spec import ModelSpec
-from ..units import fmt_bytes, fmt_count
+from ..units import fmt_bytes, fmt_count, fmt_seconds
 from .candidate import Candidate, fitting_twin
 from .memory import Strategy
 from .spec import ClusterSpec, TrainSpec
@@ -65,7 +65,8 @@ def reasons_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidat
         out.append(f"tensor x pipeline parallelism: TP={s.tp} within a node, PP={s.pp}, DP={s.dp}")
     twin = fitting_twin(pick, cands)
     if twin is not None:
-        out.append(f"{s.label} over {twin.strategy.label}: about {pick.step_time_s:.3g} vs {twin.step_time_s:.3g} s "
+        out.append(f"{s.label} over {twin.strategy.label}: about {fmt_seconds(pick.step_time_s)} vs "
+                   f"{fmt_seconds(twin.step_time_s)} "
                    "per step (FSDP2 shards the optimizer step; DDP's one graph runs no FSDP hooks and accumulation "
                    "spreads its optimizer step; docs/benchmarks.md)")
     b = pick.batch
@@ -73,7 +74,7 @@ def reasons_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidat
         out.append(f"batch: global {b.global_batch} = micro-batch {b.micro} x accumulation {b.accum} "
                    f"x data-parallel {b.dp}")
     out.append(f"recommended: {s.label} ({s.engine}), {_peak(pick)} per GPU, "
-               f"about {pick.step_time_s:.3g} s per step (estimate)")
+               f"about {fmt_seconds(pick.step_time_s)} per step (estimate)")
     return out
 
 
@@ -98,7 +99,7 @@ def _per_sequence(c: Candidate) -> float:
 
 def _pace(c: Candidate) -> str:
     n = c.batch.global_batch if c.batch else 1
-    return f"about {c.step_time_s:.3g} s per step of {n} sequence{'s' if n != 1 else ''}"
+    return f"about {fmt_seconds(c.step_time_s)} per step of {n} sequence{'s' if n != 1 else ''}"
 
 
 def fused_loss_advice(m: ModelSpec, t: TrainSpec, pick: Candidate | None, fused: Candidate | None) -> list[str]:
@@ -125,13 +126,34 @@ def fused_loss_advice(m: ModelSpec, t: TrainSpec, pick: Candidate | None, fused:
             f"the loss then holds {fmt_bytes(chunk)} (one chunk of tokens)"]
 
 
-def check_choice(name: str, cands: list[Candidate], pick: Candidate | None) -> list[str]:
-    """Warnings for a strategy the user chose (``meshrun plan --strategy``); a name that is
-    not in the table is an error listing the names that are."""
+def verdict(name: str, cands: list[Candidate], pick: Candidate | None) -> str:
+    """The line ``meshrun plan --strategy NAME`` always prints: does it fit, with what, how
+    fast, and how it stands against the recommendation."""
+    mine = _named(name, cands)
+    if mine.memory is None or mine.batch is None:
+        return f"--strategy {name}: no batch to run it with ({mine.why_not})"
+    said = (f"--strategy {name}: {'fits' if mine.fits else 'does not fit'}, {_peak(mine)} per GPU at micro-batch "
+            f"{mine.batch.micro} x accumulation {mine.batch.accum}, about {fmt_seconds(mine.step_time_s)} per step")
+    if pick is None:
+        return said + "; nothing fits"
+    if pick is mine:
+        return said + "; it is the recommendation"
+    return (said + f"; the recommendation, {pick.strategy.label}, needs {_peak(pick)} and about "
+            f"{fmt_seconds(pick.step_time_s)}")
+
+
+def _named(name: str, cands: list[Candidate]) -> Candidate:
     mine = next((x for x in cands if x.strategy.label == name), None)
     if mine is None:
         names = list(dict.fromkeys(x.strategy.label for x in cands))
         raise bad_value("--strategy", name, "not a strategy of this plan", f"one of {', '.join(names)}")
+    return mine
+
+
+def check_choice(name: str, cands: list[Candidate], pick: Candidate | None) -> list[str]:
+    """Warnings for a strategy the user chose (``meshrun plan --strategy``); a name that is
+    not in the table is an error listing the names that are."""
+    mine = _named(name, cands)
     out = []
     if not mine.fits:
         out.append(f"--strategy {name}: {mine.why_not}")

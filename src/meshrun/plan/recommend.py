@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import MeshrunError
 from ..modelinfo.spec import ModelSpec
-from ..units import fmt_bytes
+from ..units import fmt_bytes, fmt_seconds
 from .batch import Batch, check_divisible, micro_choices, solve
 from .candidate import Candidate, Plan, fitting_twin
 from .memory import Strategy, estimate
@@ -161,6 +161,33 @@ def choose(cands: list[Candidate], t: TrainSpec) -> Candidate | None:
     return _faster_twin(fitting[0], cands)
 
 
+def passed_over(cands: list[Candidate], pick: Candidate | None, t: TrainSpec, engines: tuple[str, ...],
+                framework: str) -> list[str]:
+    """Why the pick is not the row whose step~ is shortest among those that fit, when it is
+    not: of --framework's strategies, then of the others."""
+    if pick is None or pick.batch is None:
+        return []
+    out = []
+    faster = [x for x in cands if x.fits and x.batch is not None and x.step_time_s < 0.99 * pick.step_time_s]
+    ours = [x for x in faster if x.strategy.engine in engines]
+    if ours:
+        best = min(ours, key=lambda x: x.step_time_s)
+        said = f"{best.strategy.label} shows a shorter step ({fmt_seconds(best.step_time_s)})"
+        if t.micro_batch is not None or t.global_batch is None or best.batch is None:
+            out.append(f"{said}; with the micro-batch given, the pick is the first that fits in the flowchart's order")
+        else:
+            mine, theirs = pick.batch.micro * t.seq_len, best.batch.micro * t.seq_len
+            out.append(f"{said}, but {pick.strategy.label} is faster per token: micro-batches of {theirs:,} tokens "
+                       f"run matmuls at about {theirs / (theirs + SATURATION_TOKENS):.0%} of their best, of "
+                       f"{mine:,} at {mine / (mine + SATURATION_TOKENS):.0%} (step~ leaves this out)")
+    others = [x for x in faster if x.strategy.engine not in engines]
+    if others:
+        best = min(others, key=lambda x: x.step_time_s)
+        out.append(f"{best.strategy.label} ({best.strategy.engine}) shows {fmt_seconds(best.step_time_s)}; "
+                   f"not a --framework {framework} strategy (--framework any weighs it)")
+    return out
+
+
 def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torch", margin: float = 0.1) -> Plan:
     validate_cluster(c)
     validate_train(t, m.max_seq)
@@ -188,5 +215,7 @@ def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torc
 
         alt = make_plan(replace(m, fused_loss=True), c, t, framework, margin)
         warnings += fused_loss_advice(m, t, pick, alt.recommended)
-    return Plan(m, c, t, framework, margin, cands, pick, reasons_for(m, c, t, cands, pick, limit),
+    reasons = reasons_for(m, c, t, cands, pick, limit)
+    reasons[-1:-1] = passed_over(cands, pick, t, engines, framework)  # (before the "recommended:" line)
+    return Plan(m, c, t, framework, margin, cands, pick, reasons,
                 warnings + warnings_for(m, c, t, cands, pick))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from ..units import fmt_bytes, fmt_count
+from ..units import fmt_bytes, fmt_count, fmt_seconds
+from .candidate import Candidate
 from .memory import BREAKDOWN_KEYS, calibration, layer_activation_bytes
-from .recommend import Plan, work_efficiency
+from .recommend import ASSUMED_MFU, Plan, work_efficiency
 
 SHORT = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ", "logits": "logits",
          "comm_buffers": "buffers"}
@@ -18,7 +19,8 @@ def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
     con = Console(width=max(124, Console().width))
     m, c = plan.model, plan.cluster
     table = Table(title=f"{m.name} ({fmt_count(m.params)} params) on {c.nodes} x {c.gpus_per_node} GPUs "
-                        f"of {fmt_bytes(c.gpu_mem)}, seq {plan.train.seq_len}, {plan.train.precision}")
+                        f"of {fmt_bytes(c.gpu_mem)}, seq {plan.train.seq_len}, {plan.train.precision}; "
+                        "memory in GiB per GPU")
     for col in ("strategy", "mb x acc", *SHORT.values(), "peak", "fits", "step~"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right", no_wrap=True)
     mp = [x for x in plan.candidates if x.strategy.engine == "megatron"]
@@ -35,18 +37,18 @@ def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
         if x.memory is None or x.batch is None:
             table.add_row(mark + s.label, "-", *["-"] * len(SHORT), "-", "no: batch", "-")
             continue
-        b = x.memory.breakdown
         style = "bold green" if x is plan.recommended else None
         table.add_row(mark + s.label, f"{x.batch.micro} x {x.batch.accum}",
-                      *[_short(b[k]) for k in SHORT], _short(x.memory.peak),
-                      "yes" if x.fits else "no", f"{x.step_time_s:.3g} s", style=style)
+                      *[cell(x, k) for k in SHORT], gib(x.memory.peak),
+                      "yes" if x.fits else "no", fmt_seconds(x.step_time_s), style=style)
     con.print(table)
-    con.print("  (* recommended; sizes in GiB/MiB per GPU; deepspeed rows: zero*, torch: ddp/fsdp*, "
-              "tp*-pp*: Megatron-style)", highlight=False)
+    # the lines under the table are printed whole (soft_wrap): a copied line stays one line
+    for line in legend(plan):
+        con.print(f"  {line}", highlight=False, soft_wrap=True)
     for line in plan.reasons:
-        con.print(f"  {line}", highlight=False)
+        con.print(f"  {line}", highlight=False, soft_wrap=True)
     for line in plan.warnings:
-        con.print(f"  [yellow]warning:[/] {line}", highlight=False)
+        con.print(f"  [yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
     if plan.recommended and plan.recommended.memory and plan.recommended.memory.cpu_bytes_per_node:
         con.print(f"  CPU memory per node for offload: {fmt_bytes(plan.recommended.memory.cpu_bytes_per_node)}")
     for path in written:
@@ -55,13 +57,37 @@ def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
         con.print(explanation(plan), highlight=False)
 
 
-def _short(n: float) -> str:
-    """5 characters at most, for the table: 24.4G, 626M, 0."""
-    for unit, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if n >= size:
-            v = n / size
-            return f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
-    return "0" if n == 0 else f"{n:.0f}B"
+def gib(n: float) -> str:
+    """Bytes as GiB with two decimals: the table's one unit."""
+    return f"{n / 2**30:.2f}"
+
+
+def cell(x: Candidate, key: str) -> str:
+    """A term of a row's peak, or why it is zero there: ``-`` not alive at that moment (the
+    gradients, freed between steps, before the backward that makes them; the loss spike, over
+    by the end of backward), ``cpu`` held on the CPU (offloaded optimizer state)."""
+    if x.memory is None:
+        return "-"
+    value = x.memory.breakdown[key]
+    if value:
+        return gib(value)
+    if key == "optimizer" and x.strategy.offload_optimizer:
+        return "cpu"
+    return "-" if key in ("grads", "logits") else "0"
+
+
+def legend(plan: Plan) -> list[str]:
+    """What the table's marks, columns and estimates mean, in the words of this plan."""
+    c = plan.cluster
+    return [
+        "* recommended; engines: zero* DeepSpeed, ddp/fsdp* torch, tp*-pp* Megatron-style",
+        "each row at its peak: the start of backward (activations, the loss's spike) or its end (all gradients)",
+        "grads -: none alive at that peak (freed between steps, made in backward); logits -: the spike is over",
+        "optim cpu: offloaded; logits: bf16 logits, their fp32 copy, log-softmax and its gradient at once",
+        "  (a model compiled whole, single or ddp, fuses most of that)",
+        f"step~: for GPUs of {c.gpu_flops / 1e12:.0f} TFLOP/s dense bf16 (H100/H200 SXM) at {ASSUMED_MFU:.0%} MFU "
+        "x the layout's measured efficiency, + unhidden communication",
+    ]
 
 
 def explanation(plan: Plan) -> str:
