@@ -28,7 +28,7 @@ to check the suite itself.
 Anywhere (the CPU does: the models are built on the meta device), what `meshrun plan`
 predicts for each measured row against nvidia-smi's peak, fitted and held-out rows apart:
 
-    python3 bench/memory_grid.py --report tests/data/calibration/h200_memory-grid_2026-11-28.jsonl
+    python3 bench/memory_grid.py --report tests/data/calibration/unseen-models_h200_2026-11-28.jsonl
 """
 
 from __future__ import annotations
