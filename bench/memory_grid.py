@@ -196,12 +196,11 @@ def host_facts(cpu: bool) -> dict[str, Any]:
 
 # ---- the planner against the measurements ----------------------------------------------------
 
-def model_spec(row: dict[str, Any], where: str) -> Any:
-    """The planner's ModelSpec of a measured row's model, read from the model as `meshrun
-    train` reads it (built on the meta device; meshrun's GPT: its preset)."""
+def build_module(row: dict[str, Any], where: str) -> Any:
+    """A measured row's model on the meta device, built as `meshrun train` built it (meshrun's
+    GPT with its GPU kernels; a Hugging Face shape from its config.json, written into ``where``
+    once; a user's module from its factory)."""
     import torch
-
-    from meshrun.modelinfo.read import from_module
 
     kind, _, what = row["source"].partition(":")
     what, _, layers_text = what.partition(" (")
@@ -209,24 +208,31 @@ def model_spec(row: dict[str, Any], where: str) -> Any:
         from meshrun.train.models.gpt import gpt
 
         with torch.device("meta"):
-            model = gpt(what, seq_len=row["seq"], head_loss=True, fused_mlp="auto")
-    elif kind == "user":
+            return gpt(what, seq_len=row["seq"], head_loss=True, fused_mlp="auto")
+    if kind == "user":
         import usermodels
 
         with torch.device("meta"):
-            model = getattr(usermodels, what)()
-    else:
-        from hf_config import write_config
+            return getattr(usermodels, what)()
+    from hf_config import write_config
 
-        from meshrun.modelinfo import hf
+    from meshrun.modelinfo import hf
 
-        path = os.path.join(where, row["source"].replace(":", "-").replace(" ", ""))
-        layers = int(layers_text.split()[0]) if layers_text else None
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            with contextlib.redirect_stdout(io.StringIO()):  # (its "wrote ..." line is no part of the table)
-                write_config(what, path, layers=layers)
-        model = hf.build_on_meta(hf.load_config(hf.locate(path, "--model"), "--model"), "--model", path)
-    return from_module(model, what, "the model")
+    path = os.path.join(where, row["source"].replace(":", "-").replace(" ", ""))
+    layers = int(layers_text.split()[0]) if layers_text else None
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        with contextlib.redirect_stdout(io.StringIO()):  # (its "wrote ..." line is no part of the table)
+            write_config(what, path, layers=layers)
+    return hf.build_on_meta(hf.load_config(hf.locate(path, "--model"), "--model"), "--model", path)
+
+
+def model_spec(row: dict[str, Any], where: str) -> Any:
+    """The planner's ModelSpec of a measured row's model, read from the model as `meshrun
+    train` reads it."""
+    from meshrun.modelinfo.read import from_module
+
+    what = row["source"].partition(":")[2].partition(" (")[0]
+    return from_module(build_module(row, where), what, "the model")
 
 
 def predicted_gib(row: dict[str, Any], where: str) -> dict[str, float]:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
 import statistics
@@ -71,30 +70,12 @@ BF16, FP32 = torch.bfloat16, torch.float32
 # ---- the model, as the training run builds it ---------------------------------------------
 
 def build_module(row: dict[str, Any], where: str) -> tuple[nn.Module, str]:
-    """(module on meta, kind: gpt | user | hf), as bench/memory_grid.py's model_spec builds it."""
-    kind, _, what = row["source"].partition(":")
-    what, _, layers_text = what.partition(" (")
-    if kind == "gpt":
-        from meshrun.train.models.gpt import gpt
+    """(module on meta, kind: gpt | user | hf), built by bench/memory_grid.py as the run built it."""
+    from memory_grid import build_module as built_as_run
 
-        with torch.device("meta"):
-            model = gpt(what, seq_len=row["seq"], head_loss=True, fused_mlp="auto")
-    elif kind == "user":
-        import usermodels
-
-        with torch.device("meta"):
-            model = getattr(usermodels, what)()
-    else:
-        from hf_config import write_config
-
-        from meshrun.modelinfo import hf
-
-        path = os.path.join(where, row["source"].replace(":", "-").replace(" ", ""))
-        layers = int(layers_text.split()[0]) if layers_text else None
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            with contextlib.redirect_stdout(io.StringIO()):
-                write_config(what, path, layers=layers)
-        model = hf.build_on_meta(hf.load_config(hf.locate(path, "--model"), "--model"), "--model", path)
+    kind = row["source"].partition(":")[0]
+    model = built_as_run(row, where)
+    if kind == "hf":
         model.to("meta")  # the rotary tables too: their values do not matter here
         if HF_ATTN != "built" and model.config._attn_implementation != HF_ATTN:
             # transformers 5.17 (the measured runs') built Gemma-2 with SDPA, which ignored its
