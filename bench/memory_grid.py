@@ -21,6 +21,13 @@ where DDP and FSDP2 run on one rank; their own buffers and states are there all 
     python3 bench/memory_grid.py --gpus 1 --part 1/2 --out $OUT/a
     python3 bench/memory_grid.py --gpus 1 --part 2/2 --out $OUT/b
 
+Held-out layouts over two GPUs (DDP, FSDP2, DeepSpeed ZeRO-2/3: DeepSpeed installed), and
+meshrun's defaults (no layout, micro-batch, checkpointing or compile flag: the row records what
+meshrun chose, its prediction, and whether it ran out of memory):
+
+    python3 bench/memory_grid.py --grid two --gpus 2 --out $OUT/two
+    python3 bench/memory_grid.py --grid auto --gpus 2 --out $OUT/auto
+
 Rows not started before --deadline-s are printed SKIPPED with the command that runs them
 (--rows NAME,NAME). --cpu-check runs tiny stand-ins of every kind on the CPU (2 processes),
 to check the suite itself.
@@ -28,7 +35,12 @@ to check the suite itself.
 Anywhere (the CPU does: the models are built on the meta device), what `meshrun plan`
 predicts for each measured row against nvidia-smi's peak, fitted and held-out rows apart:
 
-    python3 bench/memory_grid.py --report tests/data/calibration/unseen-models_h200_2026-11-28.jsonl
+    python3 bench/memory_grid.py --report tests/data/calibration/unseen-models_h200_2026-11-28.jsonl \
+        tests/data/calibration/unseen-models_h200x2_2026-11-29.jsonl \
+        tests/data/calibration/defaults-auto_h200x2_2026-11-29.jsonl
+
+The planner's model is built and traced as `meshrun train` builds and traces it; a Hugging Face
+model's attention as the measured runs built it (see attention_as_run).
 """
 
 from __future__ import annotations
@@ -66,13 +78,22 @@ class Row:
 
     @property
     def name(self) -> str:
+        if self.auto:
+            return f"{self.model}-auto-s{self.seq}"
         return (f"{self.model}-{self.strategy}-s{self.seq}-b{self.micro}" + ("-ac" if self.ac != "none" else "")
                 + ("-compiled" if self.compiled else ""))
+
+    @property
+    def auto(self) -> bool:
+        """meshrun's defaults pick the layout, the micro-batch (up to ``micro``), checkpointing
+        and compilation: the row checks that they fit."""
+        return self.strategy == "auto"
 
 
 # model -> (kind, what: preset | hf_config shape | usermodels factory, layers kept (None: all), billions)
 SOURCES: dict[str, tuple[str, str, int | None, float]] = {
     "gpt-124m": ("gpt", "gpt-124m", None, 0.124),
+    "gpt-1.3b": ("gpt", "gpt-1.3b", None, 1.3),
     "hf-gpt2": ("hf", "gpt2", None, 0.124),
     "hf-gpt2-medium": ("hf", "gpt2-medium", None, 0.355),
     "user-gpt-124m": ("user", "gpt_124m", None, 0.124),
@@ -110,6 +131,30 @@ GRID: list[Row] = [
     Row("hf-mixtral-small", 2048, 4, "fsdp-full", held_out=True),
     Row("hf-mixtral-small", 2048, 4, "fsdp-full", ac="full", held_out=True),
 ]
+
+# Two GPUs (--grid two): layouts whose states are sharded or replicated over 2 ranks; none of
+# these rows is fitted to (the planner's constants come from the 1-GPU rows above)
+GRID_TWO: list[Row] = [
+    Row("gpt-1.3b", 1024, 16, "fsdp-full", compiled=True, held_out=True),
+    Row("gpt-1.3b", 1024, 16, "ddp", compiled=True, held_out=True),
+    Row("hf-llama3.2-1b", 2048, 4, "ddp", held_out=True), Row("hf-llama3.2-1b", 2048, 4, "fsdp-full", held_out=True),
+    Row("hf-llama3.2-1b", 2048, 8, "fsdp-full", ac="full", held_out=True),
+    Row("hf-llama3.2-1b", 2048, 4, "zero2", held_out=True), Row("hf-llama3.2-1b", 2048, 4, "zero3", held_out=True),
+    Row("hf-qwen2.5-1.5b", 2048, 4, "fsdp-grad-op", held_out=True),
+    Row("hf-gemma-2-2b", 2048, 2, "fsdp-full", held_out=True),
+    Row("hf-mistral-8l", 2048, 4, "ddp", held_out=True),
+    Row("hf-mixtral-small", 2048, 4, "fsdp-full", held_out=True),
+    Row("user-llama-1b", 2048, 4, "fsdp-full", compiled=True, held_out=True),
+]
+
+# meshrun's defaults (--grid auto): no layout, micro-batch, checkpointing or compile flag; the
+# global batch allows micro-batches up to the planner's cap (128K tokens)
+GRID_AUTO: list[Row] = [Row(m, seq, 128 * 1024 // seq, "auto", held_out=True) for m, seq in (
+    ("gpt-1.3b", 1024), ("hf-llama3.2-1b", 2048), ("hf-qwen2.5-1.5b", 2048), ("hf-gemma-2-2b", 2048),
+    ("hf-mixtral-small", 2048), ("user-llama-1b", 2048), ("hf-gpt2-medium", 1024), ("hf-mistral-8l", 2048),
+    ("user-gpt-1.3b", 1024), ("hf-gpt2", 1024))]
+
+GRIDS = {"one": GRID, "two": GRID_TWO, "auto": GRID_AUTO}
 
 # --cpu-check: every kind of source at a size the CPU runs, 2 processes
 CPU_SOURCES: dict[str, tuple[str, str, int | None, float]] = {
@@ -164,11 +209,12 @@ def jobs_for(rows: list[Row], sources: dict[str, tuple[str, str, int | None, flo
         kind, what, layers, billions = sources[row.model]
         argv = [sys.executable, "-m", "meshrun", "train", *source_args(kind, what, layers, out, row.model),
                 "--data", "random", "--steps", str(STEPS), "--log-every", "1", "--nproc", str(gpus),
-                "--seq-len", str(row.seq), "--micro-batch", str(row.micro), "--global-batch", str(row.micro * gpus),
-                "--strategy", row.strategy, "--activation-checkpointing", row.ac,
-                "--compile", "on" if row.compiled else "off"]
+                "--seq-len", str(row.seq), "--global-batch", str(row.micro * gpus)]
+        if not row.auto:
+            argv += ["--micro-batch", str(row.micro), "--strategy", row.strategy, "--activation-checkpointing", row.ac,
+                     "--compile", "on" if row.compiled else "off"]
         log = os.path.join(out, f"{row.name}.log")
-        est = 30.0 if cpu else estimate_s(row, billions)
+        est = 30.0 if cpu else estimate_s(row, billions) + (60.0 if row.auto else 0.0)
         jobs.append(Job("meshrun", Model(row.name, kind, billions), gpus, argv, log, est, max(180.0, 3 * est)))
         meta[log] = {"row": row.name, "source": f"{kind}:{what}" + (f" ({layers} layers)" if layers else ""),
                      "seq": row.seq, "micro_batch": row.micro, "strategy_asked": row.strategy, "ac_asked": row.ac,
@@ -227,12 +273,38 @@ def build_module(row: dict[str, Any], where: str) -> Any:
 
 
 def model_spec(row: dict[str, Any], where: str) -> Any:
-    """The planner's ModelSpec of a measured row's model, read from the model as `meshrun
-    train` reads it."""
+    """The planner's ModelSpec of a measured row's model, read and traced from the model as
+    `meshrun train` reads and traces it (train/parallel/auto.py)."""
     from meshrun.modelinfo.read import from_module
+    from meshrun.train.parallel.trace import with_trace
 
     what = row["source"].partition(":")[2].partition(" (")[0]
-    return from_module(build_module(row, where), what, "the model")
+    module = build_module(row, where)
+    spec = from_module(module, what, "the model")
+    modes = ("autocast",) if row["strategy_asked"] in ("single", "ddp") else ("bf16",)
+    with attention_as_run(module):
+        return with_trace(spec, module, row["seq"], modes)
+
+
+@contextlib.contextmanager
+def attention_as_run(module: Any) -> Any:
+    """A Hugging Face model's attention as the measured runs built it: transformers 5.17 built
+    Gemma-2 with SDPA and let it drop the soft-capping (newer versions refuse SDPA for it and
+    build eager attention, whose score matrices the run never held)."""
+    config = getattr(module, "config", None)
+    if config is None or getattr(config, "_attn_implementation", "sdpa") == "sdpa":
+        yield
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    built, sdpa = config._attn_implementation, ALL_ATTENTION_FUNCTIONS["sdpa"]
+    config._attn_implementation = "sdpa"
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = lambda *a, softcap=None, **k: sdpa(*a, **k)
+    try:
+        yield
+    finally:
+        config._attn_implementation = built
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
 
 
 def predicted_gib(row: dict[str, Any], where: str) -> dict[str, float]:
@@ -261,28 +333,60 @@ def report(files: list[str]) -> None:
     import tempfile
 
     rows = [json.loads(line) for path in files for line in open(path) if line.strip()]
-    rows = [r for r in rows if r.get("ran") and r.get("smi_peak_gib")]
+    auto = [r for r in rows if r.get("strategy_asked") == "auto"]
+    rows = [r for r in rows if r.get("ran") and r.get("smi_peak_gib") and r.get("strategy_asked") != "auto"]
     where = tempfile.mkdtemp(prefix="memory-grid-")
-    print("| row | held out | planned GiB | nvidia-smi GiB | error |")
-    print("|---|---|---|---|---|")
+    if rows:
+        print("| row | GPUs | held out | planned GiB | nvidia-smi GiB | error |")
+        print("|---|---|---|---|---|---|")
     errors: dict[bool, list[float]] = {False: [], True: []}
     for r in rows:
         got = predicted_gib(r, where)
         err = got["peak"] / r["smi_peak_gib"] - 1
         errors[bool(r["held_out"])].append(err)
-        print(f"| {r['row']} | {'yes' if r['held_out'] else ''} | {got['peak']:.2f} | {r['smi_peak_gib']:.2f} | "
-              f"{err:+.1%} |")
+        print(f"| {r['row']} | {r['gpus']} | {'yes' if r['held_out'] else ''} | {got['peak']:.2f} | "
+              f"{r['smi_peak_gib']:.2f} | {err:+.1%} |")
     print()
     for held, errs in errors.items():
         if errs:
             print(f"{'held-out' if held else 'fitted-side'} rows: {len(errs)}, median |error| "
                   f"{statistics.median(abs(e) for e in errs):.1%}, worst {max(errs, key=abs):+.1%}, "
                   f"under by more than 5%: {sum(e < -0.05 for e in errs)}")
+    if auto:
+        print("\nmeshrun's defaults: the layout and micro-batch it chose, what it predicted then, what this "
+              "planner predicts for that choice now")
+        print("\n| row | GPUs | layout it chose | micro x accumulation | predicted at the run GiB | predicted now GiB "
+              "| nvidia-smi GiB | error now | out of memory |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        now_errors = []
+        for r in auto:
+            planned, smi = r.get("planner_predicted_gib"), r.get("smi_peak_gib")
+            layout = (r.get("strategy", "?") + ("+ac" if r.get("ac") == "full" else "")
+                      + (" compiled" if r.get("compiled") else ""))
+            oom = "yes" if r.get("oom") or r.get("refits") else "no" if r.get("ran") else f"did not run ({r['status']})"
+            now = err = "-"
+            if r.get("ran") and smi:
+                chosen = dict(r, strategy_asked=r["strategy"], micro_batch=r["micro"], compile_asked=r["compiled"],
+                              ac_asked="full" if r.get("ac") == "full" else "none")
+                got = predicted_gib(chosen, where)["peak"]
+                now, err = f"{got:.2f}", f"{got / smi - 1:+.1%}"
+                now_errors.append(got / smi - 1)
+            print(f"| {r['row']} | {r['gpus']} | {layout} | {r.get('micro', '?')} x {r.get('accum', '?')} | "
+                  f"{planned if planned is not None else '-'} | {now} | {smi if smi is not None else '-'} | {err} | "
+                  f"{oom} |")
+        if now_errors:
+            print(f"\ndefaults rows: {len(now_errors)}, median |error| "
+                  f"{statistics.median(abs(e) for e in now_errors):.1%}, worst {max(now_errors, key=abs):+.1%}, "
+                  f"under by more than 5%: {sum(e < -0.05 for e in now_errors)}, out of memory: "
+                  f"{sum(bool(r.get('oom') or r.get('refits')) for r in auto)}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=2, help="processes (GPUs) per row (default 2)")
+    ap.add_argument("--grid", default="one", choices=tuple(GRIDS),
+                    help="one: the fitted and held-out rows (run on one GPU); two: held-out layouts over 2 GPUs; "
+                         "auto: meshrun's defaults, which must not run out of memory (default one)")
     ap.add_argument("--part", default="1/1", metavar="K/N", help="every N-th row from the K-th (default 1/1)")
     ap.add_argument("--rows", default=None, help="only these rows, by name (comma-separated), in this order")
     ap.add_argument("--out", default="/tmp/meshrun-memory-grid", help="logs, model configs, matrix.jsonl")
@@ -304,7 +408,7 @@ def main() -> int:
             raise ValueError
     except ValueError:
         ap.error(f"--part {a.part!r}: give K/N with 1 <= K <= N")
-    grid, sources = (CPU_GRID, CPU_SOURCES) if a.cpu_check else (GRID, SOURCES)
+    grid, sources = (CPU_GRID, CPU_SOURCES) if a.cpu_check else (GRIDS[a.grid], SOURCES)
     rows = grid[k - 1::n]
     if a.rows:
         wanted = a.rows.split(",")

@@ -28,6 +28,28 @@ def resolve_model(text: str, where: str = "--model") -> ModelSpec:
                     f"presets: {', '.join(PRESETS)}")
 
 
+def build_on_meta(text: str, where: str = "--model") -> Any:
+    """The module ``resolve_model`` read, on the meta device (a Hugging Face config built by
+    transformers, a ``module:factory``), for tracing; None for a preset, or where torch or
+    transformers is not installed."""
+    import importlib.util
+
+    from . import hf
+
+    if text in PRESETS or importlib.util.find_spec("torch") is None:
+        return None
+    if ":" in text and not os.path.exists(text):
+        import torch
+
+        factory = load_factory(text, where)
+        with torch.device("meta"):
+            return factory()
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    source = hf.locate(text, where)
+    return hf.build_on_meta(hf.load_config(source, where), where, text)
+
+
 def _need(cfg: dict[str, Any], where: str, *keys: str) -> int:
     for key in keys:
         value = cfg.get(key)

@@ -14,6 +14,30 @@ LOSS_CHUNK_TOKENS = 4096
 
 
 @dataclass(frozen=True)
+class Traced:
+    """Bytes autograd keeps in one training step, traced on the meta device
+    (train/parallel/trace.py) in one precision ``mode`` (autocast: fp32 parameters under bf16
+    autocast; bf16: bf16 parameters; fp32) at ``seq`` tokens, each as (at micro-batch 1, at 2).
+    ``embed``: saved before the first block and between blocks; ``blocks``: by all blocks;
+    ``block_max``: by the largest one; ``block_input``: one block's input (what activation
+    checkpointing keeps per block); ``tail``: the peak of live bytes from the last block's
+    output through the loss's forward and backward (the loss spike)."""
+
+    mode: str
+    seq: int
+    embed: tuple[int, int]
+    blocks: tuple[int, int]
+    block_max: tuple[int, int]
+    block_input: tuple[int, int]
+    tail: tuple[int, int]
+
+    def at(self, term: str, micro: int) -> float:
+        """``term`` at ``micro`` sequences: linear through the two traced sizes."""
+        one, two = getattr(self, term)
+        return float(one + (two - one) * (micro - 1))
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A decoder-style model's shape. ``params`` counts each parameter once (tied embeddings
     once); ``block_params`` is one repeated block (the unit FSDP gathers and AC recomputes);
@@ -46,6 +70,12 @@ class ModelSpec:
     # length (train/models/gpt.py), counted in params and outer_params; 0: none, or a table of
     # fixed size (a Hugging Face config's n_positions). at_seq() resizes it.
     learned_positions: int = 0
+    # What a block and the loss keep for backward, traced from the module itself for the
+    # training sequence length; empty: estimated from the shape (layer_activation_bytes)
+    traced: tuple[Traced, ...] = ()
+
+    def traced_for(self, mode: str, seq: int) -> Traced | None:
+        return next((t for t in self.traced if t.mode == mode and t.seq == seq), None)
 
     def at_seq(self, seq: int) -> ModelSpec:
         """The model as meshrun's GPT builds it for ``seq`` tokens: at 512K tokens GPT 1.3B's

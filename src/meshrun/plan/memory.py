@@ -23,7 +23,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from ..modelinfo.spec import LOSS_CHUNK_TOKENS, ModelSpec
+from ..modelinfo.spec import LOSS_CHUNK_TOKENS, ModelSpec, Traced
 from ..vocab import StrategyKind
 from .spec import ClusterSpec, TrainSpec
 
@@ -153,11 +153,26 @@ def selective_layer_bytes(m: ModelSpec, precision: str, fp32_residual: bool = Tr
     return r * h + a * (h + 2 * kv) + a * h + 4 * m.heads + a * h + mlp
 
 
+def precision_mode(t: TrainSpec, s: Strategy) -> str:
+    """How the step runs the model: fp32 parameters under bf16 ``autocast``, ``bf16``
+    parameters, or ``fp32`` throughout (the modes a ModelSpec's traces are made in)."""
+    return "autocast" if autocast(t, s) else "bf16" if t.precision == "bf16" else "fp32"
+
+
+def traced(m: ModelSpec, t: TrainSpec, s: Strategy) -> Traced | None:
+    """The model's traced activations for this layout's precision and sequence length, if
+    traced (selective checkpointing keeps the estimate: its policy is not traced)."""
+    return None if s.sac else m.traced_for(precision_mode(t, s), t.seq_len)
+
+
 def activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[int, int]:
     """(stored for backward over all of this GPU's layers, transient of one layer's backward
     or recomputation). Tensor parallelism with sequence parallelism divides everything by tp;
     1F1B pipelining keeps pp micro-batches of L/pp layers on the first stage: L layers' worth."""
     mode = "compiled" if t.compile and s.engine == "torch" else "eager"
+    tr = traced(m, t, s)
+    if tr is not None:
+        return traced_activations(tr, m, t, s, micro, mode)
     fp32_residual = autocast(t, s) and not m.bf16_residual
     per_layer = layer_activation_bytes(m, t.precision, fp32_residual) * calibration()["act_factor"][mode]
     kept = selective_layer_bytes(m, t.precision, fp32_residual) * calibration()["act_factor"][mode]
@@ -175,6 +190,27 @@ def activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[in
     return int(one_layer * layers), int(one_layer / 4)
 
 
+def traced_activations(tr: Traced, m: ModelSpec, t: TrainSpec, s: Strategy, micro: int,
+                       mode: str) -> tuple[int, int]:
+    """activations() from the traced bytes: all blocks' saved tensors (scaled for what
+    torch.compile's fused graphs keep instead, calibrated), or under full checkpointing each
+    block's input, the largest block's recomputation, and a calibrated share (0.2) of what the
+    blocks would save un-checkpointed: the measured checkpointed runs hold that much more on the
+    GPU than the trace (H200, torch 2.11), while on the CPU a real FSDP2 + checkpointed step
+    holds what the trace says within 3% (docs/decisions.md#traced-memory)."""
+    cal = calibration()
+    factor = cal["traced_act_factor"][mode]
+    split = s.tp * s.cp  # sequence parallelism and context parallelism split the tokens
+    gathered_kv = 2 * 2 * m.kv_dim * micro * t.seq_len if s.cp > 1 else 0
+    largest = tr.at("block_max", micro) * factor / split
+    if s.ac:
+        stored = (tr.at("embed", micro) + m.layers * tr.at("block_input", micro)
+                  + cal["ac_unexplained_share"] * tr.at("blocks", micro)) / split
+        return int(stored), int(largest + gathered_kv)
+    stored = (tr.at("embed", micro) + tr.at("blocks", micro)) * factor / split
+    return int(stored), int(largest / 4 + gathered_kv)
+
+
 def whole_model_compiled(t: TrainSpec, s: Strategy) -> bool:
     """meshrun compiles the whole model (loss included) under single/DDP, but each block on
     its own under FSDP (so FSDP's hooks stay outside the graphs): there the loss runs eager."""
@@ -186,6 +222,9 @@ def logits_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
     and its gradient (eager: about 12 bytes per vocabulary entry per token at the start of
     backward); a compiled loss fuses most of it away. Vocabulary-parallel under TP."""
     mode = "compiled" if whole_model_compiled(t, s) else "eager"
+    tr = traced(m, t, s)
+    if tr is not None:  # the traced live peak of the final norm, head and loss
+        return int(tr.at("tail", micro) * calibration()["traced_tail_factor"][mode] / (s.tp * s.cp))
     tokens = micro * t.seq_len / (s.tp * s.cp)
     if m.fused_loss and s.tp == 1 and mode == "eager":
         # one chunk at a time: its fp32 logits, their exponentials, the fp32 and bf16 gradient
@@ -269,7 +308,7 @@ def persistent_grads(s: Strategy) -> bool:
     DeepSpeed 0.19.8: those rows' peak is the start of backward with neither)."""
     if s.engine == "deepspeed":
         return s.shard == "params"
-    return s.engine != "torch" or (s.shard == "none" and s.dp > 1)
+    return s.engine != "torch" or s.kind.uses_ddp or (s.shard == "none" and s.dp > 1)
 
 
 def deepspeed_step_bytes(m: ModelSpec, s: Strategy) -> float:
@@ -292,6 +331,24 @@ def side_stream_grads(s: Strategy, grads: float) -> float:
     reduce-scatter stream against 1.21 GiB of gradient shards;
     docs/decisions.md#reserved-over-allocated)."""
     return grads if s.engine == "torch" and s.shard in ("grads", "params") else 0.0
+
+
+def outside_allocator(c: ClusterSpec, s: Strategy) -> int:
+    """What nvidia-smi shows beyond torch's reserved memory: the CUDA context (with cuBLAS's and
+    cuDNN's handles), NCCL's communicator buffers where there is more than one rank, and what
+    DeepSpeed's engine allocates outside torch's allocator (calibrated)."""
+    cal = calibration()
+    extra = cal["nccl_buffer_bytes"] if c.world > 1 else 0
+    if s.engine == "deepspeed":
+        extra += cal["deepspeed_outside_bytes"]
+    return int(cal["cuda_context_bytes"] + extra)
+
+
+def spike_fragmentation(m: ModelSpec, t: TrainSpec, s: Strategy, spike: float) -> float:
+    """Reserved beyond the allocated peak by the loss spike: its logits-sized blocks come and go
+    in an order the cache cannot always reuse (a calibrated share of the traced spike; the
+    estimated spike's fitted bytes per vocabulary entry already hold it)."""
+    return calibration()["traced_spike_fragmentation"] * spike if traced(m, t, s) is not None else 0.0
 
 
 def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int) -> Memory:
@@ -321,9 +378,9 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
                  "comm_buffers": states["comm_buffers"]}
     allocated = max(start, end)
     frag = int(allocated * (cal["reserved_over_allocated"] - 1) + deepspeed_step_bytes(m, s)
-               + (side_stream_grads(s, states["grads"]) if start >= end else 0))
+               + (side_stream_grads(s, states["grads"]) + spike_fragmentation(m, t, s, spike) if start >= end else 0))
     breakdown = {"params": states["params"], "grads": parts["grads"], "optimizer": states["optimizer"],
                  "activations": parts["activations"], "logits": parts["logits"],
                  "comm_buffers": parts["comm_buffers"], "workspace": cal["workspace_bytes"],
-                 "fragmentation": frag, "cuda_context": cal["cuda_context_bytes"]}
+                 "fragmentation": frag, "cuda_context": outside_allocator(c, s)}
     return Memory(breakdown, cpu_per_gpu * c.gpus_per_node, tuple(notes))

@@ -90,6 +90,25 @@ def legend(plan: Plan) -> list[str]:
     ]
 
 
+def activation_lines(plan: Plan) -> list[str]:
+    """What --explain says of activations traced from the model itself."""
+    m, t = plan.model, plan.train
+    cal = calibration()
+    out = [f"  activations and the loss spike: traced from the model on the meta device at seq {t.seq_len}",
+           "    (every tensor autograd saves, each storage once; attention as the fused kernels save it):"]
+    for tr in m.traced:
+        out.append(f"    {tr.mode:8} per sequence: blocks {fmt_bytes(tr.at('blocks', 1))}, a block's input "
+                   f"{fmt_bytes(tr.at('block_input', 1))}, loss spike {fmt_bytes(tr.at('tail', 1))}")
+    out += ["    (autocast: fp32 parameters under bf16 autocast, single/DDP; bf16: FSDP2's and DeepSpeed's)",
+            "    x micro-batch / (tp·cp);",
+            "    with checkpointing: each block's input + the largest block's recomputation + "
+            f"{cal['ac_unexplained_share']} x the blocks' (measured, not traced);",
+            f"    compiled blocks x {cal['traced_act_factor']['compiled']}, a loss compiled with the model x "
+            f"{cal['traced_tail_factor']['compiled']} (estimated); the spike's allocator overhead "
+            f"x {cal['traced_spike_fragmentation']}"]
+    return out
+
+
 def explanation(plan: Plan) -> str:
     m, t = plan.model, plan.train
     cal = calibration()
@@ -104,17 +123,20 @@ def explanation(plan: Plan) -> str:
         "    as DeepSpeed runs it: ZeRO-1/2 grads and buckets arrive as backward frees activations, ZeRO-3 keeps",
         f"    its grad partitions in fp32 (4P/n), and the step takes {cal['deepspeed_step_bytes_per_param']}P/n "
         "of fresh segments (counted as fragmentation)",
-        "  activations per layer per token (eager, flash attention): "
-        f"{layer_activation_bytes(m, t.precision):.0f} B here =",
-        "    2·(r·h + a·h) norms + a·(h + 2·kv) qkv [+ a·(h + kv) rotary] + a·h attention out + 2·a·f MLP "
-        "(4·a·f gated) + 4·heads",
-        "    a = 2 (bf16) or 4; r = 4 under autocast (fp32 residual), else a; with checkpointing: r·h per layer",
-        f"  x layers x micro-batch x seq / tp; compiled blocks x {cal['act_factor']['compiled']}",
-        f"  logits spike: {cal['logits_vocab_bytes']['eager']} B x vocab x tokens eager (bf16 logits, fp32 copy, "
-        f"log-softmax and its gradient), {cal['logits_vocab_bytes']['compiled']} B compiled with the loss",
+        *(activation_lines(plan) if m.traced else [
+            "  activations per layer per token (eager, flash attention), estimated from the shape: "
+            f"{layer_activation_bytes(m, t.precision):.0f} B here =",
+            "    2·(r·h + a·h) norms + a·(h + 2·kv) qkv [+ a·(h + kv) rotary] + a·h attention out + 2·a·f MLP "
+            "(4·a·f gated) + 4·heads",
+            "    a = 2 (bf16) or 4; r = 4 under autocast (fp32 residual), else a; with checkpointing: r·h per layer",
+            f"  x layers x micro-batch x seq / tp; compiled blocks x {cal['act_factor']['compiled']}",
+            f"  logits spike: {cal['logits_vocab_bytes']['eager']} B x vocab x tokens eager (bf16 logits, fp32 copy, "
+            f"log-softmax and its gradient), {cal['logits_vocab_bytes']['compiled']} B compiled with the loss"]),
         "  peak = max(start of backward: states + activations + spike, end of backward: states + all grads)",
         f"  + workspace {fmt_bytes(cal['workspace_bytes'])}, x {cal['reserved_over_allocated']} allocator "
-        f"fragmentation (reserved / allocated), + CUDA context {fmt_bytes(cal['cuda_context_bytes'])};",
+        f"fragmentation (reserved / allocated), + CUDA context {fmt_bytes(cal['cuda_context_bytes'])}",
+        f"    (+ {fmt_bytes(cal['nccl_buffer_bytes'])} of NCCL's buffers on more than one GPU, + "
+        f"{fmt_bytes(cal['deepspeed_outside_bytes'])} under DeepSpeed: measured outside torch's allocator);",
         "    FSDP2 with its peak at the start of backward also reserves its gradient shards (4P/n) in the",
         "    reduce-scatter stream's cache (one stream's free blocks never serve another)",
         "  communication per step (ring): all-reduce 2(n-1)/n·B, all-gather / reduce-scatter (n-1)/n·B;",

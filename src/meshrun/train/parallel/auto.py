@@ -161,7 +161,8 @@ def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int,
             f"{fmt_bytes(usable)} usable (hint: more GPUs (--nproc, --nnodes), a shorter "
             "--seq-len, or to try anyway: --strategy, --micro-batch and --activation-checkpointing set by hand)")
     if pick.fits:
-        reasons.insert(0, f"planner: {pick.strategy.name} predicted {peak} per GPU of {fmt_bytes(usable)} usable")
+        reasons.insert(0, f"planner: {pick.strategy.name} predicted {peak} per GPU of {fmt_bytes(usable)} usable "
+                          f"({fmt_bytes(gpu_mem)} less a {1 - usable / gpu_mem:.0%} safety margin)")
     else:
         reasons.insert(0, f"planner: nothing fits; {pick.strategy.name} needs the least, {peak} of "
                           f"{fmt_bytes(usable)} (hint: --activation-checkpointing full, a smaller batch, more GPUs)")
@@ -183,7 +184,11 @@ def _planned(model: Any, cfg: TrainConfig, world: int, local_world: int, gpu_mem
     """The planner's pick among ``names`` (the smallest predicted peak when none fits), the
     usable bytes per GPU, and the largest micro-batch the pick fits with (None: unknown). With
     ``ac_open`` the planner may turn on checkpointing."""
-    spec = from_module(model, type(model).__name__, "the model")
+    from .trace import with_trace  # (torch: imported when a GPU run plans)
+
+    # what the model keeps for backward, traced on the meta device
+    spec = with_trace(from_module(model, type(model).__name__, "the model"), model, cfg.seq,
+                      ("autocast", "bf16") if bf16 else ("fp32",), cfg.blocks)
     cluster = ClusterSpec(nodes=max(1, world // max(1, local_world)), gpus_per_node=max(1, local_world),
                           gpu_mem=gpu_mem)
     train = TrainSpec(seq_len=cfg.seq, micro_batch=cfg.micro_batch, global_batch=global_batch,

@@ -1,0 +1,399 @@
+"""What a model keeps for backward, traced on the meta device: the planner's activation and
+loss terms for any architecture (modelinfo.spec.Traced).
+
+The model runs one forward at micro-batch 1 and 2 of the training sequence length with every
+parameter and buffer swapped for a meta tensor (torch.func.functional_call: no memory, no
+copy of real weights), then the backward of the part after the last block (final norm, head,
+loss), under
+
+* saved_tensors_hooks: every tensor saved for backward, each storage once (views of one
+  storage once), attributed to the embeddings, a block, or the tail. Parameters and what is
+  derived from one by casts and views alone (autocast's bf16 weight copies, a transposed
+  weight) are model states, not activations (the planner counts those copies apart);
+* the GPU's numerics: under bf16 autocast (fp32 parameters: single/DDP), CUDA autocast's op
+  lists applied at the Python API (the meta device has no autocast); with bf16 parameters
+  (FSDP2's MixedPrecisionPolicy, DeepSpeed) no autocast; dropout as CUDA's fused kernel runs
+  it (a bool mask saved);
+* attention as the GPU's fused kernels save it (q, k, v, the output, an fp32 log-sum-exp):
+  SDPA on meta would take the math path and save the whole score matrix. Attention a model
+  writes out (eager, soft-capped) is traced as it is. meshrun's Triton head loss and torch's
+  grouped_mm (Mixture-of-Experts) are stood in for by functions saving what the GPU's do;
+* the tail's peak: a dispatch mode follows the live bytes of every storage made after the
+  last block (its saved tensors, the logits' fp32 copies and their gradients).
+
+Bytes are linear in the micro-batch (``Traced.at``) except where a model chunks its loss,
+which the two traced sizes capture. Checked against nvidia-smi's peak on one H200 (torch
+2.11): docs/benchmarks.md, "On models it was not fitted to".
+
+Everything here runs in one thread before training starts; the functions it stands in for
+(F.scaled_dot_product_attention, F.grouped_mm, meshrun's head loss, transformers' SDPA entry)
+are put back when it ends, also on an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ...modelinfo.blocks import find_blocks
+from ...modelinfo.spec import ModelSpec, Traced
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+# CUDA autocast's op lists (torch/csrc/autograd/autocast_mode.cpp), at the Python API
+_LOW = frozenset({"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm",
+                  "einsum", "conv1d", "conv2d", "conv3d", "prelu", "chain_matmul", "addmv", "mv",
+                  "scaled_dot_product_attention"})
+_HIGH = frozenset({"layer_norm", "group_norm", "pow", "__pow__", "__rpow__", "exp", "log", "log2", "log10",
+                   "log1p", "expm1", "rsqrt", "reciprocal", "acos", "asin", "cosh", "sinh", "tan", "erfinv",
+                   "softplus", "norm", "cosine_similarity", "nll_loss", "cross_entropy", "mse_loss", "l1_loss",
+                   "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy_with_logits", "logsumexp",
+                   "cdist", "dist", "renorm"})
+_HIGH_UNLESS_DTYPE = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "prod", "sum"})
+_PASS_THROUGH = ("ToCopyBackward", "TBackward", "TransposeBackward", "PermuteBackward", "ViewBackward",
+                 "UnsafeViewBackward", "ReshapeAliasBackward", "ExpandBackward", "SelectBackward",
+                 "SliceBackward", "AliasBackward", "CloneBackward", "UnsqueezeBackward", "SqueezeBackward")
+PRECISION_MODES = ("autocast", "bf16", "fp32")  # fp32 parameters under bf16 autocast | bf16 parameters | fp32
+
+
+def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None) -> Traced | None:
+    """The model's activation bytes in precision ``mode`` at ``seq`` tokens (micro-batch 1
+    and 2); None when it cannot be traced (no block list, or a forward the meta device cannot
+    run: the planner then estimates from the shape)."""
+    found = find_blocks(model, blocks_path)
+    if found is None:
+        return None
+    blocks = list(found[1])
+    try:
+        one, two = (_trace_once(model, blocks, mode, seq, micro) for micro in (1, 2))
+    except Exception:  # any model code that needs real values: the estimate stands
+        return None
+    return Traced(mode=mode, seq=seq, **{k: (one[k], two[k]) for k in one})
+
+
+def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, micro: int) -> dict[str, int]:
+    from .layouts import loss_mode, model_loss
+
+    dtype = BF16 if mode == "bf16" else FP32
+    states = _meta_states(model, dtype)
+    params = {id(t) for t in states.values()}
+    saved, live = _Saved(params, {t.untyped_storage()._cdata for t in states.values()}), _Live()
+    cut: dict[str, Any] = {}
+
+    def enter(i: int) -> Callable[..., None]:
+        def hook(mod: nn.Module, args: Any) -> None:
+            saved.phase = i
+        return hook
+
+    def leave(i: int) -> Callable[..., Any]:
+        def hook(mod: nn.Module, args: Any, out: Any) -> Any:
+            saved.phase = -1 if i < len(blocks) - 1 else len(blocks)
+            h = out if isinstance(out, torch.Tensor) else out[0]
+            cut.setdefault("input", h.untyped_storage().nbytes())
+            if i < len(blocks) - 1:
+                return None
+            # only the tail runs backward: the graph is cut at the last block's output (kept
+            # alive, so storages' identities stay unique) and the live bytes counted from here
+            cut["graph"] = h
+            g = h.detach().requires_grad_(True)
+            live.armed = True
+            if isinstance(out, torch.Tensor):
+                return g
+            return type(out)((g, *out[1:])) if isinstance(out, tuple) else out.__class__(g, *out[1:])
+        return hook
+
+    handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(leave(i)) for i, b in enumerate(blocks)]
+    x = torch.zeros(micro, seq, dtype=torch.long, device="meta")
+    try:
+        with torch.enable_grad(), _gpu_kernels(), _autocast(mode == "autocast"), live, \
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _swapped(model, states):
+            loss = model_loss(model, loss_mode(model), x, x)
+            with _autocast(False):  # autocast does not reach the backward's ops
+                loss.backward()
+            live.sweep()
+    finally:
+        for h in handles:
+            h.remove()
+    per_block = [saved.bytes.get(i, 0) for i in range(len(blocks))]
+    return {"embed": saved.bytes.get(-2, 0) + saved.bytes.get(-1, 0), "blocks": sum(per_block),
+            "block_max": max(per_block), "block_input": int(cut.get("input", 0)), "tail": live.peak}
+
+
+def _meta_states(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A meta tensor for each parameter (``dtype`` when floating) and buffer, by name; tied
+    parameters share one."""
+    out: dict[str, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in made:
+            t = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device="meta")
+            made[id(p)] = t.requires_grad_(p.requires_grad)
+        out[name] = made[id(p)]
+    for name, b in model.named_buffers(remove_duplicate=False):
+        out[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    return out
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, states: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The model's parameters and buffers replaced by ``states`` for the forward and backward
+    (torch.func.functional_call's swap, held open)."""
+    from torch.nn.utils._named_member_accessor import NamedMemberAccessor
+
+    accessor = NamedMemberAccessor(model)
+    old, _ = accessor.swap_tensors_dict(states, allow_missing=True)
+    try:
+        yield
+    finally:
+        accessor.swap_tensors_dict(old, allow_missing=True)
+
+
+# ---- CUDA autocast on the meta device -------------------------------------------------------
+
+def _cast(obj: Any, to: torch.dtype, only: tuple[torch.dtype, ...]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(to) if obj.dtype in only and obj.dtype != to else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast(o, to, only) for o in obj)
+    return obj
+
+
+class _CudaAutocast(TorchFunctionMode):
+    """torch.autocast("cuda", torch.bfloat16)'s casts, when ``enabled``; and always dropout as
+    CUDA runs it (its fused kernel saves a bool mask; elsewhere F.dropout keeps a noise tensor)."""
+
+    def __init__(self, enabled: bool) -> None:
+        super().__init__()
+        self.enabled = enabled
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if func is F.dropout:
+            x = args[0] if args else kwargs["input"]
+            p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            training = args[2] if len(args) > 2 else kwargs.get("training", True)
+            if training and 0 < p < 1 and x.is_floating_point():
+                return torch.native_dropout(x, p, True)[0]
+            return x
+        if not self.enabled:
+            return func(*args, **kwargs)
+        if name in _LOW or name in _HIGH:
+            to, only = (BF16, (FP32, torch.float16)) if name in _LOW else (FP32, (BF16, torch.float16))
+            args = _cast(args, to, only)
+            kwargs = {k: _cast(v, to, only) for k, v in kwargs.items()}
+        elif name in _HIGH_UNLESS_DTYPE and kwargs.get("dtype") is None:
+            first = args[0] if args else kwargs.get("input")
+            if isinstance(first, torch.Tensor) and first.dtype in (BF16, torch.float16):
+                kwargs = {**kwargs, "dtype": FP32}
+                if func is F.softmax and len(args) > 3:  # F.softmax(x, dim, _stacklevel, dtype)
+                    args = args[:3]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _autocast(on: bool) -> Iterator[None]:
+    """_CudaAutocast, with torch.is_autocast_enabled answering ``on`` for any device (models ask
+    it; for the meta device it raises)."""
+    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+    torch.is_autocast_enabled = lambda *a: on
+    torch.get_autocast_dtype = lambda *a: BF16
+    try:
+        with _CudaAutocast(on):
+            yield
+    finally:
+        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, dtype
+
+
+def _autocast_on() -> bool:
+    try:
+        return bool(torch.is_autocast_enabled("meta"))
+    except RuntimeError:
+        return False
+
+
+# ---- the GPU's fused kernels, as what they save ---------------------------------------------
+
+class _FusedSDPA(torch.autograd.Function):
+    """What flash, cuDNN and memory-efficient attention save: q, k, v, out, an fp32 log-sum-exp
+    (and a mask, when given)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        b, heads, t = q.shape[:-1]
+        # the kernels write (b, t, heads, d) and return it transposed: the caller's
+        # transpose(1, 2) before the output projection copies nothing
+        out = q.new_empty(b, t, heads, v.shape[-1]).transpose(1, 2)
+        lse = q.new_empty(b, heads, t, dtype=FP32)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if mask is None else (mask,)))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+
+def _fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+    if _autocast_on():  # SDPA is on autocast's bf16 list
+        q, k, v = (t.to(BF16) if t.dtype == FP32 else t for t in (q, k, v))
+    out: torch.Tensor = _FusedSDPA.apply(q, k, v, attn_mask)
+    return out
+
+
+class _GroupedMM(torch.autograd.Function):
+    """torch's grouped_mm as CUDA runs it (its meta kernel takes bf16 alone): both operands saved."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        return torch.empty_like(a), torch.empty_like(b)
+
+
+def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: Any = None, bias: Any = None,
+                out_dtype: Any = None) -> torch.Tensor:
+    out: torch.Tensor = _GroupedMM.apply(mat_a, mat_b)
+    return out
+
+
+class _HeadLoss(torch.autograd.Function):
+    """meshrun's Triton head loss (train/kernels/head_loss.py): h, the weight, the targets and
+    the bf16 logits (overwritten by their gradient in place) kept for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = h @ w.t()
+        ctx.save_for_backward(h, w, logits, targets)
+        return h.new_empty(h.shape[0], dtype=FP32)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        h, w, dlogits, _ = ctx.saved_tensors
+        return dlogits @ w, dlogits.t() @ h, None
+
+
+def _head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    dt = BF16 if _autocast_on() else h.dtype
+    rows: torch.Tensor = _HeadLoss.apply(h.to(dt), weight.to(dt), targets)
+    return rows.sum() / targets.numel()
+
+
+@contextlib.contextmanager
+def _gpu_kernels() -> Iterator[None]:
+    from ..kernels import head_loss
+
+    swaps: list[tuple[Any, str, Any]] = [(F, "scaled_dot_product_attention", _fused_sdpa),
+                                         (F, "grouped_mm", _grouped_mm), (head_loss, "head_cross_entropy", _head_loss)]
+    with contextlib.suppress(ImportError):
+        import transformers.masking_utils as masking
+
+        if hasattr(masking, "find_packed_sequence_indices"):  # it reads position values, which meta has not
+            swaps.append((masking, "find_packed_sequence_indices", lambda position_ids: None))
+    missing = object()
+    old = [(obj, name, getattr(obj, name, missing)) for obj, name, _ in swaps]
+    try:
+        for obj, name, new in swaps:
+            setattr(obj, name, new)
+        yield
+    finally:
+        for obj, name, was in old:
+            if was is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, was)
+
+
+# ---- what is saved, and what is live --------------------------------------------------------
+
+def _weight_derived(t: torch.Tensor, params: set[int]) -> bool:
+    """A parameter, or one seen through casts and views alone (autograd's chain back to it)."""
+    if id(t) in params:
+        return True
+    fn = t.grad_fn
+    for _ in range(8):
+        if fn is None:
+            return False
+        if type(fn).__name__ == "AccumulateGrad":
+            return id(getattr(fn, "variable", None)) in params
+        if not type(fn).__name__.startswith(_PASS_THROUGH):
+            return False
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return False
+        fn = nxt[0]
+    return False
+
+
+class _Saved:
+    """saved_tensors_hooks' pack: each storage's bytes once, to the phase that saved it first
+    (-2 the embeddings, i block i, -1 between blocks, L the tail)."""
+
+    def __init__(self, params: set[int], state_storages: set[int]) -> None:
+        self.params, self.state_storages = params, state_storages
+        self.seen: set[int] = set()
+        self.phase = -2
+        self.bytes: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key in self.seen:
+            return t
+        self.seen.add(key)  # (autograd holds it until backward: the identity is not reused)
+        if key not in self.state_storages and not _weight_derived(t, self.params):
+            self.bytes[self.phase] = self.bytes.get(self.phase, 0) + t.untyped_storage().nbytes()
+        return t
+
+
+class _Live(TorchDispatchMode):
+    """The peak of the bytes of storages made while armed that are still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.live: dict[int, tuple[Any, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.armed:
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    if st._cdata not in self.live:
+                        self.live[st._cdata] = (StorageWeakRef(st), st.nbytes())
+            self.sweep()
+        return out
+
+    def sweep(self) -> None:
+        for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            del self.live[k]
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+
+
+def with_trace(spec: ModelSpec, model: nn.Module, seq: int, modes: tuple[str, ...],
+               blocks_path: str | None = None) -> ModelSpec:
+    """``spec`` with what ``model`` keeps for backward traced in each of ``modes`` at ``seq``
+    tokens (unchanged where it cannot be traced)."""
+    got = tuple(t for t in (trace(model, m, seq, blocks_path) for m in modes) if t is not None)
+    return dataclasses.replace(spec, traced=got) if got else spec
