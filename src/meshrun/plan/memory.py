@@ -7,12 +7,16 @@ everything over the N data-parallel ranks. PyTorch-native training (meshrun's tr
 FSDP2 with a MixedPrecisionPolicy) keeps fp32 parameters and fp32 gradients instead: 4 + 4 +
 8 (Adam's moments), the same 16 bytes, sharded the same way by FSDP2.
 
-Activations per layer per token follow Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models", section 4.1), redone for what PyTorch's autograd
-actually saves with flash attention under bf16 autocast (no s² term; an fp32 residual stream
-and LayerNorm inputs when the parameters are fp32, unless the model casts its residual stream
-to bf16 as meshrun's GPT does), then scaled by calibrated factors for
-torch.compile (calibration.json, fitted on GPUs by bench/plan_accuracy.py).
+Activations and the loss spike are traced from the model itself when there is one to trace
+(train/parallel/trace.py: a Hugging Face config, a user's module, meshrun's GPT; the Traced
+terms of a ModelSpec), with calibrated factors for what is not traced (torch.compile of a whole
+model with its loss, the GPU's extra under activation checkpointing). Otherwise (a published
+shape with no module), activations per layer per token follow Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models", section 4.1), redone for
+what PyTorch's autograd actually saves with flash attention under bf16 autocast (no s² term;
+an fp32 residual stream and LayerNorm inputs when the parameters are fp32, unless the model
+casts its residual stream to bf16 as meshrun's GPT does), then scaled by calibrated factors
+for torch.compile (calibration.json, fitted on GPUs by bench/plan_accuracy.py).
 """
 
 from __future__ import annotations
