@@ -317,7 +317,9 @@ def predicted_gib(row: dict[str, Any], where: str) -> dict[str, float]:
 
     gpus = int(row["gpus"])
     card = int(str(row.get("card_memory", "143771 MiB")).split()[0]) * 2**20
-    train = TrainSpec(seq_len=row["seq"], micro_batch=row["micro_batch"], global_batch=row["micro_batch"] * gpus,
+    accumulation = int(row.get("accum") or 1)  # meshrun's defaults accumulate
+    train = TrainSpec(seq_len=row["seq"], micro_batch=row["micro_batch"],
+                      global_batch=row["micro_batch"] * accumulation * gpus,
                       precision="bf16", compile=row["compile_asked"], activation_checkpointing=row["ac_asked"])
     strategy = named(row["strategy_asked"], gpus, gpus, row["ac_asked"] == "full")
     memory = estimate(model_spec(row, where), ClusterSpec(nodes=1, gpus_per_node=gpus, gpu_mem=card), train,

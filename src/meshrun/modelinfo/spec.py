@@ -21,7 +21,11 @@ class Traced:
     ``embed``: saved before the first block and between blocks; ``blocks``: by all blocks;
     ``block_max``: by the largest one; ``block_input``: one block's input (what activation
     checkpointing keeps per block); ``tail``: the peak of live bytes from the last block's
-    output through the loss's forward and backward (the loss spike)."""
+    output through the loss's forward and backward (the loss spike). ``blocks_compiled``: what
+    all blocks keep when torch.compile compiles them (Inductor's partition of the first block's
+    forward and backward, scaled to all blocks); None where that could not be traced.
+    ``loss_inside``: the model's forward computes the loss (meshrun's GPT; a Hugging Face model
+    given labels); else meshrun takes it from the logits outside the model."""
 
     mode: str
     seq: int
@@ -30,6 +34,8 @@ class Traced:
     block_max: tuple[int, int]
     block_input: tuple[int, int]
     tail: tuple[int, int]
+    blocks_compiled: tuple[int, int] | None = None
+    loss_inside: bool = True  # the model's forward takes the loss (compiling the model compiles it too)
 
     def at(self, term: str, micro: int) -> float:
         """``term`` at ``micro`` sequences: linear through the two traced sizes."""

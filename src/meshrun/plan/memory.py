@@ -9,8 +9,9 @@ FSDP2 with a MixedPrecisionPolicy) keeps fp32 parameters and fp32 gradients inst
 
 Activations and the loss spike are traced from the model itself when there is one to trace
 (train/parallel/trace.py: a Hugging Face config, a user's module, meshrun's GPT; the Traced
-terms of a ModelSpec), with calibrated factors for what is not traced (torch.compile of a whole
-model with its loss, the GPU's extra under activation checkpointing). Otherwise (a published
+terms of a ModelSpec; under torch.compile, what Inductor's partitioner keeps), with factors
+measured on GPUs for what is not traced (a loss compiled with the model, the GPU's extra under
+activation checkpointing, a compiled model's accumulated gradients). Otherwise (a published
 shape with no module), activations per layer per token follow Korthikanti et al. 2022
 ("Reducing Activation Recomputation in Large Transformer Models", section 4.1), redone for
 what PyTorch's autograd actually saves with flash attention under bf16 autocast (no s² term;
@@ -196,28 +197,46 @@ def activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[in
 
 def traced_activations(tr: Traced, m: ModelSpec, t: TrainSpec, s: Strategy, micro: int,
                        mode: str) -> tuple[int, int]:
-    """activations() from the traced bytes: all blocks' saved tensors (scaled for what
-    torch.compile's fused graphs keep instead, calibrated), or under full checkpointing each
-    block's input, the largest block's recomputation, and a calibrated share (0.2) of what the
-    blocks would save un-checkpointed: the measured checkpointed runs hold that much more on the
-    GPU than the trace (H200, torch 2.11), while on the CPU a real FSDP2 + checkpointed step
-    holds what the trace says within 3% (docs/decisions.md#traced-memory)."""
+    """activations() from the traced bytes: all blocks' saved tensors; compiled (``mode``), what
+    Inductor's partitioner keeps of them (traced, ``Traced.blocks_compiled``) times a measured
+    factor (1.16 under autocast, 1.07 with bf16 parameters: the GPU's bytes over the traced
+    partition's, at most, over six models on one H200, torch 2.11). Under full checkpointing:
+    each block's input, the largest block's recomputation, and a calibrated share (0.2) of what
+    the blocks would save un-checkpointed: the measured checkpointed runs hold that much more
+    on the GPU than the trace (H200, torch 2.11), while on the CPU a real FSDP2 + checkpointed
+    step holds what the trace says within 3% (docs/decisions.md#traced-memory)."""
     cal = calibration()
-    factor = cal["traced_act_factor"][mode]
     split = s.tp * s.cp  # sequence parallelism and context parallelism split the tokens
     gathered_kv = 2 * 2 * m.kv_dim * micro * t.seq_len if s.cp > 1 else 0
-    largest = tr.at("block_max", micro) * factor / split
+    largest = tr.at("block_max", micro) / split
     if s.ac:
         stored = (tr.at("embed", micro) + m.layers * tr.at("block_input", micro)
                   + cal["ac_unexplained_share"] * tr.at("blocks", micro)) / split
         return int(stored), int(largest + gathered_kv)
-    stored = (tr.at("embed", micro) + tr.at("blocks", micro)) * factor / split
+    blocks = tr.at("blocks", micro)
+    if mode == "compiled" and tr.blocks_compiled is not None:
+        blocks = tr.at("blocks_compiled", micro) * cal["traced_partition_factor"][tr.mode]
+    stored = (tr.at("embed", micro) + blocks) / split
     return int(stored), int(largest / 4 + gathered_kv)
 
 
+def compiled_accumulation_grads(t: TrainSpec, s: Strategy, micro: int, states: dict[str, int]) -> int:
+    """One gradient-sized buffer more at the start of backward when a whole model compiled in
+    one graph accumulates gradients over micro-batches. Measured (one H200, torch 2.11, DDP on
+    one rank, micro-batch 4 x 4 accumulated): torch's allocated peak was the planner's start of
+    backward plus exactly one more set of fp32 gradients (Gemma-2 2B 92.0 GiB against 91.2,
+    Mistral-shaped 8 layers 53.4 against 53.4), while without accumulation the same start of
+    backward fits alone (Llama-3.2 1B +1.7% of nvidia-smi's peak). The cause is not traced
+    (docs/decisions.md#traced-memory)."""
+    if not whole_model_compiled(t, s) or t.global_batch is None:
+        return 0
+    return states["grads"] if t.global_batch > micro * s.dp else 0
+
+
 def whole_model_compiled(t: TrainSpec, s: Strategy) -> bool:
-    """meshrun compiles the whole model (loss included) under single/DDP, but each block on
-    its own under FSDP (so FSDP's hooks stay outside the graphs): there the loss runs eager."""
+    """meshrun compiles the whole model under single/DDP (its loss too where the model's
+    forward takes it), but each block on its own under FSDP (so FSDP's hooks stay outside the
+    graphs): there the loss runs eager."""
     return t.compile and s.engine == "torch" and s.shard == "none"
 
 
@@ -228,6 +247,7 @@ def logits_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
     mode = "compiled" if whole_model_compiled(t, s) else "eager"
     tr = traced(m, t, s)
     if tr is not None:  # the traced live peak of the final norm, head and loss
+        mode = mode if tr.loss_inside else "eager"  # a loss taken outside the model is not compiled with it
         return int(tr.at("tail", micro) * calibration()["traced_tail_factor"][mode] / (s.tp * s.cp))
     tokens = micro * t.seq_len / (s.tp * s.cp)
     if m.fused_loss and s.tp == 1 and mode == "eager":
@@ -371,7 +391,7 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
     # ZeRO-1/2's reduce buckets are allocated during backward, with the gradients
     late_buffers = states["comm_buffers"] if s.engine == "deepspeed" and not persistent_grads(s) else 0
     fixed = states["params"] + states["optimizer"] + states["comm_buffers"] - late_buffers + cal["workspace_bytes"]
-    grads_early = states["grads"] if persistent_grads(s) else 0
+    grads_early = (states["grads"] if persistent_grads(s) else 0) + compiled_accumulation_grads(t, s, micro, states)
     start = fixed + grads_early + acts + spike
     end = fixed - cast_copies(m, t, s) + states["grads"] + late_buffers + transient
     if start >= end:

@@ -97,15 +97,17 @@ def activation_lines(plan: Plan) -> list[str]:
     out = [f"  activations and the loss spike: traced from the model on the meta device at seq {t.seq_len}",
            "    (every tensor autograd saves, each storage once; attention as the fused kernels save it):"]
     for tr in m.traced:
-        out.append(f"    {tr.mode:8} per sequence: blocks {fmt_bytes(tr.at('blocks', 1))}, a block's input "
+        compiled = "" if tr.blocks_compiled is None else f" ({fmt_bytes(tr.at('blocks_compiled', 1))} compiled)"
+        out.append(f"    {tr.mode:8} per sequence: blocks {fmt_bytes(tr.at('blocks', 1))}{compiled}, a block's input "
                    f"{fmt_bytes(tr.at('block_input', 1))}, loss spike {fmt_bytes(tr.at('tail', 1))}")
     out += ["    (autocast: fp32 parameters under bf16 autocast, single/DDP; bf16: FSDP2's and DeepSpeed's)",
             "    x micro-batch / (tp·cp);",
             "    with checkpointing: each block's input + the largest block's recomputation + "
             f"{cal['ac_unexplained_share']} x the blocks' (measured, not traced);",
-            f"    compiled blocks x {cal['traced_act_factor']['compiled']}, a loss compiled with the model x "
-            f"{cal['traced_tail_factor']['compiled']} (estimated); the spike's allocator overhead "
-            f"x {cal['traced_spike_fragmentation']}"]
+            "    compiled: what Inductor's partitioner keeps of a block (traced) x "
+            + ", ".join(f"{k} {v}" for k, v in cal["traced_partition_factor"].items()) + " (measured);",
+            f"    a loss compiled with the model x {cal['traced_tail_factor']['compiled']} (measured); the spike's "
+            f"allocator overhead x {cal['traced_spike_fragmentation']}"]
     return out
 
 

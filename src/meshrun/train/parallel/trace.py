@@ -21,9 +21,17 @@ loss), under
 * the tail's peak: a dispatch mode follows the live bytes of every storage made after the
   last block (its saved tensors, the logits' fp32 copies and their gradients).
 
+What torch.compile keeps instead: the first block's forward and backward traced again as one
+graph (AOTAutograd with Inductor's decompositions, on the block's inputs from the forward
+above), cut by Inductor's min-cut partitioner, which recomputes cheap pointwise ops in backward
+rather than keep their outputs; attention there as aten's flash/efficient ops, so that the
+partitioner keeps what their backward reads. Its saved bytes over the eager trace's for that
+block scale all blocks (``Traced.blocks_compiled``).
+
 Bytes are linear in the micro-batch (``Traced.at``) except where a model chunks its loss,
-which the two traced sizes capture. Checked against nvidia-smi's peak on one H200 (torch
-2.11): docs/benchmarks.md, "On models it was not fitted to".
+which the two traced sizes capture. Checked against nvidia-smi's peak on one and two H200s and
+against what one block keeps on one (torch 2.11): docs/benchmarks.md, "On models it was not
+fitted to".
 
 Everything here runs in one thread before training starts; the functions it stands in for
 (F.scaled_dot_product_attention, F.grouped_mm, meshrun's head loss, transformers' SDPA entry)
@@ -35,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -72,14 +80,26 @@ def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None)
     if found is None:
         return None
     blocks = list(found[1])
+    first: dict[str, Any] = {}
     try:
-        one, two = (_trace_once(model, blocks, mode, seq, micro) for micro in (1, 2))
+        one, two = (_trace_once(model, blocks, mode, seq, micro, first if micro == 1 else None) for micro in (1, 2))
     except Exception:  # any model code that needs real values: the estimate stands
         return None
-    return Traced(mode=mode, seq=seq, **{k: (one[k], two[k]) for k in one})
+    from .layouts import loss_mode
+
+    traced = Traced(mode=mode, seq=seq, **{k: (one[k], two[k]) for k in one if k != "first_block"},
+                    loss_inside=loss_mode(model) != "logits")
+    kept = _compiled_block_bytes(blocks[0], first, mode) if one["first_block"] else None
+    if kept is None:
+        return traced
+    ratio = kept / one["first_block"]
+    return dataclasses.replace(traced, blocks_compiled=(int(one["blocks"] * ratio), int(two["blocks"] * ratio)))
 
 
-def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, micro: int) -> dict[str, int]:
+def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, micro: int,
+                first: dict[str, Any] | None) -> dict[str, int]:
+    """The saved bytes by phase at ``micro`` sequences; the first block's inputs into ``first``
+    (for _compiled_block_bytes) when given."""
     from .layouts import loss_mode, model_loss
 
     dtype = BF16 if mode == "bf16" else FP32
@@ -110,8 +130,13 @@ def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, 
             return type(out)((g, *out[1:])) if isinstance(out, tuple) else out.__class__(g, *out[1:])
         return hook
 
+    def keep_inputs(mod: nn.Module, args: Any, kwargs: Any) -> None:
+        if first is not None:
+            first.setdefault("args", (args, kwargs))
+
     handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
     handles += [b.register_forward_hook(leave(i)) for i, b in enumerate(blocks)]
+    handles.append(blocks[0].register_forward_pre_hook(keep_inputs, with_kwargs=True))
     x = torch.zeros(micro, seq, dtype=torch.long, device="meta")
     try:
         with torch.enable_grad(), _gpu_kernels(), _autocast(mode == "autocast"), live, \
@@ -125,7 +150,8 @@ def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, 
             h.remove()
     per_block = [saved.bytes.get(i, 0) for i in range(len(blocks))]
     return {"embed": saved.bytes.get(-2, 0) + saved.bytes.get(-1, 0), "blocks": sum(per_block),
-            "block_max": max(per_block), "block_input": int(cut.get("input", 0)), "tail": live.peak}
+            "block_max": max(per_block), "block_input": int(cut.get("input", 0)), "tail": live.peak,
+            "first_block": per_block[0]}
 
 
 def _meta_states(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -260,12 +286,16 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b)
-        return a.new_empty(a.shape[0], b.shape[-1])
+        # the output computed from a and b (at a's precision) as on the GPU, for a partitioner to see
+        return torch.ops.aten.mm.default(a, b[0].to(a.dtype))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # what the GPU's backward reads (g, a and b: so that a partitioner keeps them), at the
+        # gradients' shapes; the values are never looked at
         a, b = ctx.saved_tensors
-        return torch.empty_like(a), torch.empty_like(b)
+        grad_a = g @ b[0].to(g.dtype).transpose(-1, -2)
+        return grad_a, (a.transpose(0, 1) @ g).to(b.dtype).expand_as(b)
 
 
 def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: Any = None, bias: Any = None,
@@ -296,11 +326,28 @@ def _head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ign
     return rows.sum() / targets.numel()
 
 
+def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA as the kernels torch.compile's graphs call on the GPU (flash attention; with a mask,
+    memory-efficient attention): aten's ops, whose meta kernels and backward formulas make the
+    partitioner keep what the GPU's backward reads."""
+    if _autocast_on():
+        q, k, v = (t.to(BF16) if t.dtype == FP32 else t for t in (q, k, v))
+    if attn_mask is None:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)
+    else:
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p,
+                                                                    is_causal, scale=scale)
+    return out[0]
+
+
 @contextlib.contextmanager
-def _gpu_kernels() -> Iterator[None]:
+def _gpu_kernels(compiled: bool = False) -> Iterator[None]:
     from ..kernels import head_loss
 
-    swaps: list[tuple[Any, str, Any]] = [(F, "scaled_dot_product_attention", _fused_sdpa),
+    sdpa = _flash_sdpa if compiled else _fused_sdpa
+    swaps: list[tuple[Any, str, Any]] = [(F, "scaled_dot_product_attention", sdpa),
                                          (F, "grouped_mm", _grouped_mm), (head_loss, "head_cross_entropy", _head_loss)]
     with contextlib.suppress(ImportError):
         import transformers.masking_utils as masking
@@ -319,6 +366,92 @@ def _gpu_kernels() -> Iterator[None]:
                 delattr(obj, name)
             else:
                 setattr(obj, name, was)
+
+
+# ---- what torch.compile keeps ------------------------------------------------------------
+
+def _compiled_block_bytes(block: nn.Module, first: dict[str, Any], mode: str) -> int | None:
+    """What ``block`` keeps for backward when torch.compile compiles it: its forward and backward
+    traced as one graph (AOTAutograd, with Inductor's decompositions) on the block's inputs of the
+    eager trace (``first``), cut by Inductor's min-cut partitioner, which recomputes cheap
+    pointwise ops in backward rather than keep their outputs. The bytes of the saved values that
+    depend on the block's input, each storage once; None when it cannot be traced."""
+    import torch.utils._pytree as pytree
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    if "args" not in first:
+        return None
+    flat, tree = pytree.tree_flatten(first["args"])
+    where = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+    dtype = BF16 if mode == "bf16" else FP32
+    states = {name: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta",
+                                requires_grad=isinstance(t, nn.Parameter) and t.requires_grad)
+              for name, t in [*block.named_parameters(remove_duplicate=False),
+                              *block.named_buffers(remove_duplicate=False)]}
+    inputs = [flat[i].detach().requires_grad_(flat[i].is_floating_point() and flat[i].requires_grad) for i in where]
+    graphs: dict[str, Any] = {}
+
+    def run(states: dict[str, torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+        args = list(flat)
+        for i, t in zip(where, tensors):
+            args[i] = t
+        a, kw = pytree.tree_unflatten(args, tree)
+        out = torch.func.functional_call(block, states, a, kw)
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+    def partition(gm: Any, joint_inputs: Any, **kwargs: Any) -> Any:
+        graphs["fw"], graphs["bw"] = min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor",
+                                                                         **kwargs)
+        return graphs["fw"], graphs["bw"]
+
+    try:
+        with _warnings_off(), _gpu_kernels(compiled=True), _autocast(mode == "autocast"):
+            f = aot_function(run, fw_compiler=cast(Any, _as_is), partition_fn=partition,
+                             decompositions=select_decomp_table())
+            f(states, *inputs)
+    except Exception:  # a block the tracer cannot run on meta: the planner keeps the eager bytes
+        return None
+    return _saved_bytes(graphs["fw"], graphs["bw"], n_states=len(pytree.tree_leaves(states)))
+
+
+def _as_is(gm: Any, example: Any) -> Any:
+    return gm
+
+
+def _saved_bytes(fw: Any, bw: Any, n_states: int) -> int:
+    """The bytes of the forward graph's outputs that the backward graph reads (its inputs other
+    than the incoming gradients), counting only values that depend on an input past the first
+    ``n_states`` (the parameters and buffers): a weight's bf16 copy is a model state."""
+    saved_count = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+    out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+    saved = list(out)[len(out) - saved_count:] if saved_count else []
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    activation = {n for n in placeholders[n_states:]}
+    for n in fw.graph.nodes:
+        if n.op == "call_function" and any(a in activation for a in n.all_input_nodes):
+            activation.add(n)
+    seen: set[int] = set()
+    total = 0
+    for n in saved:
+        val = getattr(n, "meta", {}).get("val")
+        if n not in activation or not isinstance(val, torch.Tensor):
+            continue
+        storage = val.untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            total += storage.nbytes()
+    return total
+
+
+@contextlib.contextmanager
+def _warnings_off() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 # ---- what is saved, and what is live --------------------------------------------------------
