@@ -283,7 +283,7 @@ def model_spec(row: dict[str, Any], where: str) -> Any:
     spec = from_module(module, what, "the model")
     modes = ("autocast",) if row["strategy_asked"] in ("single", "ddp") else ("bf16",)
     with attention_as_run(module):
-        return with_trace(spec, module, row["seq"], modes)
+        return with_trace(spec, module, row["seq"], modes, compiled=bool(row.get("compile_asked")))
 
 
 @contextlib.contextmanager

@@ -180,7 +180,7 @@ def traced(model: ModelSpec, text: str, train: TrainSpec) -> ModelSpec:
     from ..train.parallel.trace import with_trace
 
     modes = ("fp32",) if train.precision == "fp32" else ("autocast", "bf16")
-    return with_trace(model, module, train.seq_len, modes)
+    return with_trace(model, module, train.seq_len, modes, compiled=train.compile)
 
 
 def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:

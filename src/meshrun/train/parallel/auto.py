@@ -188,7 +188,7 @@ def _planned(model: Any, cfg: TrainConfig, world: int, local_world: int, gpu_mem
 
     # what the model keeps for backward, traced on the meta device
     spec = with_trace(from_module(model, type(model).__name__, "the model"), model, cfg.seq,
-                      ("autocast", "bf16") if bf16 else ("fp32",), cfg.blocks)
+                      ("autocast", "bf16") if bf16 else ("fp32",), cfg.blocks, compiled)
     cluster = ClusterSpec(nodes=max(1, world // max(1, local_world)), gpus_per_node=max(1, local_world),
                           gpu_mem=gpu_mem)
     train = TrainSpec(seq_len=cfg.seq, micro_batch=cfg.micro_batch, global_batch=global_batch,
