@@ -37,7 +37,8 @@ predicts for each measured row against nvidia-smi's peak, fitted and held-out ro
 
     python3 bench/memory_grid.py --report tests/data/calibration/unseen-models_h200_2026-11-28.jsonl \
         tests/data/calibration/unseen-models_h200x2_2026-11-29.jsonl \
-        tests/data/calibration/defaults-auto_h200x2_2026-11-29.jsonl
+        tests/data/calibration/defaults-auto_h200x2_2026-11-29.jsonl \
+        tests/data/calibration/defaults-auto_h200_2026-11-29.jsonl
 
 The planner's model is built and traced as `meshrun train` builds and traces it; a Hugging Face
 model's attention as the measured runs built it (see attention_as_run).
