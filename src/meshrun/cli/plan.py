@@ -7,11 +7,12 @@ import json
 import shutil
 import subprocess
 from collections.abc import Mapping
+from typing import Any
 
 from ..cluster.gpus import count_visible_gpus
 from ..defaults import COMPILE_CHOICES, compile_enabled, global_batch_for, seq_len_for
 from ..errors import bad_value
-from ..modelinfo.read import resolve_model
+from ..modelinfo.read import resolve_with_module
 from ..modelinfo.spec import PRESETS, ModelSpec
 from ..paths import check_output_dir
 from ..plan import ClusterSpec, TrainSpec, make_plan
@@ -156,14 +157,14 @@ def train_from_args(ns: argparse.Namespace, context: int | None, world: int) -> 
                      max_micro_batch=max(1, MAX_MICRO_TOKENS // seq) if micro is None else None)
 
 
-def traced(model: ModelSpec, text: str, train: TrainSpec) -> ModelSpec:
+def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec) -> ModelSpec:
     """``model`` with what it keeps for backward traced at the plan's sequence length, when
     torch can build it on the meta device: meshrun's GPT as `meshrun train` builds it on GPUs
-    (its Triton loss and fused MLP), a Hugging Face config, a ``module:factory``. Other presets
-    (published shapes with no module here) keep the estimate from their shape."""
+    (its Triton loss and fused MLP), a Hugging Face config or a ``module:factory`` (``module``,
+    as resolve_with_module built it). Other presets (published shapes with no module here) keep
+    the estimate from their shape."""
     import importlib.util
 
-    from ..modelinfo.read import build_on_meta
     from ..vocab import GPT_PRESETS
 
     if text in GPT_PRESETS and importlib.util.find_spec("torch") is not None:
@@ -173,8 +174,6 @@ def traced(model: ModelSpec, text: str, train: TrainSpec) -> ModelSpec:
 
         with torch.device("meta"):
             module = gpt(text, seq_len=train.seq_len, head_loss=True, fused_mlp="auto")
-    else:
-        module = build_on_meta(text, "--model")
     if module is None:
         return model
     from ..train.parallel.trace import with_trace
@@ -192,10 +191,10 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         raise bad_value("--margin", ns.margin, "must be in [0, 1)", "e.g. 0.1")
     if ns.write:
         check_output_dir(ns.write, "--write")
-    model = resolve_model(ns.model, "--model")
+    model, module = resolve_with_module(ns.model, "--model")
     cluster = cluster_from_args(ns, env)
     train = train_from_args(ns, model.context, cluster.world)
-    model = traced(model, ns.model, train)
+    model = traced(model, module, ns.model, train)
     plan = make_plan(model, cluster, train, ns.plan_framework, margin)
     if ns.strategy:
         plan.reasons.append(verdict(ns.strategy, plan.candidates, plan.recommended))

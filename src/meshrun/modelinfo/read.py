@@ -16,38 +16,24 @@ from .spec import PRESETS, ModelSpec, gpt_spec, llama_spec
 
 def resolve_model(text: str, where: str = "--model") -> ModelSpec:
     """A preset name, a Hugging Face model directory or ``config.json``, or ``module:factory``."""
+    return resolve_with_module(text, where)[0]
+
+
+def resolve_with_module(text: str, where: str = "--model") -> tuple[ModelSpec, Any]:
+    """``resolve_model``'s spec and the module it was read from, on the meta device (a Hugging
+    Face config as transformers builds it, a ``module:factory``), for tracing; the module is
+    None for a preset, or where torch or transformers is not installed."""
     from . import hf
 
     if text in PRESETS:
-        return PRESETS[text]
+        return PRESETS[text], None
     if ":" in text and not os.path.exists(text):
-        return from_factory(text, where)
+        model = _factory_on_meta(text, where)
+        return from_module(model, text, f"factory {text} on the meta device"), model
     if os.path.isdir(text) or text.endswith(".json") or hf.looks_like_hub_id(text):
-        return from_hf_config(hf.locate(text, where).config_path, where)
+        return _read_hf_config(hf.locate(text, where).config_path, where)
     raise bad_value(where, text, "is not a preset, a model directory, a config.json, or module:factory",
                     f"presets: {', '.join(PRESETS)}")
-
-
-def build_on_meta(text: str, where: str = "--model") -> Any:
-    """The module ``resolve_model`` read, on the meta device (a Hugging Face config built by
-    transformers, a ``module:factory``), for tracing; None for a preset, or where torch or
-    transformers is not installed."""
-    import importlib.util
-
-    from . import hf
-
-    if text in PRESETS or importlib.util.find_spec("torch") is None:
-        return None
-    if ":" in text and not os.path.exists(text):
-        import torch
-
-        factory = load_factory(text, where)
-        with torch.device("meta"):
-            return factory()
-    if importlib.util.find_spec("transformers") is None:
-        return None
-    source = hf.locate(text, where)
-    return hf.build_on_meta(hf.load_config(source, where), where, text)
 
 
 def _need(cfg: dict[str, Any], where: str, *keys: str) -> int:
@@ -65,6 +51,11 @@ def from_hf_config(path: str, where: str = "--model") -> ModelSpec:
     """Shape from the config's fields; the exact parameter counts from the model as transformers
     builds it on the meta device, when transformers is installed (nothing is read but the
     config, nothing is downloaded)."""
+    return _read_hf_config(path, where)[0]
+
+
+def _read_hf_config(path: str, where: str) -> tuple[ModelSpec, Any]:
+    """from_hf_config's spec and the module it built (None without transformers or torch)."""
     try:
         with open(path) as f:
             cfg = json.load(f)
@@ -93,17 +84,18 @@ def from_hf_config(path: str, where: str = "--model") -> ModelSpec:
         spec = replace(spec, ffn=ffn)
     spec = replace(spec, source=f"config {path} (parameters counted from its shapes)", block_class=None,
                    bf16_residual=False, learned_positions=0)  # the config's table, whatever the sequence
-    exact = _count_with_transformers(path, where)
-    if exact is not None:
-        total, block, cls = exact
+    module = _hf_on_meta(path, where)
+    if module is not None:
+        total, block, cls = _count(module)
         spec = replace(spec, params=total, block_params=block, outer_params=max(0, total - layers * block),
                        block_class=cls, source=f"config {path} (transformers on the meta device)")
-    return spec
+    return spec, module
 
 
-def _count_with_transformers(path: str, where: str) -> tuple[int, int, str | None] | None:
-    """Counts from the model itself, as `meshrun train` builds it (modelinfo/hf.py: the same
-    checks, the same errors); None where transformers or torch is not installed."""
+def _hf_on_meta(path: str, where: str) -> Any:
+    """The model as `meshrun train` builds it from the config, on the meta device
+    (modelinfo/hf.py: the same checks, the same errors); None where transformers or torch is
+    not installed."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None:
@@ -111,7 +103,7 @@ def _count_with_transformers(path: str, where: str) -> tuple[int, int, str | Non
     from . import hf
 
     source = hf.locate(path, where)
-    return _count(hf.build_on_meta(hf.load_config(source, where), where, path))
+    return hf.build_on_meta(hf.load_config(source, where), where, path)
 
 
 def _count(model: Any) -> tuple[int, int, str | None]:
@@ -123,6 +115,10 @@ def _count(model: Any) -> tuple[int, int, str | None]:
 
 def from_factory(text: str, where: str = "--model") -> ModelSpec:
     """Build the user's model on the meta device (no memory, no init cost) and read it."""
+    return from_module(_factory_on_meta(text, where), text, f"factory {text} on the meta device")
+
+
+def _factory_on_meta(text: str, where: str) -> Any:
     import torch
     import torch.nn as nn
 
@@ -135,7 +131,7 @@ def from_factory(text: str, where: str = "--model") -> ModelSpec:
                         "give a callable that takes no arguments and returns an nn.Module") from None
     if not isinstance(model, nn.Module):
         raise bad_value(where, text, f"returned {type(model).__name__}, not an nn.Module")
-    return from_module(model, text, f"factory {text} on the meta device")
+    return model
 
 
 def from_module(model: Any, name: str, source: str) -> ModelSpec:
