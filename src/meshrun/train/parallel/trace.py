@@ -387,11 +387,7 @@ def _compiled_block_bytes(block: nn.Module, first: dict[str, Any], mode: str) ->
         return None
     flat, tree = pytree.tree_flatten(first["args"])
     where = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-    dtype = BF16 if mode == "bf16" else FP32
-    states = {name: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta",
-                                requires_grad=isinstance(t, nn.Parameter) and t.requires_grad)
-              for name, t in [*block.named_parameters(remove_duplicate=False),
-                              *block.named_buffers(remove_duplicate=False)]}
+    states = _meta_states(block, BF16 if mode == "bf16" else FP32)
     inputs = [flat[i].detach().requires_grad_(flat[i].is_floating_point() and flat[i].requires_grad) for i in where]
     graphs: dict[str, Any] = {}
 
