@@ -283,8 +283,9 @@ def model_spec(row: dict[str, Any], where: str) -> Any:
     module = build_module(row, where)
     spec = from_module(module, what, "the model")
     modes = ("autocast",) if row["strategy_asked"] in ("single", "ddp") else ("bf16",)
+    liger = any("Liger" in k for k in row.get("kernels") or ())  # the run patched Liger Kernel's kernels in
     with attention_as_run(module):
-        return with_trace(spec, module, row["seq"], modes, compiled=bool(row.get("compile_asked")))
+        return with_trace(spec, module, row["seq"], modes, compiled=bool(row.get("compile_asked")), liger=liger)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ For each model, built twice with different numbers of blocks (a Hugging Face sha
 bench/hf_config.py, or meshrun's GPT), fp32 parameters under bf16 autocast as single-GPU/DDP
 training runs them, the bytes allocated after the loss's forward less those before it; their
 difference over the difference in blocks is one block's saved bytes (embeddings and the loss
-cancel). Four ways to run it: eager; the whole model compiled (torch.compile, as meshrun
+cancel). Five ways to run it: eager; ``liger``, eager with Liger Kernel's fused kernels patched
+in as meshrun patches a Hugging Face model Liger knows; the whole model compiled (torch.compile, as meshrun
 compiles single-GPU training); compiled inside DDP (one process: Dynamo then cuts the graph at
 DDP's 1000 MB buckets, as meshrun's compiled DDP on one host); and ``blocks-bf16``, bf16
 parameters with each block compiled on its own, as under FSDP2. Measured at the third step:
@@ -47,7 +48,7 @@ MODELS: dict[str, tuple[str, int, int, tuple[int, int]]] = {
     "gpt-1.3b": ("gpt-1.3b", 1024, 4, (1, 3)),
     "user-llama-1b": ("user-llama-1b", 2048, 4, (1, 3)),  # bench/usermodels.py's llama_1b: its loss outside
 }
-WAYS = ("eager", "compiled", "compiled-ddp", "blocks-bf16")
+WAYS = ("eager", "compiled", "compiled-ddp", "blocks-bf16", "liger")
 MIB = 2**20
 
 
@@ -97,7 +98,8 @@ def gpt_model(preset: str, layers: int, seq: int) -> Any:
 def saved_bytes(model: Any, way: str, seq: int, micro: int) -> dict[str, int]:
     """On cuda:0 at the third step (the first compiles; DDP allocates its buckets again at the
     second): ``after``, the bytes allocated after the loss's forward less those before it;
-    ``peak``, the most allocated during its backward less those before the forward."""
+    ``forward_peak``, the most allocated during the forward, and ``peak``, during its backward,
+    less those before the forward."""
     import torch
 
     from meshrun.modelinfo.blocks import find_blocks
@@ -116,15 +118,21 @@ def saved_bytes(model: Any, way: str, seq: int, micro: int) -> dict[str, int]:
         run = DDP(model, device_ids=[0], bucket_cap_mb=1000, gradient_as_bucket_view=True)
     if way in ("compiled", "compiled-ddp"):
         run.compile()
+    if way == "liger":
+        from meshrun.train.kernels.liger import apply_liger
+
+        apply_liger(model)
     mode = loss_mode(model)
     x = torch.randint(0, 1000, (micro, seq), device="cuda")
     for _ in range(3):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         with torch.autocast("cuda", torch.bfloat16, enabled=way != "blocks-bf16"):
             loss = model_loss(run, mode, x, x)
         torch.cuda.synchronize()
         after = torch.cuda.memory_allocated()
+        forward_peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         loss.backward()
         torch.cuda.synchronize()
@@ -134,7 +142,7 @@ def saved_bytes(model: Any, way: str, seq: int, micro: int) -> dict[str, int]:
     del run
     model.cpu()
     torch.cuda.empty_cache()
-    return {"after": after - before, "peak": peak - before}
+    return {"after": after - before, "forward_peak": forward_peak - before, "peak": peak - before}
 
 
 def meta_model(shape: str, layers: int, seq: int, where: str) -> Any:
@@ -152,11 +160,12 @@ def meta_model(shape: str, layers: int, seq: int, where: str) -> Any:
 
 
 def traced_per_block(shape: str, layers: int, seq: int, micro: int, where: str,
-                     mode: str) -> tuple[float, float | None]:
-    """The trace's bytes per block at ``micro`` sequences: eager, and Inductor's partition."""
+                     mode: str, liger: bool = False) -> tuple[float, float | None]:
+    """The trace's bytes per block at ``micro`` sequences: eager (with Liger's kernels when
+    ``liger``), and Inductor's partition."""
     from meshrun.train.parallel.trace import trace
 
-    tr = trace(meta_model(shape, layers, seq, where), mode, seq)
+    tr = trace(meta_model(shape, layers, seq, where), mode, seq, liger=liger)
     if tr is None:
         return float("nan"), None
     eager = tr.at("blocks", micro) / layers
@@ -164,11 +173,12 @@ def traced_per_block(shape: str, layers: int, seq: int, micro: int, where: str,
     return eager, compiled
 
 
-def trace_terms(shape: str, layers: int, seq: int, micro: int, where: str, mode: str) -> dict[str, float]:
+def trace_terms(shape: str, layers: int, seq: int, micro: int, where: str, mode: str,
+                liger: bool = False) -> dict[str, float]:
     """The trace's terms for the model with ``layers`` blocks at ``micro`` sequences."""
     from meshrun.train.parallel.trace import trace
 
-    tr = trace(meta_model(shape, layers, seq, where), mode, seq)
+    tr = trace(meta_model(shape, layers, seq, where), mode, seq, liger=liger)
     if tr is None:
         return {}
     return {k: tr.at(k, micro) for k in ("embed", "blocks", "block_max", "block_input", "tail", "blocks_compiled")
@@ -201,9 +211,9 @@ def main() -> None:
                 print(f"| {name} | {seq} x {micro} | {way} | failed: {type(exc).__name__}: {str(exc)[:200]} |")
                 continue
             per_block = (got[1]["after"] - got[0]["after"]) / (many - few)
-            eager, compiled = traced_per_block(shape, many, seq, micro, where, "bf16" if way == "blocks-bf16"
-                                               else "autocast")
-            ref = eager if way == "eager" else compiled
+            mode = "bf16" if way == "blocks-bf16" else "autocast"
+            eager, compiled = traced_per_block(shape, many, seq, micro, where, mode, liger=way == "liger")
+            ref = eager if way in ("eager", "liger") else compiled
             ratio = f"{per_block / ref:.3f}" if ref else "-"
             print(f"| {name} | {seq} x {micro} | {way} | {per_block / MIB:.1f} | {eager / MIB:.1f} | "
                   f"{'-' if compiled is None else f'{compiled / MIB:.1f}'} | {ratio} |", flush=True)
@@ -212,8 +222,8 @@ def main() -> None:
                     f.write(json.dumps({"model": name, "shape": shape, "seq": seq, "micro": micro, "way": way,
                                         "blocks": [few, many], "gpu_bytes": got, "gpu_per_block": per_block,
                                         "trace_eager_per_block": eager, "trace_compiled_per_block": compiled,
-                                        "trace": trace_terms(shape, few, seq, micro, where,
-                                                             "bf16" if way == "blocks-bf16" else "autocast"),
+                                        "trace": trace_terms(shape, few, seq, micro, where, mode,
+                                                             liger=way == "liger"),
                                         "card": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                         "wall_s": round(time.time() - t0, 1)}) + "\n")
     dist.destroy_process_group()

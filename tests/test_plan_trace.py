@@ -302,8 +302,9 @@ def test_compiled_blocks_keep_what_inductors_partitioner_keeps():
 def test_the_planner_takes_compiled_blocks_a_compiled_loss_and_accumulated_gradients():
     """torch.compile: the blocks' term is the traced partition x the measured factor of the
     precision mode; the loss spike is compiled only where the model's forward takes the loss;
-    a whole model compiled and accumulating over micro-batches holds one more gradient set at
-    the start of backward (not eager, not FSDP2's per-block compile, not without accumulation)."""
+    accumulating over micro-batches, the earlier micro-batches' gradients are alive at the start
+    of backward: on one GPU (eager or compiled), and under DDP compiled whole one set beyond its
+    buckets (not DDP eager, whose buckets hold them, not FSDP2, not without accumulation)."""
     _torch()
     from meshrun.modelinfo.read import from_module
     from meshrun.plan import ClusterSpec, TrainSpec
@@ -337,3 +338,10 @@ def test_the_planner_takes_compiled_blocks_a_compiled_loss_and_accumulated_gradi
                                              compile=False), ddp, micro).breakdown["grads"] == one
     fsdp_one = estimate(spec, cluster, compiled, fsdp, micro).breakdown["grads"]
     assert estimate(spec, cluster, accumulating, fsdp, micro).breakdown["grads"] == fsdp_one
+    single, alone = named("single", 1, 1, False), ClusterSpec(1, 1, 80 * GiB)
+    for compile_it in (False, True):
+        once = TrainSpec(seq_len=seq, micro_batch=micro, global_batch=micro, compile=compile_it)
+        four = TrainSpec(seq_len=seq, micro_batch=micro, global_batch=4 * micro, compile=compile_it)
+        assert estimate(spec, alone, once, single, micro).breakdown["grads"] == 0
+        assert estimate(spec, alone, four, single, micro).breakdown["grads"] == model_states(spec, four, single)[0][
+            "grads"] > 0

@@ -311,7 +311,7 @@ def test_trainer_makes_the_optimizer_state_at_setup():
 
 
 def test_a_model_whose_loss_needs_its_logits_validates_in_micro_batches_they_fit_in():
-    from meshrun.train.data import EVAL_LOGITS_BYTES, val_micro
+    from meshrun.defaults import EVAL_LOGITS_BYTES, val_micro
 
     # Llama-3.2-1B's vocabulary at 4096 tokens: 3 GiB of logits (bf16 and fp32) a sample
     assert val_micro(8, 4096, 128256, "labels-nocache") == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..cluster.gpus import count_visible_gpus
-from ..defaults import COMPILE_CHOICES, compile_enabled, global_batch_for, seq_len_for
+from ..defaults import COMPILE_CHOICES, KERNELS, compile_enabled, global_batch_for, seq_len_for
 from ..errors import bad_value
 from ..modelinfo.read import resolve_with_module
 from ..modelinfo.spec import PRESETS, ModelSpec
@@ -77,6 +78,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                help="auto: plan with and without (default), none, full")
     add_option(g, "--compile", choices=COMPILE_CHOICES, default="auto",
                help="plan for compiled training: auto (default: on, as meshrun train on GPUs), on, off (eager)")
+    add_option(g, "--kernels", choices=KERNELS, default="auto",
+               help="auto (default, as meshrun train): a Hugging Face model Liger Kernel knows, with Liger "
+               "installed here, is planned with Liger's fused kernels, eager (--compile on: compiled instead); "
+               "plain: without them")
     g = p.add_argument_group("choice and output")
     add_option(g, "--framework", choices=("torch", "deepspeed", "any"), default="torch", dest="plan_framework",
                help="recommend among torch-native strategies (default), DeepSpeed's, or any")
@@ -157,12 +162,23 @@ def train_from_args(ns: argparse.Namespace, context: int | None, world: int) -> 
                      max_micro_batch=max(1, MAX_MICRO_TOKENS // seq) if micro is None else None)
 
 
-def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec) -> ModelSpec:
+def uses_liger(ns: argparse.Namespace, module: Any) -> bool:
+    """Whether meshrun train would patch ``module`` with Liger Kernel's kernels, as
+    train.parallel.auto.compile_and_kernels decides it on a GPU: ``--kernels auto``, a Hugging
+    Face model type Liger knows, Liger installed (here), and ``--compile`` not on."""
+    if ns.kernels != "auto" or ns.compile == "on" or module is None or not hasattr(module, "config"):
+        return False
+    from ..train.kernels.liger import liger_knows
+
+    return liger_knows(module)
+
+
+def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec, liger: bool = False) -> ModelSpec:
     """``model`` with what it keeps for backward traced at the plan's sequence length, when
     torch can build it on the meta device: meshrun's GPT as `meshrun train` builds it on GPUs
     (its Triton loss and fused MLP), a Hugging Face config or a ``module:factory`` (``module``,
-    as resolve_with_module built it). Other presets (published shapes with no module here) keep
-    the estimate from their shape."""
+    as resolve_with_module built it), with Liger Kernel's kernels when ``liger``. Other presets
+    (published shapes with no module here) keep the estimate from their shape."""
     import importlib.util
 
     from ..vocab import GPT_PRESETS
@@ -179,7 +195,7 @@ def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec) -> ModelS
     from ..train.parallel.trace import with_trace
 
     modes = ("fp32",) if train.precision == "fp32" else ("autocast", "bf16")
-    return with_trace(model, module, train.seq_len, modes, compiled=train.compile)
+    return with_trace(model, module, train.seq_len, modes, compiled=train.compile, liger=liger)
 
 
 def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
@@ -194,8 +210,14 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     model, module = resolve_with_module(ns.model, "--model")
     cluster = cluster_from_args(ns, env)
     train = train_from_args(ns, model.context, cluster.world)
-    model = traced(model, module, ns.model, train)
+    liger = uses_liger(ns, module)
+    if liger:  # meshrun train runs Liger's kernels eager (train.parallel.auto.compile_and_kernels)
+        train = dataclasses.replace(train, compile=False)
+    model = traced(model, module, ns.model, train, liger)
     plan = make_plan(model, cluster, train, ns.plan_framework, margin)
+    if liger:
+        plan.reasons.append("Liger Kernel's fused kernels (installed here), eager, as meshrun train runs this model "
+                            "(--kernels plain or --compile on to plan without them)")
     if ns.strategy:
         plan.reasons.append(verdict(ns.strategy, plan.candidates, plan.recommended))
         plan.warnings.extend(check_choice(ns.strategy, plan.candidates, plan.recommended))

@@ -28,6 +28,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
+from ..defaults import val_micro
 from ..modelinfo.spec import LOSS_CHUNK_TOKENS, ModelSpec, Traced
 from ..vocab import StrategyKind
 from .spec import ClusterSpec, TrainSpec
@@ -200,7 +201,9 @@ def traced_activations(tr: Traced, m: ModelSpec, t: TrainSpec, s: Strategy, micr
     """activations() from the traced bytes: all blocks' saved tensors; compiled (``mode``), what
     Inductor's partitioner keeps of them (traced, ``Traced.blocks_compiled``) times a measured
     factor (1.16 under autocast, 1.07 with bf16 parameters: the GPU's bytes over the traced
-    partition's, at most, over six models on one H200, torch 2.11). Under full checkpointing:
+    partition's, at most, over six models on one H200, torch 2.11). The transient of one
+    block's backward: a quarter of what the largest block saves, or a fused kernel's traced
+    backward buffers where larger (Liger's Mixture-of-Experts). Under full checkpointing:
     each block's input, the largest block's recomputation, and a calibrated share (0.2) of what
     the blocks would save un-checkpointed: the measured checkpointed runs hold that much more
     on the GPU than the trace (H200, torch 2.11), while on the CPU a real FSDP2 + checkpointed
@@ -209,28 +212,33 @@ def traced_activations(tr: Traced, m: ModelSpec, t: TrainSpec, s: Strategy, micr
     split = s.tp * s.cp  # sequence parallelism and context parallelism split the tokens
     gathered_kv = 2 * 2 * m.kv_dim * micro * t.seq_len if s.cp > 1 else 0
     largest = tr.at("block_max", micro) / split
+    kernel_work = tr.at("block_backward", micro) / split  # a fused kernel's own backward buffers
     if s.ac:
         stored = (tr.at("embed", micro) + m.layers * tr.at("block_input", micro)
                   + cal["ac_unexplained_share"] * tr.at("blocks", micro)) / split
-        return int(stored), int(largest + gathered_kv)
+        return int(stored), int(largest + kernel_work + gathered_kv)
     blocks = tr.at("blocks", micro)
     if mode == "compiled" and tr.blocks_compiled is not None:
         blocks = tr.at("blocks_compiled", micro) * cal["traced_partition_factor"][tr.mode]
     stored = (tr.at("embed", micro) + blocks) / split
-    return int(stored), int(largest / 4 + gathered_kv)
+    return int(stored), int(max(largest / 4, kernel_work) + gathered_kv)
 
 
-def compiled_accumulation_grads(t: TrainSpec, s: Strategy, micro: int, states: dict[str, int]) -> int:
-    """One gradient-sized buffer more at the start of backward when a whole model compiled in
-    one graph accumulates gradients over micro-batches. Measured (one H200, torch 2.11, DDP on
-    one rank, micro-batch 4 x 4 accumulated): torch's allocated peak was the planner's start of
-    backward plus exactly one more set of fp32 gradients (Gemma-2 2B 92.0 GiB against 91.2,
-    Mistral-shaped 8 layers 53.4 against 53.4), while without accumulation the same start of
-    backward fits alone (Llama-3.2 1B +1.7% of nvidia-smi's peak). The cause is not traced
-    (docs/decisions.md#traced-memory)."""
-    if not whole_model_compiled(t, s) or t.global_batch is None:
+def accumulation_grads(t: TrainSpec, s: Strategy, micro: int, states: dict[str, int]) -> int:
+    """Gradients alive at the start of backward when the step accumulates over micro-batches:
+    from the second micro-batch on, the earlier ones' gradients are kept while its forward
+    saves its activations. Counted where the layout's gradients are not already persistent
+    (one GPU), and for a whole model compiled in one graph, which under DDP holds one set
+    beyond its buckets. Measured on one H200 (torch 2.11): single-GPU runs accumulating 2-8
+    micro-batches peaked at the start of backward plus exactly the fp32 gradients (Llama-3.2 1B
+    with Liger's kernels at 32 x 2: 118.4 GiB allocated against 118.9 predicted; Qwen2.5 1.5B
+    16 x 4: 103.7 against 104.1; Gemma-2 2B 8 x 8: 95.0 against 95.8; a Mistral shape 16 x 4:
+    80.1 against 80.4); DDP on one rank, compiled, 4 x 4: Gemma-2 2B 92.0 against 91.2,
+    Mistral-shaped 8 layers 53.4 against 53.4 (docs/decisions.md#traced-memory)."""
+    if t.global_batch is None or t.global_batch <= micro * s.dp:
         return 0
-    return states["grads"] if t.global_batch > micro * s.dp else 0
+    one_gpu = s.engine == "torch" and s.shard == "none" and not persistent_grads(s)
+    return states["grads"] if one_gpu or whole_model_compiled(t, s) else 0
 
 
 def whole_model_compiled(t: TrainSpec, s: Strategy) -> bool:
@@ -371,8 +379,39 @@ def outside_allocator(c: ClusterSpec, s: Strategy) -> int:
 def spike_fragmentation(m: ModelSpec, t: TrainSpec, s: Strategy, spike: float) -> float:
     """Reserved beyond the allocated peak by the loss spike: its logits-sized blocks come and go
     in an order the cache cannot always reuse (a calibrated share of the traced spike; the
-    estimated spike's fitted bytes per vocabulary entry already hold it)."""
-    return calibration()["traced_spike_fragmentation"] * spike if traced(m, t, s) is not None else 0.0
+    estimated spike's fitted bytes per vocabulary entry already hold it). A model compiled
+    whole in one graph with its loss (one GPU: no DDP cutting the graph) leaves far more of
+    them reserved than eager (GPT-2 at micro-batch 128 on one H200, torch 2.11: 25.1 GiB
+    reserved beyond 82.7 allocated)."""
+    tr = traced(m, t, s)
+    if tr is None:
+        return 0.0
+    cal = calibration()
+    one_graph = whole_model_compiled(t, s) and not s.kind.uses_ddp and tr.loss_inside
+    share = float(cal["compiled_graph_spike_fragmentation" if one_graph else "traced_spike_fragmentation"])
+    return share * spike
+
+
+def validation_growth(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
+    """The allocator's new segments when the run validates (meshrun train does at the end): a
+    model whose eval computes its whole logits (a Hugging Face model or a user's module; not
+    meshrun's GPT) validates in smaller micro-batches (defaults.val_micro), whose logits, their
+    fp32 copy and log-softmax's fp32 output are new segments wherever larger than every tensor
+    training held: the cache serves a request only from a free block as large, and what
+    training freed stays reserved. Where training holds logits of its own (no fused loss) they
+    fit in those. On one H200 (torch 2.11, Liger 0.8.5's fused loss, micro-batch 16-32)
+    nvidia-smi's peak rose 3.9-5.8 GiB over training's reserved bytes while validating
+    Llama-3.2 1B and Qwen2.5 1.5B, as this predicts; a Mixtral shape (vocabulary 32K, 3.5 GiB
+    expert tensors in training) rose none."""
+    tr = traced(m, t, s)
+    if tr is None or not tr.eval_logits or s.pp > 1:
+        return 0
+    entries = val_micro(micro, t.seq_len, m.vocab, "logits") * t.seq_len * m.vocab / s.tp
+    logits = (4 if t.precision == "fp32" else 2) * entries
+    made = [logits, 4 * entries, 4 * entries] if t.precision != "fp32" else [logits, 4 * entries]
+    held = max(tr.at("block_largest", micro) / (s.tp * s.cp),
+               max(tr.at("tail_largest", micro), tr.at("tail_steepest", micro)) / s.tp)
+    return int(sum(x for x in made if x > held))
 
 
 def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int) -> Memory:
@@ -391,7 +430,7 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
     # ZeRO-1/2's reduce buckets are allocated during backward, with the gradients
     late_buffers = states["comm_buffers"] if s.engine == "deepspeed" and not persistent_grads(s) else 0
     fixed = states["params"] + states["optimizer"] + states["comm_buffers"] - late_buffers + cal["workspace_bytes"]
-    grads_early = (states["grads"] if persistent_grads(s) else 0) + compiled_accumulation_grads(t, s, micro, states)
+    grads_early = (states["grads"] if persistent_grads(s) else 0) + accumulation_grads(t, s, micro, states)
     start = fixed + grads_early + acts + spike
     end = fixed - cast_copies(m, t, s) + states["grads"] + late_buffers + transient
     if start >= end:
@@ -402,7 +441,8 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
                  "comm_buffers": states["comm_buffers"]}
     allocated = max(start, end)
     frag = int(allocated * (cal["reserved_over_allocated"] - 1) + deepspeed_step_bytes(m, s)
-               + (side_stream_grads(s, states["grads"]) + spike_fragmentation(m, t, s, spike) if start >= end else 0))
+               + (side_stream_grads(s, states["grads"]) + spike_fragmentation(m, t, s, spike) if start >= end else 0)
+               + validation_growth(m, t, s, micro))
     breakdown = {"params": states["params"], "grads": parts["grads"], "optimizer": states["optimizer"],
                  "activations": parts["activations"], "logits": parts["logits"],
                  "comm_buffers": parts["comm_buffers"], "workspace": cal["workspace_bytes"],

@@ -245,19 +245,3 @@ class BatchStream:
         raise RuntimeError("the data loader yielded no batch")  # guarded earlier by config checks
 
 
-# Validation runs the model in eval mode, where a Hugging Face model computes its whole logits
-# (Liger's fused loss, which never holds them, is for training only): 8 x 4096 tokens of a
-# 128,256-word vocabulary are 25 GiB in bf16 with their fp32 copy. Llama-3.2-1B shape, FSDP2
-# grad_op at micro-batch 8 on 2 x H200, torch 2.11: nvidia-smi's peak 97.0 GiB against 56.3 GiB
-# reserved while training; 61.7 GiB validating as below. Such a model is validated in
-# micro-batches whose logits stay under this many bytes, reading as many samples as the run's
-# micro-batches would.
-EVAL_LOGITS_BYTES = 4 * 2**30
-
-
-def val_micro(micro: int, seq: int | None, vocab: int | None, loss_mode: str) -> int:
-    """The validation micro-batch of a run at ``micro``: the same, or smaller for a model
-    whose loss is taken from its logits (not meshrun's GPT, whose loss is chunked)."""
-    if loss_mode == "targets" or not seq or not vocab:
-        return micro
-    return max(1, min(micro, EVAL_LOGITS_BYTES // (seq * vocab * 6)))  # bf16 logits and an fp32 copy

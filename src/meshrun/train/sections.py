@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..data.sources import data_kind
-from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS
+from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS, KERNELS
 from ..errors import bad_value
 from ..modelinfo.hf import is_hf_path, locate
 from ..paths import check_output_dir
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 STRATEGY_CHOICES = (*POLICIES, *STRATEGIES)
 REDUCE_PRECISIONS = ("fp32", "bf16")
 ATTENTION = ("auto", "cudnn", "flash", "efficient", "math")  # SDPA kernel first in line (models/attention.py)
-KERNELS = ("auto", "plain")  # the built-in GPT's own kernels (Liger's for a Hugging Face model) where they run, or none
 INITS = ("auto", "pretrained", "random")
 EXAMPLES = ("gpt", "toy")
 BUILTIN_DATA = ("stdlib", "random", "toy")

@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset
 
+from ..defaults import val_micro
 from ..errors import MeshrunError
 from ..modelinfo.hf import export_record
 from ..modelinfo.read import context_of
 from . import checkpoint, preempt, report, snapshots
 from .batchfit import fit_micro_batch, guarded_step
 from .config import TrainConfig, resolve_seq_len, validate
-from .data import BatchStream, LoaderSpec, make_loader, val_micro
+from .data import BatchStream, LoaderSpec, make_loader
 from .factories import vocab_size
 from .kernels.liger import liger_applies
 from .metrics import MetricsSink, flops_per_token

@@ -23,15 +23,26 @@ def liger_available() -> bool:
 def liger_applies(model: Any, device: torch.device, tp: int, pp: int) -> bool:
     """Whether Liger's kernels can patch ``model`` on ``device``: a model type Liger knows,
     on CUDA, neither tensor- nor pipeline-parallel, with Liger installed."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if device.type != "cuda" or tp > 1 or pp > 1 or not model_type or not liger_available():
+    if device.type != "cuda" or tp > 1 or pp > 1:
         return False
-    # Liger tries a backend per op for other hardware (Ascend, CuTe DSL) and warns, per op and
-    # per rank, when one does not import: not this run's concern
-    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
+    return liger_knows(model)
+
+
+def liger_knows(model: Any) -> bool:
+    """Whether Liger is installed and knows ``model``'s Hugging Face model type."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not model_type or not liger_available():
+        return False
+    quiet_registry()
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
+def quiet_registry() -> None:
+    """Liger tries a backend per op for other hardware (Ascend, CuTe DSL) and warns, per op and
+    per rank, when one does not import: not this run's concern."""
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
 
 
 def apply_liger(model: Any) -> list[str]:

@@ -105,12 +105,12 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
     the CPU); ``liger``: Liger Kernel can patch the model here. Pure: no process group, no
     device (the model may live on the meta device)."""
     compiled, use_liger, why = compile_and_kernels(cfg, gpu_mem is not None, liger)
-    choice = _decide(model, cfg, world, local_world, dp, gpu_mem, bf16, compiled)
+    choice = _decide(model, cfg, world, local_world, dp, gpu_mem, bf16, compiled, use_liger)
     return dataclasses.replace(choice, compile=compiled, liger=use_liger, reasons=(*choice.reasons, *why))
 
 
 def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, gpu_mem: int | None,
-            bf16: bool, compiled: bool) -> Choice:
+            bf16: bool, compiled: bool, liger: bool) -> Choice:
     kind = STRATEGIES.get(cfg.strategy)
     if kind is not None and kind.one_process and world > 1:
         raise bad_value(cfg.source("strategy"), cfg.strategy, f"runs one process, but the world has {world}",
@@ -146,6 +146,7 @@ def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int,
                        "tokens, the default on GPUs; set --global-batch or --micro-batch to change it)")
     names = (named,) if named else AUTO_STRATEGIES
     pick, usable, largest = _planned(model, cfg, world, local_world, gpu_mem, bf16, global_batch, names, compiled,
+                                     liger,
                                      ac_open=named is None and "activation_checkpointing" not in cfg.sources)
     if pick is None or pick.batch is None:  # a strategy the planner does not plan (fsdp-no-shard)
         named = named or (ONE_PROCESS if world == 1 else REPLICATE)
@@ -179,16 +180,17 @@ def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int,
 
 
 def _planned(model: Any, cfg: TrainConfig, world: int, local_world: int, gpu_mem: int, bf16: bool,
-             global_batch: int | None, names: tuple[str, ...], compiled: bool,
+             global_batch: int | None, names: tuple[str, ...], compiled: bool, liger: bool,
              ac_open: bool) -> tuple[Candidate | None, float, int | None]:
     """The planner's pick among ``names`` (the smallest predicted peak when none fits), the
     usable bytes per GPU, and the largest micro-batch the pick fits with (None: unknown). With
-    ``ac_open`` the planner may turn on checkpointing."""
+    ``ac_open`` the planner may turn on checkpointing; ``liger``: the model runs Liger
+    Kernel's kernels, traced as they keep tensors."""
     from .trace import with_trace  # (torch: imported when a GPU run plans)
 
     # what the model keeps for backward, traced on the meta device
     spec = with_trace(from_module(model, type(model).__name__, "the model"), model, cfg.seq,
-                      ("autocast", "bf16") if bf16 else ("fp32",), cfg.blocks, compiled)
+                      ("autocast", "bf16") if bf16 else ("fp32",), cfg.blocks, compiled, liger)
     cluster = ClusterSpec(nodes=max(1, world // max(1, local_world)), gpus_per_node=max(1, local_world),
                           gpu_mem=gpu_mem)
     train = TrainSpec(seq_len=cfg.seq, micro_batch=cfg.micro_batch, global_batch=global_batch,

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any, cast
 
 import torch
@@ -73,11 +74,20 @@ PRECISION_MODES = ("autocast", "bf16", "fp32")  # fp32 parameters under bf16 aut
 
 
 def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
-          compiled: bool = True) -> Traced | None:
+          compiled: bool = True, liger: bool = False) -> Traced | None:
     """The model's activation bytes in precision ``mode`` at ``seq`` tokens (micro-batch 1
-    and 2), with what torch.compile keeps when ``compiled`` (0.1-2 s more on the CPU); None
-    when it cannot be traced (no block list, or a forward the meta device cannot run: the
-    planner then estimates from the shape)."""
+    and 2), with what torch.compile keeps when ``compiled`` (0.1-2 s more on the CPU), or as
+    Liger Kernel's fused kernels keep them when ``liger`` (a Hugging Face model Liger patches:
+    trace_liger.py; they never run compiled); None when it cannot be traced (no block list, or
+    a forward the meta device cannot run: the planner then estimates from the shape)."""
+    if liger:
+        from .trace_liger import liger_twin
+
+        got = None
+        with contextlib.suppress(Exception), liger_twin(model) as twin:  # else: traced unpatched
+            got = trace(twin, mode, seq, blocks_path, compiled=False)
+        if got is not None:
+            return got
     found = find_blocks(model, blocks_path)
     if found is None:
         return None
@@ -89,8 +99,10 @@ def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
         return None
     from .layouts import loss_mode
 
+    largest, steepest = _largest_lines(one.pop("tail_made"), two.pop("tail_made"))
     traced = Traced(mode=mode, seq=seq, **{k: (one[k], two[k]) for k in one if k != "first_block"},
-                    loss_inside=loss_mode(model) != "logits")
+                    tail_largest=largest, tail_steepest=steepest,
+                    loss_inside=loss_mode(model) != "logits", eval_logits=loss_mode(model) != "targets")
     kept = _compiled_block_bytes(blocks[0], first, mode) if compiled and one["first_block"] else None
     if kept is None:
         return traced
@@ -98,8 +110,35 @@ def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
     return dataclasses.replace(traced, blocks_compiled=(int(one["blocks"] * ratio), int(two["blocks"] * ratio)))
 
 
+def _largest_lines(one: list[int], two: list[int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(the storage largest at micro-batch 1, the one growing fastest), each as its bytes at
+    micro-batch 1 and 2. The tail makes nearly the same storages in the same order at both
+    sizes (an op may make one more at one of them): the two lists are aligned as their longest
+    common run of tensors whose size stays or doubles, and each pair is one tensor."""
+    n, m = len(one), len(two)
+    same = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            if two[j] in (one[i], 2 * one[i]):
+                same[i][j] = same[i + 1][j + 1] + 1
+            else:
+                same[i][j] = max(same[i + 1][j], same[i][j + 1])
+    pairs, i, j = [], 0, 0
+    while i < n and j < m:
+        if two[j] in (one[i], 2 * one[i]) and same[i][j] == same[i + 1][j + 1] + 1:
+            pairs.append((one[i], two[j]))
+            i, j = i + 1, j + 1
+        elif same[i + 1][j] >= same[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    if not pairs:
+        return (0, 0), (0, 0)
+    return max(pairs), max(pairs, key=lambda ab: (ab[1] - ab[0], ab[1]))
+
+
 def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, micro: int,
-                first: dict[str, Any] | None) -> dict[str, int]:
+                first: dict[str, Any] | None) -> dict[str, Any]:
     """The saved bytes by phase at ``micro`` sequences; the first block's inputs into ``first``
     (for _compiled_block_bytes) when given."""
     from .layouts import loss_mode, model_loss
@@ -140,6 +179,8 @@ def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, 
     handles += [b.register_forward_hook(leave(i)) for i, b in enumerate(blocks)]
     handles.append(blocks[0].register_forward_pre_hook(keep_inputs, with_kwargs=True))
     x = torch.zeros(micro, seq, dtype=torch.long, device="meta")
+    work: dict[int, int] = {}
+    token = _backward_work.set((saved, work))
     try:
         with torch.enable_grad(), _gpu_kernels(), _autocast(mode == "autocast"), live, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _swapped(model, states):
@@ -148,12 +189,28 @@ def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, 
                 loss.backward()
             live.sweep()
     finally:
+        _backward_work.reset(token)
         for h in handles:
             h.remove()
     per_block = [saved.bytes.get(i, 0) for i in range(len(blocks))]
     return {"embed": saved.bytes.get(-2, 0) + saved.bytes.get(-1, 0), "blocks": sum(per_block),
             "block_max": max(per_block), "block_input": int(cut.get("input", 0)), "tail": live.peak,
-            "first_block": per_block[0]}
+            "block_backward": max(work.values(), default=0),
+            "block_largest": max(saved.largest.get(i, 0) for i in range(len(blocks))),
+            "tail_made": live.made, "first_block": per_block[0]}
+
+
+# the running trace's (saved tensors, {block: bytes}) for note_backward_work
+_backward_work: ContextVar[tuple[Any, dict[int, int]] | None] = ContextVar("backward_work", default=None)
+
+
+def note_backward_work(nbytes: int) -> None:
+    """For a stood-in fused kernel (trace_liger.py): the buffers its backward makes beyond the
+    gradients of its inputs, counted to the block whose forward runs it."""
+    got = _backward_work.get()
+    if got is not None:
+        saved, work = got
+        work[saved.phase] = work.get(saved.phase, 0) + nbytes
 
 
 def _meta_states(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -482,6 +539,7 @@ class _Saved:
         self.seen: set[int] = set()
         self.phase = -2
         self.bytes: dict[int, int] = {}
+        self.largest: dict[int, int] = {}  # the largest storage each phase saves
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = t.untyped_storage()._cdata
@@ -489,7 +547,9 @@ class _Saved:
             return t
         self.seen.add(key)  # (autograd holds it until backward: the identity is not reused)
         if key not in self.state_storages and not _weight_derived(t, self.params):
-            self.bytes[self.phase] = self.bytes.get(self.phase, 0) + t.untyped_storage().nbytes()
+            nbytes = t.untyped_storage().nbytes()
+            self.bytes[self.phase] = self.bytes.get(self.phase, 0) + nbytes
+            self.largest[self.phase] = max(self.largest.get(self.phase, 0), nbytes)
         return t
 
 
@@ -501,6 +561,7 @@ class _Live(TorchDispatchMode):
         self.armed = False
         self.live: dict[int, tuple[Any, int]] = {}
         self.peak = 0
+        self.made: list[int] = []  # the bytes of each storage made while armed, in order
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -513,6 +574,7 @@ class _Live(TorchDispatchMode):
                     st = t.untyped_storage()
                     if st._cdata not in self.live:
                         self.live[st._cdata] = (StorageWeakRef(st), st.nbytes())
+                        self.made.append(st.nbytes())
             self.sweep()
         return out
 
@@ -523,8 +585,9 @@ class _Live(TorchDispatchMode):
 
 
 def with_trace(spec: ModelSpec, model: nn.Module, seq: int, modes: tuple[str, ...],
-               blocks_path: str | None = None, compiled: bool = True) -> ModelSpec:
+               blocks_path: str | None = None, compiled: bool = True, liger: bool = False) -> ModelSpec:
     """``spec`` with what ``model`` keeps for backward traced in each of ``modes`` at ``seq``
-    tokens (unchanged where it cannot be traced); torch.compile's too when ``compiled``."""
-    got = tuple(t for t in (trace(model, m, seq, blocks_path, compiled) for m in modes) if t is not None)
+    tokens (unchanged where it cannot be traced); torch.compile's too when ``compiled``; as
+    Liger Kernel's kernels keep it when ``liger``."""
+    got = tuple(t for t in (trace(model, m, seq, blocks_path, compiled, liger) for m in modes) if t is not None)
     return dataclasses.replace(spec, traced=got) if got else spec

@@ -1,0 +1,177 @@
+"""What a Hugging Face model keeps with Liger Kernel's fused kernels, traced on the meta device
+(train/parallel/trace_liger.py), and the planner's terms that come with it: the fused loss's
+gradients instead of the logits, the fused Mixture-of-Experts' backward buffers, the
+allocator's new segments when validation computes whole logits, and `meshrun plan` choosing
+the kernels as `meshrun train` would."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import clean_env, require
+
+GiB = 2**30
+
+
+def _liger():
+    require("torch")
+    require("transformers")
+    require("liger_kernel")
+    import torch
+
+    return torch
+
+
+def _llama(vocab: int = 4096, hidden: int = 64, layers: int = 2):
+    torch = _liger()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def test_liger_keeps_the_fused_losss_gradients_not_the_logits_and_leaves_everything_as_it_was():
+    """With Liger's kernels the tail holds the head weight's fp32 gradient (its largest tensor),
+    autocast's two bf16 copies of the weight, the input's gradient, and no fp32 logits; the
+    blocks keep less (SwiGLU keeps its two inputs, RMSNorm its input and an fp32 scale). The
+    model is not patched, and transformers' and Liger's modules are as they were."""
+    _liger()
+    import transformers.models.llama.modeling_llama as modeling
+    from liger_kernel.ops import LigerFusedLinearCrossEntropyFunction, LigerRMSNormFunction
+
+    from meshrun.train.parallel.trace import trace
+
+    vocab, hidden, seq = 4096, 64, 64
+    model = _llama(vocab, hidden)
+    before = (modeling.LlamaForCausalLM.forward, modeling.apply_rotary_pos_emb, modeling.LlamaRMSNorm,
+              modeling.LlamaMLP)
+    plain = trace(model, "autocast", seq, compiled=False)
+    liger = trace(model, "autocast", seq, compiled=False, liger=True)
+    assert plain is not None and liger is not None
+    assert liger.tail_largest[0] == vocab * hidden * 4  # the head weight's fp32 gradient
+    fp32_logits = seq * vocab * 4
+    assert plain.tail_steepest[1] - plain.tail_steepest[0] >= fp32_logits  # eager: logits per sequence
+    assert liger.tail_steepest[1] - liger.tail_steepest[0] < fp32_logits
+    # the loss's gradients (weight fp32 and input), two bf16 copies of the weight, one chunk of logits
+    assert liger.tail[0] >= vocab * hidden * 4 + 2 * vocab * hidden * 2 + seq * hidden * 4
+    assert liger.tail[0] < plain.tail[0]
+    assert liger.blocks[0] < plain.blocks[0]
+    assert liger.eval_logits and liger.loss_inside
+    after = (modeling.LlamaForCausalLM.forward, modeling.apply_rotary_pos_emb, modeling.LlamaRMSNorm,
+             modeling.LlamaMLP)
+    assert after == before
+    assert "forward" not in vars(model.model.norm) and "forward" not in vars(model.model.layers[0].mlp)
+    assert "apply" not in vars(LigerRMSNormFunction) and "apply" not in vars(LigerFusedLinearCrossEntropyFunction)
+
+
+def test_a_liger_function_without_a_stand_in_traces_the_model_unpatched(monkeypatch):
+    """A kernel the trace cannot stand in for (here: RMSNorm's stand-in taken away) makes the
+    Liger trace fail: the model is traced as it is, which keeps more, and the architecture's
+    module is put back all the same."""
+    _liger()
+    import transformers.models.llama.modeling_llama as modeling
+
+    from meshrun.train.parallel import trace_liger
+    from meshrun.train.parallel.trace import trace
+
+    model = _llama()
+    forward = modeling.LlamaForCausalLM.forward
+    monkeypatch.delitem(trace_liger.STAND_INS, "LigerRMSNormFunction")
+    assert trace(model, "autocast", 32, compiled=False, liger=True) == trace(model, "autocast", 32, compiled=False)
+    assert modeling.LlamaForCausalLM.forward is forward
+
+
+def test_the_fused_mixture_of_experts_counts_its_backward_buffers():
+    """Liger's fused MoE keeps the tokens, every routed token's pre-activation and the routing
+    weights; its backward makes tokens x top_k x (3 x intermediate + 1 + hidden) values of its
+    own, which the planner takes as the block's backward transient where larger than a
+    quarter of the block."""
+    torch = _liger()
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from meshrun.modelinfo.read import from_module
+    from meshrun.plan import TrainSpec
+    from meshrun.plan.memory import activations
+    from meshrun.plan.strategies import named
+    from meshrun.train.parallel.trace import trace, with_trace
+
+    hidden, inter, k, seq = 64, 512, 2, 32
+    cfg = MixtralConfig(vocab_size=256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=k,
+                        max_position_embeddings=256)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(cfg)
+    tr = trace(model, "autocast", seq, compiled=False, liger=True)
+    assert tr is not None
+    # the experts' input is the fp32 residual stream's norm under autocast: fp32 buffers
+    assert tr.block_backward == (seq * k * (3 * inter + 1 + hidden) * 4, 2 * seq * k * (3 * inter + 1 + hidden) * 4)
+    assert tr.block_backward[0] > tr.block_max[0] / 4
+    spec = with_trace(from_module(model, "mixtral", "test"), model, seq, ("autocast",), compiled=False, liger=True)
+    train = TrainSpec(seq_len=seq, micro_batch=2, global_batch=2, compile=False)
+    assert activations(spec, train, named("single", 1, 1, False), 2)[1] == int(tr.at("block_backward", 2))
+
+
+def test_validation_adds_the_segments_its_logits_cannot_find_in_the_cache():
+    """Validation computes whole logits (bf16), their fp32 copy and log-softmax's fp32 output;
+    each larger than every tensor training held is a new segment on top of training's reserved
+    bytes. With the fused loss nothing logits-sized was held: all three are new; eager, the
+    training loss held fp32 logits as large: none; a model with a chunked loss (eval_logits
+    False): none."""
+    _liger()
+    from meshrun.defaults import val_micro
+    from meshrun.modelinfo.read import from_module
+    from meshrun.plan import ClusterSpec, TrainSpec
+    from meshrun.plan.memory import estimate, validation_growth
+    from meshrun.plan.strategies import named
+    from meshrun.train.parallel.trace import with_trace
+
+    vocab, seq, micro = 4096, 64, 8
+    model = _llama(vocab)
+    single = named("single", 1, 1, False)
+    train = TrainSpec(seq_len=seq, micro_batch=micro, global_batch=micro, compile=False)
+    entries = val_micro(micro, seq, vocab, "logits") * seq * vocab
+    fused = with_trace(from_module(model, "llama", "test"), model, seq, ("autocast",), compiled=False, liger=True)
+    assert validation_growth(fused, train, single, micro) == 10 * entries
+    eager = with_trace(from_module(model, "llama", "test"), model, seq, ("autocast",), compiled=False)
+    assert validation_growth(eager, train, single, micro) == 0
+    chunked = dataclasses.replace(fused, traced=tuple(dataclasses.replace(t, eval_logits=False) for t in fused.traced))
+    assert validation_growth(chunked, train, single, micro) == 0
+    cluster = ClusterSpec(1, 1, 80 * GiB)
+    assert (estimate(fused, cluster, train, single, micro).breakdown["fragmentation"]
+            - estimate(chunked, cluster, train, single, micro).breakdown["fragmentation"]) == 10 * entries
+
+
+def test_the_tails_tensors_are_paired_across_sizes_even_when_one_size_makes_one_more():
+    """The tail's storages in making order at micro-batch 1 and 2 are aligned (an op may make one
+    more at one size): the largest at 1 and the fastest-growing are each one tensor's sizes."""
+    require("torch")
+    from meshrun.train.parallel.trace import _largest_lines
+
+    one = [32, 8, 1000, 256, 4, 4, 256]
+    two = [64, 16, 1000, 7, 512, 4, 4, 512]
+    assert _largest_lines(one, two) == ((1000, 1000), (256, 512))
+    assert _largest_lines([], [5]) == ((0, 0), (0, 0))
+
+
+@pytest.mark.parametrize("flags,liger", [((), True), (("--kernels", "plain"), False), (("--compile", "on"), False)])
+def test_plan_chooses_liger_as_train_would(tmp_path, flags, liger):
+    """`meshrun plan` on a Hugging Face config Liger knows, with Liger installed, plans Liger's
+    kernels eager and says so, as `meshrun train` would run it; --kernels plain or --compile on
+    plan without them."""
+    _liger()
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 4096, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = subprocess.run([sys.executable, "-m", "meshrun", "plan", "--model", str(tmp_path), "--gpus-per-node", "1",
+                          "--gpu-mem", "80GiB", "--seq-len", "128", *flags], capture_output=True, text=True,
+                         timeout=300, env=clean_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ("Liger Kernel's fused kernels (installed here), eager" in out.stdout) is liger, out.stdout[-1500:]
