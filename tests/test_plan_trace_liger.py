@@ -63,7 +63,7 @@ def test_liger_keeps_the_fused_losss_gradients_not_the_logits_and_leaves_everyth
     assert liger.tail[0] >= vocab * hidden * 4 + 2 * vocab * hidden * 2 + seq * hidden * 4
     assert liger.tail[0] < plain.tail[0]
     assert liger.blocks[0] < plain.blocks[0]
-    assert liger.eval_logits and liger.loss_inside
+    assert liger.eval_logits and liger.loss_inside and liger.liger and not plain.liger
     after = (modeling.LlamaForCausalLM.forward, modeling.apply_rotary_pos_emb, modeling.LlamaRMSNorm,
              modeling.LlamaMLP)
     assert after == before
@@ -175,3 +175,4 @@ def test_plan_chooses_liger_as_train_would(tmp_path, flags, liger):
                          timeout=300, env=clean_env())
     assert out.returncode == 0, out.stderr[-2000:]
     assert ("Liger Kernel's fused kernels (installed here), eager" in out.stdout) is liger, out.stdout[-1500:]
+    assert ("logits: Liger's fused loss" in out.stdout) is liger  # the table's legend says what the column holds

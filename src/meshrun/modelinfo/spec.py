@@ -31,7 +31,8 @@ class Traced:
     ``block_largest``: the largest single tensor a block saves; ``tail_largest`` and
     ``tail_steepest``: the tail's tensor largest at micro-batch 1 and its fastest-growing one
     (what the allocator's cached blocks can serve later is as large as the largest of them). ``eval_logits``:
-    validation computes the whole logits (all but meshrun's GPT, whose loss is chunked)."""
+    validation computes the whole logits (all but meshrun's GPT, whose loss is chunked).
+    ``liger``: traced with Liger Kernel's fused kernels patched in."""
 
     mode: str
     seq: int
@@ -47,6 +48,7 @@ class Traced:
     tail_largest: tuple[int, int] = (0, 0)
     tail_steepest: tuple[int, int] = (0, 0)
     eval_logits: bool = False
+    liger: bool = False
 
     def at(self, term: str, micro: int) -> float:
         """``term`` at ``micro`` sequences: linear through the two traced sizes."""

@@ -83,8 +83,10 @@ def legend(plan: Plan) -> list[str]:
         "* recommended; engines: zero* DeepSpeed, ddp/fsdp* torch, tp*-pp* Megatron-style",
         "each row at its peak: the start of backward (activations, the loss's spike) or its end (all gradients)",
         "grads -: none alive at that peak (freed between steps, made in backward); logits -: the spike is over",
-        "optim cpu: offloaded; logits: bf16 logits, their fp32 copy, log-softmax and its gradient at once",
-        "  (a model compiled whole, single or ddp, fuses most of that)",
+        *(["optim cpu: offloaded; logits: Liger's fused loss (the head weight's and the input's gradients, "
+           "a chunk of logits)"] if any(t.liger for t in plan.model.traced) else [
+            "optim cpu: offloaded; logits: bf16 logits, their fp32 copy, log-softmax and its gradient at once",
+            "  (a model compiled whole, single or ddp, fuses most of that)"]),
         f"step~: for GPUs of {c.gpu_flops / 1e12:.0f} TFLOP/s dense bf16 (H100/H200 SXM) at {ASSUMED_MFU:.0%} MFU "
         "x the layout's measured efficiency, + unhidden communication",
     ]
@@ -95,7 +97,9 @@ def activation_lines(plan: Plan) -> list[str]:
     m, t = plan.model, plan.train
     cal = calibration()
     out = [f"  activations and the loss spike: traced from the model on the meta device at seq {t.seq_len}",
-           "    (every tensor autograd saves, each storage once; attention as the fused kernels save it):"]
+           "    (every tensor autograd saves, each storage once; attention as the fused kernels save it"
+           + ("; Liger Kernel's kernels as their Triton functions keep tensors" if any(tr.liger for tr in m.traced)
+              else "") + "):"]
     for tr in m.traced:
         compiled = "" if tr.blocks_compiled is None else f" ({fmt_bytes(tr.at('blocks_compiled', 1))} compiled)"
         out.append(f"    {tr.mode:8} per sequence: blocks {fmt_bytes(tr.at('blocks', 1))}{compiled}, a block's input "

@@ -87,7 +87,7 @@ def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
         with contextlib.suppress(Exception), liger_twin(model) as twin:  # else: traced unpatched
             got = trace(twin, mode, seq, blocks_path, compiled=False)
         if got is not None:
-            return got
+            return dataclasses.replace(got, liger=True)
     found = find_blocks(model, blocks_path)
     if found is None:
         return None
@@ -100,8 +100,8 @@ def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
     from .layouts import loss_mode
 
     largest, steepest = _largest_lines(one.pop("tail_made"), two.pop("tail_made"))
-    traced = Traced(mode=mode, seq=seq, **{k: (one[k], two[k]) for k in one if k != "first_block"},
-                    tail_largest=largest, tail_steepest=steepest,
+    pairs: dict[str, Any] = {k: (one[k], two[k]) for k in one if k != "first_block"}
+    traced = Traced(mode=mode, seq=seq, **pairs, tail_largest=largest, tail_steepest=steepest,
                     loss_inside=loss_mode(model) != "logits", eval_logits=loss_mode(model) != "targets")
     kept = _compiled_block_bytes(blocks[0], first, mode) if compiled and one["first_block"] else None
     if kept is None:
