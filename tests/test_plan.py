@@ -992,6 +992,11 @@ def test_the_policy_never_compiles_a_model_liger_patches():
     assert (off.compile, off.liger) == (False, True)
     plain = decide(llama, cfg, 2, 2, 2, 141 * GiB, True, liger=False)
     assert (plain.compile, plain.liger) == (True, False)  # a model Liger does not patch: compiled
+    # planned as it runs: Liger's fused loss holds no logits, so a larger micro-batch fits
+    assert auto.largest_micro is not None and plain.largest_micro is not None
+    assert auto.largest_micro > plain.largest_micro
+    zero3 = decide(llama, validate(TrainConfig(seq_len=4096, strategy="zero3")), 2, 2, 2, 141 * GiB, True, liger=True)
+    assert zero3.liger is False  # ZeRO-3's partitioned weights take the plain paths, and are planned so
     with torch.device("meta"):
         model = gpt("gpt-124m", 1024)
     own = decide(model, validate(TrainConfig(model_size="gpt-124m")), 2, 2, 2, 141 * GiB, True, liger=False)

@@ -330,11 +330,15 @@ class _FusedSDPA(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
+def _as_autocast(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``ts`` as SDPA sees them: under autocast (SDPA is on its bf16 list) fp32 cast to bf16."""
+    return tuple(t.to(BF16) if _autocast_on() and t.dtype == FP32 else t for t in ts)
+
+
 def _fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                 enable_gqa: bool = False) -> torch.Tensor:
-    if _autocast_on():  # SDPA is on autocast's bf16 list
-        q, k, v = (t.to(BF16) if t.dtype == FP32 else t for t in (q, k, v))
+    q, k, v = _as_autocast(q, k, v)
     out: torch.Tensor = _FusedSDPA.apply(q, k, v, attn_mask)
     return out
 
@@ -391,8 +395,7 @@ def _flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: to
     """SDPA as the kernels torch.compile's graphs call on the GPU (flash attention; with a mask,
     memory-efficient attention): aten's ops, whose meta kernels and backward formulas make the
     partitioner keep what the GPU's backward reads."""
-    if _autocast_on():
-        q, k, v = (t.to(BF16) if t.dtype == FP32 else t for t in (q, k, v))
+    q, k, v = _as_autocast(q, k, v)
     if attn_mask is None:
         out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)
     else:
