@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from contextvars import ContextVar
 from typing import Any, cast
 
 import torch
@@ -54,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...modelinfo.blocks import find_blocks
 from ...modelinfo.spec import ModelSpec, Traced
+from .trace_hooks import autocast_on, backward_work
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -179,17 +179,14 @@ def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, 
     handles += [b.register_forward_hook(leave(i)) for i, b in enumerate(blocks)]
     handles.append(blocks[0].register_forward_pre_hook(keep_inputs, with_kwargs=True))
     x = torch.zeros(micro, seq, dtype=torch.long, device="meta")
-    work: dict[int, int] = {}
-    token = _backward_work.set((saved, work))
     try:
-        with torch.enable_grad(), _gpu_kernels(), _autocast(mode == "autocast"), live, \
+        with torch.enable_grad(), _gpu_kernels(), _autocast(mode == "autocast"), live, backward_work(saved) as work, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _swapped(model, states):
             loss = model_loss(model, loss_mode(model), x, x)
             with _autocast(False):  # autocast does not reach the backward's ops
                 loss.backward()
             live.sweep()
     finally:
-        _backward_work.reset(token)
         for h in handles:
             h.remove()
     per_block = [saved.bytes.get(i, 0) for i in range(len(blocks))]
@@ -198,19 +195,6 @@ def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, 
             "block_backward": max(work.values(), default=0),
             "block_largest": max(saved.largest.get(i, 0) for i in range(len(blocks))),
             "tail_made": live.made, "first_block": per_block[0]}
-
-
-# the running trace's (saved tensors, {block: bytes}) for note_backward_work
-_backward_work: ContextVar[tuple[Any, dict[int, int]] | None] = ContextVar("backward_work", default=None)
-
-
-def note_backward_work(nbytes: int) -> None:
-    """For a stood-in fused kernel (trace_liger.py): the buffers its backward makes beyond the
-    gradients of its inputs, counted to the block whose forward runs it."""
-    got = _backward_work.get()
-    if got is not None:
-        saved, work = got
-        work[saved.phase] = work.get(saved.phase, 0) + nbytes
 
 
 def _meta_states(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -300,13 +284,6 @@ def _autocast(on: bool) -> Iterator[None]:
         torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, dtype
 
 
-def _autocast_on() -> bool:
-    try:
-        return bool(torch.is_autocast_enabled("meta"))
-    except RuntimeError:
-        return False
-
-
 # ---- the GPU's fused kernels, as what they save ---------------------------------------------
 
 class _FusedSDPA(torch.autograd.Function):
@@ -332,7 +309,7 @@ class _FusedSDPA(torch.autograd.Function):
 
 def _as_autocast(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``ts`` as SDPA sees them: under autocast (SDPA is on its bf16 list) fp32 cast to bf16."""
-    return tuple(t.to(BF16) if _autocast_on() and t.dtype == FP32 else t for t in ts)
+    return tuple(t.to(BF16) if autocast_on() and t.dtype == FP32 else t for t in ts)
 
 
 def _fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -384,7 +361,7 @@ class _HeadLoss(torch.autograd.Function):
 
 
 def _head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    dt = BF16 if _autocast_on() else h.dtype
+    dt = BF16 if autocast_on() else h.dtype
     rows: torch.Tensor = _HeadLoss.apply(h.to(dt), weight.to(dt), targets)
     return rows.sum() / targets.numel()
 

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .trace_hooks import autocast_on, note_backward_work
+
 FP32 = torch.float32
 
 
@@ -100,8 +102,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 lse_square_scale: float = 0.0, label_smoothing: float = 0.0, reduction: str = "mean",
                 softcap: Any = None, return_z_loss: bool = False, accum_dtype: Any = None,
                 *rest: Any) -> tuple[Any, ...]:
-        from .trace import _autocast_on
-
         tokens, hidden = x.shape
         vocab = weight.shape[0]
         ctx.n_args = 12 + len(rest)
@@ -115,12 +115,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if bias is not None and bias.requires_grad else None
         chunk = min(tokens, 2 ** math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / hidden))))))
         copies = []
-        if _autocast_on() and weight.dtype == FP32:
+        if autocast_on() and weight.dtype == FP32:
             # autocast's bf16 copy of the weight (cached: a leaf) for the input's gradient, and
             # one of its transpose (a view: never cached, made again per chunk) for the logits
             copies = [weight.new_empty(weight.shape, dtype=torch.bfloat16),
                       weight.new_empty(weight.shape, dtype=torch.bfloat16)]
-        dtype = torch.bfloat16 if _autocast_on() else x.dtype
+        dtype = torch.bfloat16 if autocast_on() else x.dtype
         logits = x.new_empty(chunk, vocab, dtype=dtype)  # the chunk's logits, overwritten by their gradient
         rows = x.new_empty(tokens, dtype=FP32)  # the loss per row
         del logits, rows, copies
@@ -148,8 +148,6 @@ class _FusedMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        from .trace import note_backward_work
-
         tokens, k = top_k_index.shape
         pre_act = x.new_empty(tokens * k, gate_up.shape[1])
         # its backward's own buffers: the pre-activation's gradient, the weighted activation,
