@@ -1005,6 +1005,26 @@ def test_the_policy_never_compiles_a_model_liger_patches():
     assert (on_cpu.compile, on_cpu.liger) == (False, False)
 
 
+def test_plan_and_train_agree_on_when_liger_runs():
+    """`meshrun plan` traces with Liger's kernels exactly when `meshrun train` would patch them:
+    one rule (defaults.liger_runs) for --kernels x --compile, asked of a model Liger knows."""
+    require("torch")
+    require("liger_kernel")
+    import argparse
+
+    from meshrun.cli.plan import uses_liger
+    from meshrun.train.config import TrainConfig, validate
+    from meshrun.train.parallel.auto import compile_and_kernels
+
+    llama = _hf_llama_on_meta()
+    for kernels in ("auto", "plain"):
+        for compile_choice in ("auto", "on", "off"):
+            cfg = validate(TrainConfig(seq_len=4096, kernels=kernels, compile=compile_choice))
+            runs = compile_and_kernels(cfg, True, True)[1]
+            assert uses_liger(argparse.Namespace(kernels=kernels, compile=compile_choice), llama) is runs
+            assert runs is (kernels == "auto" and compile_choice != "on")
+
+
 def test_a_model_that_fits_nowhere_is_refused_before_it_runs_out_of_memory():
     require("torch")
     from meshrun.train.config import TrainConfig, validate

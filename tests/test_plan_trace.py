@@ -223,10 +223,14 @@ def test_plan_explains_traced_activations_for_a_hugging_face_config(tmp_path):
     assert traced.returncode == 0, traced.stderr
     assert "traced from the model on the meta device at seq 128" in traced.stdout
     assert re.search(r"autocast per sequence: blocks [\d.]+ [KMG]i?B", traced.stdout), traced.stdout
+    # a Hugging Face model validates on its whole logits: the new segments that makes are named
+    assert "validating (meshrun train does at the end)" in traced.stdout
+    assert "earlier\n    micro-batches' fp32 grads (4P)" in traced.stdout
     preset = subprocess.run([*args, "--model", "llama-7b"], capture_output=True, text=True, timeout=300,
                             env=clean_env())
     assert preset.returncode == 0, preset.stderr
     assert "estimated from the shape" in preset.stdout and "traced from the model" not in preset.stdout
+    assert "validating (meshrun train" not in preset.stdout  # nothing traced: no validation term
 
 
 @pytest.mark.parametrize("files,limits", [

@@ -33,6 +33,13 @@ def compile_enabled(choice: str, cuda: bool) -> bool:
     return choice == "on" or (choice == "auto" and cuda)
 
 
+def liger_runs(kernels: str, compile: str, compile_tune: bool, applies: bool) -> bool:
+    """Whether a run patches its model with Liger Kernel's kernels on a GPU: ``--kernels auto``,
+    a model Liger can patch here (``applies``), and compiling not asked for (``--compile on`` or
+    ``--compile-tune``): the two never go together (docs/decisions.md#liger)."""
+    return applies and kernels == "auto" and compile != "on" and not compile_tune
+
+
 def seq_len_for(context: int | None) -> int:
     """The model's context, at most MAX_DEFAULT_SEQ_LEN; FALLBACK_SEQ_LEN when it states none."""
     if not context or context < 1:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..cluster.gpus import count_visible_gpus
-from ..defaults import COMPILE_CHOICES, KERNELS, compile_enabled, global_batch_for, seq_len_for
+from ..defaults import COMPILE_CHOICES, KERNELS, compile_enabled, global_batch_for, liger_runs, seq_len_for
 from ..errors import bad_value
 from ..modelinfo.read import resolve_with_module
 from ..modelinfo.spec import PRESETS, ModelSpec
@@ -163,10 +163,10 @@ def train_from_args(ns: argparse.Namespace, context: int | None, world: int) -> 
 
 
 def uses_liger(ns: argparse.Namespace, module: Any) -> bool:
-    """Whether meshrun train would patch ``module`` with Liger Kernel's kernels, as
-    train.parallel.auto.compile_and_kernels decides it on a GPU: ``--kernels auto``, a Hugging
-    Face model type Liger knows, Liger installed (here), and ``--compile`` not on."""
-    if ns.kernels != "auto" or ns.compile == "on" or module is None or not hasattr(module, "config"):
+    """Whether meshrun train would patch ``module`` with Liger Kernel's kernels on a GPU
+    (defaults.liger_runs, as train.parallel.auto.compile_and_kernels asks it): a Hugging Face
+    model type Liger knows, with Liger installed here."""
+    if module is None or not hasattr(module, "config") or not liger_runs(ns.kernels, ns.compile, False, True):
         return False
     from ..train.kernels.liger import liger_knows
 

@@ -139,6 +139,11 @@ def explanation(plan: Plan) -> str:
             f"  logits spike: {cal['logits_vocab_bytes']['eager']} B x vocab x tokens eager (bf16 logits, fp32 copy, "
             f"log-softmax and its gradient), {cal['logits_vocab_bytes']['compiled']} B compiled with the loss"]),
         "  peak = max(start of backward: states + activations + spike, end of backward: states + all grads)",
+        "    accumulating micro-batches on one GPU (or a whole model compiled under DDP): the earlier",
+        "    micro-batches' fp32 grads (4P) are alive at the start of backward too",
+        *(["  validating (meshrun train does at the end) in smaller micro-batches: their logits (bf16) and two",
+           "    fp32 copies take new segments wherever larger than every tensor training held (in fragmentation)"]
+          if any(tr.eval_logits for tr in m.traced) else []),
         f"  + workspace {fmt_bytes(cal['workspace_bytes'])}, x {cal['reserved_over_allocated']} allocator "
         f"fragmentation (reserved / allocated), + CUDA context {fmt_bytes(cal['cuda_context_bytes'])}",
         f"    (+ {fmt_bytes(cal['nccl_buffer_bytes'])} of NCCL's buffers on more than one GPU, + "

@@ -118,7 +118,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
     blocks = found[1] if found else None
     zero3 = kind.engine == "deepspeed" and kind.zero == 3  # its partitioned weights take the plain paths
     kernels = model.meshrun_kernels(rt.device, cfg.tp, cfg.pp) if isinstance(model, KernelModel) and not zero3 else []
-    if choice.liger and not zero3 and not kernels:
+    if choice.liger and not kernels:  # auto.decide plans ZeRO-3 without Liger, as it runs
         from ..kernels.liger import apply_liger
 
         kernels = apply_liger(model)

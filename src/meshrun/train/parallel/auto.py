@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ...defaults import GLOBAL_BATCH_TOKENS, global_batch_for
+from ...defaults import GLOBAL_BATCH_TOKENS, global_batch_for, liger_runs
 from ...errors import MeshrunError, bad_value
 from ...modelinfo.blocks import find_blocks
 from ...modelinfo.read import from_module
@@ -80,13 +80,12 @@ def compile_and_kernels(cfg: TrainConfig, cuda: bool, liger: bool) -> tuple[bool
     compiled = cfg.compiles(cuda)
     if not liger or cfg.kernels != "auto":
         return compiled, False, []
-    if cfg.compile == "auto" and not cfg.compile_tune:
-        return False, True, ["eager with Liger Kernel's fused kernels (compiling adds nothing on top of them; "
-                             "--compile on for torch.compile's kernels instead)"]
-    if compiled:
-        return True, False, [f"{cfg.source('compile' if cfg.compile == 'on' else 'compile_tune')}: torch.compile's "
-                             "own kernels, not Liger Kernel's (they do not compile together)"]
-    return False, True, []
+    if liger_runs(cfg.kernels, cfg.compile, cfg.compile_tune, liger):
+        why = [] if cfg.compile == "off" else ["eager with Liger Kernel's fused kernels (compiling adds nothing on "
+                                               "top of them; --compile on for torch.compile's kernels instead)"]
+        return False, True, why
+    return True, False, [f"{cfg.source('compile' if cfg.compile == 'on' else 'compile_tune')}: torch.compile's "
+                         "own kernels, not Liger Kernel's (they do not compile together)"]
 
 
 def fsdp_flavour(n_params: int, gpu_mem: int | None) -> tuple[str, str]:
