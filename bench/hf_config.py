@@ -14,7 +14,15 @@ layers, 8/4 heads of 256, GeGLU 9216, vocabulary 256000, tied, sliding window 40
 other layer, attention and final logits soft-capped at 50 and 30, 8K context), gpt2 and
 gpt2-medium (GPT-2 124M and 355M: 768/1024 wide, 12/24 layers, vocabulary 50257, 1024
 positions, tied), mixtral-small (Mixtral's block at a small size: 1024 wide, 8 layers, 16/8
-heads, 8 experts of 3584 with 2 per token, vocabulary 32000, untied).
+heads, 8 experts of 3584 with 2 per token, vocabulary 32000, untied). Families the planner never
+saw, as published: qwen3-1.7b (2048, 28 layers, 16/8 heads of 128, q/k norms, 6144, vocabulary
+151936, tied), phi-3-mini (3.8B: 3072, 32 layers, 32 heads, fused qkv and gate/up, vocabulary
+32064, untied), olmo-2-1b (2048, 16 layers, 16 heads, norms after attention and MLP, q/k norms,
+vocabulary 100352, untied), granite-3-2b (2048, 40 layers, 32/8 heads, embedding, residual,
+attention and logit multipliers, vocabulary 49155, tied), starcoder2-3b (3072, 30 layers, 24/2
+heads, LayerNorm and biases, a GELU MLP of 12288, vocabulary 49152, tied; a family Liger Kernel
+does not patch), qwen3-moe-small (Qwen3-30B-A3B's block, 4 layers: 128 experts of 768 with 8 per
+token, vocabulary 151936).
 ``--seq`` sets max_position_embeddings (default: the shape's published context where it states
 one here, else 8192); ``--layers`` keeps the shape with fewer layers (memory tests of a large
 model on a small host); ``--weights`` also writes random bf16 weights as save_pretrained lays
@@ -57,6 +65,37 @@ SHAPES = {
                                       num_attention_heads=16, num_key_value_heads=8, num_local_experts=8,
                                       num_experts_per_tok=2, vocab_size=32000, rope_theta=1000000.0,
                                       tie_word_embeddings=False, sliding_window=None)),
+    # families the planner was never fitted to or measured on before (bench/memory_grid.py --grid new)
+    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                 rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=40960)),
+    "phi-3-mini": ("phi3", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                                rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=4096,
+                                pad_token_id=32000, bos_token_id=1, eos_token_id=32000)),
+    "olmo-2-1b": ("olmo2", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                num_attention_heads=16, num_key_value_heads=16, vocab_size=100352,
+                                rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                max_position_embeddings=4096, pad_token_id=100277, bos_token_id=None,
+                                eos_token_id=100257)),
+    "granite-3-2b": ("granite", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=40,
+                                     num_attention_heads=32, num_key_value_heads=8, vocab_size=49155,
+                                     rope_theta=5000000.0, tie_word_embeddings=True, embedding_multiplier=12.0,
+                                     logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                                     max_position_embeddings=131072, pad_token_id=0, bos_token_id=0,
+                                     eos_token_id=0)),
+    "starcoder2-3b": ("starcoder2", dict(hidden_size=3072, intermediate_size=12288, num_hidden_layers=30,
+                                         num_attention_heads=24, num_key_value_heads=2, vocab_size=49152,
+                                         rope_theta=999999.4420358813, tie_word_embeddings=True,
+                                         hidden_act="gelu_pytorch_tanh", norm_epsilon=1e-5, use_bias=True,
+                                         sliding_window=4096, max_position_embeddings=16384, bos_token_id=0,
+                                         eos_token_id=0)),
+    "qwen3-moe-small": ("qwen3_moe", dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+                                          num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+                                          head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                          decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                          vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=False,
+                                          max_position_embeddings=40960)),
 }
 # max_position_embeddings of a shape that states no context of its own here
 DEFAULT_SEQ = 8192

@@ -27,6 +27,7 @@ meshrun chose, its prediction, and whether it ran out of memory):
 
     python3 bench/memory_grid.py --grid two --gpus 2 --out $OUT/two
     python3 bench/memory_grid.py --grid auto --gpus 2 --out $OUT/auto
+    python3 bench/memory_grid.py --grid new --gpus 1 --out $OUT/new   # families never measured before
 
 Rows not started before --deadline-s are printed SKIPPED with the command that runs them
 (--rows NAME,NAME). --cpu-check runs tiny stand-ins of every kind on the CPU (2 processes),
@@ -105,6 +106,12 @@ SOURCES: dict[str, tuple[str, str, int | None, float]] = {
     "hf-gemma-2-2b": ("hf", "gemma-2-2b", None, 2.61),
     "hf-mistral-8l": ("hf", "mistral-7b", 8, 1.9),
     "hf-mixtral-small": ("hf", "mixtral-small", None, 0.9),
+    "hf-qwen3-1.7b": ("hf", "qwen3-1.7b", None, 1.7),
+    "hf-phi-3-mini": ("hf", "phi-3-mini", None, 3.8),
+    "hf-olmo-2-1b": ("hf", "olmo-2-1b", None, 1.5),
+    "hf-granite-3-2b": ("hf", "granite-3-2b", None, 2.5),
+    "hf-starcoder2-3b": ("hf", "starcoder2-3b", None, 3.0),
+    "hf-qwen3-moe-4l": ("hf", "qwen3-moe-small", None, 2.7),
 }
 
 GRID: list[Row] = [
@@ -155,7 +162,19 @@ GRID_AUTO: list[Row] = [Row(m, seq, 128 * 1024 // seq, "auto", held_out=True) fo
     ("hf-mixtral-small", 2048), ("user-llama-1b", 2048), ("hf-gpt2-medium", 1024), ("hf-mistral-8l", 2048),
     ("user-gpt-1.3b", 1024), ("hf-gpt2", 1024))]
 
-GRIDS = {"one": GRID, "two": GRID_TWO, "auto": GRID_AUTO}
+# families measured nowhere before (--grid new): meshrun's defaults on each, and a given layout
+# or two; every row held out
+GRID_NEW: list[Row] = [
+    *(Row(m, seq, 128 * 1024 // seq, "auto", held_out=True) for m, seq in (
+        ("hf-qwen3-1.7b", 2048), ("hf-phi-3-mini", 2048), ("hf-olmo-2-1b", 2048), ("hf-granite-3-2b", 2048),
+        ("hf-starcoder2-3b", 2048), ("hf-qwen3-moe-4l", 2048))),
+    Row("hf-qwen3-1.7b", 2048, 4, "fsdp-full", held_out=True),
+    Row("hf-starcoder2-3b", 2048, 4, "ddp", held_out=True),
+    Row("hf-phi-3-mini", 2048, 2, "fsdp-full", ac="full", held_out=True),
+    Row("hf-olmo-2-1b", 2048, 4, "ddp", compiled=True, held_out=True),
+]
+
+GRIDS = {"one": GRID, "two": GRID_TWO, "auto": GRID_AUTO, "new": GRID_NEW}
 
 # --cpu-check: every kind of source at a size the CPU runs, 2 processes
 CPU_SOURCES: dict[str, tuple[str, str, int | None, float]] = {
@@ -390,7 +409,8 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=2, help="processes (GPUs) per row (default 2)")
     ap.add_argument("--grid", default="one", choices=tuple(GRIDS),
                     help="one: the fitted and held-out rows (run on one GPU); two: held-out layouts over 2 GPUs; "
-                         "auto: meshrun's defaults, which must not run out of memory (default one)")
+                         "auto: meshrun's defaults, which must not run out of memory; new: defaults and layouts on "
+                         "families measured nowhere before (default one)")
     ap.add_argument("--part", default="1/1", metavar="K/N", help="every N-th row from the K-th (default 1/1)")
     ap.add_argument("--rows", default=None, help="only these rows, by name (comma-separated), in this order")
     ap.add_argument("--out", default="/tmp/meshrun-memory-grid", help="logs, model configs, matrix.jsonl")

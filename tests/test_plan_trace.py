@@ -243,11 +243,13 @@ def test_the_planner_meets_its_accuracy_target_on_models_it_was_not_fitted_to(fi
     the planner's prediction for each row's layout (bench/memory_grid.py --report): fitted-side
     and held-out rows each within 5% median, 10% worst, none more than 5% under; meshrun's
     defaults (compiled, accumulating) never ran out of memory, are within 5% median and never
-    more than 5% under."""
+    more than 5% under, also on families measured nowhere before (Qwen3, OLMo-2, Granite,
+    StarCoder2, Qwen3-MoE)."""
     require("torch")
     require("transformers")
     paths = [os.path.join(DATA, "calibration", f)
-             for f in (*files, "defaults-auto_h200x2_2026-11-29.jsonl", "defaults-auto_h200_2026-11-29.jsonl")]
+             for f in (*files, "defaults-auto_h200x2_2026-11-29.jsonl", "defaults-auto_h200_2026-11-29.jsonl",
+                       "new-families_h200_2026-11-29.jsonl")]
     rep = subprocess.run([sys.executable, os.path.join(BENCH, "memory_grid.py"), "--report", *paths],
                          capture_output=True, text=True, timeout=600, env=clean_env())
     assert rep.returncode == 0, rep.stderr[-2000:]
@@ -261,7 +263,7 @@ def test_the_planner_meets_its_accuracy_target_on_models_it_was_not_fitted_to(fi
         assert under == "0", (kind, under)
     defaults = re.search(r"^defaults rows: (\d+), median \|error\| ([\d.]+)%, .* under by more than 5%: (\d+), "
                          r"out of memory: (\d+)", rep.stdout, re.M)
-    assert defaults and int(defaults.group(1)) >= 9 and float(defaults.group(2)) / 100 <= median_limit, \
+    assert defaults and int(defaults.group(1)) >= 22 and float(defaults.group(2)) / 100 <= median_limit, \
         rep.stdout[-2000:]
     assert defaults.group(3) == "0" and defaults.group(4) == "0", rep.stdout[-2000:]
 

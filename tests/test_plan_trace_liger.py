@@ -88,34 +88,82 @@ def test_a_liger_function_without_a_stand_in_traces_the_model_unpatched(monkeypa
     assert modeling.LlamaForCausalLM.forward is forward
 
 
-def test_the_fused_mixture_of_experts_counts_its_backward_buffers():
-    """Liger's fused MoE keeps the tokens, every routed token's pre-activation and the routing
-    weights; its backward makes tokens x top_k x (3 x intermediate + 1 + hidden) values of its
-    own, which the planner takes as the block's backward transient where larger than a
-    quarter of the block."""
+def test_a_mixture_of_experts_keeps_its_own_experts_in_training_and_in_the_trace():
+    """meshrun patches a Mixture-of-Experts model with Liger's norm, rotary and fused loss but
+    not its fused MoE kernel (it failed to compile for Qwen3-MoE's experts on the GPU): the
+    trainer's patch and the planner's twin take the same options and the experts stay the
+    model's own; the trace with Liger runs on its norm and loss; a dense model keeps
+    Liger's SwiGLU."""
     torch = _liger()
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    from meshrun.modelinfo.read import from_module
-    from meshrun.plan import TrainSpec
-    from meshrun.plan.memory import activations
-    from meshrun.plan.strategies import named
-    from meshrun.train.parallel.trace import trace, with_trace
+    from meshrun.train.kernels.liger import apply_liger, liger_options
+    from meshrun.train.parallel.trace import trace
+    from meshrun.train.parallel.trace_liger import liger_twin
 
-    hidden, inter, k, seq = 64, 512, 2, 32
-    cfg = MixtralConfig(vocab_size=256, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=k,
+    cfg = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                         max_position_embeddings=256)
     with torch.device("meta"):
-        model = MixtralForCausalLM(cfg)
-    tr = trace(model, "autocast", seq, compiled=False, liger=True)
-    assert tr is not None
-    # the experts' input is the fp32 residual stream's norm under autocast: fp32 buffers
-    assert tr.block_backward == (seq * k * (3 * inter + 1 + hidden) * 4, 2 * seq * k * (3 * inter + 1 + hidden) * 4)
-    assert tr.block_backward[0] > tr.block_max[0] / 4
-    spec = with_trace(from_module(model, "mixtral", "test"), model, seq, ("autocast",), compiled=False, liger=True)
-    train = TrainSpec(seq_len=seq, micro_batch=2, global_batch=2, compile=False)
-    assert activations(spec, train, named("single", 1, 1, False), 2)[1] == int(tr.at("block_backward", 2))
+        moe = MixtralForCausalLM(cfg)
+        dense = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    assert liger_options(moe) == {"swiglu": False} and liger_options(dense) == {}
+    experts = type(moe.model.layers[0].mlp.experts)
+    with liger_twin(moe) as twin:
+        assert type(twin.model.layers[0].mlp.experts) is experts
+        assert twin.forward.__func__.__module__.startswith("liger_kernel")  # the fused loss's forward
+    tr = trace(moe, "autocast", 32, compiled=False, liger=True)
+    assert tr is not None and tr.liger
+    plain = trace(moe, "autocast", 32, compiled=False)
+    assert plain is not None and tr.blocks != plain.blocks and tr.tail != plain.tail  # Liger's norm and loss
+    with torch.device("meta"):
+        real = MixtralForCausalLM(cfg)
+    import transformers.models.mixtral.modeling_mixtral as modeling
+
+    forward = modeling.MixtralForCausalLM.forward
+    try:
+        assert "the model's own experts" in apply_liger(real)[0]
+        assert type(real.model.layers[0].mlp.experts) is experts
+    finally:  # Liger patched the architecture's module for this process: put it back
+        modeling.MixtralForCausalLM.forward = forward
+
+
+def test_liger_cross_entropy_on_granites_scaled_logits_is_traced_and_put_back():
+    """Granite scales its logits, so Liger patches torch's cross-entropy (for the whole process)
+    instead of fusing the loss: the trace runs it stood in for, keeping the fp32 logits (which
+    take their gradient in place) and no log-softmax beside them, and puts torch's function
+    back, so a model traced after it is traced as before."""
+    torch = _liger()
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel, GraniteConfig, GraniteForCausalLM
+
+    from meshrun.train.parallel.trace import trace
+
+    vocab, seq = 4096, 64
+    with torch.device("meta"):
+        granite = GraniteForCausalLM(GraniteConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   logits_scaling=8.0, tie_word_embeddings=True))
+        gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=seq))
+    cross_entropy = F.cross_entropy
+    before = trace(gpt2, "autocast", seq, compiled=False)
+    patched = trace(granite, "autocast", seq, compiled=False, liger=True)
+    plain = trace(granite, "autocast", seq, compiled=False)
+    assert F.cross_entropy is cross_entropy
+    assert trace(gpt2, "autocast", seq, compiled=False) == before
+    assert patched is not None and patched.liger and plain is not None
+    # torch's loss holds fp32 logits and log-softmax's fp32 output at once; Liger's, the logits alone
+    assert plain.tail[0] - patched.tail[0] >= 4 * seq * vocab
+    # the run's first line names the loss Liger gives it
+    from meshrun.train.kernels.liger import apply_liger
+
+    with torch.device("meta"):
+        real = GraniteForCausalLM(granite.config)
+    try:
+        assert apply_liger(real) == ["Liger kernels for granite (RMSNorm, SwiGLU, rotary, cross-entropy)"]
+    finally:
+        F.cross_entropy = cross_entropy
 
 
 def test_validation_adds_the_segments_its_logits_cannot_find_in_the_cache():

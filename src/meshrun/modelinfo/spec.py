@@ -25,9 +25,7 @@ class Traced:
     all blocks keep when torch.compile compiles them (Inductor's partition of the first block's
     forward and backward, scaled to all blocks); None where that could not be traced.
     ``loss_inside``: the model's forward computes the loss (meshrun's GPT; a Hugging Face model
-    given labels); else meshrun takes it from the logits outside the model. ``block_backward``:
-    the buffers a fused kernel's backward makes in the largest block beyond the gradients of
-    its inputs (Liger's fused Mixture-of-Experts; 0 where the kernels are aten's).
+    given labels); else meshrun takes it from the logits outside the model.
     ``block_largest``: the largest single tensor a block saves; ``tail_largest`` and
     ``tail_steepest``: the tail's tensor largest at micro-batch 1 and its fastest-growing one
     (what the allocator's cached blocks can serve later is as large as the largest of them). ``eval_logits``:
@@ -43,7 +41,6 @@ class Traced:
     tail: tuple[int, int]
     blocks_compiled: tuple[int, int] | None = None
     loss_inside: bool = True  # the model's forward takes the loss (compiling the model compiles it too)
-    block_backward: tuple[int, int] = (0, 0)
     block_largest: tuple[int, int] = (0, 0)
     tail_largest: tuple[int, int] = (0, 0)
     tail_steepest: tuple[int, int] = (0, 0)

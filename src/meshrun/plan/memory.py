@@ -202,8 +202,7 @@ def traced_activations(tr: Traced, m: ModelSpec, t: TrainSpec, s: Strategy, micr
     Inductor's partitioner keeps of them (traced, ``Traced.blocks_compiled``) times a measured
     factor (1.16 under autocast, 1.07 with bf16 parameters: the GPU's bytes over the traced
     partition's, at most, over six models on one H200, torch 2.11). The transient of one
-    block's backward: a quarter of what the largest block saves, or a fused kernel's traced
-    backward buffers where larger (Liger's Mixture-of-Experts). Under full checkpointing:
+    block's backward: a quarter of what the largest block saves. Under full checkpointing:
     each block's input, the largest block's recomputation, and a calibrated share (0.2) of what
     the blocks would save un-checkpointed: the measured checkpointed runs hold that much more
     on the GPU than the trace (H200, torch 2.11), while on the CPU a real FSDP2 + checkpointed
@@ -212,16 +211,15 @@ def traced_activations(tr: Traced, m: ModelSpec, t: TrainSpec, s: Strategy, micr
     split = s.tp * s.cp  # sequence parallelism and context parallelism split the tokens
     gathered_kv = 2 * 2 * m.kv_dim * micro * t.seq_len if s.cp > 1 else 0
     largest = tr.at("block_max", micro) / split
-    kernel_work = tr.at("block_backward", micro) / split  # a fused kernel's own backward buffers
     if s.ac:
         stored = (tr.at("embed", micro) + m.layers * tr.at("block_input", micro)
                   + cal["ac_unexplained_share"] * tr.at("blocks", micro)) / split
-        return int(stored), int(largest + kernel_work + gathered_kv)
+        return int(stored), int(largest + gathered_kv)
     blocks = tr.at("blocks", micro)
     if mode == "compiled" and tr.blocks_compiled is not None:
         blocks = tr.at("blocks_compiled", micro) * cal["traced_partition_factor"][tr.mode]
     stored = (tr.at("embed", micro) + blocks) / split
-    return int(stored), int(max(largest / 4, kernel_work) + gathered_kv)
+    return int(stored), int(largest / 4 + gathered_kv)
 
 
 def accumulation_grads(t: TrainSpec, s: Strategy, micro: int, states: dict[str, int]) -> int:

@@ -45,10 +45,37 @@ def quiet_registry() -> None:
     logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
 
 
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def mixture_of_experts(model: Any) -> bool:
+    """Whether ``model``'s config names more than one routed expert."""
+    config = getattr(model, "config", None)
+    return any((getattr(config, key, None) or 0) > 1 for key in EXPERT_COUNT_KEYS)
+
+
+def liger_options(model: Any) -> dict[str, bool]:
+    """The keyword arguments meshrun gives Liger's patch for ``model`` (the trainer and the
+    planner's trace alike). A Mixture-of-Experts model keeps its own experts (``swiglu=False``):
+    Liger 0.8.5's fused MoE kernel failed to compile for Qwen3-MoE's experts (128 of 768, 8 per
+    token; ``PassManager::run failed`` in its token aggregation after 100 s of trying, one H200,
+    torch 2.11), and ran 3 minutes before its first step on a Mixtral shape. Without it the
+    Qwen3-MoE shape trained at 31,144 tokens/s per GPU with meshrun's defaults. The cost, where
+    the kernel does compile: a Mixtral shape (8 experts of 3584, 2 per token) trained at 38,333
+    tokens/s without it against 51,781 with it. docs/decisions.md#liger"""
+    return {"swiglu": False} if mixture_of_experts(model) else {}
+
+
 def apply_liger(model: Any) -> list[str]:
     """Patch ``model`` (``liger_applies``) with Liger's kernels; what was applied, for the
     run's first line."""
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
-    _apply_liger_kernel_to_instance(model=model)
-    return [f"Liger kernels for {model.config.model_type} (RMSNorm, SwiGLU, rotary, fused linear cross-entropy)"]
+    options = liger_options(model)
+    _apply_liger_kernel_to_instance(model=model, **options)
+    mlp = "the model's own experts" if options.get("swiglu") is False else "SwiGLU"
+    # the fused loss replaces the model's forward; where it does not apply (Granite scales its
+    # logits) Liger's cross-entropy takes the logits the model makes
+    fused = getattr(getattr(model.forward, "__func__", None), "__module__", "").startswith("liger_kernel")
+    loss = "fused linear cross-entropy" if fused else "cross-entropy"
+    return [f"Liger kernels for {model.config.model_type} (RMSNorm, {mlp}, rotary, {loss})"]

@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...modelinfo.blocks import find_blocks
 from ...modelinfo.spec import ModelSpec, Traced
-from .trace_hooks import autocast_on, backward_work
+from .trace_hooks import autocast_on
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -180,7 +180,7 @@ def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, 
     handles.append(blocks[0].register_forward_pre_hook(keep_inputs, with_kwargs=True))
     x = torch.zeros(micro, seq, dtype=torch.long, device="meta")
     try:
-        with torch.enable_grad(), _gpu_kernels(), _autocast(mode == "autocast"), live, backward_work(saved) as work, \
+        with torch.enable_grad(), _gpu_kernels(), _autocast(mode == "autocast"), live, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _swapped(model, states):
             loss = model_loss(model, loss_mode(model), x, x)
             with _autocast(False):  # autocast does not reach the backward's ops
@@ -192,7 +192,6 @@ def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, 
     per_block = [saved.bytes.get(i, 0) for i in range(len(blocks))]
     return {"embed": saved.bytes.get(-2, 0) + saved.bytes.get(-1, 0), "blocks": sum(per_block),
             "block_max": max(per_block), "block_input": int(cut.get("input", 0)), "tail": live.peak,
-            "block_backward": max(work.values(), default=0),
             "block_largest": max(saved.largest.get(i, 0) for i in range(len(blocks))),
             "tail_made": live.made, "first_block": per_block[0]}
 

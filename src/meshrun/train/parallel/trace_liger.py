@@ -20,10 +20,9 @@ same sizes and dtypes (Liger 0.8.5, ``liger_kernel/ops``):
   of the weight, not of the transposed view the logits' matmul takes). On one H200 (torch 2.11,
   Liger 0.8.5) the forward's peak beyond the first block came within 1% of this on Llama-3.2 1B,
   Qwen2.5 1.5B, Gemma-2 2B and a Mistral-7B block (bench/saved_activations.py, way liger);
-* the fused Mixture-of-Experts: the tokens, the pre-activation of every routed token
-  (``tokens x top_k x 2 x intermediate``) and the routing weights; its backward makes
-  ``tokens x top_k x (3 x intermediate + 1 + hidden)`` values of buffers of its own
-  (``Traced.block_backward``).
+* cross-entropy on the model's own logits (where the fused loss does not apply: Granite): the
+  logits, whose storage takes their gradient in place;
+* a Mixture-of-Experts model keeps its own experts (train/kernels/liger.py ``liger_options``).
 
 A Liger function not listed makes the trace fail; the caller then traces the model unpatched,
 which keeps more (the planner is over, never under).
@@ -42,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .trace_hooks import autocast_on, note_backward_work
+from .trace_hooks import autocast_on
 
 FP32 = torch.float32
 
@@ -95,6 +94,23 @@ class _Rope(torch.autograd.Function):
         return (dq.new_empty(dq.shape), dk.new_empty(dk.shape), None, None, *([None] * ctx.n_rest))
 
 
+class _CrossEntropy(torch.autograd.Function):
+    """Liger's cross-entropy on logits the model made (where its fused loss does not apply:
+    Granite scales its logits): the gradient is written into the logits in place and kept for
+    backward, so the logits' storage stays alive and nothing of their size is added."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, *args: Any) -> tuple[torch.Tensor, None, None, None]:
+        ctx.save_for_backward(logits.detach())
+        ctx.n_args = len(args)
+        return logits.new_empty((), dtype=FP32), None, None, None
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        (grad,) = ctx.saved_tensors
+        return (grad, *([None] * ctx.n_args))
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -144,28 +160,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return (*grads, *([None] * (ctx.n_args - 4)))
 
 
-class _FusedMoE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        tokens, k = top_k_index.shape
-        pre_act = x.new_empty(tokens * k, gate_up.shape[1])
-        # its backward's own buffers: the pre-activation's gradient, the weighted activation,
-        # the routing weights' gradient and each routed token's input gradient
-        note_backward_work(tokens * k * (gate_up.shape[1] * 3 // 2 + 1 + x.shape[1]) * x.element_size())
-        routed_weights = top_k_weights.reshape(-1).contiguous()
-        ctx.save_for_backward(x, gate_up, down, pre_act, routed_weights)
-        ctx.weights_shape = top_k_weights.shape
-        ctx.mark_non_differentiable(top_k_index)
-        return x.new_empty(tokens, x.shape[1])
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        x, gate_up, down, _, routed = ctx.saved_tensors
-        return (torch.empty_like(x), torch.empty_like(gate_up), torch.empty_like(down), None,
-                routed.new_empty(ctx.weights_shape))
-
-
 # Liger's function (liger_kernel.ops) -> its stand-in
 STAND_INS: dict[str, type[torch.autograd.Function]] = {
     "LigerRMSNormFunction": _RMSNorm,
@@ -173,7 +167,7 @@ STAND_INS: dict[str, type[torch.autograd.Function]] = {
     "LigerGELUMulFunction": _GatedMul,
     "LigerRopeFunction": _Rope,
     "LigerFusedLinearCrossEntropyFunction": _FusedLinearCrossEntropy,
-    "LigerFusedMoEFunction": _FusedMoE,
+    "LigerCrossEntropyFunction": _CrossEntropy,
 }
 
 
@@ -182,7 +176,7 @@ def liger_twin(model: nn.Module) -> Iterator[nn.Module]:
     """A twin of the Hugging Face ``model`` on the meta device with Liger's kernels applied as
     meshrun applies them (train/kernels/liger.py), its Triton functions stood in for; what
     Liger changed in the architecture's module is put back when the block ends."""
-    from ..kernels.liger import quiet_registry
+    from ..kernels.liger import liger_options, quiet_registry
 
     quiet_registry()
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
@@ -190,7 +184,8 @@ def liger_twin(model: nn.Module) -> Iterator[nn.Module]:
     modeling = sys.modules[type(model).__module__]
     ops = importlib.import_module("liger_kernel.ops")
     functions = [getattr(ops, name) for name in STAND_INS if hasattr(ops, name)]
-    with _restored(modeling), _applies_swapped(functions):
+    # Liger's plain cross-entropy replaces torch.nn.functional's for the process: put back too
+    with _restored(modeling), _restored(torch.nn.functional), _applies_swapped(functions):
         config = copy.deepcopy(model.config)
         attention = getattr(config, "_attn_implementation", None)
         if attention is not None:  # as the model was built (transformers checks it again otherwise)
@@ -200,7 +195,7 @@ def liger_twin(model: nn.Module) -> Iterator[nn.Module]:
         if attention is not None:
             twin.config._attn_implementation = attention
         twin.train(model.training)
-        _apply_liger_kernel_to_instance(model=twin)
+        _apply_liger_kernel_to_instance(model=twin, **liger_options(twin))
         yield twin
 
 
