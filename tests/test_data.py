@@ -479,3 +479,21 @@ def test_bad_data_is_one_line_each(tmp_path, corpus):
         last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
         assert res.returncode == 2 and last.startswith("meshrun: error: ") and said in last, (args, res.stderr[-1500:])
         assert "Traceback" not in res.stderr, res.stderr[-1500:]
+
+
+def test_prepare_progress_moves_without_a_terminal(capsys, monkeypatch):
+    """Without a terminal, `data prepare` prints a line every few seconds (not one stale line
+    at the first chunk): what is done of the corpus, the rates and the time left."""
+    from meshrun.data import prepare as prep
+
+    now = [0.0]
+    monkeypatch.setattr(prep.time, "monotonic", lambda: now[0])
+    progress = prep._Progress(4 * 2**20, enabled=True)  # pytest's stderr is no terminal
+    for at in (1.0, 6.0, 13.0):  # 1 s in: too soon for a line; 6 s in: a line; 13 s in: another
+        now[0] = at
+        progress.update(2**20, 1000, 10)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert lines == [
+        "meshrun data: 2.0 of 4.0 MiB (50%), 2,000 tokens, 0.3 MiB/s, 333 tokens/s, elapsed 0:06, left 0:06",
+        "meshrun data: 3.0 of 4.0 MiB (75%), 3,000 tokens, 0.2 MiB/s, 231 tokens/s, elapsed 0:13, left 0:04",
+    ]

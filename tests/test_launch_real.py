@@ -23,6 +23,20 @@ def test_torch_gloo_allreduce_two_processes():
     rows = lines(out.stdout, "ALLREDUCE")
     assert sorted(r["rank"] for r in rows) == ["0", "1"]
     assert all(r["sum"] == "3" and r["ok"] == "True" for r in rows)
+    # torchrun's four-line banner about the thread count is not shown; meshrun says it once
+    assert "Setting OMP_NUM_THREADS" not in out.stderr, out.stderr
+    assert out.stderr.count("meshrun: OMP_NUM_THREADS=1 in each of the 2 processes") == 1, out.stderr
+
+
+def test_a_thread_count_the_user_set_reaches_every_process(tmp_path):
+    require("torch")
+    probe = tmp_path / "threads.py"
+    probe.write_text("import os\nprint('THREADS', os.environ['RANK'], os.environ['OMP_NUM_THREADS'], flush=True)\n")
+    out = meshrun("launch", "--nproc", "2", str(probe), env=clean_env(OMP_NUM_THREADS="3"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("THREADS")) == \
+        [["0", "3"], ["1", "3"]]
+    assert "OMP_NUM_THREADS" not in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("mode", ["fit", "loop"])

@@ -34,6 +34,24 @@ def test_slurm_script_is_valid_bash_with_well_formed_sbatch_lines(tmp_path):
             "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00"} <= set(sbatch)
 
 
+def test_slurm_job_options_render_as_sbatch_reads_them(tmp_path):
+    """--account, --qos, --mem, --constraint and each --sbatch-arg become #SBATCH lines before
+    the script's first command, the last as given (`--sbatch-arg --exclusive`, its value an
+    option of its own, included)."""
+    path = tmp_path / "job.sbatch"
+    res = meshrun("render", "slurm", "--account", "a", "--qos", "q", "--mem", "0", "--constraint", "h100&ib",
+                  "--sbatch-arg", "--exclusive", "--sbatch-arg=--mail-type=END", "-o", str(path), "--", *TRAIN)
+    assert res.returncode == 0, res.stderr
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    lines = path.read_text().splitlines()
+    first_cmd = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    sbatch = lines[:first_cmd]
+    for line in ("#SBATCH --account=a", "#SBATCH --qos=q", "#SBATCH --mem=0", "#SBATCH --constraint=h100&ib",
+                 "#SBATCH --exclusive", "#SBATCH --mail-type=END"):
+        assert sbatch.count(line) == 1, (line, sbatch)
+    assert not any(line.startswith("#SBATCH --account") for line in render(RenderSpec("slurm", TRAIN)).splitlines())
+
+
 def test_slurm_node_command_is_the_argv_as_given(tmp_path):
     """A `$` in the command is the user's text: neither the batch host's bash nor the node's
     expands it (meshrun finds the node's rank and head from Slurm's variables itself)."""
@@ -154,6 +172,19 @@ BAD = [
     (["render", "hostfile"], "--hosts='': a hostfile needs"),
     (["render", "slurm", "-f", "mxnet", "--", "x.py"], "--framework='mxnet': unknown"),
     (["render", "slurm", "meshrun", "train", "--steps", "4"], "put the command after --"),
+    (["render", "slurm", "--sbatch-arg", "--nodes=3", "--", "x.py"],
+     "--sbatch-arg='--nodes=3': sets an option the script renders itself (hint: use meshrun render's --nodes"),
+    (["render", "slurm", "--sbatch-arg", "--output=x.log", "--", "x.py"],
+     "--sbatch-arg='--output=x.log': sets an option the script renders itself (hint: leave it to meshrun"),
+    (["render", "slurm", "--sbatch-arg", "--wrap=a b", "--", "x.py"], "--sbatch-arg='--wrap=a b': is not one sbatch"),
+    (["render", "slurm", "--sbatch-arg", "exclusive", "--", "x.py"], "--sbatch-arg='exclusive': is not one sbatch"),
+    (["render", "slurm", "--mem", "5GB", "--", "x.py"], "--mem='5GB': is not a Slurm memory size"),
+    (["render", "slurm", "--account", "a b", "--", "x.py"], "--account='a b': is not a Slurm account name"),
+    (["render", "slurm", "--qos", "high;x", "--", "x.py"], "--qos='high;x': is not a Slurm QOS name"),
+    (["render", "slurm", "--constraint", "a b", "--", "x.py"], "--constraint='a b': is not a Slurm constraint"),
+    (["render", "skypilot", "--account", "a", "--", "x.py"], "--account='a': is a Slurm job option, not one for "
+     "skypilot"),
+    (["render", "slurm", "--account", "a\n#SBATCH --x", "--", "x.py"], "contains a control character"),
 ]
 
 

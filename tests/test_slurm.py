@@ -72,12 +72,15 @@ def test_sbatch_two_nodes_train_like_one_node(cluster, one_node, tmp_path):
     each): the job completes, sacct records COMPLETED, and every loss equals the one-node
     4-process run's bit for bit."""
     out = tmp_path / "run"
-    job = render(tmp_path, command=["meshrun", "train", "--nproc", "2", *JOB, "--out", str(out)])
+    # the cluster's own job options, as sbatch reads them from the rendered #SBATCH lines
+    job = render(tmp_path, "--account", "ml-team", "--mem", "0", "--sbatch-arg", "--comment=meshrun-render",
+                 command=["meshrun", "train", "--nproc", "2", *JOB, "--out", str(out)])
     job_id = cluster.sbatch(str(job), str(tmp_path))
     info = cluster.wait(job_id, timeout=400)
     log = job_output(tmp_path, job_id)
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert info["NodeList"] == "node[1-2]"
+    assert info["Account"] == "ml-team" and info["Comment"] == "meshrun-render", info
     assert cluster.accounting(job_id) == ["COMPLETED"]
     assert losses(out) == one_node
 

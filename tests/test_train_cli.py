@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 from helpers import clean_env, meshrun, require
@@ -17,8 +18,11 @@ def records(path):
 
 def test_default_job_short_form_loss_falls(tmp_path):
     require("torch")
-    out = meshrun("train", "--steps", "40", "--log-every", "10", "--out", str(tmp_path), timeout=600)
+    # Python's ResourceWarnings shown: the launcher closes what it opens (its ranks' stderr pipes)
+    out = meshrun("train", "--steps", "40", "--log-every", "10", "--out", str(tmp_path), timeout=600,
+                  env=clean_env(PYTHONWARNINGS="always::ResourceWarning"))
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "ResourceWarning" not in out.stderr, out.stderr[-3000:]
     assert "strategy ddp" in out.stdout and "2 process(es)" in out.stdout
     rows = records(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [10, 20, 30, 40]
@@ -28,6 +32,15 @@ def test_default_job_short_form_loss_falls(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # bytes of Python source are learnable
     assert rows[-1]["val_loss"] is not None and rows[-1]["val_loss"] < 4.0
     assert (tmp_path / "loss.png").stat().st_size > 1000
+    # a person reads where the run is, how long it has taken and has left, and where it wrote
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 10/40", "step 20/40", "step 30/40", "step 40/40"]
+    assert all(re.search(r" \| elapsed \d+:\d\d \| left \d+:\d\d$", line) for line in lines[:-1]), lines
+    assert "left" not in lines[-1] and "per_gpu" not in out.stdout  # 2 CPU processes are no GPUs
+    closing = out.stdout.splitlines()[-1]
+    assert re.fullmatch(rf"meshrun train: finished step 40/40 in \d+:\d\d \(loss [\d.]+, val_loss [\d.]+\); "
+                        rf"in {re.escape(str(tmp_path))}: metrics.jsonl, loss.png(, tensorboard)?, "
+                        r"snapshot checkpoints/step-00000040", closing), closing
 
 
 def test_toy_example_and_config_file_with_flag_override(tmp_path):

@@ -52,3 +52,10 @@ def fmt_seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.3g} ms"
     return f"{s * 1e6:.3g} µs"
+
+
+def clock(seconds: float) -> str:
+    """Seconds as a clock reads: H:MM:SS, or M:SS under an hour."""
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"

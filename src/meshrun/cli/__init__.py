@@ -65,6 +65,21 @@ def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Ar
     return found
 
 
+def joined_option_values(args: list[str], names: tuple[str, ...]) -> list[str]:
+    """``NAME VALUE`` as ``NAME=VALUE`` for options whose values are themselves options
+    (``--sbatch-arg --exclusive``), which argparse would otherwise read as a flag of its own."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] in names and i + 1 < len(args):
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     environ = dict(os.environ if env is None else env)
     try:
@@ -74,6 +89,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if args and args[0] == "render" and "--" in args:  # argparse mangles `--` inside subcommands
             cut = args.index("--")
             args, tail = args[:cut], args[cut + 1:]
+        if args and args[0] == "render":
+            args = joined_option_values(args, ("--sbatch-arg", "--sbatch_arg"))
         ns, extra = parser.parse_known_args(args)
         if extra:
             hint = ("put the command after --, e.g. meshrun render slurm -- meshrun train"

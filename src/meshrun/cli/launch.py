@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping
 
@@ -13,6 +14,7 @@ from ..launch.command import LaunchSpec
 from ..launch.dryrun import dry_run_text
 from ..launch.node import check_ports, prepare_network, run_job
 from ..launch.run import Waits
+from ..launch.torchrun import thread_env
 from ..vocab import FRAMEWORKS
 from .options import (
     add_finish_timeout_option,
@@ -126,6 +128,11 @@ def cmd_launch(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     spec = launch_spec(ns, elastic)
     finish_s = int_option(ns, "finish_timeout", minimum=1)
     cmd = build(topo, spec, env.get("CUDA_VISIBLE_DEVICES"))
+    threads = thread_env(topo.nproc_per_node, env) if cmd.argv[:1] == ("torchrun",) else {}
+    if threads:
+        note = (f"OMP_NUM_THREADS=1 in each of the {topo.nproc_per_node} processes, as torchrun sets it "
+                "(set OMP_NUM_THREADS to choose)")
+        cmd = dataclasses.replace(cmd, env={**cmd.env, **threads}, note="; ".join(filter(None, (cmd.note, note))))
     if ns.dry_run:
         print(dry_run_text(cmd, ns.json))
         return 0

@@ -31,6 +31,7 @@ A command that does not start with `meshrun` is a script: it is run as
 examples:
   meshrun render slurm --nodes 4 --gpus-per-node 8 -- meshrun train --model-size gpt-1.3b --out /shared/run1
   meshrun render slurm --nodes 4 --time 04:00:00 --requeue -- meshrun train --out /shared/run1   # runs until done
+  meshrun render slurm --account ml --qos high --mem 0 --sbatch-arg=--exclusive -- meshrun train --out /shared/r
   meshrun render skypilot --nodes 2 --accelerator H100 -o task.yaml -- train.py --epochs 3
   meshrun render kubernetes --nodes 2 --image ghcr.io/me/train:1 --name gpt -- meshrun train --steps 500
   meshrun render saturn --nodes 2 --image saturncloud/saturn-python-pytorch:2024.08.01 -f deepspeed -- train.py
@@ -67,6 +68,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_option(g, "--max-restarts", metavar="N",
                help="Slurm: when the job step fails (a node lost, a process killed), run it again in the same "
                     "allocation, up to N times; meshrun train resumes from its newest snapshot (default 0)")
+    add_option(g, "--account", metavar="A", help="Slurm account to charge (sbatch --account)")
+    add_option(g, "--qos", metavar="Q", help="Slurm quality of service (sbatch --qos)")
+    add_option(g, "--mem", metavar="SIZE", help="Slurm memory per node, e.g. 500G; 0 takes all of it (sbatch --mem)")
+    add_option(g, "--constraint", metavar="FEATURES", help="Slurm node features, e.g. 'h100&ib' (sbatch --constraint)")
+    add_option(g, "--sbatch-arg", metavar="OPTION", action="append", from_env=False,
+               help="Slurm: one more #SBATCH option, as sbatch takes it (repeatable), e.g. "
+                    "--sbatch-arg=--exclusive --sbatch-arg=--mail-type=END")
     add_option(g, "--namespace", metavar="NS", help="Kubernetes namespace")
     add_option(g, "--pytorchjob", action="store_true", help="Kubernetes: a Kubeflow PyTorchJob instead")
     add_option(g, "--hosts", metavar="H0,H1,..", help="hostfile: node addresses in node-rank order")
@@ -112,6 +120,8 @@ def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         cpus_per_task=_int(ns, "cpus_per_task", "--cpus-per-task"),
         namespace=ns.namespace, pytorchjob=ns.pytorchjob, requeue=ns.requeue,
         signal_before=_seconds(ns, "signal_before"), max_restarts=_int(ns, "max_restarts", "--max-restarts") or 0,
+        account=ns.account, qos=ns.qos, mem=ns.mem, constraint=ns.constraint,
+        sbatch_args=tuple(ns.sbatch_arg or ()),
         # (an empty name between commas is kept, for validate() to refuse)
         hosts=tuple(h.strip() for h in ns.hosts.split(",")) if ns.hosts and ns.hosts.strip() else ())
     if ns.output:

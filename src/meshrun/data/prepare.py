@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import MeshrunError, bad_value
 from ..paths import check_output_dir
+from ..units import clock
 from . import FORMAT, INDEX
 from .lock import LOCK_NAME, PrepareLock
 from .sources import Source, documents
@@ -245,39 +246,49 @@ def _identity(spec: PrepareSpec, tok: Tokenizer) -> dict[str, Any]:
 
 
 class _Progress:
-    """Bytes read of the corpus, tokens written, their rates and the time left (rich, on a
-    terminal; a line every 30 s otherwise)."""
+    """Bytes read of the corpus, tokens written, their rates and the time left: a rich bar on a
+    terminal, else a line every LINE_EVERY_S seconds; and a closing line."""
+
+    LINE_EVERY_S = 5.0
 
     def __init__(self, total_bytes: int | None, enabled: bool) -> None:
-        self.total, self.enabled, self.start, self.last = total_bytes, enabled, time.monotonic(), 0.0
+        self.total, self.enabled, self.start = total_bytes, enabled, time.monotonic()
+        self.last = self.start
         self.bytes = self.tokens = self.docs = 0
         self.bar: Progress | None = None
         if enabled and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
+            from rich.progress import BarColumn, Progress, TextColumn
 
             self.bar = Progress(TextColumn("tokenizing"), BarColumn(), TextColumn("{task.fields[info]}"),
-                                TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+                                console=Console(stderr=True), transient=True)
             self.bar.start()
             self.task = self.bar.add_task("", total=total_bytes, info="")
+
+    def info(self) -> str:
+        """What is done, at what rate, and (the corpus's size known) its share and the time left."""
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        rate = self.bytes / elapsed
+        done = f"{self.bytes / 2**20:,.1f}"
+        if self.total:
+            done += f" of {self.total / 2**20:,.1f} MiB ({min(1.0, self.bytes / self.total):.0%})"
+        else:
+            done += " MiB"
+        line = (f"{done}, {self.tokens:,} tokens, {rate / 2**20:,.1f} MiB/s, {self.tokens / elapsed:,.0f} tokens/s, "
+                f"elapsed {clock(elapsed)}")
+        if self.total and rate > 0 and self.bytes < self.total:
+            line += f", left {clock((self.total - self.bytes) / rate)}"
+        return line
 
     def update(self, size: int, tokens: int, docs: int) -> None:
         self.bytes, self.tokens, self.docs = self.bytes + size, self.tokens + tokens, self.docs + docs
         if not self.enabled:
             return
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        info = (f"{self.bytes / 2**20:,.1f} MiB, {self.tokens:,} tokens, {self.bytes / elapsed / 2**20:,.1f} MiB/s, "
-                f"{self.tokens / elapsed:,.0f} tokens/s")
         if self.bar is not None:
-            self.bar.update(self.task, completed=self.bytes, info=info)
-        elif time.monotonic() - self.last > 30:
+            self.bar.update(self.task, completed=self.bytes, info=self.info())
+        elif time.monotonic() - self.last >= self.LINE_EVERY_S:
             self.last = time.monotonic()
-            print(f"meshrun data: {info}", file=sys.stderr, flush=True)
+            print(f"meshrun data: {self.info()}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         if self.bar is not None:

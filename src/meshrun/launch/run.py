@@ -320,6 +320,9 @@ def _end_job(procs: list[subprocess.Popen[bytes]], token: str, watchdog: guard.W
     watchdog.close(job_stopped=True)
     for relay in relays:
         relay.join(timeout=5)
+    for p in procs:  # the relayed stderr pipes, drained: closed here, not left to the collector
+        if p.stderr is not None and not any(r.is_alive() for r in relays):
+            p.stderr.close()
 
 
 TICK_S = 0.05  # while signals wait for workers' handlers, or a grace period runs

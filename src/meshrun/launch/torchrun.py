@@ -10,6 +10,8 @@ Rendezvous choice:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ..cluster.topology import Topology
 from .command import Command, LaunchSpec, Process
 from .common import script_argv, topology_env
@@ -54,3 +56,11 @@ def build(topo: Topology, spec: LaunchSpec, extra_script_args: list[str] | None 
         # torchrun picks the port itself; do not advertise one that will not be used.
         del env["MESHRUN_MASTER_ADDR"], env["MESHRUN_MASTER_PORT"]
     return Command(processes=(Process(tuple(argv)),), env=env)
+
+
+def thread_env(nproc_per_node: int, env: Mapping[str, str]) -> dict[str, str]:
+    """OMP_NUM_THREADS=1 for each of several processes on a node, as torchrun sets it when
+    the user has not, but set here so that torchrun prints no four-line banner about it."""
+    if "OMP_NUM_THREADS" in env or nproc_per_node < 2:
+        return {}
+    return {"OMP_NUM_THREADS": "1"}

@@ -42,6 +42,11 @@ def render(spec: RenderSpec) -> str:
         lines.append(f"#SBATCH --partition={spec.partition}")
     if spec.time:
         lines.append(f"#SBATCH --time={spec.time}")
+    for option, value in (("account", spec.account), ("qos", spec.qos), ("mem", spec.mem),
+                          ("constraint", spec.constraint)):
+        if value is not None:
+            lines.append(f"#SBATCH --{option}={value}")
+    lines += [f"#SBATCH {arg}" for arg in spec.sbatch_args]
     lines.append(f"#SBATCH --output={spec.name}-%j.out")
     if spec.requeue:
         # (append: the requeued job keeps its job id, so it writes to the same file)

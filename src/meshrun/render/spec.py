@@ -16,6 +16,22 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")  # room for the
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS-1123 label
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # no blanks, '%' (sbatch's patterns) or '/'
 _PARTITION = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")  # one partition or a comma list
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # an account
+_QOS = _PARTITION  # one QOS or a comma list
+_SLURM_MEM = re.compile(r"^[0-9]+[KMGT]?$")  # sbatch --mem: a size (MB unless K/M/G/T); 0 takes the node's all
+# sbatch --constraint: features joined by & | , with [ ] ( ) grouping and *COUNT; no blanks or quotes
+_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|,\[\]()*:]+$")
+# --sbatch-arg: one long or short option, its value after '=' (or none); no blanks or quotes,
+# which sbatch would split or read as another option
+_SBATCH_ARG = re.compile(r"^(--[A-Za-z][A-Za-z0-9-]*(=[^\s'\"\\]+)?|-[A-Za-z](=?[^\s'\"\\]+)?)$")
+# the options the rendered script sets itself: its own flags say them, or its launch depends on them
+RENDERED_SBATCH = {"--job-name": "--name", "-J": "--name", "--nodes": "--nodes", "-N": "--nodes",
+                   "--ntasks-per-node": None, "--ntasks": None, "-n": None, "--gpus-per-node": "--gpus-per-node",
+                   "--cpus-per-task": "--cpus-per-task", "-c": "--cpus-per-task", "--partition": "--partition",
+                   "-p": "--partition", "--time": "--time", "-t": "--time", "--output": None, "-o": None,
+                   "--open-mode": "--requeue", "--requeue": "--requeue", "--signal": "--signal-before",
+                   "--account": "--account", "-A": "--account", "--qos": "--qos", "-q": "--qos",
+                   "--mem": "--mem", "--constraint": "--constraint", "-C": "--constraint"}
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
 _SLURM_TIME = re.compile(r"([0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}|UNLIMITED|INFINITE)")
 _ACCELERATOR = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)(?::([1-9][0-9]*))?$")  # SkyPilot NAME or NAME:COUNT
@@ -47,6 +63,11 @@ class RenderSpec:
     requeue: bool = False  # stop on SIGUSR1 before the time limit, snapshot, requeue the job
     signal_before: int | None = None  # seconds before the time limit; None: SIGNAL_BEFORE_S
     max_restarts: int = 0  # run a failed job step again, up to this many times
+    account: str | None = None
+    qos: str | None = None
+    mem: str | None = None  # per node, sbatch's syntax
+    constraint: str | None = None
+    sbatch_args: tuple[str, ...] = ()  # more #SBATCH lines, one option each
     # Kubernetes
     namespace: str | None = None
     pytorchjob: bool = False
@@ -77,7 +98,9 @@ def _no_control(name: str, value: str | None, pattern: re.Pattern[str] = _CONTRO
 def _check_text(spec: RenderSpec) -> None:
     """No control characters in anything that is written into the spec."""
     for flag, value in (("--name", spec.name), ("--image", spec.image), ("--accelerator", spec.accelerator),
-                        ("--partition", spec.partition), ("--time", spec.time), ("--namespace", spec.namespace)):
+                        ("--partition", spec.partition), ("--time", spec.time), ("--namespace", spec.namespace),
+                        ("--account", spec.account), ("--qos", spec.qos), ("--mem", spec.mem),
+                        ("--constraint", spec.constraint), *(("--sbatch-arg", a) for a in spec.sbatch_args)):
         _no_control(flag, value)
     _no_control("--setup", spec.setup, _SETUP_CONTROL)
     for arg in spec.command:
@@ -108,6 +131,7 @@ def _check_syntax(spec: RenderSpec) -> None:
     if spec.time is not None and not _SLURM_TIME.fullmatch(spec.time):
         raise bad_value("--time", spec.time, "is not a Slurm time limit",
                         "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 04:00:00 or 2-00:00:00")
+    _check_slurm(spec)
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
         raise bad_value("--cpus-per-task", spec.cpus_per_task, "must be >= 1",
                         "leave it out for the default of 8 per GPU")
@@ -123,6 +147,36 @@ def _check_syntax(spec: RenderSpec) -> None:
     if spec.target == "hostfile" and spec.gpus_per_node < 1:
         raise bad_value("--gpus-per-node", spec.gpus_per_node, "a hostfile needs at least one slot per host",
                         "e.g. --gpus-per-node 8")
+
+
+def _check_slurm(spec: RenderSpec) -> None:
+    """The Slurm job options: Slurm's own syntax, for Slurm alone, and no #SBATCH line that
+    repeats (or contradicts) one the script renders from its own flags."""
+    given = [(flag, value) for flag, value in (("--account", spec.account), ("--qos", spec.qos), ("--mem", spec.mem),
+                                                ("--constraint", spec.constraint)) if value is not None]
+    given += [("--sbatch-arg", a) for a in spec.sbatch_args]
+    if given and spec.target != "slurm":
+        flag, value = given[0]
+        raise bad_value(flag, value, f"is a Slurm job option, not one for {spec.target}", "drop it")
+    checks = ((spec.account, "--account", _SLURM_NAME, "is not a Slurm account name", "e.g. --account ml-team"),
+              (spec.qos, "--qos", _QOS, "is not a Slurm QOS name (or comma-separated list)", "e.g. --qos normal"),
+              (spec.mem, "--mem", _SLURM_MEM, "is not a Slurm memory size",
+               "a number of MB, or with K, M, G or T, e.g. 500G; 0 takes all of each node's memory"),
+              (spec.constraint, "--constraint", _CONSTRAINT, "is not a Slurm constraint (features joined by & | ,)",
+               "e.g. --constraint 'h100&ib'"))
+    for option, flag, pattern, what, hint in checks:
+        if option is not None and not pattern.fullmatch(option):
+            raise bad_value(flag, option, what, hint)
+    for arg in spec.sbatch_args:
+        if not _SBATCH_ARG.fullmatch(arg):
+            raise bad_value("--sbatch-arg", arg, "is not one sbatch option (--name or --name=value, no blanks "
+                            "or quotes)", "e.g. --sbatch-arg=--exclusive or --sbatch-arg=--mail-type=END")
+        name = arg.split("=", 1)[0] if arg.startswith("--") else arg[:2]
+        if name in RENDERED_SBATCH:
+            own = RENDERED_SBATCH[name]
+            raise bad_value("--sbatch-arg", arg, "sets an option the script renders itself",
+                            f"use meshrun render's {own} instead" if own else "leave it to meshrun: its launch "
+                            "depends on it")
 
 
 def validate(spec: RenderSpec) -> RenderSpec:

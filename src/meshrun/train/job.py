@@ -26,6 +26,7 @@ from ..launch.dryrun import dry_run_text
 from ..launch.node import check_ports, rdzv_timeout_s
 from ..launch.restart import attempt_topology, run_with_restarts
 from ..launch.run import Waits
+from ..launch.torchrun import thread_env
 from .config import TrainConfig
 from .ranklog import LOG_DIR_ENV, RESULT_ENV
 
@@ -240,8 +241,7 @@ def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Top
              "MESHRUN_CRASH_FILE": crash_file, LOG_DIR_ENV: log_dir, "MESHRUN_READY_FILE": ready_file,
              "MESHRUN_INTERRUPT_FILE": interrupt_file, RESULT_ENV: os.path.join(run_dir, "result.json")}
     waits = Waits(stall_s=cfg.collective_timeout, finish_s=job.finish_timeout)
-    if "OMP_NUM_THREADS" not in env and topo.nproc_per_node > 1:
-        extra["OMP_NUM_THREADS"] = "1"  # what torchrun sets then, without its four-line banner
+    extra.update(thread_env(topo.nproc_per_node, env))  # torchrun's own choice, without its banner
     if run_id:
         from .outdir import RUN_ID_ENV
 

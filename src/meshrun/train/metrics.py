@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import MeshrunError
+from ..units import clock
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets; sparsity excluded).
 PEAK_BF16 = (
@@ -110,7 +111,7 @@ def read_cost_line(costs: list[tuple[float, float, int | None]]) -> str:
 class MetricsSink:
     """Rank 0's outputs. Every record goes to stdout as one line and to metrics.jsonl."""
 
-    def __init__(self, out: str | None, total_steps: int, enabled: bool) -> None:
+    def __init__(self, out: str | None, total_steps: int, enabled: bool, done: int = 0) -> None:
         self.enabled = enabled
         self.out = out
         self.records: list[dict[str, Any]] = []
@@ -119,6 +120,8 @@ class MetricsSink:
         self.progress = None
         self.start = time.monotonic()
         self.total = total_steps
+        self.done = done  # steps an earlier run did (a resume): not timed here
+        self.closed = False
         if not enabled:
             return
         if out:
@@ -155,16 +158,41 @@ class MetricsSink:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.tb.add_scalar(key, value, record["step"])
-        line = " | ".join(_fmt(k, v) for k, v in record.items() if v is not None)
+        line = " | ".join([f"step {record['step']}/{self.total}",
+                           *(_fmt(k, v) for k, v in record.items() if v is not None and k != "step"),
+                           *self.timing(record["step"])])
         if self.progress:
             self.progress.update(self.task, completed=record["step"], info=_fmt("loss", record.get("loss")))
             self.progress.console.print(line)
         else:
             print(line, flush=True)
 
+    def timing(self, step: int) -> list[str]:
+        """How long this run has trained, and how long the steps left take at its pace so far."""
+        elapsed = time.monotonic() - self.start
+        parts = [f"elapsed {clock(elapsed)}"]
+        if step > self.done and step < self.total:
+            parts.append(f"left {clock(elapsed / (step - self.done) * (self.total - step))}")
+        return parts
+
+    def finished(self, snapshot: str | None) -> str:
+        """The run's closing line: where it ended, its last losses, and what it wrote where."""
+        last = self.records[-1] if self.records else {}
+        losses = ", ".join(_fmt(k, last[k]) for k in ("loss", "val_loss") if last.get(k) is not None)
+        head = (f"meshrun train: finished step {last.get('step', self.total)}/{self.total} in "
+                f"{clock(time.monotonic() - self.start)}" + (f" ({losses})" if losses else ""))
+        if not self.out:
+            return head + "; nothing written (give --out DIR to keep metrics, the loss plot and snapshots)"
+        wrote = ["metrics.jsonl"]
+        wrote += [name for name in ("loss.png", "tensorboard") if os.path.exists(os.path.join(self.out, name))]
+        if snapshot:
+            wrote.append(f"snapshot {os.path.relpath(snapshot, self.out)}")
+        return head + f"; in {self.out}: " + ", ".join(wrote)
+
     def close(self) -> None:
-        if not self.enabled:
+        if not self.enabled or self.closed:
             return
+        self.closed = True
         if self.progress:
             self.progress.stop()
         if self.jsonl:

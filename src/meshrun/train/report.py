@@ -43,7 +43,7 @@ def record(trainer: Trainer, step: int, loss_sum: torch.Tensor, steps: int, toke
         # the loader's share: while the device computes, the host reads ahead; this is what it took
         "data_time_s": trainer.data_s / steps,
         "tokens_per_s": per_gpu * rt.world_size,
-        "tokens_per_s_per_gpu": per_gpu,
+        "tokens_per_s_per_gpu": per_gpu if rt.cuda else None,  # (on the CPU a process is no GPU)
         "mfu": mfu(per_gpu, trainer.flops_per_token, peak_flops(rt.device)),
         "peak_mem_bytes": torch.cuda.max_memory_allocated(rt.device) if rt.cuda else None,
         # what the allocator holds: what nvidia-smi shows and what runs out

@@ -216,7 +216,7 @@ class Trainer:
                       + "; nothing to do (hint: pass a larger --steps to train on)", flush=True)
             return []
         data = fit_micro_batch(self, stream)  # (a micro-batch of meshrun's may be halved: batchfit.py)
-        sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main)
+        sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main, done=self.step)
         if rt.is_main:
             print(self.describe(), flush=True)
         loss_sum = torch.zeros((), device=rt.device)
@@ -256,6 +256,9 @@ class Trainer:
                 if stop:
                     raise preempt.Preempted(stop, self.step, saved)  # saved: this step's snapshot
             vote.close()
+            sink.close()  # (the loss plot written: the closing line names it)
+            if rt.is_main:
+                print(sink.finished(saved), flush=True)
         finally:
             sink.close()
             checkpoint.wait_pruned()
