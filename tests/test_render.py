@@ -128,7 +128,7 @@ def test_kubernetes_pytorchjob_matches_kubeflow_models():
     from kubeflow.training.api_client import ApiClient
 
     text = render(RenderSpec("kubernetes", TRAIN, nodes=3, gpus_per_node=8, name="gpt", image="img:1",
-                             pytorchjob=True))
+                             kind="pytorchjob"))
     (job,) = list(yaml.safe_load_all(text))
     _roundtrip(ApiClient(), job, "KubeflowOrgV1PyTorchJob")
     reps = job["spec"]["pytorchReplicaSpecs"]
@@ -162,6 +162,92 @@ def test_cli_keeps_the_command_after_double_dash(tmp_path):
     assert os.access(tmp_path / "job.sbatch", os.X_OK)
 
 
+def _trainer_model(doc: dict, name: str):
+    """``doc`` read by Kubeflow Trainer's own API models (pydantic, strict types) and written
+    back: a key they do not know or a value of the wrong type does not survive the trip."""
+    import kubeflow_trainer_api.models as models
+
+    obj = getattr(models, name).from_dict(doc)
+    assert _kept(doc, obj.to_dict()), (doc, obj.to_dict())  # (the models add their defaults: protocol TCP)
+    return obj
+
+
+def _kept(doc, back) -> bool:
+    """Whether everything in ``doc`` is in ``back`` as it was."""
+    if isinstance(doc, dict):
+        return isinstance(back, dict) and all(k in back and _kept(v, back[k]) for k, v in doc.items())
+    if isinstance(doc, list):
+        return isinstance(back, list) and len(doc) == len(back) and all(_kept(a, b) for a, b in zip(doc, back))
+    return doc == back
+
+
+def test_kubernetes_trainjob_matches_kubeflow_trainers_models():
+    """A Kubeflow Trainer v2 TrainJob on the torch-distributed runtime: meshrun's argv as the
+    trainer's command, the nodes and GPUs, and shared memory and the volume patched into the
+    runtime's node pods."""
+    require("kubeflow_trainer_api")
+    text = render(RenderSpec("kubernetes", TRAIN, nodes=3, gpus_per_node=8, name="gpt", image="img:1",
+                             namespace="ml", kind="trainjob", volume="runs:/shared"))
+    (job,) = list(yaml.safe_load_all(text))
+    obj = _trainer_model(job, "TrainerV1alpha1TrainJob")
+    assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    assert obj.spec.runtime_ref.name == "torch-distributed" and obj.spec.trainer.num_nodes == 3
+    assert obj.spec.trainer.command == [a.replace("$", "$$") for a in TRAIN]  # Kubernetes' $(VAR) escaped
+    assert obj.spec.trainer.image == "img:1"
+    assert obj.spec.trainer.resources_per_node.limits["nvidia.com/gpu"].actual_instance == "8"
+    pod = obj.spec.runtime_patches[0].training_runtime_spec.template.spec.replicated_jobs[0].template.spec.template.spec
+    assert [v.persistent_volume_claim.claim_name for v in pod.volumes if v.persistent_volume_claim] == ["runs"]
+    assert {m.mount_path for m in pod.containers[0].volume_mounts} == {"/dev/shm", "/shared"}
+    with pytest.raises(ValueError):  # the check has teeth: a TrainJob without its runtime is refused
+        _trainer_model({"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "spec": {}},
+                       "TrainerV1alpha1TrainJob")
+
+
+def test_kubernetes_jobset_matches_the_api_models_and_its_pods_find_node_0():
+    """A JobSet of one Indexed Job: JobSet's models (with Kubernetes' Job inside) read it back;
+    each pod's variables, as Kubernetes fills them in (the completion index), resolve in
+    meshrun to the same node count, its own rank and node 0 as JobSet names it."""
+    require("kubeflow_trainer_api")
+    from meshrun.cluster.detect import resolve
+
+    text = render(RenderSpec("kubernetes", TRAIN, nodes=3, gpus_per_node=4, name="gpt", image="img:1",
+                             kind="jobset"))
+    (doc,) = list(yaml.safe_load_all(text))
+    obj = _trainer_model(doc, "JobsetV1alpha2JobSet")
+    (rjob,) = obj.spec.replicated_jobs
+    assert rjob.replicas == 1 and rjob.template.spec.completions == 3
+    assert rjob.template.spec.completion_mode == "Indexed"
+    container = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    for index in range(3):
+        env = {e["name"]: e.get("value", str(index)) for e in container["env"]}  # NODE_RANK: the pod's index
+        topo = resolve(env, gpus=4)
+        assert (topo.nnodes, topo.node_rank, topo.master_addr) == (3, index, "gpt-node-0-0.gpt"), topo
+
+
+def test_a_trainjob_pod_resolves_from_what_trainers_torch_runtime_sets():
+    """Inside a TrainJob pod Kubeflow Trainer's torch plugin sets PET_* (no MASTER_ADDR): meshrun
+    reads the node count, this pod's rank, node 0's address and the port from them."""
+    from meshrun.cluster.detect import resolve
+
+    env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "auto", "PET_NODE_RANK": "1",
+           "PET_MASTER_ADDR": "gpt-node-0-0.gpt", "PET_MASTER_PORT": "29400",
+           "KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "1"}
+    topo = resolve(env, gpus=8)
+    assert (topo.platform, topo.nnodes, topo.node_rank, topo.nproc_per_node) == ("kubeflow", 2, 1, 8)
+    assert (topo.master_addr, topo.master_port) == ("gpt-node-0-0.gpt", 29400)
+    assert topo.source("master_addr") == "env PET_MASTER_ADDR"
+
+
+def test_an_out_on_no_volume_is_warned_about(tmp_path):
+    args = ["render", "kubernetes", "--image", "img:1", "--as", "jobset"]
+    lost = meshrun(*args, "--", "meshrun", "train", "--out", "/runs/a")
+    assert lost.returncode == 0 and "warning: --out /runs/a is on no mounted volume" in lost.stderr
+    kept = meshrun(*args, "--volume", "runs:/runs", "--", "meshrun", "train", "--out", "/runs/a")
+    assert kept.returncode == 0 and kept.stderr == "", kept.stderr
+    elsewhere = meshrun(*args, "--volume", "runs:/runs", "--", "meshrun", "train", "--out=/runsx/a")
+    assert "warning: --out /runsx/a is on no mounted volume" in elsewhere.stderr
+
+
 BAD = [
     (["render", "borg", "--", "x.py"], "target='borg': unknown"),
     (["render", "slurm", "--nodes", "0", "--", "x.py"], "--nodes=0: must be >= 1"),
@@ -185,6 +271,15 @@ BAD = [
     (["render", "skypilot", "--account", "a", "--", "x.py"], "--account='a': is a Slurm job option, not one for "
      "skypilot"),
     (["render", "slurm", "--account", "a\n#SBATCH --x", "--", "x.py"], "contains a control character"),
+    (["render", "kubernetes", "--image", "i", "--as", "cronjob", "--", "x.py"],
+     "--as='cronjob': is not a Kubernetes kind meshrun renders (hint: one of job, pytorchjob, trainjob, jobset)"),
+    (["render", "kubernetes", "--image", "i", "--as", "jobset", "--pytorchjob", "--", "x.py"],
+     "--pytorchjob=True: contradicts --as jobset"),
+    (["render", "kubernetes", "--image", "i", "--volume", "runs", "--", "x.py"], "--volume='runs': is not CLAIM:PATH"),
+    (["render", "kubernetes", "--image", "i", "--volume", "Runs:/x", "--", "x.py"], "--volume='Runs:/x': is not"),
+    (["render", "kubernetes", "--image", "i", "--volume", "runs:rel", "--", "x.py"], "--volume='runs:rel': is not"),
+    (["render", "slurm", "--volume", "runs:/x", "--", "x.py"], "--volume='runs:/x': is for Kubernetes specs"),
+    (["render", "slurm", "--as", "jobset", "--", "x.py"], "--as='jobset': is for Kubernetes specs"),
 ]
 
 

@@ -97,6 +97,10 @@ def _k8s_commands(text: str) -> list[tuple[list[str], dict[str, str]]]:
             pods = [doc["spec"]["template"]["spec"]]
         elif doc["kind"] == "PyTorchJob":
             pods = [r["template"]["spec"] for r in doc["spec"]["pytorchReplicaSpecs"].values()]
+        elif doc["kind"] == "JobSet":
+            pods = [r["template"]["spec"]["template"]["spec"] for r in doc["spec"]["replicatedJobs"]]
+        elif doc["kind"] == "TrainJob":
+            pods = [{"containers": [doc["spec"]["trainer"]]}]
         else:
             continue
         for pod in pods:
@@ -120,7 +124,7 @@ COMMANDS = [  # (command as given, the argv of meshrun it means)
 
 
 @pytest.mark.parametrize("target", ["slurm", "slurm-requeue", "slurm-restarts", "skypilot", "saturn",
-                                    "kubernetes", "pytorchjob"])
+                                    "kubernetes", "pytorchjob", "trainjob", "jobset"])
 @pytest.mark.parametrize("form", [0, 1], ids=["meshrun", "script"])
 def test_every_node_runs_the_command_byte_for_byte(tmp_path, bin_dir, pwned, target, form):
     args = _args(pwned)
@@ -142,7 +146,7 @@ def test_every_node_runs_the_command_byte_for_byte(tmp_path, bin_dir, pwned, tar
         job = yaml.safe_load(render(RenderSpec("saturn", command, **kw)))
         assert _bash(job["spec"]["command"], bin_dir) == expected
     else:
-        text = render(RenderSpec("kubernetes", command, pytorchjob=target == "pytorchjob", **kw))
+        text = render(RenderSpec("kubernetes", command, kind="job" if target == "kubernetes" else target, **kw))
         runs = _k8s_commands(text)
         assert runs
         for argv, env in runs:

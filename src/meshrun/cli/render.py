@@ -11,7 +11,8 @@ from ..errors import bad_value
 from ..fsio import write_file
 from ..paths import check_output_file
 from ..render import TARGETS, render
-from ..render.spec import SIGNAL_BEFORE_S, RenderSpec
+from ..render.kubernetes import out_on_no_volume
+from ..render.spec import K8S_KINDS, SIGNAL_BEFORE_S, RenderSpec
 from ..vocab import FRAMEWORKS
 from .options import add_option
 
@@ -21,7 +22,7 @@ which detects its rank, the head node and the port from the platform's own varia
 
   slurm       sbatch script: one task per node, srun, head node rendezvous
   skypilot    task YAML: num_nodes, resources.accelerators, network_tier: best
-  kubernetes  Indexed Job + headless Service (or a Kubeflow PyTorchJob with --pytorchjob)
+  kubernetes  Indexed Job + headless Service, or --as pytorchjob | trainjob (Kubeflow) | jobset
   saturn      Saturn Cloud Job settings: command and instance count
   hostfile    DeepSpeed hostfile from --hosts
 
@@ -34,6 +35,7 @@ examples:
   meshrun render slurm --account ml --qos high --mem 0 --sbatch-arg=--exclusive -- meshrun train --out /shared/r
   meshrun render skypilot --nodes 2 --accelerator H100 -o task.yaml -- train.py --epochs 3
   meshrun render kubernetes --nodes 2 --image ghcr.io/me/train:1 --name gpt -- meshrun train --steps 500
+  meshrun render kubernetes --as trainjob --image img:1 --volume runs:/shared -- meshrun train --out /shared/r1
   meshrun render saturn --nodes 2 --image saturncloud/saturn-python-pytorch:2024.08.01 -f deepspeed -- train.py
   meshrun render hostfile --hosts 10.0.0.1,10.0.0.2 --gpus-per-node 8 -o hostfile
 """
@@ -76,7 +78,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                help="Slurm: one more #SBATCH option, as sbatch takes it (repeatable), e.g. "
                     "--sbatch-arg=--exclusive --sbatch-arg=--mail-type=END")
     add_option(g, "--namespace", metavar="NS", help="Kubernetes namespace")
-    add_option(g, "--pytorchjob", action="store_true", help="Kubernetes: a Kubeflow PyTorchJob instead")
+    add_option(g, "--as", metavar="KIND", dest="kind", default="job",
+               help=f"Kubernetes: what to write, one of {', '.join(K8S_KINDS)}: an Indexed Job + headless Service "
+                    "(default), a Kubeflow PyTorchJob (Training Operator v1), a Kubeflow Trainer v2 TrainJob, or a "
+                    "JobSet")
+    add_option(g, "--pytorchjob", action="store_true", help="Kubernetes: the same as --as pytorchjob")
+    add_option(g, "--runtime", metavar="NAME", default="torch-distributed",
+               help="Kubernetes --as trainjob: the ClusterTrainingRuntime to run on (default torch-distributed)")
+    add_option(g, "--volume", metavar="CLAIM:PATH",
+               help="Kubernetes: mount this PersistentVolumeClaim at PATH on every pod, for meshrun train --out "
+                    "(a pod's own disk goes with the pod)")
     add_option(g, "--hosts", metavar="H0,H1,..", help="hostfile: node addresses in node-rank order")
     add_option(p, "--output", "-o", metavar="FILE", help="write here (default: standard output)")
     # nargs="*" rather than REMAINDER: options may sit anywhere before `--`, and everything
@@ -106,6 +117,13 @@ def _seconds(ns: argparse.Namespace, name: str) -> int | None:
     return value
 
 
+def _kind(ns: argparse.Namespace) -> str:
+    """--as, with --pytorchjob as its older spelling (the two must agree)."""
+    if ns.pytorchjob and ns.kind not in ("job", "pytorchjob"):
+        raise bad_value("--pytorchjob", True, f"contradicts --as {ns.kind}", "give one of the two")
+    return "pytorchjob" if ns.pytorchjob else str(ns.kind)
+
+
 def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     if ns.target not in TARGETS:
         raise bad_value("target", ns.target, "unknown", f"one of {', '.join(TARGETS)}")
@@ -118,7 +136,7 @@ def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         name=ns.name, image=ns.image, accelerator=ns.accelerator, port=_int(ns, "port", "--port") or 0,
         setup=ns.setup, partition=ns.partition, time=ns.time,
         cpus_per_task=_int(ns, "cpus_per_task", "--cpus-per-task"),
-        namespace=ns.namespace, pytorchjob=ns.pytorchjob, requeue=ns.requeue,
+        namespace=ns.namespace, kind=_kind(ns), runtime=ns.runtime, volume=ns.volume, requeue=ns.requeue,
         signal_before=_seconds(ns, "signal_before"), max_restarts=_int(ns, "max_restarts", "--max-restarts") or 0,
         account=ns.account, qos=ns.qos, mem=ns.mem, constraint=ns.constraint,
         sbatch_args=tuple(ns.sbatch_arg or ()),
@@ -127,6 +145,10 @@ def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     if ns.output:
         check_output_file(ns.output, "-o")
     text = render(spec)
+    lost = out_on_no_volume(spec) if spec.target == "kubernetes" else None
+    if lost is not None:
+        print(f"meshrun render: warning: --out {lost} is on no mounted volume: what the run writes there goes "
+              "with its pod (hint: --volume CLAIM:PATH with PATH above it)", file=sys.stderr)
     if ns.output:
         write_file(ns.output, text, source="-o", mode=0o755 if spec.target == "slurm" else 0o644)
         print(f"wrote {ns.output}", file=sys.stderr)

@@ -11,6 +11,10 @@ from ..errors import bad_value
 from ..vocab import FRAMEWORKS
 
 TARGETS = ("slurm", "skypilot", "kubernetes", "saturn", "hostfile")
+# what `render kubernetes --as` writes: an Indexed Job and a headless Service, a Kubeflow
+# PyTorchJob (Training Operator v1), a Kubeflow Trainer v2 TrainJob, or a JobSet
+K8S_KINDS = ("job", "pytorchjob", "trainjob", "jobset")
+_CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a PersistentVolumeClaim's name (DNS-1123)
 SIGNAL_BEFORE_S = 120  # Slurm's warning before the time limit: a step and a snapshot fit in it
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")  # room for the pod suffix NAME-i
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS-1123 label
@@ -70,7 +74,9 @@ class RenderSpec:
     sbatch_args: tuple[str, ...] = ()  # more #SBATCH lines, one option each
     # Kubernetes
     namespace: str | None = None
-    pytorchjob: bool = False
+    kind: str = "job"  # job | pytorchjob | trainjob | jobset (K8S_KINDS)
+    runtime: str = "torch-distributed"  # a TrainJob's ClusterTrainingRuntime
+    volume: str | None = None  # CLAIM:PATH, a PersistentVolumeClaim mounted on every pod
     # hostfile
     hosts: tuple[str, ...] = field(default=())
 
@@ -99,6 +105,7 @@ def _check_text(spec: RenderSpec) -> None:
     """No control characters in anything that is written into the spec."""
     for flag, value in (("--name", spec.name), ("--image", spec.image), ("--accelerator", spec.accelerator),
                         ("--partition", spec.partition), ("--time", spec.time), ("--namespace", spec.namespace),
+                        ("--volume", spec.volume), ("--runtime", spec.runtime),
                         ("--account", spec.account), ("--qos", spec.qos), ("--mem", spec.mem),
                         ("--constraint", spec.constraint), *(("--sbatch-arg", a) for a in spec.sbatch_args)):
         _no_control(flag, value)
@@ -179,6 +186,29 @@ def _check_slurm(spec: RenderSpec) -> None:
                             "depends on it")
 
 
+def volume_parts(volume: str) -> tuple[str, str]:
+    """--volume CLAIM:PATH as (claim, mount path)."""
+    claim, _, path = volume.partition(":")
+    return claim, path
+
+
+def _check_kubernetes(spec: RenderSpec) -> None:
+    if spec.kind not in K8S_KINDS:
+        raise bad_value("--as", spec.kind, "is not a Kubernetes kind meshrun renders", f"one of {', '.join(K8S_KINDS)}")
+    if spec.target != "kubernetes":
+        for flag, value, unset in (("--as", spec.kind, "job"), ("--volume", spec.volume, None)):
+            if value != unset:
+                raise bad_value(flag, value, f"is for Kubernetes specs, not {spec.target}", "drop it")
+        return
+    if spec.volume is not None:
+        claim, path = volume_parts(spec.volume)
+        if not _CLAIM.fullmatch(claim) or not path.startswith("/") or ":" in path or any(c.isspace() for c in path):
+            raise bad_value("--volume", spec.volume, "is not CLAIM:PATH (a PersistentVolumeClaim's name and an "
+                            "absolute mount path)", "e.g. --volume runs-pvc:/shared")
+    if not _DNS_LABEL.fullmatch(spec.runtime):
+        raise bad_value("--runtime", spec.runtime, "is not a training runtime's name", "e.g. torch-distributed")
+
+
 def validate(spec: RenderSpec) -> RenderSpec:
     if spec.target not in TARGETS:
         raise bad_value("target", spec.target, "unknown", f"one of {', '.join(TARGETS)}")
@@ -204,6 +234,7 @@ def validate(spec: RenderSpec) -> RenderSpec:
     if spec.target == "saturn" and not spec.image:
         raise bad_value("--image", None, "a Saturn Cloud job needs an image",
                         "e.g. --image saturncloud/saturn-python-pytorch:2024.08.01")
+    _check_kubernetes(spec)
     if spec.requeue and spec.target != "slurm":
         raise bad_value("--requeue", True, f"is for Slurm jobs, not {spec.target}",
                         "drop it: run the same command again and meshrun train resumes from its newest snapshot")
