@@ -4,6 +4,9 @@ and Kubeflow cluster-environment tests where they apply."""
 
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 from helpers import clean_env, meshrun
@@ -382,3 +385,48 @@ def test_clean_env_drops_lsf_and_kubernetes_variables(monkeypatch):
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     assert not {"LSB_JOBID", "JSM_NAMESPACE_RANK", "KUBERNETES_SERVICE_HOST"} & set(clean_env())
     assert os.environ["LSB_JOBID"] == "1"
+
+
+FAKE_JSRUN = """#!/bin/bash
+# jsrun -n N -r 1 -a 1 ...: N tasks, one per host, each with jsrun's namespace variables
+n=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -n) n=$2; shift 2;;
+    -r|-a|-c|-g) shift 2;;
+    *) break;;
+  esac
+done
+for i in $(seq 0 $((n - 1))); do
+  JSM_NAMESPACE_SIZE=$n JSM_NAMESPACE_RANK=$i JSM_NAMESPACE_LOCAL_RANK=0 JSM_NAMESPACE_LOCAL_SIZE=1 "$@" || exit $?
+done
+"""
+
+
+def test_the_rendered_bsub_script_runs_meshrun_as_lsf_detection_reads_it(tmp_path):
+    """`meshrun render lsf` -> the script, run as LSF would (its variables, a rankfile with the
+    launch node first, jsrun starting one task per node): each task's meshrun resolves the same
+    nodes, its own node rank and the first compute host as master."""
+    script = tmp_path / "job.bsub"
+    res = meshrun("render", "lsf", "--nodes", "3", "--gpus-per-node", "4", "--time", "30", "--partition", "batch",
+                  "--account", "proj1", "-o", str(script), "--", "meshrun", "env", "--json")
+    assert res.returncode == 0, res.stderr
+    text = script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    for line in ("#BSUB -nnodes 3", "#BSUB -W 30", "#BSUB -q batch", "#BSUB -P proj1"):
+        assert line in text.splitlines(), text
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "jsrun").write_text(FAKE_JSRUN)
+    (bin_dir / "jsrun").chmod(0o755)
+    (bin_dir / "meshrun").write_text(f"#!/bin/sh\nexec {sys.executable} -m meshrun \"$@\"\n")
+    (bin_dir / "meshrun").chmod(0o755)
+    hosts = "batch\n" + "".join(f"node{i}\n" * 4 for i in range(3))  # 4 slots a compute node
+    env = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", LSB_JOBID="77",
+                    LSB_DJOB_RANKFILE=rankfile(tmp_path, hosts), CUDA_VISIBLE_DEVICES="0,1,2,3")
+    run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    tops = [json.loads(doc) for doc in re.findall(r"^\{.*?^\}", run.stdout, re.M | re.S)]
+    assert [(t["platform"], t["nnodes"], t["node_rank"], t["master_addr"]) for t in tops] == \
+        [("lsf", 3, i, "node0") for i in range(3)]
+    assert len({t["master_port"] for t in tops}) == 1

@@ -268,8 +268,6 @@ BAD = [
     (["render", "slurm", "--account", "a b", "--", "x.py"], "--account='a b': is not a Slurm account name"),
     (["render", "slurm", "--qos", "high;x", "--", "x.py"], "--qos='high;x': is not a Slurm QOS name"),
     (["render", "slurm", "--constraint", "a b", "--", "x.py"], "--constraint='a b': is not a Slurm constraint"),
-    (["render", "skypilot", "--account", "a", "--", "x.py"], "--account='a': is a Slurm job option, not one for "
-     "skypilot"),
     (["render", "slurm", "--account", "a\n#SBATCH --x", "--", "x.py"], "contains a control character"),
     (["render", "kubernetes", "--image", "i", "--as", "cronjob", "--", "x.py"],
      "--as='cronjob': is not a Kubernetes kind meshrun renders (hint: one of job, pytorchjob, trainjob, jobset)"),
@@ -280,6 +278,12 @@ BAD = [
     (["render", "kubernetes", "--image", "i", "--volume", "runs:rel", "--", "x.py"], "--volume='runs:rel': is not"),
     (["render", "slurm", "--volume", "runs:/x", "--", "x.py"], "--volume='runs:/x': is for Kubernetes specs"),
     (["render", "slurm", "--as", "jobset", "--", "x.py"], "--as='jobset': is for Kubernetes specs"),
+    (["render", "lsf", "--time", "04:00:00", "--", "x.py"], "--time='04:00:00': is not an LSF run limit"),
+    (["render", "lsf", "--qos", "high", "--", "x.py"], "--qos='high': is a Slurm job option, not one for lsf"),
+    (["render", "lsf", "--partition", "a,b", "--", "x.py"], "--partition='a,b': is not an LSF queue name"),
+    (["render", "lsf", "--image", "img:1", "--", "x.py"], "--image='img:1': an LSF job runs on the nodes' own"),
+    (["render", "lsf", "--requeue", "--", "x.py"], "--requeue=True: is for Slurm jobs, not lsf"),
+    (["render", "skypilot", "--account", "a", "--", "x.py"], "--account='a': is a Slurm or LSF job option"),
 ]
 
 

@@ -124,7 +124,7 @@ COMMANDS = [  # (command as given, the argv of meshrun it means)
 
 
 @pytest.mark.parametrize("target", ["slurm", "slurm-requeue", "slurm-restarts", "skypilot", "saturn",
-                                    "kubernetes", "pytorchjob", "trainjob", "jobset"])
+                                    "kubernetes", "pytorchjob", "trainjob", "jobset", "lsf"])
 @pytest.mark.parametrize("form", [0, 1], ids=["meshrun", "script"])
 def test_every_node_runs_the_command_byte_for_byte(tmp_path, bin_dir, pwned, target, form):
     args = _args(pwned)
@@ -139,6 +139,11 @@ def test_every_node_runs_the_command_byte_for_byte(tmp_path, bin_dir, pwned, tar
         # the whole script, as the batch host runs it: srun starts the node command
         res = subprocess.run(["bash", str(script)], env=_env(bin_dir), capture_output=True, text=True, timeout=30)
         assert _argv(res) == expected
+    elif target == "lsf":
+        from meshrun.render import lsf
+
+        text = render(RenderSpec("lsf", command, name="gpt"))
+        assert _bash(lsf.node_command(text), bin_dir) == expected
     elif target == "skypilot":
         task = yaml.safe_load(render(RenderSpec("skypilot", command, **kw)))
         assert _bash(task["run"], bin_dir) == expected

@@ -21,6 +21,7 @@ Write a job spec for a platform; every node runs the command after `--` through 
 which detects its rank, the head node and the port from the platform's own variables.
 
   slurm       sbatch script: one task per node, srun, head node rendezvous
+  lsf         bsub script: one jsrun task per node (IBM Spectrum LSF)
   skypilot    task YAML: num_nodes, resources.accelerators, network_tier: best
   kubernetes  Indexed Job + headless Service, or --as pytorchjob | trainjob (Kubeflow) | jobset
   saturn      Saturn Cloud Job settings: command and instance count
@@ -33,6 +34,7 @@ examples:
   meshrun render slurm --nodes 4 --gpus-per-node 8 -- meshrun train --model-size gpt-1.3b --out /shared/run1
   meshrun render slurm --nodes 4 --time 04:00:00 --requeue -- meshrun train --out /shared/run1   # runs until done
   meshrun render slurm --account ml --qos high --mem 0 --sbatch-arg=--exclusive -- meshrun train --out /shared/r
+  meshrun render lsf --nodes 4 --gpus-per-node 6 --time 4:00 -o job.bsub -- meshrun train --out /gpfs/run1
   meshrun render skypilot --nodes 2 --accelerator H100 -o task.yaml -- train.py --epochs 3
   meshrun render kubernetes --nodes 2 --image ghcr.io/me/train:1 --name gpt -- meshrun train --steps 500
   meshrun render kubernetes --as trainjob --image img:1 --volume runs:/shared -- meshrun train --out /shared/r1
@@ -56,8 +58,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_option(g, "--setup", metavar="CMD", help="shell command run before the job (pip install ...)")
     g = p.add_argument_group("platform options")
     add_option(g, "--accelerator", metavar="GPU", default="H100", help="SkyPilot accelerator name (default H100)")
-    add_option(g, "--partition", metavar="P", help="Slurm partition")
-    add_option(g, "--time", metavar="HH:MM:SS", help="Slurm time limit")
+    add_option(g, "--partition", metavar="P", help="Slurm partition (LSF: the queue, bsub -q)")
+    add_option(g, "--time", metavar="HH:MM:SS", help="Slurm time limit (LSF: [hours:]minutes, bsub -W)")
     add_option(g, "--cpus-per-task", metavar="C", help="Slurm CPUs per node task (default 8 per GPU)")
     add_option(g, "--requeue", action="store_true",
                help="Slurm: before the time limit, have Slurm send SIGUSR1 to meshrun on every node; meshrun "
@@ -70,7 +72,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_option(g, "--max-restarts", metavar="N",
                help="Slurm: when the job step fails (a node lost, a process killed), run it again in the same "
                     "allocation, up to N times; meshrun train resumes from its newest snapshot (default 0)")
-    add_option(g, "--account", metavar="A", help="Slurm account to charge (sbatch --account)")
+    add_option(g, "--account", metavar="A", help="Slurm account to charge (sbatch --account; LSF: the project, "
+                                                  "bsub -P)")
     add_option(g, "--qos", metavar="Q", help="Slurm quality of service (sbatch --qos)")
     add_option(g, "--mem", metavar="SIZE", help="Slurm memory per node, e.g. 500G; 0 takes all of it (sbatch --mem)")
     add_option(g, "--constraint", metavar="FEATURES", help="Slurm node features, e.g. 'h100&ib' (sbatch --constraint)")
@@ -150,7 +153,7 @@ def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         print(f"meshrun render: warning: --out {lost} is on no mounted volume: what the run writes there goes "
               "with its pod (hint: --volume CLAIM:PATH with PATH above it)", file=sys.stderr)
     if ns.output:
-        write_file(ns.output, text, source="-o", mode=0o755 if spec.target == "slurm" else 0o644)
+        write_file(ns.output, text, source="-o", mode=0o755 if spec.target in ("slurm", "lsf") else 0o644)
         print(f"wrote {ns.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)

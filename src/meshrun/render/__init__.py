@@ -1,4 +1,4 @@
-"""Job specs for Slurm, SkyPilot, Kubernetes and Saturn Cloud, each a pure function of a RenderSpec.
+"""Job specs for Slurm, IBM LSF, SkyPilot, Kubernetes and Saturn Cloud, each a pure function of a RenderSpec.
 
 The entry point of every spec is ``meshrun``: detection happens on the nodes, from the
 variables each platform sets, so a spec never hard-codes ranks or addresses it cannot know.
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import hostfile, kubernetes, saturn, skypilot, slurm
+from . import hostfile, kubernetes, lsf, saturn, skypilot, slurm
 from .spec import TARGETS, RenderSpec, validate
 
 RENDERERS: dict[str, Callable[[RenderSpec], str]] = {
     "slurm": slurm.render, "skypilot": skypilot.render, "kubernetes": kubernetes.render, "saturn": saturn.render,
-    "hostfile": hostfile.render,
+    "hostfile": hostfile.render, "lsf": lsf.render,
 }
 
 

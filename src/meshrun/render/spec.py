@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ..errors import bad_value
 from ..vocab import FRAMEWORKS
 
-TARGETS = ("slurm", "skypilot", "kubernetes", "saturn", "hostfile")
+TARGETS = ("slurm", "lsf", "skypilot", "kubernetes", "saturn", "hostfile")
 # what `render kubernetes --as` writes: an Indexed Job and a headless Service, a Kubeflow
 # PyTorchJob (Training Operator v1), a Kubeflow Trainer v2 TrainJob, or a JobSet
 K8S_KINDS = ("job", "pytorchjob", "trainjob", "jobset")
@@ -37,6 +37,7 @@ RENDERED_SBATCH = {"--job-name": "--name", "-J": "--name", "--nodes": "--nodes",
                    "--account": "--account", "-A": "--account", "--qos": "--qos", "-q": "--qos",
                    "--mem": "--mem", "--constraint": "--constraint", "-C": "--constraint"}
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
+_LSF_TIME = re.compile(r"([0-9]+:)?[0-9]+")  # bsub -W: [hours:]minutes
 _SLURM_TIME = re.compile(r"([0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}|UNLIMITED|INFINITE)")
 _ACCELERATOR = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)(?::([1-9][0-9]*))?$")  # SkyPilot NAME or NAME:COUNT
 _IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$")  # registry/repo:tag or @digest
@@ -132,10 +133,15 @@ def _check_syntax(spec: RenderSpec) -> None:
         raise bad_value("--accelerator", spec.accelerator,
                         f"asks for {m.group(2)} GPUs per node but --gpus-per-node is {spec.gpus_per_node}",
                         f"--accelerator {m.group(1)} --gpus-per-node {m.group(2)}")
+    if spec.partition is not None and spec.target == "lsf" and not _SLURM_NAME.fullmatch(spec.partition):
+        raise bad_value("--partition", spec.partition, "is not an LSF queue name", "e.g. gpu")
     if spec.partition is not None and not _PARTITION.fullmatch(spec.partition):
         raise bad_value("--partition", spec.partition, "is not a Slurm partition name (or comma-separated list)",
                         "e.g. gpu")
-    if spec.time is not None and not _SLURM_TIME.fullmatch(spec.time):
+    if spec.time is not None and spec.target == "lsf":
+        if not _LSF_TIME.fullmatch(spec.time):
+            raise bad_value("--time", spec.time, "is not an LSF run limit", "[hours:]minutes, e.g. 240 or 4:00")
+    elif spec.time is not None and not _SLURM_TIME.fullmatch(spec.time):
         raise bad_value("--time", spec.time, "is not a Slurm time limit",
                         "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 04:00:00 or 2-00:00:00")
     _check_slurm(spec)
@@ -159,7 +165,10 @@ def _check_syntax(spec: RenderSpec) -> None:
 def _check_slurm(spec: RenderSpec) -> None:
     """The Slurm job options: Slurm's own syntax, for Slurm alone, and no #SBATCH line that
     repeats (or contradicts) one the script renders from its own flags."""
-    given = [(flag, value) for flag, value in (("--account", spec.account), ("--qos", spec.qos), ("--mem", spec.mem),
+    if spec.account is not None and spec.target not in ("slurm", "lsf"):
+        raise bad_value("--account", spec.account, f"is a Slurm or LSF job option, not one for {spec.target}",
+                        "drop it")
+    given = [(flag, value) for flag, value in (("--qos", spec.qos), ("--mem", spec.mem),
                                                 ("--constraint", spec.constraint)) if value is not None]
     given += [("--sbatch-arg", a) for a in spec.sbatch_args]
     if given and spec.target != "slurm":
@@ -235,6 +244,9 @@ def validate(spec: RenderSpec) -> RenderSpec:
         raise bad_value("--image", None, "a Saturn Cloud job needs an image",
                         "e.g. --image saturncloud/saturn-python-pytorch:2024.08.01")
     _check_kubernetes(spec)
+    if spec.target == "lsf" and spec.image:
+        raise bad_value("--image", spec.image, "an LSF job runs on the nodes' own software, in no container",
+                        "drop it, or give --setup the command that makes meshrun available")
     if spec.requeue and spec.target != "slurm":
         raise bad_value("--requeue", True, f"is for Slurm jobs, not {spec.target}",
                         "drop it: run the same command again and meshrun train resumes from its newest snapshot")
