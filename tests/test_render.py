@@ -265,7 +265,7 @@ BAD = [
     (["render", "slurm", "--sbatch-arg", "--wrap=a b", "--", "x.py"], "--sbatch-arg='--wrap=a b': is not one sbatch"),
     (["render", "slurm", "--sbatch-arg", "exclusive", "--", "x.py"], "--sbatch-arg='exclusive': is not one sbatch"),
     (["render", "slurm", "--mem", "5GB", "--", "x.py"], "--mem='5GB': is not a Slurm memory size"),
-    (["render", "slurm", "--account", "a b", "--", "x.py"], "--account='a b': is not a Slurm account name"),
+    (["render", "slurm", "--account", "a b", "--", "x.py"], "--account='a b': is not an account (Slurm) or"),
     (["render", "slurm", "--qos", "high;x", "--", "x.py"], "--qos='high;x': is not a Slurm QOS name"),
     (["render", "slurm", "--constraint", "a b", "--", "x.py"], "--constraint='a b': is not a Slurm constraint"),
     (["render", "slurm", "--account", "a\n#SBATCH --x", "--", "x.py"], "contains a control character"),

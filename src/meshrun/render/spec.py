@@ -20,9 +20,9 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")  # room for the
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS-1123 label
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # no blanks, '%' (sbatch's patterns) or '/'
 _PARTITION = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")  # one partition or a comma list
-_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # an account
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # a Slurm account, an LSF project or queue
 _QOS = _PARTITION  # one QOS or a comma list
-_SLURM_MEM = re.compile(r"^[0-9]+[KMGT]?$")  # sbatch --mem: a size (MB unless K/M/G/T); 0 takes the node's all
+_SLURM_MEM = re.compile(r"^[0-9]+[KMGTkmgt]?$")  # sbatch --mem: a size (MB unless K/M/G/T); 0 takes the node's all
 # sbatch --constraint: features joined by & | , with [ ] ( ) grouping and *COUNT; no blanks or quotes
 _CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|,\[\]()*:]+$")
 # --sbatch-arg: one long or short option, its value after '=' (or none); no blanks or quotes,
@@ -36,8 +36,8 @@ RENDERED_SBATCH = {"--job-name": "--name", "-J": "--name", "--nodes": "--nodes",
                    "--open-mode": "--requeue", "--requeue": "--requeue", "--signal": "--signal-before",
                    "--account": "--account", "-A": "--account", "--qos": "--qos", "-q": "--qos",
                    "--mem": "--mem", "--constraint": "--constraint", "-C": "--constraint"}
-# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
 _LSF_TIME = re.compile(r"([0-9]+:)?[0-9]+")  # bsub -W: [hours:]minutes
+# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
 _SLURM_TIME = re.compile(r"([0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}|UNLIMITED|INFINITE)")
 _ACCELERATOR = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)(?::([1-9][0-9]*))?$")  # SkyPilot NAME or NAME:COUNT
 _IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]*$")  # registry/repo:tag or @digest
@@ -174,7 +174,8 @@ def _check_slurm(spec: RenderSpec) -> None:
     if given and spec.target != "slurm":
         flag, value = given[0]
         raise bad_value(flag, value, f"is a Slurm job option, not one for {spec.target}", "drop it")
-    checks = ((spec.account, "--account", _SLURM_NAME, "is not a Slurm account name", "e.g. --account ml-team"),
+    checks = ((spec.account, "--account", _SLURM_NAME, "is not an account (Slurm) or project (LSF) name",
+               "e.g. --account ml-team"),
               (spec.qos, "--qos", _QOS, "is not a Slurm QOS name (or comma-separated list)", "e.g. --qos normal"),
               (spec.mem, "--mem", _SLURM_MEM, "is not a Slurm memory size",
                "a number of MB, or with K, M, G or T, e.g. 500G; 0 takes all of each node's memory"),
@@ -205,7 +206,8 @@ def _check_kubernetes(spec: RenderSpec) -> None:
     if spec.kind not in K8S_KINDS:
         raise bad_value("--as", spec.kind, "is not a Kubernetes kind meshrun renders", f"one of {', '.join(K8S_KINDS)}")
     if spec.target != "kubernetes":
-        for flag, value, unset in (("--as", spec.kind, "job"), ("--volume", spec.volume, None)):
+        for flag, value, unset in (("--as", spec.kind, "job"), ("--volume", spec.volume, None),
+                                   ("--runtime", spec.runtime, "torch-distributed")):
             if value != unset:
                 raise bad_value(flag, value, f"is for Kubernetes specs, not {spec.target}", "drop it")
         return
