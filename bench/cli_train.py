@@ -30,6 +30,9 @@ def parse_line(line: str) -> dict[str, float] | None:
     if not line.startswith("step "):
         return None
     out: dict[str, float] = {}
+    head = line.split(" | ", 1)[0]  # "step 10/200" (the run's total after the slash)
+    if re.fullmatch(r"step \d+(/\d+)?", head):
+        out["step"] = float(head.split()[1].split("/")[0])
     for part in line.split(" | "):
         m = _FIELD.fullmatch(part.strip())
         if m:

@@ -378,6 +378,11 @@ def test_the_defaults_matrix_reads_meshruns_first_lines_as_the_gpu_runs_printed_
         "  planner: single predicted 125 GiB per GPU of 126 GiB usable",
     ])
     assert gpt["compiled"] and gpt["strategy"] == "single" and gpt["micro"] == 64
+    # today's lines: the step with the run's total, the time taken and left
+    line = ("step 10/200 | loss 4.7 | tokens_per_s_per_gpu 577,066 | mfu 50.2% | peak_reserved 56.30 GiB "
+            "| elapsed 0:07 | left 2:13")
+    assert bench_module("cli_train").parse_line(line) == {
+        "step": 10, "loss": 4.7, "tokens_per_s_per_gpu": 577066, "mfu": 0.502, "peak_reserved_gib": 56.3}
 
 
 def test_a_users_modules_offer_the_hooks_by_their_methods_alone():
