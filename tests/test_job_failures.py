@@ -74,7 +74,7 @@ def test_every_ranks_output_goes_to_its_log_and_the_terminal_shows_rank_0(tmp_pa
     logs = out / "logs"
     rank0, rank1 = (logs / "rank-0.log").read_text(), (logs / "rank-1.log").read_text()
     assert rank0.startswith("==== meshrun train: rank 0 of 2") and rank1.startswith("==== meshrun train: rank 1 of 2")
-    assert "step 2 | loss" in rank0 and "step 2 | loss" in proc.stdout  # rank 0's progress: both places
+    assert "step 2/2 | loss" in rank0 and "step 2/2 | loss" in proc.stdout  # rank 0's progress: both places
     assert "OMP_NUM_THREADS" not in proc.stderr  # torchrun's banner: meshrun set the variable itself
 
 
