@@ -39,7 +39,7 @@ def parse_line(line: str) -> dict[str, float] | None:
             value = float(m.group(2).replace(",", ""))
             unit = m.group(3) or ""
             out[m.group(1) + ("_gib" if unit == " GiB" else "")] = value / 100 if unit == "%" else value
-    return out if "tokens_per_s_per_gpu" in out else None
+    return out if "tokens_per_s" in out else None  # (per GPU only on GPUs)
 
 
 def steady(rows: list[dict[str, float]], skip: int) -> list[dict[str, float]]:
@@ -78,10 +78,12 @@ def main() -> int:
     result = {"label": a.label, "args": args, "rc": rc, "wall_s": round(wall, 1), "first_line": first,
               "chosen": chosen, "lines": len(rows)}
     if kept:
-        result.update(tokens_per_s_per_gpu=round(statistics.median(r["tokens_per_s_per_gpu"] for r in kept)),
+        per_gpu = [r["tokens_per_s_per_gpu"] for r in kept if "tokens_per_s_per_gpu" in r]
+        result.update(tokens_per_s_per_gpu=round(statistics.median(per_gpu)) if per_gpu else None,
                       mfu=round(statistics.median(r.get("mfu", 0.0) for r in kept), 4),
                       steps_timed=[int(r["step"]) for r in kept],
-                      all_tokens_per_s_per_gpu=[round(r["tokens_per_s_per_gpu"]) for r in rows])
+                      all_tokens_per_s_per_gpu=[round(r["tokens_per_s_per_gpu"]) for r in rows
+                                                if "tokens_per_s_per_gpu" in r])
         reserved = [r["peak_reserved_gib"] for r in rows if "peak_reserved_gib" in r]
         if reserved:
             result["peak_reserved_gib"] = max(reserved)

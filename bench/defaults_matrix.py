@@ -235,11 +235,13 @@ def parse_meshrun(lines: list[str]) -> dict[str, Any]:
     out["metrics_lines"] = len(rows)
     timed = rows[1:]  # the first line's interval includes compilation
     if timed:
-        out["tokens_per_s_per_gpu"] = round(statistics.median(r["tokens_per_s_per_gpu"] for r in timed))
+        per_gpu = [r["tokens_per_s_per_gpu"] for r in timed if "tokens_per_s_per_gpu" in r]  # (GPUs only)
+        out["tokens_per_s_per_gpu"] = round(statistics.median(per_gpu)) if per_gpu else None
         mfus = [r["mfu"] for r in timed if "mfu" in r]
         out["mfu"] = round(statistics.median(mfus), 4) if mfus else None
         out["steps_timed"] = [int(r.get("step", 0)) for r in timed]
-        out["all_tokens_per_s_per_gpu"] = [round(r["tokens_per_s_per_gpu"]) for r in rows]
+        out["all_tokens_per_s_per_gpu"] = [round(r["tokens_per_s_per_gpu"]) for r in rows
+                                           if "tokens_per_s_per_gpu" in r]
     reserved = [r["peak_reserved_gib"] for r in rows if "peak_reserved_gib" in r]
     if reserved:
         out["peak_reserved_gib"] = max(reserved)
