@@ -39,7 +39,7 @@ def parse_line(line: str) -> dict[str, float] | None:
             value = float(m.group(2).replace(",", ""))
             unit = m.group(3) or ""
             out[m.group(1) + ("_gib" if unit == " GiB" else "")] = value / 100 if unit == "%" else value
-    return out if "tokens_per_s" in out else None  # (per GPU only on GPUs)
+    return out if "tokens_per_s" in out or "tokens_per_s_per_gpu" in out else None  # (per GPU only on GPUs)
 
 
 def steady(rows: list[dict[str, float]], skip: int) -> list[dict[str, float]]:
