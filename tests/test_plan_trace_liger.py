@@ -224,3 +224,36 @@ def test_plan_chooses_liger_as_train_would(tmp_path, flags, liger):
     assert out.returncode == 0, out.stderr[-2000:]
     assert ("Liger Kernel's fused kernels (installed here), eager" in out.stdout) is liger, out.stdout[-1500:]
     assert ("logits: Liger's fused loss" in out.stdout) is liger  # the table's legend says what the column holds
+
+
+def test_a_liger_patched_model_is_called_with_return_dict_so_transformers_logs_no_deprecation():
+    # Liger's forward leaves return_dict None to read config.use_return_dict, which
+    # transformers 5 logs as deprecated on every rank; meshrun passes it
+    _liger()
+    from meshrun.train.kernels.liger import apply_liger
+    from meshrun.train.parallel.layouts import LABELS_KWARGS, loss_mode
+
+    model = _llama()
+    assert loss_mode(model) == "labels-nocache"  # transformers' own forward: no return_dict to give
+    apply_liger(model)
+    mode = loss_mode(model)
+    assert mode == "labels-nocache-dict" and LABELS_KWARGS[mode] == {"use_cache": False, "return_dict": True}
+
+
+def test_model_loss_passes_what_the_forward_names():
+    torch = _liger()
+    from meshrun.train.parallel.layouts import loss_mode, model_loss
+
+    class Forward(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+            self.calls = []
+
+        def forward(self, input_ids, labels=None, use_cache=None, return_dict=None):
+            self.calls.append({"use_cache": use_cache, "return_dict": return_dict})
+            return {"loss": self.w * input_ids.float().mean()}
+
+    model = Forward()
+    loss = model_loss(model, loss_mode(model), torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
+    assert loss.item() == 1.0 and model.calls == [{"use_cache": False, "return_dict": True}]

@@ -27,6 +27,7 @@ from ..launch.node import check_ports, rdzv_timeout_s
 from ..launch.restart import attempt_topology, run_with_restarts
 from ..launch.run import Waits
 from ..launch.torchrun import thread_env
+from . import trackers
 from .config import TrainConfig
 from .ranklog import LOG_DIR_ENV, RESULT_ENV
 
@@ -174,6 +175,8 @@ def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str
     """Check, then run the job on this node (or print its command under ``job.dry_run``)."""
     require_trainer_packages()
     check(cfg, topo, job)
+    if topo.node_rank == 0 and not job.dry_run:  # (rank 0 logs: its node checks the trackers' servers)
+        trackers.preflight(trackers.parse(cfg.log_with, cfg.source("log_with")), env)
     # Node rank 0 owns OUT for the run's whole life, restarts included (on shared storage
     # every node names the same OUT; the other nodes leave it to node 0). With one process per
     # task (Slurm, mpirun), node 0's first process owns it.

@@ -1,5 +1,6 @@
 """Throughput, MFU, and where metrics go: stdout lines, a rich progress bar, metrics.jsonl,
-TensorBoard (when installed) and a loss-curve PNG (when matplotlib is installed)."""
+a loss-curve PNG (when matplotlib is installed) and the experiment trackers (tracking.py:
+TensorBoard, W&B, MLflow)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from ..errors import MeshrunError
 from ..units import clock
+from . import tracking
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets; sparsity excluded).
 PEAK_BF16 = (
@@ -111,12 +113,14 @@ def read_cost_line(costs: list[tuple[float, float, int | None]]) -> str:
 class MetricsSink:
     """Rank 0's outputs. Every record goes to stdout as one line and to metrics.jsonl."""
 
-    def __init__(self, out: str | None, total_steps: int, enabled: bool, done: int = 0) -> None:
+    def __init__(self, out: str | None, total_steps: int, enabled: bool, done: int = 0,
+                 trackers: tuple[str, ...] = (), params: dict[str, Any] | None = None) -> None:
         self.enabled = enabled
         self.out = out
         self.records: list[dict[str, Any]] = []
         self.jsonl = None
-        self.tb = None
+        self.trackers: list[tracking.Tracker] = []
+        self.tracked = trackers
         self.progress = None
         self.start = time.monotonic()
         self.total = total_steps
@@ -131,15 +135,13 @@ class MetricsSink:
                 raise MeshrunError(f"--out={out!r}: {path} is not a regular file, where the run appends its "
                                    "metrics (hint: move it away, or give another --out)")
             self.jsonl = open(path, "a", buffering=1)
-            try:
-                # tensorboard imports TensorFlow where it is installed, whose C++ log lines say
-                # nothing about this run
-                os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(os.path.join(out, "tensorboard"))
-            except ImportError:  # tensorboard is optional
-                self.tb = None
+        try:
+            self.trackers = tracking.start(trackers, out, params or {})
+        except MeshrunError:
+            if self.jsonl:
+                self.jsonl.close()
+            raise
+        self.start = time.monotonic()  # (the trackers' start-up is no training time)
         if sys.stderr.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -154,10 +156,7 @@ class MetricsSink:
         self.records.append(record)
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
-        if self.tb:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(key, value, record["step"])
+        tracking.log(self.trackers, record)
         line = " | ".join([f"step {record['step']}/{self.total}",
                            *(_fmt(k, v) for k, v in record.items() if v is not None and k != "step"),
                            *self.timing(record["step"])])
@@ -185,11 +184,15 @@ class MetricsSink:
             return head + "; nothing written (give --out DIR to keep metrics, the loss plot and snapshots)"
         wrote = ["metrics.jsonl"]
         wrote += [name for name in ("loss.png", "tensorboard") if os.path.exists(os.path.join(self.out, name))]
+        wrote += [f"{name} run {run.get('id') or run.get('run_id')}"
+                  for name, run in tracking.saved(self.out).items() if name in self.tracked]
         if snapshot:
             wrote.append(f"snapshot {os.path.relpath(snapshot, self.out)}")
         return head + f"; in {self.out}: " + ", ".join(wrote)
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """Close every output; ``finished``: the run reached its last step (a tracker's run is
+        then marked finished, else failed)."""
         if not self.enabled or self.closed:
             return
         self.closed = True
@@ -197,8 +200,7 @@ class MetricsSink:
             self.progress.stop()
         if self.jsonl:
             self.jsonl.close()
-        if self.tb:
-            self.tb.close()
+        tracking.close(self.trackers, finished)
         if self.out and self.records:  # the whole run's curve, earlier attempts' steps included
             plot_losses(read_records(os.path.join(self.out, "metrics.jsonl")) or self.records,
                         os.path.join(self.out, "loss.png"))

@@ -42,12 +42,13 @@ CHECKPOINTS = "checkpoints"
 SNAPSHOT_PREFIX = "step-"  # layout.PREFIX
 MARKER = "COMMITTED.json"  # layout.MARKER
 # What a run writes into OUT (metrics.py, trainer.py, this module): what --overwrite moves aside.
-RUN_FILES = (CHECKPOINTS, "metrics.jsonl", "loss.png", "tensorboard", RUN_FILE)
+# (trackers.json: tracking.IDS_FILE, the tracker runs a resume continues; wandb: W&B's files)
+RUN_FILES = (CHECKPOINTS, "metrics.jsonl", "loss.png", "tensorboard", "trackers.json", "wandb", RUN_FILE)
 METRICS = "metrics.jsonl"
 LOCK_NAME = ".meshrun.lock"  # runlock.LOCK_NAME
 # The kind each name in OUT must be, when it exists: True a directory, False a regular file.
-KINDS = {CHECKPOINTS: True, "tensorboard": True, "logs": True, METRICS: False, "loss.png": False,
-         RUN_FILE: False, LOCK_NAME: False}
+KINDS = {CHECKPOINTS: True, "tensorboard": True, "logs": True, "wandb": True, METRICS: False, "loss.png": False,
+         "trackers.json": False, RUN_FILE: False, LOCK_NAME: False}
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""What the Trainer says about its run: the first line (what runs, and what was chosen and why)
-and each log line's metrics. Where the lines go (stdout, metrics.jsonl, TensorBoard) is
-``metrics.MetricsSink``'s business."""
+"""What the Trainer says about its run: the first line (what runs, and what was chosen and why),
+each log line's metrics, and the run's config as a tracker's parameters. Where they go
+(stdout, metrics.jsonl, the trackers) is ``metrics.MetricsSink``'s business."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,18 @@ def describe(trainer: Trainer) -> str:
             f"{batch}" + (f" of {cfg.seq} tokens" if trainer.flops_per_token else "")
             + f", {'bf16' if trainer.bf16 else 'fp32'}")
     return line + "".join(f"\n  {reason}" for reason in trainer.choice.reasons)
+
+
+def params(trainer: Trainer) -> dict[str, Any]:
+    """The run's resolved config as a tracker's parameters: every option as it ran (the
+    defaults resolved: sequence length, micro-batch), and what meshrun chose for it."""
+    cfg, rt = trainer.cfg, trainer.rt
+    options = {k: v for k, v in json.loads(cfg.to_json()).items() if k != "sources"}
+    return {**options, "micro_batch": cfg.micro, "seq_len": cfg.seq, "layout": trainer.layout.description,
+            "world_size": rt.world_size, "dp_size": trainer.dp_size, "accumulation": trainer.accum,
+            "global_batch": cfg.micro * trainer.accum * trainer.dp_size,
+            "precision": "bf16" if trainer.bf16 else "fp32", "parameters": trainer.n_params,
+            "device": rt.device.type, "torch": torch.__version__}
 
 
 def record(trainer: Trainer, step: int, loss_sum: torch.Tensor, steps: int, tokens: int, elapsed: float,

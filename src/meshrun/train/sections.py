@@ -22,6 +22,7 @@ from ..errors import bad_value
 from ..modelinfo.hf import is_hf_path, locate
 from ..paths import check_output_dir
 from ..vocab import AC_MODES, GPT_PRESETS, POLICIES, PP_SCHEDULES, PRECISIONS, STRATEGIES, strategy_hint, yes_no
+from . import trackers
 from .options import option
 
 if TYPE_CHECKING:
@@ -261,12 +262,23 @@ class MetricsOptions:
     log_every: int = option(10, "steps between log lines (default {default})", metavar="N", minimum=1)
     eval_every: int = option(0, "steps between validations (default {default}: at the end)", metavar="N", minimum=0)
     eval_batches: int = option(8, "validation micro-batches per rank (default {default})", metavar="N", minimum=1)
+    log_with: str = option(trackers.DEFAULT, "experiment trackers that get every metric and the run's config: a "
+                           "comma list of tensorboard (in OUT), wandb, mlflow; all (those installed); none (default "
+                           "{default}, where installed). W&B and MLflow read their own WANDB_* and MLFLOW_* "
+                           "variables; a resume continues the same tracker run (its id is kept in OUT)",
+                           metavar="LIST")
 
     @staticmethod
     def check(cfg: TrainConfig) -> TrainConfig:
         if cfg.out is not None:
             check_output_dir(cfg.out, cfg.source("out"))
-        return cfg
+        names = trackers.parse(cfg.log_with, cfg.source("log_with"), given="log_with" in cfg.sources)
+        if "tensorboard" in names and cfg.out is None:  # (named: an error; by "all" or the default: left out)
+            if "log_with" in cfg.sources and "tensorboard" in cfg.log_with.lower():
+                raise bad_value(cfg.source("log_with"), cfg.log_with, "TensorBoard's events are written into "
+                                "--out", "add --out DIR")
+            names = tuple(n for n in names if n != "tensorboard")
+        return cfg.replace(log_with=",".join(names) or "none")  # "all" and the default, resolved once
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from ..defaults import val_micro
 from ..errors import MeshrunError
 from ..modelinfo.hf import export_record
 from ..modelinfo.read import context_of
-from . import checkpoint, preempt, report, snapshots
+from . import checkpoint, preempt, report, snapshots, trackers
 from .batchfit import fit_micro_batch, guarded_step
 from .config import TrainConfig, resolve_seq_len, validate
 from .data import BatchStream, LoaderSpec, make_loader
@@ -216,7 +216,9 @@ class Trainer:
                       + "; nothing to do (hint: pass a larger --steps to train on)", flush=True)
             return []
         data = fit_micro_batch(self, stream)  # (a micro-batch of meshrun's may be halved: batchfit.py)
-        sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main, done=self.step)
+        sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main, done=self.step,
+                           trackers=trackers.parse(cfg.log_with, cfg.source("log_with")),
+                           params=report.params(self) if rt.is_main else None)
         if rt.is_main:
             print(self.describe(), flush=True)
         loss_sum = torch.zeros((), device=rt.device)
@@ -256,7 +258,7 @@ class Trainer:
                 if stop:
                     raise preempt.Preempted(stop, self.step, saved)  # saved: this step's snapshot
             vote.close()
-            sink.close()  # (the loss plot written: the closing line names it)
+            sink.close(finished=True)  # (the loss plot written: the closing line names it)
             if rt.is_main:
                 print(sink.finished(saved), flush=True)
         finally:

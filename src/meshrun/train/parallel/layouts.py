@@ -38,8 +38,10 @@ def loss_mode(module: nn.Module) -> str:
     outputs, shifting the labels itself (Hugging Face causal LMs); ``labels-nocache``, the same
     with ``use_cache=False`` (a Hugging Face model would otherwise fill a cache of every layer's
     keys and values, which training never reads: memory lost, and a recomputed layer under
-    checkpointing would find the cache changed); ``logits``, anything else, whose output is
-    scored here."""
+    checkpointing would find the cache changed); ``labels-nocache-dict``, the same with
+    ``return_dict=True`` for a forward that names it (Liger Kernel's: left None, it reads
+    ``config.use_return_dict``, which transformers 5 logs as deprecated on every rank);
+    ``logits``, anything else, whose output is scored here."""
     try:
         params = list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
@@ -47,8 +49,15 @@ def loss_mode(module: nn.Module) -> str:
     if len(params) >= 2 and params[1] in ("targets", "target", "y"):
         return "targets"
     if "labels" in params:
-        return "labels-nocache" if "use_cache" in params else "labels"
+        if "use_cache" not in params:
+            return "labels"
+        return "labels-nocache-dict" if "return_dict" in params else "labels-nocache"
     return "logits"
+
+
+# The keyword arguments each labels mode adds to the model's call (loss_mode)
+LABELS_KWARGS: dict[str, dict[str, bool]] = {"labels": {}, "labels-nocache": {"use_cache": False},
+                                             "labels-nocache-dict": {"use_cache": False, "return_dict": True}}
 
 
 def _field(out: Any, name: str) -> Any:
@@ -80,7 +89,7 @@ def model_loss(model: nn.Module, mode: str, x: torch.Tensor, y: torch.Tensor,
         raise MeshrunError(f"--document-mask: {type(model).__name__} takes no position ids "
                            "(hint: meshrun's GPT or a Hugging Face model, or drop --document-mask)")
     if mode.startswith("labels"):
-        extra = {**(extra or {}), **({"use_cache": False} if mode == "labels-nocache" else {})}
+        extra = {**(extra or {}), **LABELS_KWARGS[mode]}
         labels = extra.pop("labels", x)
         loss = _field(model(input_ids=x, labels=labels, **extra), "loss")
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

@@ -1,0 +1,211 @@
+"""The experiment trackers of one run, on the rank that holds the loss: TensorBoard events in
+OUT, a Weights & Biases run, an MLflow run. Each is one small class with the same three
+calls: start (the run's config as its parameters), ``log`` (a record's numbers at its step)
+and ``close``.
+
+A resume continues the same tracker run: each tracker's run id is kept in ``OUT/trackers.json``
+(written when the run starts), and the user's own ``WANDB_RUN_ID`` / ``MLFLOW_RUN_ID`` win
+over it. Without an id of its own, the W&B run takes meshrun's run id (``OUT/run.json``),
+so a Slurm requeue that lost nothing else still lands in the same run.
+
+A tracker that fails to start ends the run with one line before step 1 (trackers.py has
+already checked the packages and servers); one that fails later is dropped with one line,
+and the run goes on: metrics.jsonl keeps every record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from ..errors import MeshrunError
+from .outdir import RUN_ID_ENV
+
+IDS_FILE = "trackers.json"
+PROJECT = "meshrun"  # W&B project and MLflow experiment when WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME are unset
+PARAM_CHARS = 6000  # MLflow's longest parameter value
+
+
+class Tracker(Protocol):
+    name: str
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def close(self, finished: bool) -> None: ...
+
+
+def numbers(record: Mapping[str, Any]) -> dict[str, float]:
+    """What a tracker logs of a record: its numeric values but the step (None: not measured here)."""
+    return {k: float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class TensorBoard:
+    name = "tensorboard"
+
+    def __init__(self, out: str, params: Mapping[str, Any]) -> None:
+        # tensorboard imports TensorFlow where it is installed, whose C++ log lines say
+        # nothing about this run
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+        self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in params.items()))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self, finished: bool) -> None:
+        self.writer.close()
+
+
+class Wandb:
+    """A W&B run: project WANDB_PROJECT (else "meshrun"), entity WANDB_ENTITY, its files in
+    WANDB_DIR (else OUT), resumed by id. Charts plot against the ``step`` metric, so steps
+    logged again after a resume from an earlier snapshot are kept, not refused as out of order."""
+
+    name = "wandb"
+
+    def __init__(self, out: str | None, run_id: str | None, params: Mapping[str, Any], env: Mapping[str, str]) -> None:
+        import wandb
+
+        self.wandb = wandb
+        kept = saved(out).get(self.name, {})
+        project = env.get("WANDB_PROJECT") or PROJECT
+        run_id = env.get("WANDB_RUN_ID") or (kept.get("id") if kept.get("project") == project else None) or run_id
+        self.run = wandb.init(project=project, entity=env.get("WANDB_ENTITY") or None, id=run_id, resume="allow",
+                              name=os.path.basename(os.path.normpath(out)) if out else None,
+                              dir=env.get("WANDB_DIR") or out, config=dict(params), allow_val_change=True,
+                              # meshrun's own lines go to stdout and the rank logs as they are
+                              settings=wandb.Settings(console="off", silent=True))
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        self.ids = {"id": self.run.id, "project": project}
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.run.log({"step": step, **metrics})
+
+    def close(self, finished: bool) -> None:
+        self.run.finish(exit_code=0 if finished else 1)
+
+
+class Mlflow:
+    """An MLflow run in MLFLOW_TRACKING_URI's store, in experiment MLFLOW_EXPERIMENT_NAME (else
+    "meshrun"); a resumed run is set running again and gets only the parameters it lacks
+    (MLflow refuses to change one: a resume with a larger --steps keeps the first value)."""
+
+    name = "mlflow"
+
+    def __init__(self, out: str | None, run_id: str | None, params: Mapping[str, Any], env: Mapping[str, str]) -> None:
+        # A tracking server that stops answering mid-run holds the training loop through each
+        # retry: fewer and shorter ones than MLflow's own (7, up to 120 s each), unless set
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+
+        self.Metric = Metric
+        self.client = MlflowClient()
+        uri = self.client.tracking_uri
+        kept = saved(out).get(self.name, {})
+        resume = env.get("MLFLOW_RUN_ID") or (kept.get("run_id") if kept.get("tracking_uri") == uri else None)
+        if resume:
+            run = self.client.get_run(resume)
+            self.client.update_run(resume, status="RUNNING")
+        else:
+            experiment = env.get("MLFLOW_EXPERIMENT_NAME") or PROJECT
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+            run = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.normpath(out)) if out
+                                         else None, tags={"meshrun.run_id": run_id} if run_id else None)
+        self.run_id = run.info.run_id
+        have = run.data.params
+        self.client.log_batch(self.run_id, params=[Param(k, str(v)[:PARAM_CHARS]) for k, v in params.items()
+                                                   if k not in have])
+        self.ids = {"run_id": self.run_id, "tracking_uri": uri}
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self.Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def close(self, finished: bool) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if finished else "FAILED")
+
+
+def saved(out: str | None) -> dict[str, dict[str, str]]:
+    """OUT/trackers.json's ids, or {} (no OUT, no file, or not readable as one)."""
+    if not out:
+        return {}
+    try:
+        with open(os.path.join(out, IDS_FILE)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
+
+
+def _keep(out: str, ids: dict[str, dict[str, str]]) -> None:
+    """OUT/trackers.json, whole or not at all."""
+    tmp = os.path.join(out, f".{IDS_FILE}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(ids, f, indent=1)
+    os.replace(tmp, os.path.join(out, IDS_FILE))
+
+
+def start(names: tuple[str, ...], out: str | None, params: Mapping[str, Any],
+          env: Mapping[str, str] | None = None) -> list[Tracker]:
+    """Start the named trackers (in that order) and keep their run ids in OUT; one that cannot
+    start is a MeshrunError naming it and why."""
+    env = os.environ if env is None else env
+    run_id = env.get(RUN_ID_ENV)
+    started: list[Tracker] = []
+    ids: dict[str, dict[str, str]] = {}
+    for name in names:
+        try:
+            if name == "tensorboard":
+                if out:
+                    started.append(TensorBoard(out, params))
+                continue
+            tracker: Wandb | Mlflow = (Wandb if name == "wandb" else Mlflow)(out, run_id, params, env)
+        except Exception as e:  # each package has its own errors; any of them means this tracker is unusable
+            for t in started:
+                t.close(finished=False)
+            raise MeshrunError(f"--log-with {name}: could not start its run: {_first_line(e)} (hint: check the "
+                               f"{name.upper()}_* variables, or drop {name} from --log-with)") from None
+        started.append(tracker)
+        ids[name] = tracker.ids
+    if out and ids:
+        _keep(out, {**saved(out), **ids})
+    return started
+
+
+def log(trackers: list[Tracker], record: Mapping[str, Any]) -> None:
+    """Log a record to each tracker; one that fails is dropped with one line (the rest go on)."""
+    metrics = numbers(record)
+    for tracker in list(trackers):
+        try:
+            tracker.log(metrics, record["step"])
+        except Exception as e:  # a tracker's failure must not end the training it records
+            trackers.remove(tracker)
+            print(f"meshrun train: {tracker.name} stopped logging at step {record['step']}: {_first_line(e)}; "
+                  "metrics.jsonl keeps every record", file=sys.stderr, flush=True)
+
+
+def close(trackers: list[Tracker], finished: bool) -> None:
+    for tracker in trackers:
+        try:
+            tracker.close(finished)
+        except Exception as e:  # (as in log: the run's own outputs are already written)
+            print(f"meshrun train: {tracker.name} did not close cleanly: {_first_line(e)}", file=sys.stderr,
+                  flush=True)
+    trackers.clear()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
