@@ -257,3 +257,18 @@ def test_model_loss_passes_what_the_forward_names():
     model = Forward()
     loss = model_loss(model, loss_mode(model), torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
     assert loss.item() == 1.0 and model.calls == [{"use_cache": False, "return_dict": True}]
+
+
+def test_transformers_renamed_cache_line_about_ligers_code_is_dropped_and_no_other(caplog, monkeypatch):
+    _liger()
+    import logging
+
+    from meshrun.train.kernels.liger import apply_liger
+
+    apply_liger(_llama())
+    generic = logging.getLogger("transformers.utils.generic")
+    monkeypatch.setattr(generic, "propagate", True)  # (to the root logger, whose records caplog reads)
+    with caplog.at_level(logging.WARNING, logger="transformers.utils.generic"):
+        generic.warning("`past_key_values`/`cache_params` are deprecated. Use `cache` instead.")
+        generic.warning("another line")
+    assert [r.getMessage() for r in caplog.records] == ["another line"]

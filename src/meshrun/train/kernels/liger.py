@@ -66,10 +66,23 @@ def liger_options(model: Any) -> dict[str, bool]:
     return {"swiglu": False} if mixture_of_experts(model) else {}
 
 
+class _LigersCacheName(logging.Filter):
+    """Liger 0.8.5's forwards pass and read ``past_key_values``, which transformers 5 renamed
+    ``cache`` and logs as deprecated once per rank: a line about Liger's code, which the user
+    cannot change, so it is dropped (every other line of that logger stays)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("`past_key_values`/`cache_params` are deprecated")
+
+
 def apply_liger(model: Any) -> list[str]:
     """Patch ``model`` (``liger_applies``) with Liger's kernels; what was applied, for the
     run's first line."""
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+    generic = logging.getLogger("transformers.utils.generic")
+    if not any(isinstance(f, _LigersCacheName) for f in generic.filters):
+        generic.addFilter(_LigersCacheName())
 
     options = liger_options(model)
     _apply_liger_kernel_to_instance(model=model, **options)
