@@ -88,6 +88,64 @@ def test_tensor_parallel_matches_one(reference, nproc, micro, fsdp, sp):
           reference)
 
 
+def _first_step_gradients(overrides):
+    """Every parameter's whole gradient after the first step's micro-batches (before the
+    optimizer step), by its name in the unsharded model: tensor-parallel shards and FSDP2's
+    shards gathered, the q/k/v Linears tensor parallelism splits the fused one into joined.
+    Then whether each forward returned a view."""
+    import torch
+
+    from meshrun.train.config import TrainConfig
+    from meshrun.train.data import BatchStream, RandomTokens
+    from meshrun.train.models.gpt import GPT, GPTConfig
+    from meshrun.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
+    cfg = TrainConfig(steps=1, seq_len=16, log_every=1, precision="fp32", **overrides)
+    t = Trainer(model, RandomTokens(512, 16, 64), None, cfg)
+    views = []  # whether each forward returned a view (FSDP2 hooks its backward on the output)
+    t.layout.model.register_forward_hook(lambda m, a, out: views.append(out._base is not None))
+    data = BatchStream(t.train_loader, cfg.micro, t.dp_size)
+    for micro in range(t.accum):
+        x, y, positions = t._to_device(next(data))
+        t.layout.micro_step(x, y, last=micro == t.accum - 1, positions=positions)
+    grads = {}
+    for name, p in t.layout.model.named_parameters():
+        assert p.grad is not None, f"{name}: no gradient"
+        grads[name] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+    for name in [n for n in grads if ".qkv.q." in n]:
+        fused = name.replace(".qkv.q.", ".qkv.")
+        grads[fused] = torch.cat([grads.pop(name.replace(".qkv.q.", f".qkv.{part}.")) for part in "qkv"])
+    return grads, views
+
+
+@pytest.fixture(scope="module")
+def reference_gradients():
+    require("torch")
+    return meshrun.run(_first_step_gradients, {"strategy": "single", "micro_batch": 8}, nproc=1, timeout_s=300)
+
+
+@pytest.mark.parametrize("nproc,micro,fsdp", [(2, 4, "full"), (4, 2, "full"), (4, 2, "grad-op")],
+                         ids=["tp2-full", "dp2xtp2-full", "dp2xtp2-grad_op"])
+def test_tensor_parallel_gradients_match_one(reference_gradients, nproc, micro, fsdp):
+    """FSDP2 x TP=2 (sequence and loss parallel), two micro-batches a step: every parameter's
+    gradient equals the single process's. FSDP2 hooks each wrapped module's backward on its
+    output: without the blocks' hooks, full shard's backward finds their parameters resharded
+    and fails; without all of them, grad_op's root gradients go unreduced. The per-step loss
+    and norm above would show a wrong gradient only mixed into the update or the total. The
+    loss the model returns is a tensor of its own, not a view (FSDP2 warns on a view: an
+    in-place op on one would lose the hook)."""
+    grads, _ = reference_gradients
+    many, views = meshrun.run(
+        _first_step_gradients, {"strategy": f"fsdp-{fsdp}", "tp": 2, "micro_batch": micro, "global_batch": 8},
+        nproc=nproc, timeout_s=300)
+    assert views == [False, False]  # the loss is no view, where an in-place op would lose the hook
+    assert sorted(many) == sorted(grads)
+    for name, ref in grads.items():
+        assert float((many[name] - ref).norm()) <= 1e-5 * float(ref.norm()), name
+
+
 def _local_shape(t):
     return tuple(t.to_local().shape) if hasattr(t, "to_local") else tuple(t.shape)
 

@@ -194,7 +194,10 @@ class GPT(nn.Module):
             return logits.full_tensor() if sharded else logits
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         if sharded:
-            loss = loss.full_tensor()
+            # full_tensor hands back a view of the DTensor's local tensor; a copy of the scalar
+            # instead, so the model returns no view: FSDP2 hooks its backward on the output,
+            # and an in-place op on a returned view would lose that hook
+            loss = loss.full_tensor().clone()
         return self._with_aux(loss)
 
     def meshrun_kernels(self, device: torch.device, tp: int = 1, pp: int = 1) -> list[str]:
