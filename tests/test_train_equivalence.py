@@ -92,12 +92,15 @@ def _first_step_gradients(overrides):
     """Every parameter's whole gradient after the first step's micro-batches (before the
     optimizer step), by its name in the unsharded model: tensor-parallel shards and FSDP2's
     shards gathered, the q/k/v Linears tensor parallelism splits the fused one into joined.
-    Then whether each forward returned a view."""
+    Then the gradient norm as the layout takes it, the collectives that took, and whether
+    each forward returned a view."""
     import torch
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from meshrun.train.config import TrainConfig
     from meshrun.train.data import BatchStream, RandomTokens
     from meshrun.train.models.gpt import GPT, GPTConfig
+    from meshrun.train.parallel.gradnorm import clip_grad_norm
     from meshrun.train.trainer import Trainer
 
     torch.manual_seed(0)
@@ -110,6 +113,8 @@ def _first_step_gradients(overrides):
     for micro in range(t.accum):
         x, y, positions = t._to_device(next(data))
         t.layout.micro_step(x, y, last=micro == t.accum - 1, positions=positions)
+    with CommDebugMode() as comms:
+        norm = float(clip_grad_norm(t.layout.model.parameters(), float("inf")))
     grads = {}
     for name, p in t.layout.model.named_parameters():
         assert p.grad is not None, f"{name}: no gradient"
@@ -117,7 +122,7 @@ def _first_step_gradients(overrides):
     for name in [n for n in grads if ".qkv.q." in n]:
         fused = name.replace(".qkv.q.", ".qkv.")
         grads[fused] = torch.cat([grads.pop(name.replace(".qkv.q.", f".qkv.{part}.")) for part in "qkv"])
-    return grads, views
+    return grads, norm, comms.get_total_counts(), views
 
 
 @pytest.fixture(scope="module")
@@ -135,15 +140,21 @@ def test_tensor_parallel_gradients_match_one(reference_gradients, nproc, micro, 
     and fails; without all of them, grad_op's root gradients go unreduced. The per-step loss
     and norm above would show a wrong gradient only mixed into the update or the total. The
     loss the model returns is a tensor of its own, not a view (FSDP2 warns on a view: an
-    in-place op on one would lose the hook)."""
-    grads, _ = reference_gradients
-    many, views = meshrun.run(
+    in-place op on one would lose the hook).
+
+    The norm over the two meshes (the TP parameters' (dp_shard, tp) and the data-parallel
+    one) is the single process's, in one all-reduce per mesh (three, without the flattened
+    (dp_shard, tp) mesh: one per dimension of the first)."""
+    grads, norm, _, _ = reference_gradients
+    many, many_norm, all_reduces, views = meshrun.run(
         _first_step_gradients, {"strategy": f"fsdp-{fsdp}", "tp": 2, "micro_batch": micro, "global_batch": 8},
         nproc=nproc, timeout_s=300)
     assert views == [False, False]  # the loss is no view, where an in-place op would lose the hook
     assert sorted(many) == sorted(grads)
     for name, ref in grads.items():
         assert float((many[name] - ref).norm()) <= 1e-5 * float(ref.norm()), name
+    assert many_norm == pytest.approx(norm, rel=1e-5)
+    assert all_reduces <= 2, all_reduces
 
 
 def _local_shape(t):
@@ -391,6 +402,8 @@ def test_clipping_matches_single_process():
     one = run(1, strategy="single", micro_batch=8, grad_clip=0.05)
     for strategy in ("ddp", "fsdp"):
         close(run(2, strategy=strategy, micro_batch=4, grad_clip=0.05), one)
+    # FSDP2 x TP on a 2 x 2 mesh: the norm summed over both meshes, every shard scaled alike
+    close(run(4, strategy="fsdp", tp=2, micro_batch=4, grad_clip=0.05), one)
     # The clip was active at every step (the reported norm is the pre-clip global norm), and
     # a per-shard norm would be smaller by about sqrt(2) than the single process's: the
     # equal norms above show the norm is taken over all shards.

@@ -58,7 +58,8 @@ class ParallelDims:
 
 class Meshes:
     """Named views of the world mesh: each dimension, and the flattened ones the layouts need
-    ("dp_shard" under expert parallelism, "dp_shard_cp" for FSDP2 under context parallelism)."""
+    ("dp_shard" under expert parallelism, "dp_shard_cp" for FSDP2 under context parallelism,
+    "dp_shard_tp" for the gradient norm under FSDP2 x TP)."""
 
     def __init__(self, world: Any, dims: ParallelDims) -> None:
         self.world, self.dims = world, dims
@@ -68,6 +69,11 @@ class Meshes:
             self._flat["dp_shard"] = world[("edp", "ep")]._flatten("dp_shard")
         if "cp" in self.names and "dp_shard" in self.names:
             self._flat["dp_shard_cp"] = world[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        if "tp" in self.names and "dp_shard" in self.names:
+            # FSDP2 x TP: the tensor-parallel parameters are DTensors of (dp_shard, tp), and
+            # their gradient norm is partial over both. With this flattened mesh at hand
+            # DTensor sums it in one all-reduce over both instead of one per dimension in turn.
+            self._flat["dp_shard_tp"] = world[("dp_shard", "tp")]._flatten("dp_shard_tp")
 
     def __getitem__(self, name: str) -> Any:
         return self._flat[name] if name in self._flat else self.world[name]

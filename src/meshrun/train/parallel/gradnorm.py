@@ -5,7 +5,14 @@ mesh while norms and embeddings are DTensors of the data-parallel mesh only (or 
 tensors); torch's clip_grad_norm_ stacks all per-tensor norms and refuses mixed meshes.
 Here the norm is taken per mesh (each a partial norm reduced over its mesh by
 ``full_tensor``), the groups combined as the root of their sums of squares, and every
-gradient scaled by the same coefficient."""
+gradient scaled by the same coefficient.
+
+That is one all-reduce per mesh: over the 2-D mesh DTensor sums over both dimensions at once,
+on the flattened (dp_shard, tp) mesh the layout makes for it (parallel/dims.py). The two
+meshes keep one each: the data-parallel-only gradients' squares are summed over their shard
+ranks alone, the tensor-parallel ones' over the TP ranks too. One sum over (dp_shard, tp)
+could serve both only with the former divided by tp, counting on every TP rank to hold the
+same copy of them, which their 1-D mesh does not record."""
 
 from __future__ import annotations
 
