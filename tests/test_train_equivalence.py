@@ -479,24 +479,31 @@ def _llama_tp_logits_match(sequence_parallel):
     sharded.load_state_dict(full.state_dict())
     sp = apply_tp(sharded.model.layers, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)),
                   sequence_parallel=sequence_parallel)
+    views = []  # whether the last block's output, gathered, is a view (as FSDP2's hook would see it)
+    sharded.model.layers[-1].register_forward_hook(
+        lambda m, a, out: views.append((out[0] if isinstance(out, tuple) else out)._base is not None))
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     a, b = full(x).logits, sharded(x).logits
     # backward through the shards too: the embedding's gradient (replicated) must agree
     (a.square().mean()).backward()
     (b.square().mean()).backward()
     ga, gb = full.model.embed_tokens.weight.grad, sharded.model.embed_tokens.weight.grad
-    return sp, float((a - b).abs().max()), float(a.abs().max()), float((ga - gb).abs().max()), float(ga.abs().max())
+    return (sp, float((a - b).abs().max()), float(a.abs().max()), float((ga - gb).abs().max()), float(ga.abs().max()),
+            views)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
 def test_llama_blocks_tensor_parallel_plan(sp):
     """HF Llama blocks under the TP plan (with and without sequence parallelism) compute the
-    same logits and input gradients as the unsharded model."""
+    same logits and input gradients as the unsharded model. The last block returns the whole
+    sequence as a tensor of its own, not a view (FSDP2 hooks its backward on a block's output
+    and warns on a view: an in-place op on one would lose the hook)."""
     require("transformers")
-    applied, diff, scale, gdiff, gscale = meshrun.run(_llama_tp_logits_match, sp, nproc=2, timeout_s=300)
+    applied, diff, scale, gdiff, gscale, views = meshrun.run(_llama_tp_logits_match, sp, nproc=2, timeout_s=300)
     assert applied == sp
     assert diff <= 1e-5 * max(1.0, scale), (diff, scale)
     assert gdiff <= 1e-5 * max(1.0, gscale), (gdiff, gscale)
+    assert views == [False]
 
 
 def _cp_attention_matches():

@@ -106,8 +106,12 @@ def apply_tp(blocks: nn.ModuleList, tp_mesh: DeviceMesh, sequence_parallel: bool
     if sp:  # hooks, not PrepareModuleInput: HF passes the hidden states positionally or by name
         _on_hidden_states(blocks[0], lambda t: _relayout(t, tp_mesh, Replicate(), Shard(1)))
         if gather_output:
+            # The gathered sequence copied: to_local() hands back a view of the DTensor's local
+            # tensor, and FSDP2 (its hook runs after this one) hooks the block's backward on the
+            # block's output, which an in-place op on a view would lose. One copy of the
+            # hidden states, beside the all-gather of the same bytes.
             blocks[-1].register_forward_hook(lambda m, a, out: _map_first(out, lambda t: _relayout(
-                t, tp_mesh, Shard(1), Replicate())))
+                t, tp_mesh, Shard(1), Replicate()).clone()))
     return sp
 
 
