@@ -6,10 +6,13 @@ the kernels as `meshrun train` would."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from helpers import clean_env, require
@@ -24,6 +27,38 @@ def _liger():
     import torch
 
     return torch
+
+
+@pytest.fixture(autouse=True)
+def _llamas_module_is_transformers_own() -> Iterator[None]:
+    """Every test here leaves transformers' Llama module as it found it: ranks forked later in
+    this process (the TP tests) would otherwise run Liger's Triton norm on the CPU."""
+    yield
+    if "transformers.models.llama.modeling_llama" in sys.modules:
+        modeling = sys.modules["transformers.models.llama.modeling_llama"]
+        names = (modeling.LlamaRMSNorm, modeling.LlamaMLP, modeling.apply_rotary_pos_emb,
+                 modeling.LlamaForCausalLM.forward)
+        assert all(n.__module__ == modeling.__name__ for n in names), [n.__module__ for n in names]
+
+
+@contextlib.contextmanager
+def _put_back(*modules) -> Iterator[None]:
+    """Liger patches an architecture's module for the whole process (its norm, MLP and rotary
+    names, the causal LM's forward, torch's cross-entropy): the names of ``modules`` and of the
+    classes defined there are put back afterwards, so a later test in this process (and the
+    ranks it forks) runs transformers' own code."""
+    kept = [(m, dict(vars(m))) for m in modules]
+    kept += [(c, dict(vars(c))) for m in modules for c in list(vars(m).values())
+             if inspect.isclass(c) and c.__module__ == m.__name__]
+    try:
+        yield
+    finally:
+        for owner, names in kept:
+            for name in set(vars(owner)) - set(names):
+                delattr(owner, name)
+            for name, value in names.items():
+                if vars(owner).get(name, object()) is not value:
+                    setattr(owner, name, value)
 
 
 def _llama(vocab: int = 4096, hidden: int = 64, layers: int = 2):
@@ -121,12 +156,9 @@ def test_a_mixture_of_experts_keeps_its_own_experts_in_training_and_in_the_trace
         real = MixtralForCausalLM(cfg)
     import transformers.models.mixtral.modeling_mixtral as modeling
 
-    forward = modeling.MixtralForCausalLM.forward
-    try:
+    with _put_back(modeling):
         assert "the model's own experts" in apply_liger(real)[0]
         assert type(real.model.layers[0].mlp.experts) is experts
-    finally:  # Liger patched the architecture's module for this process: put it back
-        modeling.MixtralForCausalLM.forward = forward
 
 
 def test_liger_cross_entropy_on_granites_scaled_logits_is_traced_and_put_back():
@@ -160,10 +192,10 @@ def test_liger_cross_entropy_on_granites_scaled_logits_is_traced_and_put_back():
 
     with torch.device("meta"):
         real = GraniteForCausalLM(granite.config)
-    try:
+    import transformers.models.granite.modeling_granite as modeling
+
+    with _put_back(modeling, F):
         assert apply_liger(real) == ["Liger kernels for granite (RMSNorm, SwiGLU, rotary, cross-entropy)"]
-    finally:
-        F.cross_entropy = cross_entropy
 
 
 def test_validation_adds_the_segments_its_logits_cannot_find_in_the_cache():
@@ -230,12 +262,15 @@ def test_a_liger_patched_model_is_called_with_return_dict_so_transformers_logs_n
     # Liger's forward leaves return_dict None to read config.use_return_dict, which
     # transformers 5 logs as deprecated on every rank; meshrun passes it
     _liger()
+    import transformers.models.llama.modeling_llama as modeling
+
     from meshrun.train.kernels.liger import apply_liger
     from meshrun.train.parallel.layouts import LABELS_KWARGS, loss_mode
 
     model = _llama()
     assert loss_mode(model) == "labels-nocache"  # transformers' own forward: no return_dict to give
-    apply_liger(model)
+    with _put_back(modeling):
+        apply_liger(model)
     mode = loss_mode(model)
     assert mode == "labels-nocache-dict" and LABELS_KWARGS[mode] == {"use_cache": False, "return_dict": True}
 
@@ -259,16 +294,32 @@ def test_model_loss_passes_what_the_forward_names():
     assert loss.item() == 1.0 and model.calls == [{"use_cache": False, "return_dict": True}]
 
 
-def test_transformers_renamed_cache_line_about_ligers_code_is_dropped_and_no_other(caplog, monkeypatch):
+def test_transformers_renamed_cache_line_about_ligers_code_is_dropped_and_no_other():
     _liger()
     import logging
 
+    import transformers.models.llama.modeling_llama as modeling
+
     from meshrun.train.kernels.liger import apply_liger
 
-    apply_liger(_llama())
-    generic = logging.getLogger("transformers.utils.generic")
-    monkeypatch.setattr(generic, "propagate", True)  # (to the root logger, whose records caplog reads)
-    with caplog.at_level(logging.WARNING, logger="transformers.utils.generic"):
+    with _put_back(modeling):
+        apply_liger(_llama())
+        assert modeling.LlamaRMSNorm.__module__.startswith("liger_kernel")
+    assert modeling.LlamaRMSNorm.__module__ == modeling.__name__  # transformers' own again
+
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    generic, kept = logging.getLogger("transformers.utils.generic"), Kept()
+    generic.addHandler(kept)  # the logger's own filters run before its handlers
+    try:
         generic.warning("`past_key_values`/`cache_params` are deprecated. Use `cache` instead.")
         generic.warning("another line")
-    assert [r.getMessage() for r in caplog.records] == ["another line"]
+    finally:
+        generic.removeHandler(kept)
+    assert kept.lines == ["another line"]
