@@ -37,12 +37,15 @@ def _train(overrides):
     overrides = dict(overrides)
     layers = overrides.pop("layers", 2)
     experts = overrides.pop("n_experts", 0)
+    val = RandomTokens(64, 16, 64) if overrides.pop("val", False) else None
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=layers, n_heads=4, n_experts=experts))
     cfg = TrainConfig(steps=STEPS, seq_len=16, lr=3e-3, warmup=2, log_every=1, precision="fp32", **overrides)
-    trainer = Trainer(model, RandomTokens(512, 16, 64), None, cfg)
+    trainer = Trainer(model, RandomTokens(512, 16, 64), val, cfg)
     records = trainer.fit()
     out = [(r["loss"], r["grad_norm"]) for r in records]
+    if val is not None and records:  # (rank 0's records: the result meshrun.run returns)
+        out.append(("val_loss", records[-1]["val_loss"]))
     ddp = getattr(trainer.layout, "ddp", None)
     if ddp is not None and trainer.rt.rank == 0:  # what DDP was given: checked beside the losses
         out.append(("ddp_bucket_bytes", ddp.bucket_bytes_cap))
@@ -60,7 +63,7 @@ def reference():
 
 
 def close(a, b, rtol=2e-4):
-    a = [r for r in a if r[0] != "ddp_bucket_bytes"]
+    a, b = ([r for r in rows if not isinstance(r[0], str)] for rows in (a, b))  # the losses and norms
     assert len(a) == len(b) == STEPS
     for (la, na), (lb, nb) in zip(a, b):
         assert la == pytest.approx(lb, rel=rtol)
@@ -143,8 +146,9 @@ def test_tensor_parallel_gradients_match_one(reference_gradients, nproc, micro, 
     in-place op on one would lose the hook).
 
     The norm over the two meshes (the TP parameters' (dp_shard, tp) and the data-parallel
-    one) is the single process's, in one all-reduce per mesh (three, without the flattened
-    (dp_shard, tp) mesh: one per dimension of the first)."""
+    one) is the single process's, in one all-reduce per mesh on torch 2.13 and 2.15 (three
+    without the flattened (dp_shard, tp) mesh: one per dimension of the first; three on torch
+    2.7, whose DTensor reduces each dimension of a flattened mesh's parent on its own)."""
     grads, norm, _, _ = reference_gradients
     many, many_norm, all_reduces, views = meshrun.run(
         _first_step_gradients, {"strategy": f"fsdp-{fsdp}", "tp": 2, "micro_batch": micro, "global_batch": 8},
@@ -154,7 +158,9 @@ def test_tensor_parallel_gradients_match_one(reference_gradients, nproc, micro, 
     for name, ref in grads.items():
         assert float((many[name] - ref).norm()) <= 1e-5 * float(ref.norm()), name
     assert many_norm == pytest.approx(norm, rel=1e-5)
-    assert all_reduces <= 2, all_reduces
+    import torch
+
+    assert all_reduces <= (2 if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 13) else 3), all_reduces
 
 
 def _local_shape(t):
@@ -245,6 +251,19 @@ def test_pipeline_matches_one(reference4, schedule):
     n = 4 if schedule == "interleaved" else 2
     close(run(2, micro_batch=8, strategy="auto", pp=2, pp_schedule=schedule, pp_microbatches=n, layers=4),
           reference4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_a_pipeline_validates_as_one_process(schedule):
+    """Validation through the pipeline (the schedule's forward-only pass; on torch 2.7, whose
+    schedules have none, meshrun's own) gives the single process's loss on the same samples."""
+    require("torch")
+    n = 4 if schedule == "interleaved" else 2
+    one = run(1, strategy="single", micro_batch=8, layers=4, val=True)
+    piped = run(2, micro_batch=8, strategy="auto", pp=2, pp_schedule=schedule, pp_microbatches=n, layers=4, val=True)
+    close(piped, one)
+    assert one[-1][0] == piped[-1][0] == "val_loss"
+    assert piped[-1][1] == pytest.approx(one[-1][1], rel=2e-4)
 
 
 @pytest.mark.parametrize("overrides", [{"pp": 2}, {"pp": 2, "tp": 2}], ids=["dp2xpp2", "pp2xtp2"])

@@ -278,6 +278,82 @@ def test_optimizer_state_made_before_the_first_step_changes_nothing(fused):
         assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
 
 
+def _per_mesh_adamw_steps():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from meshrun.train.optim import _PerMeshAdamW
+
+    torch.manual_seed(0)
+    meshes = [init_device_mesh("cpu", (1,)), init_device_mesh("cpu", (1, 1))]
+    values = [torch.randn(4, 3), torch.randn(5), torch.randn(3, 3), torch.randn(2)]
+    ref = [nn.Parameter(v.clone()) for v in values]
+    mine = [nn.Parameter(distribute_tensor(v.clone(), meshes[i % 2], [Replicate()] * meshes[i % 2].ndim))
+            for i, v in enumerate(values)]
+
+    def groups(ps):
+        return [{"params": [ps[0], ps[1], ps[2]], "weight_decay": 0.1}, {"params": [ps[3]], "weight_decay": 0.0}]
+
+    opt = _PerMeshAdamW(groups(mine), lr=1e-2, betas=(0.9, 0.95), fused=True)
+    plain = torch.optim.AdamW(groups(ref), lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    for _ in range(3):
+        grads = [torch.randn_like(v) for v in values]
+        for p, q, g in zip(mine, ref, grads):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            q.grad = g.clone()
+        opt.step()
+        plain.step()
+    close = all(torch.allclose(p.to_local(), q, atol=1e-6) for p, q in zip(mine, ref))
+    # the groups are the ones built: the state dict is the plain AdamW's
+    sd, ref_sd = opt.state_dict(), plain.state_dict()
+    same = ([g["params"] for g in sd["param_groups"]] == [g["params"] for g in ref_sd["param_groups"]]
+            and sorted(sd["state"]) == sorted(ref_sd["state"])
+            and [len(g["params"]) for g in opt.param_groups] == [3, 1])
+    return close, same
+
+
+def test_per_mesh_adamw_steps_each_mesh_as_the_plain_adamw_steps_all():
+    """The AdamW that runs the fused kernel once per device mesh (torch 2.7's fused AdamW refuses
+    DTensors of two meshes in one call, as FSDP2 x TP has them) updates every parameter as a
+    plain AdamW does, and keeps the groups as built, so its state dict and snapshots are a plain
+    AdamW's."""
+    import meshrun
+
+    assert meshrun.run(_per_mesh_adamw_steps, nproc=1, timeout_s=120) == (True, True)
+
+
+def _summing_gloo_refuses_hybrid_with_tp():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from meshrun.train.parallel.fsdp import _summing_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    plain = nn.Linear(2, 2)
+    shard, hook = _summing_mesh(plain, mesh, "hybrid")  # replicas all-reduced by the hook, then divided
+    grad = torch.full((3,), 6.0)
+    hook(grad)
+    tp = nn.Linear(2, 2)
+    tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), init_device_mesh("cpu", (1,)), [Replicate()]))
+    try:
+        _summing_mesh(tp, mesh, "no_shard")
+    except MeshrunError as e:
+        return shard.mesh_dim_names, grad.tolist(), str(e)
+    return shard.mesh_dim_names, grad.tolist(), None
+
+
+def test_where_gloo_sums_for_avg_hybrid_shards_alone_and_refuses_tensor_parallelism():
+    """Where gloo's reduce-scatter sums for ReduceOp.AVG (torch 2.7), hybrid sharding shards over
+    its second dimension and averages the replicas in FSDP2's all-reduce hook; with tensor
+    parallel parameters that is refused in one line naming the strategy."""
+    import meshrun
+
+    names, grad, error = meshrun.run(_summing_gloo_refuses_hybrid_with_tp, nproc=1, timeout_s=120)
+    assert names == ("dp_shard",) and grad == [6.0, 6.0, 6.0]
+    assert error is not None
+    assert error.startswith("--strategy='fsdp-no-shard': with --tp on gloo needs a torch whose gloo averages")
+
+
 def _state_at_setup():
     import copy
 

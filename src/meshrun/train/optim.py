@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -21,7 +22,50 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, fused: boo
     # The fused kernel takes all tensors of a device and dtype in one call, and DTensor refuses
     # plain tensors beside its own there (expert parallel's experts beside FSDP2's shards).
     mixed = len({hasattr(p, "device_mesh") for p in params}) > 1
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused and not mixed)
+    fused = fused and not mixed
+    cls = _PerMeshAdamW if fused and not _fused_takes_meshes(params) else torch.optim.AdamW
+    return cls(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def _fused_takes_meshes(params: list[nn.Parameter]) -> bool:
+    """Whether the fused AdamW steps DTensors of different meshes in one call, as under tensor
+    parallelism with FSDP2 (the TP layers' (dp, tp) mesh beside the norms' dp mesh): torch 2.7's
+    DTensor refuses them ("Could not run pointwise computation across different mesh"), newer
+    releases (2.13, 2.15) take them. Asked with a one-element replicated DTensor on each mesh (no communication)."""
+    meshes = {p.device_mesh: p.device for p in params if hasattr(p, "device_mesh")}
+    if len(meshes) < 2:
+        return True
+    from torch.distributed.tensor import DTensor, Replicate
+
+    probes = [nn.Parameter(DTensor.from_local(torch.zeros(1, device=device), mesh, [Replicate()] * mesh.ndim,
+                                              run_check=False)) for mesh, device in meshes.items()]
+    for p in probes:
+        p.grad = torch.zeros_like(p)
+    try:
+        torch.optim.AdamW(probes, lr=0.0, fused=True).step()
+    except ValueError:
+        return False
+    return True
+
+
+class _PerMeshAdamW(torch.optim.AdamW):
+    """AdamW whose step runs the fused kernel once per device mesh of each group (the groups
+    themselves stay as built: the state dict and snapshots are those of the plain AdamW), for
+    a torch whose fused AdamW refuses DTensors of different meshes in one call (torch 2.7)."""
+
+    def step(self, closure: Any = None) -> Any:
+        groups = self.param_groups
+        split: list[dict[str, Any]] = []
+        for group in groups:
+            by_mesh: dict[object, list[nn.Parameter]] = {}
+            for p in group["params"]:
+                by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+            split.extend({**group, "params": params} for params in by_mesh.values())
+        self.param_groups = split
+        try:
+            return super().step(closure)
+        finally:
+            self.param_groups = groups
 
 
 Schedule = tuple[tuple[int, int], ...]  # (from step, to step) pieces; the first is (0, --steps)

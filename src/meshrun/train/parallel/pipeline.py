@@ -153,6 +153,38 @@ def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     return out
 
 
+class _EveryWork:
+    """The Works of one batch of sends and receives, as one handle: ``wait`` waits for each."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _batch_p2p_every_work(p2p_ops: list[Any], desc: str | None = None) -> _EveryWork | None:
+    return _EveryWork(dist.batch_isend_irecv(p2p_ops)) if p2p_ops else None
+
+
+def _wait_every_p2p_work(group: Any) -> None:
+    """torch 2.7's pipeline schedules keep only the last Work of each batch of sends and receives
+    (their ``_batch_p2p`` returns ``batch_isend_irecv(ops).pop()``) and never wait for the others.
+    NCCL coalesces a batch into that one Work; gloo gives one per operation, and with the sends'
+    Works dropped the stage they were for waits forever (1F1B and the interleaved schedule hung
+    on the CPU). Newer torch returns every Work and waits for each (an empty batch gives an empty
+    list, not None): where the schedules still keep one, on gloo, their helper is replaced with
+    one whose handle waits for every Work."""
+    from torch.distributed.pipelining import schedules
+
+    helper = getattr(schedules, "_batch_p2p", None)
+    if helper is None or helper is _batch_p2p_every_work or dist.get_backend(group) != "gloo":
+        return
+    if helper([]) is None:
+        schedules._batch_p2p = _batch_p2p_every_work
+
+
 class Pipeline:
     """Stages, schedule and the groups a pipeline rank needs."""
 
@@ -170,10 +202,12 @@ class Pipeline:
         ids = [rank + k * pp for k in range(per_rank)]  # loop placement: stage s on rank s % pp
         cuts = split_layers(len(model.get_submodule(kind.BLOCKS)), n_stages)  # type: ignore[arg-type]
         self.stages = [kind(model, cuts[s], s == 0, s == n_stages - 1) for s in ids]
+        self.ids, self.n_stages = ids, n_stages
         self.first = 0 in ids
         self.last = n_stages - 1 in ids
         self.union = StageUnion(self.stages)
         self.group = pp_mesh.get_group()
+        _wait_every_p2p_work(self.group)
         self.n_micro = n_microbatches
         self.accum = accum
         self._pipe_stages = [PipelineStage(st, s, n_stages, device, group=self.group)
@@ -230,10 +264,52 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
-        self.schedule.eval(*args, **kwargs)
+        if hasattr(self.schedule, "eval"):
+            self.schedule.eval(*args, **kwargs)
+        else:
+            losses = self._forward_only(x, y)
         if not losses:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum() * self.accum
+
+    # What a stage's output may be, as sent ahead of it to the next stage's rank.
+    _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+    def _forward_only(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        """The schedule's ``eval`` where it has none (torch 2.7: its schedules run forward and
+        backward, or forward alone without a loss): the same micro-batches, each through every
+        stage in order, the activations sent from one stage's rank to the next's (each with its
+        shape and dtype first); the last stage's losses per micro-batch, as ``eval`` gives them."""
+        pp, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        mine = dict(zip(self.ids, self.stages))
+        losses = []
+        for xs, ys in zip(torch.tensor_split(x, self.n_micro), torch.tensor_split(y, self.n_micro)):
+            h = xs
+            for s in range(self.n_stages):
+                if s % pp != me:
+                    continue
+                if s > 0:
+                    h = self._recv(dist.get_global_rank(self.group, (s - 1) % pp), x.device)
+                h = mine[s](h)
+                if s < self.n_stages - 1:
+                    self._send(h, dist.get_global_rank(self.group, (s + 1) % pp))
+            if self.last:
+                losses.append(self._loss(h, ys))
+        return losses
+
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        t = t.contiguous()
+        head = [t.dim(), *t.shape, self._DTYPES.index(t.dtype)]
+        dist.send(torch.tensor(head + [0] * (8 - len(head)), device=t.device), dst)
+        dist.send(t, dst)
+
+    def _recv(self, src: int, device: torch.device) -> torch.Tensor:
+        head = torch.zeros(8, dtype=torch.long, device=device)
+        dist.recv(head, src)
+        ndim, *rest = head.tolist()
+        t = torch.empty(rest[:ndim], dtype=self._DTYPES[rest[ndim]], device=device)
+        dist.recv(t, src)
+        return t
 
     def sync_tied_grads(self) -> None:
         """Sum the tied embedding/head gradient over the first and the last stage."""
