@@ -225,8 +225,9 @@ def test_time_limit_signal_snapshots_requeues_and_resumes(cluster, one_node_long
     out = tmp_path / "run"
     job = render(tmp_path, "--requeue", "--time", "2", "--signal-before", "60",
                  command=["meshrun", "train", "--nproc", "1", *LONG, "--out", str(out)])
-    # 0.8 s a step on the first run: 120 steps outlast the warning, which comes 60-90 s in
-    job_id = cluster.sbatch(str(job), str(tmp_path), env={**ONE_PER_NODE, "USERPKG_ITEM_DELAY_S": "0.2"})
+    # 1.2 s a step on the first run: its 120 steps would take 144 s, longer than the whole
+    # two-minute limit, so only the warning (60-90 s in) can end it, however fast the host
+    job_id = cluster.sbatch(str(job), str(tmp_path), env={**ONE_PER_NODE, "USERPKG_ITEM_DELAY_S": "0.3"})
     info = cluster.wait(job_id, timeout=600, until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
     log = job_output(tmp_path, job_id)
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, log[-3000:]

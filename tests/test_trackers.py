@@ -8,6 +8,8 @@ import json
 import math
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from helpers import clean_env, meshrun, require
@@ -127,6 +129,31 @@ def test_wandb_and_mlflow_get_every_metric_of_a_run_and_its_resume_as_one_run(tm
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
+
+
+def test_tensorboard_events_are_written_without_importing_tensorflow(tmp_path):
+    """With TensorFlow installed, the rank that writes TensorBoard's events does not import it
+    (tensorboard would, for its TF-like API: seconds of every run's start), and the events
+    read back with TensorFlow's own tensorboard in this process."""
+    require("torch")
+    require("tensorflow")
+    code = ("import sys\n"
+            "from meshrun.train.tracking import TensorBoard\n"
+            "board = TensorBoard(sys.argv[1], {'lr': 0.01})\n"
+            "board.log({'loss': 1.5, 'lr': 0.01}, 3)\n"
+            "board.log({'loss': 1.25}, 4)\n"
+            "board.close(True)\n"
+            "print('tensorflow' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "False", "the tracker imported TensorFlow"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(3, 1.5), (4, 1.25)]
+    assert [e.step for e in events.Scalars("lr")] == [3]
+    assert "lr: 0.01" in events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
 
 
 def test_overwrite_starts_new_tracker_runs(tmp_path):
