@@ -179,6 +179,23 @@ def _script(tmp_path, *args):
     return path
 
 
+@pytest.mark.parametrize("exit_code,ends", [(75, 75), (3, -signal.SIGTERM)], ids=["preempted", "failed"])
+def test_a_preempted_job_outlives_the_schedulers_next_sigterm(exit_code, ends):
+    """Once a job has ended PREEMPTED (75), its launcher ignores a SIGTERM that comes before it
+    exits, as srun's --kill-on-bad-exit sends one to a node whose task is still ending when
+    another node's task has exited 75: the node still exits 75, and the script requeues. A job
+    that ended otherwise is not shielded."""
+    code = ("import os, signal, sys\n"
+            "from meshrun.launch.command import Command, Process\n"
+            "from meshrun.launch.run import execute\n"
+            f"child = Process(argv=(sys.executable, '-c', 'raise SystemExit({exit_code})'))\n"
+            "rc = execute(Command(processes=(child,)), dict(os.environ))\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "sys.exit(rc)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == ends, res.stderr[-2000:]
+
+
 def test_render_slurm_requeue_lines_and_valid_bash(tmp_path):
     path = _script(tmp_path, "--requeue")
     text = path.read_text()

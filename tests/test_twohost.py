@@ -22,7 +22,7 @@ def hosts():
         if os.environ.get("MESHRUN_TEST_STRICT") == "1":
             pytest.fail(f"two-host tests {why} but MESHRUN_TEST_STRICT=1")
         pytest.skip(why)
-    tag = str(os.getpid() % 10000)
+    tag = "t" + str(os.getpid() % 10000)  # (test_cluster's tags are digits: it may run beside this file)
     pair = netns.create_hosts(tag, subnet=os.getpid() % 200 + 20, n=2, names={NAMES[0]: 0, NAMES[1]: 1})
     yield pair
     netns.destroy(pair, f"mr{tag}sw")
