@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..errors import PREEMPTED, JobFailed, MeshrunError
+from ..errors import JobFailed, MeshrunError
 from . import early, guard
 from .command import Command
 from .liveness import RankWatch, children
@@ -281,7 +281,6 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
         for p in procs:
             _signal_group(p, signum)
 
-    code: int | None = None
     token = guard.new_token()
     watchdog = guard.start_watchdog(token)  # before any process of the job exists
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
@@ -302,11 +301,7 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
         # a job stopped on ``abort``, or ended at once, leaves workers behind by design: no line for them
         _end_job(procs, token, watchdog, relays, quiet=ending.kill_now or (abort is not None and abort()))
         for s, h in previous.items():
-            # A job that ends PREEMPTED (its snapshot written) stays deaf to these signals until
-            # this process exits: the scheduler may send one again (srun --kill-on-bad-exit
-            # terminates a node's task once another node's exited 75), and dying of it would
-            # turn the 75 that requeues the job into a kill that does not.
-            signal.signal(s, signal.SIG_IGN if code == PREEMPTED else h)
+            signal.signal(s, h)
 
 
 def _end_job(procs: list[subprocess.Popen[bytes]], token: str, watchdog: guard.Watchdog,

@@ -14,9 +14,12 @@ pass it on. meshrun train stops after a step every rank agrees on, writes its sn
 exits with PREEMPTED; on that code the script requeues the job (``--requeue`` allows it),
 and the requeued job runs the same command, which resumes from the snapshot.
 
+srun's status is the step's: with requeue it lets every node end on its own, for up to
+REQUEUE_WAIT_S after the first (``--wait``), rather than kill the others as one exits 75.
+
 With ``max_restarts`` N: a step that fails (a node lost, a process killed; srun's
-``--kill-on-bad-exit`` ends the other nodes' part) is run again, up to N times, in the same
-allocation; meshrun train resumes from its newest committed snapshot. A restart inside
+``--kill-on-bad-exit``, or ``--wait`` with requeue, ends the other nodes' part) is run again,
+up to N times, in the same allocation; meshrun train resumes from its newest committed snapshot. A restart inside
 meshrun (``meshrun train --max-restarts``) survives a worker that dies; only a new step
 survives a node whose meshrun itself is gone.
 """
@@ -27,6 +30,8 @@ import shlex
 
 from ..errors import PREEMPTED
 from .spec import SIGNAL_BEFORE_S, RenderSpec
+
+REQUEUE_WAIT_S = 30  # how long srun lets the other nodes end after one has (requeue scripts)
 
 
 def render(spec: RenderSpec) -> str:
@@ -61,7 +66,12 @@ def render(spec: RenderSpec) -> str:
     if spec.setup:
         lines += ["", spec.setup]
     node_cmd = "exec " + spec.shell_command()
-    srun = ["srun", "--nodes", str(spec.nodes), "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    # A preempted job's nodes each exit 75 after the snapshot they write together, a moment
+    # apart: --kill-on-bad-exit would kill the later ones as the first exits, and srun's status
+    # would no longer say 75 (seen in tests/test_slurm.py). With requeue, srun waits up to
+    # REQUEUE_WAIT_S after the first task ends before it ends the rest instead.
+    srun = ["srun", "--nodes", str(spec.nodes), "--ntasks-per-node=1",
+            f"--kill-on-bad-exit=0 --wait={REQUEUE_WAIT_S}" if spec.requeue else "--kill-on-bad-exit=1"]
     if spec.image:
         srun.append(shlex.quote(f"--container-image={spec.image}"))  # pyxis/enroot
     step = [" ".join(srun) + " \\", f"  bash -c {shlex.quote(node_cmd)}"]
