@@ -179,6 +179,25 @@ def _script(tmp_path, *args):
     return path
 
 
+@pytest.mark.parametrize("settled", [True, False], ids=["settled", "still-handled"])
+def test_a_finished_rank_outlives_a_late_preemption_signal(settled):
+    """Once a rank's run is over (its last snapshot committed), a scheduler's SIGUSR1 or SIGTERM
+    that reaches it while it shuts down changes nothing. Python puts a handled signal's default
+    action (the end of the process) back as it finalises; an ignored one stays ignored at the
+    OS level, as an exec shows: the process that replaces the rank survives both signals once
+    ``settle()`` ran, and dies of the first without it."""
+    code = ("import os, sys\n"
+            "from meshrun.train import preempt\n"
+            "preempt.install()\n"
+            + ("preempt.settle()\n" if settled else "")
+            + "os.execvp('sleep', ['sleep', '3'])\n")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    time.sleep(1.5)  # past the exec
+    proc.send_signal(signal.SIGUSR1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == (0 if settled else -signal.SIGUSR1)
+
+
 def test_render_slurm_requeue_lines_and_valid_bash(tmp_path):
     path = _script(tmp_path, "--requeue")
     text = path.read_text()

@@ -39,6 +39,16 @@ def install() -> None:
         signal.signal(sig, _note)
 
 
+def settle() -> None:
+    """Past the run's last snapshot (finished, or stopped by a preemption) a preemption signal
+    has nothing left to stop: ignore it until the process exits. Left to the handler, one that
+    comes while Python finalises would end the process, since Python then puts the default
+    action back for the signals it handled (a Slurm time-limit warning that reached the ranks
+    of a finished run as they shut down turned it into a failure)."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def noted() -> int:
     """The preemption signal this process received, or 0."""
     return _noted

@@ -162,9 +162,11 @@ def main() -> int:
         train, val = build_data(cfg, vocab_size(model))
         _trainer = Trainer(model, train, val, cfg, rt, weights=pretrained_weights(cfg))
         records = _trainer.fit()
+        preempt.settle()  # done: its last snapshot is committed
         if records and os.environ.get(RESULT_ENV):  # rank 0's last record, for meshrun.train(...)
             _write_whole(os.environ[RESULT_ENV], json.dumps(records[-1]))
     except preempt.Preempted as stop:  # every rank stopped at the same step, past the snapshot's commit
+        preempt.settle()
         _report_preempted(stop)
         teardown()
         return PREEMPTED
