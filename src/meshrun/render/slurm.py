@@ -19,9 +19,9 @@ REQUEUE_WAIT_S after the first (``--wait``), rather than kill the others as one 
 
 With ``max_restarts`` N: a step that fails (a node lost, a process killed; srun's
 ``--kill-on-bad-exit``, or ``--wait`` with requeue, ends the other nodes' part) is run again,
-up to N times, in the same allocation; meshrun train resumes from its newest committed snapshot. A restart inside
-meshrun (``meshrun train --max-restarts``) survives a worker that dies; only a new step
-survives a node whose meshrun itself is gone.
+up to N times, in the same allocation; meshrun train resumes from its newest committed
+snapshot. A restart inside meshrun (``meshrun train --max-restarts``) survives a worker that
+dies; only a new step survives a node whose meshrun itself is gone.
 """
 
 from __future__ import annotations
