@@ -71,7 +71,7 @@ def render(spec: RenderSpec) -> str:
     # would no longer say 75 (seen in tests/test_slurm.py). With requeue, srun waits up to
     # REQUEUE_WAIT_S after the first task ends before it ends the rest instead.
     srun = ["srun", "--nodes", str(spec.nodes), "--ntasks-per-node=1",
-            f"--kill-on-bad-exit=0 --wait={REQUEUE_WAIT_S}" if spec.requeue else "--kill-on-bad-exit=1"]
+            *(["--kill-on-bad-exit=0", f"--wait={REQUEUE_WAIT_S}"] if spec.requeue else ["--kill-on-bad-exit=1"])]
     if spec.image:
         srun.append(shlex.quote(f"--container-image={spec.image}"))  # pyxis/enroot
     step = [" ".join(srun) + " \\", f"  bash -c {shlex.quote(node_cmd)}"]
