@@ -241,9 +241,10 @@ def test_a_tiktoken_encoding_not_in_the_cache_is_one_line(tmp_path, corpus):
 
 # ---- packing with document masks ---------------------------------------------------------------
 
-def _packed_against_alone(prepared: str, model_kind: str) -> tuple[float, float]:
+def _packed_against_alone(prepared: str, model_kind: str, flex: bool) -> tuple[float, float]:
     """(sum of token losses of a packed sequence under the document mask, the sum of each of
-    its documents' losses computed alone): a sequence starting at a document's beginning."""
+    its documents' losses computed alone): a sequence starting at a document's beginning.
+    ``flex``: the mask is FlexAttention's block mask, as on a GPU, else the dense one."""
     import torch
     import torch.nn.functional as F
 
@@ -268,7 +269,7 @@ def _packed_against_alone(prepared: str, model_kind: str) -> tuple[float, float]
 
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, attn_implementation="sdpa")).eval()
+            num_key_value_heads=2, attn_implementation="flex_attention" if flex else "sdpa")).eval()
 
         def logits(ids, positions=None):
             return model(input_ids=ids[None], position_ids=None if positions is None else positions[None],
@@ -285,15 +286,50 @@ def _packed_against_alone(prepared: str, model_kind: str) -> tuple[float, float]
     return packed_sum, alone
 
 
+@pytest.mark.parametrize("flex", [False, True], ids=["dense", "flex"])
 @pytest.mark.parametrize("model_kind", ["gpt", "llama"])
-def test_a_packed_sequence_scores_as_its_documents_alone(corpus, model_kind):
+def test_a_packed_sequence_scores_as_its_documents_alone(corpus, model_kind, flex, monkeypatch):
     """Under --document-mask a packed sequence's loss (summed over tokens) is the sum of its
     documents' losses computed one document at a time (meshrun's GPT: its mask; a Hugging
-    Face Llama: transformers' own from the restarting position ids)."""
+    Face Llama: transformers' own from the restarting position ids), with the dense mask of
+    the CPU and FlexAttention's block mask of a GPU (its forward, which runs on the CPU)."""
     if model_kind == "llama":
         require("transformers")
-    packed, alone = _packed_against_alone(corpus["prepared"], model_kind)
+    from meshrun.train.models import masks
+
+    monkeypatch.setattr(masks, "uses_flex", lambda device: flex)
+    packed, alone = _packed_against_alone(corpus["prepared"], model_kind, flex)
     assert packed == pytest.approx(alone, rel=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_block_masks_attend_as_the_dense_masks(kv_heads, monkeypatch):
+    """FlexAttention under the block mask gives the dense mask's attention: whole sequences,
+    and the two zig-zag chunks of a context-parallel rank (its queries at their true positions
+    against the keys before them), with as many key heads as query heads and with fewer."""
+    import torch
+
+    from meshrun.train.models import masks
+
+    torch.manual_seed(0)
+    t = 64
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths])
+                             for lengths in ([20, 1, 30, 13], [64], [5, 59])])
+    docs = masks.document_ids(positions)
+    q = torch.randn(3, 4, t, 16)
+    k, v = torch.randn(3, kv_heads, t, 16), torch.randn(3, kv_heads, t, 16)
+    for start, length, end in [(0, t, t), (0, 16, 16), (48, 16, 64), (16, 16, 32)]:
+        queries = q[:, :, start:start + length]
+        dense = masks.attend(queries, k[:, :, :end], v[:, :, :end], masks.build(docs, start, length, end))
+        monkeypatch.setattr(masks, "uses_flex", lambda device: True)
+        mask = masks.build(docs, start, length, end)
+        monkeypatch.undo()
+        assert not isinstance(mask, torch.Tensor)  # a BlockMask
+        flex = masks.attend(queries, k[:, :, :end], v[:, :, :end], mask)
+        torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
+    # a document of one token sees itself alone
+    one = masks.build(docs)[0, 0]
+    assert one[20].tolist() == [j == 20 for j in range(t)]
 
 
 def test_document_positions_and_targets():

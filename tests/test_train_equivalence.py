@@ -38,10 +38,11 @@ def _train(overrides):
     layers = overrides.pop("layers", 2)
     experts = overrides.pop("n_experts", 0)
     val = RandomTokens(64, 16, 64) if overrides.pop("val", False) else None
+    data = _documents() if overrides.pop("documents", False) else RandomTokens(512, 16, 64)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=layers, n_heads=4, n_experts=experts))
     cfg = TrainConfig(steps=STEPS, seq_len=16, lr=3e-3, warmup=2, log_every=1, precision="fp32", **overrides)
-    trainer = Trainer(model, RandomTokens(512, 16, 64), val, cfg)
+    trainer = Trainer(model, data, val, cfg)
     records = trainer.fit()
     out = [(r["loss"], r["grad_norm"]) for r in records]
     if val is not None and records:  # (rank 0's records: the result meshrun.run returns)
@@ -50,6 +51,20 @@ def _train(overrides):
     if ddp is not None and trainer.rt.rank == 0:  # what DDP was given: checked beside the losses
         out.append(("ddp_bucket_bytes", ddp.bucket_bytes_cap))
     return out
+
+
+def _documents():
+    """Packed sequences of 16 tokens from random documents of 1-20 tokens (seeded), with
+    their document positions: --document-mask's data."""
+    import numpy as np
+
+    from meshrun.data.store import TokenSplit
+    from meshrun.train.data import PackedTokens
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, 512 * 16 + 1, dtype=np.uint16)
+    starts = np.unique(np.concatenate([[0], np.cumsum(rng.integers(1, 21, 800))]))
+    return PackedTokens(TokenSplit([tokens], starts[starts < len(tokens)]), 16, document_mask=True)
 
 
 def run(nproc, **overrides):
@@ -325,6 +340,18 @@ def test_deepspeed_offload_and_snapshot_resume(reference, tmp_path):
 def test_context_parallel_matches_one(reference, nproc, micro):
     """Each sequence of 16 tokens cut into 4 zig-zag chunks over 2 ranks; the same training."""
     close(run(nproc, micro_batch=micro, strategy="fsdp", cp=2), reference)
+
+
+@pytest.mark.parametrize("nproc,micro", [(2, 8), (4, 4)], ids=["cp2", "dp2xcp2"])
+def test_context_parallel_with_document_masks_matches_no_cp(nproc, micro):
+    """Packed documents under --document-mask, each sequence cut into 4 zig-zag chunks over 2
+    ranks: each chunk's mask comes from the whole sequence's documents, and each rank's loss
+    is its share of the whole sequences' mean (a document's last token has no target, so the
+    shards hold unequal numbers of them): the same training as without context parallelism
+    (one process; 2 data-parallel ranks, each the mean of its own micro-batch)."""
+    require("torch")
+    reference = run(nproc // 2, micro_batch=micro, strategy="single" if nproc == 2 else "fsdp", documents=True)
+    close(run(nproc, micro_batch=micro, strategy="fsdp", cp=2, documents=True), reference)
 
 
 @pytest.fixture(scope="module")

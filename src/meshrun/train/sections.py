@@ -197,9 +197,9 @@ class ParallelOptions:
             raise bad_value(cfg.source("fused_loss"), True, "does not combine with --tp/--pp (their loss is "
                             "vocabulary-parallel or per stage)", "drop --fused-loss: under --tp each rank holds "
                             "1/tp of the logits")
-        if cfg.document_mask and (cfg.cp > 1 or cfg.pp > 1):
-            raise bad_value(cfg.source("document_mask"), True, "does not combine with --cp/--pp",
-                            "FSDP2 or TP with document masking")
+        if cfg.document_mask and cfg.pp > 1:
+            raise bad_value(cfg.source("document_mask"), True, "does not combine with --pp",
+                            "FSDP2, TP or CP with document masking")
         return cfg
 
 

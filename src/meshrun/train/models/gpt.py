@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...vocab import GPT_PRESETS
+from . import masks
 
 
 @dataclass(frozen=True)
@@ -61,18 +62,18 @@ class Block(nn.Module):
     # Context parallelism replaces this on the instance (parallel/context.py).
     attend = staticmethod(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: masks.Mask = None) -> torch.Tensor:
         # n_heads is this rank's share under tensor parallelism, hence the inferred widths; the
         # length comes from qkv's output, which is the whole sequence also when sequence
         # parallelism hands this block a shard of it. ``mask``: which keys each query may see
-        # (document masking), else causal.
+        # (document masking; models/masks.py), else causal.
         qkv = self.qkv(self.ln1(x))
         b, t = qkv.shape[:2]
         q, k, v = qkv.view(b, t, 3, self.n_heads, -1).unbind(2)
         if mask is None:
             y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         else:
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+            y = masks.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         if hasattr(self, "moe"):
             return x + self.moe(self.ln2(x))
@@ -96,15 +97,6 @@ def _mlp_way(cfg: GPTConfig) -> tuple[bool, bool]:
     if how is True:
         return True, False
     raise ValueError(f"GPTConfig.fused_mlp {how!r}: expected True, False or 'auto'")
-
-
-def document_mask(positions: torch.Tensor) -> torch.Tensor:
-    """(batch, 1, t, t) booleans, True where query i may attend to key j: j <= i in the same
-    document (a document begins where the position is 0, or at the sequence's start)."""
-    t = positions.shape[-1]
-    doc = torch.cumsum((positions == 0).to(torch.int32), dim=-1)
-    causal = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
-    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
 def _sharded(p: torch.Tensor) -> bool:
@@ -157,10 +149,13 @@ class GPT(nn.Module):
         token's position in its document (document masking): attention stays within documents."""
         t = idx.shape[1]
         mask = None
-        if positions is not None:
-            mask = document_mask(positions)
-        elif self.positions is not None:  # under context parallelism this rank holds a shard: its positions
-            positions = self.positions
+        documents = positions is not None
+        if self.positions is not None:
+            # under context parallelism this rank holds a shard: its true positions, or with
+            # documents their positions in them (the context-parallel attention holds the mask)
+            positions = self.positions if positions is None else positions
+        elif positions is not None:
+            mask = masks.build(masks.document_ids(positions))
         else:
             positions = torch.arange(t, device=idx.device)
         x = self.tok(idx) + self.pos(positions)
@@ -180,7 +175,7 @@ class GPT(nn.Module):
 
             loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight, targets.reshape(-1))
             return self._with_aux(loss)
-        if targets is not None and self.cfg.head_loss and mask is None and not _sharded(self.head.weight):
+        if targets is not None and self.cfg.head_loss and not documents and not _sharded(self.head.weight):
             from ..kernels.head_loss import head_cross_entropy
 
             return self._with_aux(head_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight,

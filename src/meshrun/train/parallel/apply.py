@@ -27,6 +27,7 @@ from ...errors import MeshrunError, bad_value
 from ...modelinfo.blocks import find_blocks
 from ...vocab import StrategyKind
 from ..config import TrainConfig
+from ..models.hf import is_transformers_model
 from ..models.hooks import ExpertModule, KernelModel
 from ..optim import build_optimizer, create_state
 from ..runtime import Runtime, take_blas_workspaces
@@ -247,13 +248,37 @@ class Build:
         self.done.append(what)
         return loss_parallel
 
+    def _document_attention(self, context_parallel: bool) -> None:
+        """--document-mask on a GPU runs in FlexAttention's block masks (models/masks.py): for
+        meshrun's GPT and under context parallelism by meshrun's own attention, for a Hugging
+        Face model by transformers' flex_attention, which reads the documents from the
+        restarting position ids. On the CPU the masks are dense."""
+        from ..models.masks import uses_flex
+
+        if not uses_flex(self.rt.device):
+            return
+        model = self.model
+        if is_transformers_model(model) and not context_parallel:
+            try:
+                if hasattr(model, "set_attn_implementation"):
+                    model.set_attn_implementation("flex_attention")
+                elif getattr(model, "_supports_flex_attn", False):  # transformers before 4.56
+                    model.config._attn_implementation = "flex_attention"  # type: ignore[union-attr]
+                else:
+                    raise ValueError("not among its attention implementations")
+            except (ValueError, ImportError) as exc:  # a family without it: the dense mask
+                self.done.append(f"document masks dense ({type(model).__name__} has no FlexAttention: "
+                                 f"{(str(exc).splitlines() or [''])[0][:120]})")
+                return
+        self.done.append("document masks in FlexAttention")
+
     def data_parallel(self) -> Layout:
         """single, DDP or FSDP2 (with TP and CP inside)."""
         cfg, rt, kind, model = self.cfg, self.rt, self.kind, self.model
         flavour = kind.fsdp
         if flavour is None and (cfg.tp > 1 or cfg.cp > 1):
             raise MeshrunError(f"--strategy={kind.name}: tensor and context parallelism run with FSDP2")
-        meshes, dp_rank, dp_size, loss_parallel, cp_index = None, rt.rank, rt.world_size, False, None
+        meshes, dp_rank, dp_size, loss_parallel, context = None, rt.rank, rt.world_size, False, None
         if flavour is not None:
             dims = self.dims
             meshes = dims.build(rt.device.type)
@@ -264,9 +289,11 @@ class Build:
             if cfg.cp > 1:
                 from .context import apply_cp
 
-                cp_index = apply_cp(model, self.blocks, meshes["cp"].get_group(), cfg.cp,
+                context = apply_cp(model, self.blocks, meshes["cp"].get_group(), cfg.cp,
                                     meshes["cp"].get_local_rank(), cfg.seq, rt.device)
                 self.done.append(f"context parallel {cfg.cp} (zig-zag shards)")
+        if cfg.document_mask:
+            self._document_attention(context is not None)
         self._checkpointing()
         ddp = None
         if flavour is not None:
@@ -289,7 +316,7 @@ class Build:
             self._materialize()
             self._compile(per_block=False)
             wrapped = model
-        return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, cp_index=cp_index, cp=cfg.cp,
+        return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, context=context, cp=cfg.cp,
                             loss_parallel=loss_parallel, description=self._describe(), dp_rank=dp_rank,
                             dp_size=dp_size, autocast=self.bf16 and flavour is None, token_share=cfg.tp,
                             loss_ranks=rt.world_size, settings=self.settings)

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import MeshrunError
+from ..models import masks
 from ..models.hf import check_whole_prefix, is_transformers_model
 
 
@@ -74,6 +75,17 @@ class ContextAttention:
         ends = ((rank + 1) * c, (2 * cp - rank) * c)  # where each of the two chunks ends
         # built here, not per call: torch.compile cannot trace their construction (a graph break)
         self.masks = [(end, causal_lower_right(c, end)) for end in ends]
+        self.documents: list[masks.Mask] | None = None  # this step's, with --document-mask
+
+    def set_documents(self, positions: torch.Tensor | None) -> None:
+        """The document masks of the next forward (``--document-mask``): ``positions`` are the
+        whole sequences' position ids, which every rank of the group has; each chunk's mask
+        is its queries' true positions against the keys before them (None: causal only)."""
+        if positions is None:
+            self.documents = None
+            return
+        docs = masks.document_ids(positions)
+        self.documents = [masks.build(docs, end - self.chunk, self.chunk, end) for end, _ in self.masks]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                  dropout: float = 0.0) -> torch.Tensor:
@@ -83,6 +95,11 @@ class ContextAttention:
             k_all = k_all.repeat_interleave(q.shape[1] // k_all.shape[1], dim=1)
             v_all = v_all.repeat_interleave(q.shape[1] // v_all.shape[1], dim=1)
         c = self.chunk
+        if self.documents is not None:
+            out = [masks.attend(q[:, :, i * c:(i + 1) * c], k_all[:, :, :end], v_all[:, :, :end], doc_mask,
+                                scale=scale, dropout=dropout)
+                   for i, ((end, _), doc_mask) in enumerate(zip(self.masks, self.documents))]
+            return torch.cat(out, dim=2)
         out = [F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k_all[:, :, :end], v_all[:, :, :end],
                                               attn_mask=mask, dropout_p=dropout, scale=scale)
                for i, (end, mask) in enumerate(self.masks)]
@@ -128,10 +145,11 @@ def _use_in_transformers(model: nn.Module, attention: ContextAttention, seq_len:
 
 
 def apply_cp(model: nn.Module, blocks: nn.ModuleList, group: Any, cp: int, rank: int, seq_len: int,
-             device: torch.device) -> torch.Tensor:
+             device: torch.device) -> ContextAttention:
     """Give every block the context-parallel attention (meshrun's GPT: this rank's positions
-    too; a Hugging Face model takes them as ``position_ids`` from the layout); returns the
-    index of this rank's tokens in a full sequence (to shard the batches)."""
+    too; a Hugging Face model takes them as ``position_ids`` from the layout); returns it:
+    its ``local`` is the index of this rank's tokens in a full sequence (to shard the
+    batches), its ``set_documents`` takes each step's document positions."""
     gpt = hasattr(model, "positions") and all(hasattr(b, "attend") for b in blocks)
     if not gpt and not is_transformers_model(model):
         raise MeshrunError(f"--cp: context parallelism needs meshrun's GPT or a Hugging Face model, not "
@@ -143,4 +161,4 @@ def apply_cp(model: nn.Module, blocks: nn.ModuleList, group: Any, cp: int, rank:
         model.positions = attention.local
     else:
         _use_in_transformers(model, attention, seq_len)
-    return attention.local
+    return attention

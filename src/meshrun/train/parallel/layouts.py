@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -258,16 +259,18 @@ def _fsdp_sync(modules: list[nn.Module], flavour: str | None, sync: bool) -> Non
 
 class DataParallel(Layout):
     """One process, DDP or FSDP2, with tensor parallelism (``loss_parallel``: the loss reduced
-    over vocabulary shards) and context parallelism (``cp_index``: this rank's positions of
-    every sequence) inside."""
+    over vocabulary shards) and context parallelism (``context``: the attention that holds
+    this rank's positions of every sequence, ``cp_index``) inside."""
 
     def __init__(self, model: nn.Module, optimizer: Any, *, ddp: Any = None, fsdp: str | None = None,
-                 cp_index: torch.Tensor | None = None, cp: int = 1, loss_parallel: bool = False,
-                 **kw: Any) -> None:
+                 context: Any = None, cp: int = 1, loss_parallel: bool = False, **kw: Any) -> None:
         super().__init__(model, optimizer, **kw)
-        self.ddp, self.fsdp, self.cp_index, self.cp, self.loss_parallel = ddp, fsdp, cp_index, cp, loss_parallel
+        self.ddp, self.fsdp, self.context, self.cp, self.loss_parallel = ddp, fsdp, context, cp, loss_parallel
+        self.cp_index: torch.Tensor | None = None if context is None else context.local
 
     def batch(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> Batch:
+        """This rank's shard of the inputs and targets under context parallelism; document
+        positions stay whole (``loss`` builds the masks from them and shards them)."""
         if self.cp_index is None:
             return x, y, positions
         if self.loss_mode.startswith("labels"):
@@ -275,17 +278,30 @@ class DataParallel(Layout):
             # shard comes with the targets already shifted, that one ignored, so the loss stays its own
             y = y.clone()
             y[:, -1] = -100
-        return x[:, self.cp_index], y[:, self.cp_index], None  # (document masking is refused with CP)
+        return x[:, self.cp_index], y[:, self.cp_index], positions
 
     def loss(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        if self.cp_index is None or not self.loss_mode.startswith("labels"):
+        if self.cp_index is None:
             return super().loss(x, y, positions)
-        # A Hugging Face model's shard: its true positions, its targets unshifted, and the
-        # divisor a 1/cp share of the sequence's targets, so the mean over the group is the
-        # whole sequence's mean
+        # whole sequences' document positions: the attention's masks from them, the model this rank's share
+        self.context.set_documents(positions)
+        shard = None if positions is None else positions[:, self.cp_index]
+        targets = None
+        if shard is not None:
+            # A document's last token has no target, so the shards hold unequal numbers of
+            # them: the whole sequences' count, for each rank's loss to be its share of their mean
+            targets = (y != -100).sum()
+            dist.all_reduce(targets, group=self.context.group)
+        if not self.loss_mode.startswith("labels"):
+            loss = super().loss(x, y, shard)
+            return loss if targets is None else loss * ((y != -100).sum() * self.cp / targets)
+        # A Hugging Face model's shard: its true positions (in their documents), its targets
+        # unshifted, and the divisor a 1/cp share of the sequences' targets, so the mean over
+        # the group is the whole sequences' mean
         seq = x.shape[1] * self.cp
-        extra = {"labels": y, "shift_labels": y, "position_ids": self.cp_index[None].expand(x.shape[0], -1),
-                 "num_items_in_batch": x.shape[0] * (seq - 1) / self.cp}
+        extra = {"labels": y, "shift_labels": y,
+                 "position_ids": self.cp_index[None].expand(x.shape[0], -1) if shard is None else shard,
+                 "num_items_in_batch": x.shape[0] * (seq - 1) / self.cp if targets is None else targets / self.cp}
         return model_loss(self.model, self.loss_mode, x, y, extra)
 
     def try_micro_step(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> None:

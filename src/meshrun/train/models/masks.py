@@ -1,0 +1,100 @@
+"""Document masks (``--document-mask``): in a sequence packed from several documents each
+token attends to the earlier tokens of its own document only. A document begins where its
+position id is 0; the data restarts position ids at every document and at each sample's
+first token (train/data.py).
+
+On a GPU the mask is FlexAttention's block mask: ``flex_attention`` skips the blocks no query
+sees and runs as one fused kernel, where SDPA given a dense (t x t) boolean mask leaves its
+flash kernel for the masked one. On the CPU it is the dense mask: torch's CPU FlexAttention
+has no backward (torch 2.13). Both give the same attention (tests/test_data.py compares
+them on the CPU, forward only)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ...errors import MeshrunError
+
+Mask = Any  # a dense boolean tensor (batch, 1, queries, keys) or FlexAttention's BlockMask
+
+
+def uses_flex(device: torch.device) -> bool:
+    """Whether masks on ``device`` are FlexAttention's: on CUDA (see the module's docstring)."""
+    return device.type == "cuda"
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """(batch, t) int32: each token's document, numbered from 1 along its row (a new one at
+    every position id 0)."""
+    return torch.cumsum((positions == 0).to(torch.int32), dim=-1)
+
+
+@torch.compiler.disable  # built once per forward, outside the compiled graphs of the blocks
+def build(docs: torch.Tensor, q_start: int = 0, q_len: int | None = None, kv_len: int | None = None) -> Mask:
+    """The mask of the queries at positions [q_start, q_start + q_len) against the keys at
+    [0, kv_len) of rows whose tokens are in documents ``docs`` (batch, t): query i sees key j
+    when j <= i and both are in one document. Defaults: every query, every key."""
+    t = docs.shape[-1]
+    q_len = t - q_start if q_len is None else q_len
+    kv_len = t if kv_len is None else kv_len
+    if uses_flex(docs.device):
+        return _block_mask(docs, q_start, q_len, kv_len)
+    queries = torch.arange(q_start, q_start + q_len, device=docs.device)
+    causal = queries[:, None] >= torch.arange(kv_len, device=docs.device)[None, :]
+    same = docs[:, q_start:q_start + q_len, None] == docs[:, None, :kv_len]
+    return (same & causal)[:, None]
+
+
+def _block_mask(docs: torch.Tensor, q_start: int, q_len: int, kv_len: int) -> Mask:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        i = q + q_start
+        return (docs[b, i] == docs[b, kv]) & (i >= kv)
+
+    # compiled: eager, it evaluates the mask at every (query, key) pair of the batch first
+    # (2 x 8192 x 8192 at seq 8192, gigabytes of intermediates)
+    make = _compiled("create_block_mask", create_block_mask) if docs.device.type == "cuda" else create_block_mask
+    with _compiled_stance():
+        return make(same_document_causal, docs.shape[0], None, q_len, kv_len, device=docs.device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float | None = None,
+           dropout: float = 0.0) -> torch.Tensor:
+    """Attention of (batch, heads, t, head_dim) queries, keys and values under ``mask``
+    (``build``'s); keys and values may have fewer heads (grouped-query attention)."""
+    if isinstance(mask, torch.Tensor):
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+    if dropout:
+        raise MeshrunError(f"--document-mask: attention dropout {dropout} does not run in FlexAttention "
+                           "(hint: set the model's attention dropout to 0 for training)")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gqa = k.shape[1] != q.shape[1]
+    if q.device.type != "cuda" or torch.compiler.is_compiling():
+        # inside a compiled block torch.compile traces flex_attention into the block's graph
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    with _compiled_stance():  # eager, it materialises every score: compiled also in an eager model
+        return _compiled("flex_attention", flex_attention)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+_cache: dict[str, Callable[..., Any]] = {}
+
+
+def _compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    if name not in _cache:
+        _cache[name] = torch.compile(fn, dynamic=False)
+    return _cache[name]
+
+
+def _compiled_stance() -> Any:
+    """Compiled functions run compiled here, also where the trainer validates with compiling
+    off (``torch.compiler.set_stance("force_eager")``)."""
+    return torch.compiler.set_stance("default")
