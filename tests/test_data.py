@@ -269,7 +269,12 @@ def _packed_against_alone(prepared: str, model_kind: str, flex: bool) -> tuple[f
 
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, attn_implementation="flex_attention" if flex else "sdpa")).eval()
+            num_key_value_heads=2, attn_implementation="sdpa")).eval()
+        if flex:  # as meshrun sets it on a GPU
+            from meshrun.train.models.masks import use_flex_in_transformers
+
+            use_flex_in_transformers(model)
+            assert model.config._attn_implementation == "meshrun_flex"
 
         def logits(ids, positions=None):
             return model(input_ids=ids[None], position_ids=None if positions is None else positions[None],

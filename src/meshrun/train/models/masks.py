@@ -98,3 +98,36 @@ def _compiled_stance() -> Any:
     """Compiled functions run compiled here, also where the trainer validates with compiling
     off (``torch.compiler.set_stance("force_eager")``)."""
     return torch.compiler.set_stance("default")
+
+
+FLEX_HF = "meshrun_flex"  # transformers' attention and mask functions under meshrun's name
+
+
+def use_flex_in_transformers(model: Any) -> None:
+    """A Hugging Face model's attention as transformers' FlexAttention, which builds its block
+    mask from the restarting position ids, registered under meshrun's own name: so its
+    flex_attention and block mask run compiled also in the trainer's validation, which turns
+    compiling off (eager, both materialise the (t x t) scores or mask: 17 GB a layer for the
+    scores of 2 x 8192 tokens and 32 heads). Raises ValueError for a family without it."""
+    from transformers import AttentionInterface
+    from transformers.integrations.flex_attention import flex_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask
+
+    if not getattr(model, "_supports_flex_attn", False):
+        raise ValueError(f"{type(model).__name__} has no FlexAttention in transformers")
+
+    def attention(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return flex_attention_forward(*args, **kwargs)
+        with _compiled_stance():
+            return flex_attention_forward(*args, **kwargs)
+
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return flex_attention_mask(*args, **kwargs)
+        with _compiled_stance():
+            return flex_attention_mask(*args, **kwargs)
+
+    AttentionInterface.register(FLEX_HF, attention)
+    AttentionMaskInterface.register(FLEX_HF, mask)
+    model.config._attn_implementation = FLEX_HF

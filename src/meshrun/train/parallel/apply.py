@@ -253,22 +253,15 @@ class Build:
         meshrun's GPT and under context parallelism by meshrun's own attention, for a Hugging
         Face model by transformers' flex_attention, which reads the documents from the
         restarting position ids. On the CPU the masks are dense."""
-        from ..models.masks import uses_flex
+        from ..models.masks import use_flex_in_transformers, uses_flex
 
         if not uses_flex(self.rt.device):
             return
-        model = self.model
-        if is_transformers_model(model) and not context_parallel:
+        if is_transformers_model(self.model) and not context_parallel:
             try:
-                if hasattr(model, "set_attn_implementation"):
-                    model.set_attn_implementation("flex_attention")
-                elif getattr(model, "_supports_flex_attn", False):  # transformers before 4.56
-                    model.config._attn_implementation = "flex_attention"  # type: ignore[union-attr]
-                else:
-                    raise ValueError("not among its attention implementations")
-            except (ValueError, ImportError) as exc:  # a family without it: the dense mask
-                self.done.append(f"document masks dense ({type(model).__name__} has no FlexAttention: "
-                                 f"{(str(exc).splitlines() or [''])[0][:120]})")
+                use_flex_in_transformers(self.model)
+            except (ValueError, ImportError) as exc:  # a family without it: transformers' dense mask
+                self.done.append(f"document masks dense ({(str(exc).splitlines() or [''])[0][:120]})")
                 return
         self.done.append("document masks in FlexAttention")
 
