@@ -116,6 +116,9 @@ ERRORS = [
     (["--ep", "2"], "--ep=2: the model has no experts"),
     (["--experts", "3", "--ep", "2", "--model-size", "gpt-tiny"], "--ep=2: 3 experts do not split over 2 ranks"),
     (["--zero", "3"], "unrecognized arguments: --zero 3"),
+    (["--precision", "fp8", "--nproc", "1", "--model-size", "gpt-tiny"],
+     "--precision='fp8': float8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+     "this run is on the CPU (hint: --precision bf16)"),
 ]
 
 

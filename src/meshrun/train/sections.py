@@ -21,7 +21,17 @@ from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS, KERNELS
 from ..errors import bad_value
 from ..modelinfo.hf import is_hf_path, locate
 from ..paths import check_output_dir
-from ..vocab import AC_MODES, GPT_PRESETS, POLICIES, PP_SCHEDULES, PRECISIONS, STRATEGIES, strategy_hint, yes_no
+from ..vocab import (
+    AC_MODES,
+    FLOAT8_PRECISIONS,
+    GPT_PRESETS,
+    POLICIES,
+    PP_SCHEDULES,
+    PRECISIONS,
+    STRATEGIES,
+    strategy_hint,
+    yes_no,
+)
 from . import trackers
 from .options import option
 
@@ -285,8 +295,10 @@ class MetricsOptions:
 class RuntimeOptions:
     TITLE: ClassVar[str] = "runtime"
 
-    precision: str = option("auto", f"auto, {', '.join(PRECISIONS)} (default auto: bf16 on GPUs that have it)",
-                            metavar="P", choices=("auto", *PRECISIONS))
+    precision: str = option("auto", f"auto, {', '.join(PRECISIONS)} (default auto: bf16 on GPUs that have it); fp8: "
+                            "bf16 with the large linear layers' matmuls in float8 (torchao; GPUs of compute "
+                            "capability 8.9+, compiled), fp8-rowwise: the same with a scale per row",
+                            metavar="P", choices=("auto", *PRECISIONS, *FLOAT8_PRECISIONS))
     # auto: compiled on GPUs (defaults.compile_enabled); True/False and yes/no words are taken too
     compile: str = option("auto", "torch.compile (per block under FSDP2): auto (default: on GPUs, but not with "
                           "Liger's kernels), on (a Hugging Face model then gets torch.compile's kernels, not "
@@ -313,7 +325,26 @@ class RuntimeOptions:
         if cfg.compile_tune and cfg.compile == "off":
             raise bad_value(cfg.source("compile_tune"), True, "tunes compiled kernels, but --compile is off",
                             "drop one of them")
+        if cfg.precision in FLOAT8_PRECISIONS:
+            cfg = _float8(cfg)
         return cfg
+
+
+def _float8(cfg: TrainConfig) -> TrainConfig:
+    """--precision fp8: compiled (float8's casts and scales pay only fused into the matmuls'
+    neighbours), and on the layouts whose linear layers it converts as they are."""
+    where = cfg.source("precision")
+    if cfg.compile == "off":
+        raise bad_value(where, cfg.precision, "runs compiled: eager, float8's casts cost more than its matmuls "
+                        "save", "drop --compile off, or --precision bf16")
+    kind = STRATEGIES.get(cfg.strategy)
+    if kind is not None and kind.engine == "deepspeed":
+        raise bad_value(where, cfg.precision, f"does not combine with DeepSpeed's engine (--strategy {cfg.strategy})",
+                        "--strategy fsdp (its weights are all-gathered in float8)")
+    if cfg.tp > 1:
+        raise bad_value(where, cfg.precision, "does not combine with --tp (its sharded linear layers are not "
+                        "converted)", "FSDP2 alone or with --cp")
+    return cfg.replace(compile="on")  # also instead of Liger's eager kernels (compile_and_kernels)
 
 
 # In the order --help shows them and validate() checks them

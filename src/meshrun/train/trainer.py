@@ -25,6 +25,7 @@ from ..defaults import val_micro
 from ..errors import MeshrunError
 from ..modelinfo.hf import export_record
 from ..modelinfo.read import context_of
+from ..vocab import FLOAT8_PRECISIONS
 from . import checkpoint, preempt, report, snapshots, trackers
 from .batchfit import fit_micro_batch, guarded_step
 from .config import TrainConfig, resolve_seq_len, validate
@@ -58,7 +59,12 @@ class Trainer:
             runtime = init_runtime()
             teardown_at_exit()  # this Trainer made the process group: it also ends it cleanly
         self.rt = rt = runtime
-        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and rt.cuda and torch.cuda.is_bf16_supported())
+        self.bf16 = cfg.precision in ("bf16", *FLOAT8_PRECISIONS) or (cfg.precision == "auto" and rt.cuda
+                                                                     and torch.cuda.is_bf16_supported())
+        if cfg.precision in FLOAT8_PRECISIONS:
+            from .parallel.float8 import check_device
+
+            check_device(cfg.precision, rt.device, cfg.source("precision"))
         if cfg.precision == "bf16" and not rt.cuda:
             raise MeshrunError("--precision='bf16': this run is on CPU, where meshrun trains in fp32 "
                                "(hint: use --precision auto or fp32)")

@@ -34,6 +34,8 @@ from ..runtime import Runtime, take_blas_workspaces
 from ..weights import Pretrained, materialize, on_meta
 from .auto import Choice
 from .dims import Meshes, ParallelDims, make_dims
+from .float8 import convert as convert_float8
+from .float8 import is_float8
 from .layouts import DataParallel, DeepSpeedZeRO, ExpertParallel, Layout, Pipelined, StepSettings, loss_mode
 
 
@@ -123,8 +125,11 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
         from ..kernels.liger import apply_liger
 
         kernels = apply_liger(model)
+    float8, after_update = None, None
+    if is_float8(cfg.precision):  # before any wrapper or compiling sees the linear layers
+        float8, after_update = convert_float8(model, cfg.precision, fsdp=kind.fsdp is not None)
     settings = StepSettings(accum=accum, max_norm=cfg.grad_clip or float("inf"), device=rt.device,
-                            loss_mode=loss_mode(model), attention=cfg.attention)
+                            loss_mode=loss_mode(model), attention=cfg.attention, after_update=after_update)
     deferred = on_meta(model)
     if not deferred:
         model = model.to(rt.device)
@@ -148,7 +153,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
         # long-lived allocations made before the first step, not between its large blocks
         create_state(layout.optimizer)
         take_blas_workspaces(rt.device)
-    layout.description = ", ".join([layout.description, *kernels])
+    layout.description = ", ".join([layout.description, *kernels, *([float8] if float8 else [])])
     return layout
 
 

@@ -119,14 +119,16 @@ def _replicate_plain_tensors() -> contextlib.AbstractContextManager:
 @dataclass(frozen=True)
 class StepSettings:
     """What every layout's step needs, whatever the layout: micro-steps per optimizer step,
-    the gradient-norm clip, the device, how the model returns its loss (``loss_mode``) and
-    the attention kernel SDPA tries first."""
+    the gradient-norm clip, the device, how the model returns its loss (``loss_mode``), the
+    attention kernel SDPA tries first, and what to call with the model after each update
+    (float8's all-gathered weights: their scales)."""
 
     accum: int
     max_norm: float
     device: torch.device
     loss_mode: str
     attention: str = "auto"
+    after_update: Callable[[nn.Module], None] | None = None
 
 
 class Layout:
@@ -143,6 +145,7 @@ class Layout:
         self.accum, self.max_norm, self.device = settings.accum, settings.max_norm, settings.device
         self.loss_mode, self.autocast, self.attention = settings.loss_mode, autocast, settings.attention
         self.token_share, self.loss_ranks = token_share, loss_ranks
+        self.after_update = settings.after_update
         # the first non-finite step (0: none)
         self._bad_step = torch.zeros((), dtype=torch.long, device=settings.device)
 
@@ -245,6 +248,8 @@ class Layout:
                     "(hint: lower --lr, check the data)")
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.after_update is not None:
+            self.after_update(self.model)
 
 
 def _fsdp_sync(modules: list[nn.Module], flavour: str | None, sync: bool) -> None:
