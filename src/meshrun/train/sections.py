@@ -331,12 +331,10 @@ class RuntimeOptions:
 
 
 def _float8(cfg: TrainConfig) -> TrainConfig:
-    """--precision fp8: compiled (float8's casts and scales pay only fused into the matmuls'
-    neighbours), and on the layouts whose linear layers it converts as they are."""
+    """--precision fp8: compiled unless --compile off says otherwise (float8's casts and scales
+    pay only fused into their neighbours: eager is for debugging), and on the layouts whose
+    linear layers it converts as they are."""
     where = cfg.source("precision")
-    if cfg.compile == "off":
-        raise bad_value(where, cfg.precision, "runs compiled: eager, float8's casts cost more than its matmuls "
-                        "save", "drop --compile off, or --precision bf16")
     kind = STRATEGIES.get(cfg.strategy)
     if kind is not None and kind.engine == "deepspeed":
         raise bad_value(where, cfg.precision, f"does not combine with DeepSpeed's engine (--strategy {cfg.strategy})",
@@ -344,7 +342,8 @@ def _float8(cfg: TrainConfig) -> TrainConfig:
     if cfg.tp > 1:
         raise bad_value(where, cfg.precision, "does not combine with --tp (its sharded linear layers are not "
                         "converted)", "FSDP2 alone or with --cp")
-    return cfg.replace(compile="on")  # also instead of Liger's eager kernels (compile_and_kernels)
+    # compiled also instead of Liger's eager kernels (parallel/auto.py: compile_and_kernels)
+    return cfg.replace(compile="on") if cfg.compile == "auto" else cfg
 
 
 # In the order --help shows them and validate() checks them

@@ -40,3 +40,25 @@ def shards_as_local(sd: dict[str, Any]) -> dict[str, Any]:
     optim = dict(sd["optim"])
     optim["state"] = {k: {n: unwrap(v) for n, v in st.items()} for k, st in optim["state"].items()}
     return {**sd, "model": {k: unwrap(v) for k, v in sd["model"].items()}, "optim": optim}
+
+
+def float8_weights_unwrapped(model_sd: dict[str, Any]) -> dict[str, Any]:
+    """The model entries with torchao's float8 weight wrappers replaced by the tensors inside
+    them (no copy: the same storage as the parameters). FSDP2's float8 all-gather keeps each
+    converted weight as such a wrapper (``WeightWithDynamicFloat8CastTensor``), which
+    torch.distributed.checkpoint cannot write (on an H200, torch 2.11, torchao 0.18: "unexpected
+    pos 704 vs 598" from the file writer); the tensors inside are the plain weights, saved and
+    loaded as a bf16 model's, so a snapshot moves between float8 and bf16 runs."""
+    from torch.distributed.tensor import DTensor
+
+    def inner(v: Any) -> Any:
+        local = v._local_tensor if isinstance(v, DTensor) else v
+        data = getattr(local, "_tensor", None)
+        if not isinstance(data, torch.Tensor) or type(local) in (torch.Tensor, torch.nn.Parameter):
+            return v
+        if isinstance(v, DTensor):
+            return DTensor.from_local(data, v.device_mesh, v.placements, run_check=False, shape=v.shape,
+                                      stride=v.stride())
+        return data
+
+    return {k: inner(v) for k, v in model_sd.items()}
