@@ -128,3 +128,27 @@ def test_float8_under_fsdp_snapshots_and_resumes_bit_for_bit(tmp_path):
     for step in range(1, 5):
         assert whole["losses"][step] == pytest.approx(fp32["losses"][step], rel=0.02)
     assert whole["losses"] != fp32["losses"]
+
+
+def test_snapshots_get_the_tensors_inside_the_float8_wrappers():
+    """FSDP2's float8 all-gather keeps weights, and optimizer state made like them (empty_like,
+    clone), as torchao's wrapper tensors, which torch.distributed.checkpoint cannot write on a GPU: a snapshot's
+    state holds the tensors inside them instead, the same storage (a load fills the model)."""
+    require("torch")
+    require("torchao")
+    import torch
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from meshrun.train.checkpoint.parts import float8_unwrapped
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    weight = model[0].weight
+    state = {"exp_avg": torch.empty_like(weight), "step": torch.tensor(3.0)}  # (torchao keeps empty_like's wrapped)
+    assert type(weight).__name__ == type(state["exp_avg"]).__name__ == "WeightWithDynamicFloat8CastTensor"
+    sd = float8_unwrapped({"model": {"0.weight": weight, "0.bias": model[0].bias},
+                           "optim": {"state": {"0.weight": state}, "param_groups": []}})
+    plain = [sd["model"]["0.weight"], sd["model"]["0.bias"], *sd["optim"]["state"]["0.weight"].values()]
+    assert [type(t) for t in plain] == [torch.Tensor, torch.nn.Parameter, torch.Tensor, torch.Tensor]
+    assert sd["model"]["0.weight"].data_ptr() == weight._tensor.data_ptr()
+    assert sd["optim"]["param_groups"] == []

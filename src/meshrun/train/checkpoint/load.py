@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ...errors import MeshrunError
 from .layout import DS_DIR, FORMAT, MARKER, Position, io_threads, listing, sha256
-from .parts import float8_weights_unwrapped, shards_as_dtensors, shards_as_local
+from .parts import float8_unwrapped, shards_as_dtensors, shards_as_local
 from .rng import set_rng_state
 
 _IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # optimizer switches a resume keeps
@@ -536,7 +536,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         model_sd, optim_sd = get_state_dict(model, optimizer)
         moved = _borrow_tied_state(snapshot, optim_sd, ties or {})
-        sd = shards_as_dtensors({"model": float8_weights_unwrapped(model_sd), "optim": optim_sd}, local_shards)
+        sd = shards_as_dtensors(float8_unwrapped({"model": model_sd, "optim": optim_sd}), local_shards)
         read = load_shards(snapshot, sd)  # into the wrapped local tensors, in place
         rng = _rng_and_unread(snapshot, read, same_world)  # before any of it is used
         sd = shards_as_local(sd)

@@ -42,13 +42,15 @@ def shards_as_local(sd: dict[str, Any]) -> dict[str, Any]:
     return {**sd, "model": {k: unwrap(v) for k, v in sd["model"].items()}, "optim": optim}
 
 
-def float8_weights_unwrapped(model_sd: dict[str, Any]) -> dict[str, Any]:
-    """The model entries with torchao's float8 weight wrappers replaced by the tensors inside
-    them (no copy: the same storage as the parameters). FSDP2's float8 all-gather keeps each
-    converted weight as such a wrapper (``WeightWithDynamicFloat8CastTensor``), which
-    torch.distributed.checkpoint cannot write (on an H200, torch 2.11, torchao 0.18: "unexpected
-    pos 704 vs 598" from the file writer); the tensors inside are the plain weights, saved and
-    loaded as a bf16 model's, so a snapshot moves between float8 and bf16 runs."""
+def float8_unwrapped(sd: dict[str, Any]) -> dict[str, Any]:
+    """The model and optimizer entries with torchao's float8 weight wrappers replaced by the
+    tensors inside them (no copy: the same storage). FSDP2's float8 all-gather keeps each
+    converted weight as such a wrapper (``WeightWithDynamicFloat8CastTensor``), and so is
+    optimizer state made like it (``zeros_like``, as torch.distributed.checkpoint's
+    get_state_dict does before a load); torch.distributed.checkpoint cannot write them (on an
+    H200, torch 2.11, torchao 0.18: "unexpected pos 704 vs 598" from its file writer). The
+    tensors inside are the plain values, saved and loaded as a bf16 model's: a snapshot moves
+    between float8 and bf16 runs."""
     from torch.distributed.tensor import DTensor
 
     def inner(v: Any) -> Any:
@@ -61,4 +63,6 @@ def float8_weights_unwrapped(model_sd: dict[str, Any]) -> dict[str, Any]:
                                       stride=v.stride())
         return data
 
-    return {k: inner(v) for k, v in model_sd.items()}
+    optim = dict(sd["optim"])
+    optim["state"] = {k: {n: inner(v) for n, v in st.items()} for k, st in optim.get("state", {}).items()}
+    return {**sd, "model": {k: inner(v) for k, v in sd["model"].items()}, "optim": optim}

@@ -35,7 +35,7 @@ from .layout import (
     write_json,
 )
 from .load import METADATA, STATE, missing_files, unpickle_metadata
-from .parts import float8_weights_unwrapped, shards_as_dtensors
+from .parts import float8_unwrapped, shards_as_dtensors
 from .rng import rng_state
 from .staging import Stager
 
@@ -87,7 +87,7 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
         return pending
     t0 = time.perf_counter()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = shards_as_dtensors({"model": float8_weights_unwrapped(model_sd), "optim": optim_sd}, local_shards)
+    state = shards_as_dtensors(float8_unwrapped({"model": model_sd, "optim": optim_sd}), local_shards)
     pending.timings["state_dict_s"] = time.perf_counter() - t0
     writer = dcp.FileSystemWriter(tmp, thread_count=io_threads())
     planner = _planner(state)
