@@ -227,6 +227,14 @@ class Build:
             checkpoint_blocks(self.blocks, mode)
             self.done.append(f"{mode} activation checkpointing")
 
+    def _blocks_only(self) -> bool:
+        """A Hugging Face model is compiled block by block on every layout, its own forward
+        eager: under torch.compile (torch < 2.14) transformers builds the causal mask as a dense
+        tensor instead of passing ``is_causal``, which rules out flash attention. Measured on one
+        H200, torch 2.11, transformers 5.17: Llama-3.2-1B at seq 8192 compiled whole with float8
+        trained at 39,337 tokens/s, below bf16 eager's 48,639 (at seq 2048: 63,075, 1.30x)."""
+        return is_transformers_model(self.model)
+
     def _compile(self, per_block: bool) -> None:
         if self.compiled:
             apply_compile(self.model, self.blocks, per_block=per_block, tune=self.tune)
@@ -309,10 +317,10 @@ class Build:
             ddp = apply_ddp(model, rt, ddp_bucket_mb(cfg.ddp_bucket_mb, self.compiled, rt), self.bf16_reduce)
             self.done.append(f"DDP, buckets of {ddp.bucket_bytes_cap // 2**20} MB")
             wrapped = ddp
-            self._compile(per_block=False)  # after the wrap: the compiler sees DDP's buckets
+            self._compile(per_block=self._blocks_only())  # after the wrap: the compiler sees DDP's buckets
         else:
             self._materialize()
-            self._compile(per_block=False)
+            self._compile(per_block=self._blocks_only())
             wrapped = model
         return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, context=context, cp=cfg.cp,
                             loss_parallel=loss_parallel, description=self._describe(), dp_rank=dp_rank,
