@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import bad_value
+from ..quiet import quiet_library_notices
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -163,6 +164,7 @@ def build_on_meta(config: Any, where: str = "--model", path: str = "") -> Any:
     through torch's SDPA where the architecture has it."""
     import copy
 
+    quiet_library_notices()
     import transformers
 
     errors = []

@@ -27,6 +27,7 @@ import sys
 from typing import Any
 
 from ..errors import PREEMPTED, MeshrunError
+from ..quiet import quiet_library_notices
 from . import preempt
 from .ranklog import LOG_DIR_ENV, RESULT_ENV, redirect
 
@@ -132,6 +133,7 @@ def _is_ready() -> bool:
 def main() -> int:
     preempt.install()  # first: from here on a preemption signal stops the run at a step boundary
     signal.signal(signal.SIGINT, _on_sigint)
+    quiet_library_notices()  # before torch and torchao are imported
     from ..modelinfo.read import context_of
     from .config import TrainConfig, resolve_seq_len
     from .factories import build_data, build_model, pretrained_weights, vocab_size
