@@ -21,7 +21,7 @@ from ..plan.advice import check_choice, verdict
 from ..plan.recommend import MAX_MICRO_TOKENS
 from ..plan.spec import INTER_NODE, INTRA_NODE, OPTIMIZERS
 from ..units import parse_bytes
-from ..vocab import AC_MODES, PRECISIONS
+from ..vocab import AC_MODES, FLOAT8_PRECISIONS, PRECISIONS
 from .options import add_option, int_option
 
 PLAN_HELP = f"""\
@@ -72,7 +72,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_option(g, "--micro-batch", metavar="B", help="per-GPU batch (default: the largest that fits, as meshrun train)")
     add_option(g, "--global-batch", metavar="B", help="samples per optimizer step over all GPUs (default: about 512K "
                "tokens' worth when no batch size is given, as meshrun train; a micro-batch alone: no accumulation)")
-    add_option(g, "--precision", choices=PRECISIONS, default="bf16", help="bf16 (mixed, default) or fp32")
+    add_option(g, "--precision", choices=(*PRECISIONS, *FLOAT8_PRECISIONS), default="bf16",
+               help="bf16 (mixed, default), fp32, or fp8 / fp8-rowwise (bf16 with torchao's float8 matmuls in the "
+                    "large linear layers, compiled, as meshrun train --precision fp8)")
     add_option(g, "--optimizer", choices=tuple(OPTIMIZERS), default="adamw", help="adamw (default), sgd, adam8bit")
     add_option(g, "--activation-checkpointing", choices=("auto", *AC_MODES), default="auto",
                help="auto: plan with and without (default), none, full")
@@ -207,9 +209,13 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         raise bad_value("--margin", ns.margin, "must be in [0, 1)", "e.g. 0.1")
     if ns.write:
         check_output_dir(ns.write, "--write")
+    if ns.precision in FLOAT8_PRECISIONS and ns.compile == "auto":
+        ns.compile = "on"  # as meshrun train compiles float8 runs (not with Liger's eager kernels)
     model, module = resolve_with_module(ns.model, "--model")
     cluster = cluster_from_args(ns, env)
     train = train_from_args(ns, model.context, cluster.world)
+    if module is not None and hasattr(module, "config"):  # a Hugging Face model: compiled block by block
+        train = dataclasses.replace(train, whole_compile=False)
     liger = uses_liger(ns, module)
     if liger:  # meshrun train runs Liger's kernels eager (train.parallel.auto.compile_and_kernels)
         train = dataclasses.replace(train, compile=False)

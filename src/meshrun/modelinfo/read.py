@@ -88,7 +88,8 @@ def _read_hf_config(path: str, where: str) -> tuple[ModelSpec, Any]:
     if module is not None:
         total, block, cls = _count(module)
         spec = replace(spec, params=total, block_params=block, outer_params=max(0, total - layers * block),
-                       block_class=cls, source=f"config {path} (transformers on the meta device)")
+                       block_class=cls, source=f"config {path} (transformers on the meta device)",
+                       linears=block_linears(module))
     return spec, module
 
 
@@ -104,6 +105,17 @@ def _hf_on_meta(path: str, where: str) -> Any:
 
     source = hf.locate(path, where)
     return hf.build_on_meta(hf.load_config(source, where), where, path)
+
+
+def block_linears(model: Any) -> tuple[tuple[int, int], ...] | None:
+    """(out, in) of each nn.Linear in the model's first block, as built (None: no block list).
+    What float8 can convert (plan/float8.py): GPT-2's Conv1D layers, for one, are not among them."""
+    import torch.nn as nn
+
+    found = find_blocks(model)
+    if not found:
+        return None
+    return tuple((m.out_features, m.in_features) for m in found[1][0].modules() if isinstance(m, nn.Linear))
 
 
 def _count(model: Any) -> tuple[int, int, str | None]:
@@ -160,7 +172,7 @@ def from_module(model: Any, name: str, source: str) -> ModelSpec:
     heads = next((int(getattr(m, a)) for m in first.modules() for a in ("n_heads", "num_heads", "num_attention_heads")
                   if isinstance(getattr(m, a, None), int)), max(1, hidden // 64))
     return ModelSpec(name, total, layers, hidden, heads, heads, ffn, vocab, block or total, total - layers * block,
-                     gated_mlp=gated, tied=tied, block_class=cls,
+                     gated_mlp=gated, tied=tied, block_class=cls, linears=block_linears(model),
                      source=f"{source} (activations estimated as a transformer with hidden {hidden}, MLP {ffn})")
 
 

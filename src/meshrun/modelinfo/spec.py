@@ -89,6 +89,8 @@ class ModelSpec:
     # What a block and the loss keep for backward, traced from the module itself for the
     # training sequence length; empty: estimated from the shape (layer_activation_bytes)
     traced: tuple[Traced, ...] = ()
+    # (out, in) of each nn.Linear in one block, read from the built module; None: from the shape
+    linears: tuple[tuple[int, int], ...] | None = None
 
     def traced_for(self, mode: str, seq: int) -> Traced | None:
         return next((t for t in self.traced if t.mode == mode and t.seq == seq), None)

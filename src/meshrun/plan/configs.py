@@ -48,7 +48,7 @@ def ds_config(plan: Plan, c: Candidate, lr: float = 3e-4) -> dict[str, Any]:
         "train_batch_size": b.global_batch if b else None,
         "train_micro_batch_size_per_gpu": b.micro if b else None,
         "gradient_accumulation_steps": b.accum if b else None,
-        "bf16": {"enabled": t.precision == "bf16"},
+        "bf16": {"enabled": t.dtype == "bf16"},
         "zero_optimization": zero_section(zero_stage(c), m.hidden, s.offload_optimizer, s.offload_params),
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
         "gradient_clipping": 1.0,
@@ -66,7 +66,7 @@ def accelerate_config(plan: Plan, c: Candidate, ds_config_file: str = "ds_config
     out: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
         "num_machines": cl.nodes, "num_processes": cl.world, "main_training_function": "main",
-        "mixed_precision": "bf16" if plan.train.precision == "bf16" else "no",
+        "mixed_precision": "bf16" if plan.train.dtype == "bf16" else "no",
         "rdzv_backend": "static", "same_network": True, "use_cpu": False, "gpu_ids": "all",
         "downcast_bf16": "no", "tpu_env": [], "tpu_use_cluster": False, "tpu_use_sudo": False,
     }

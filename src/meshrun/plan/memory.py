@@ -31,6 +31,7 @@ from typing import Any
 from ..defaults import val_micro
 from ..modelinfo.spec import LOSS_CHUNK_TOKENS, ModelSpec, Traced
 from ..vocab import StrategyKind
+from . import float8
 from .spec import ClusterSpec, TrainSpec
 
 
@@ -120,7 +121,7 @@ class Memory:
 def autocast(t: TrainSpec, s: Strategy) -> bool:
     """fp32 parameters under bf16 autocast (meshrun's single/DDP); FSDP2's MixedPrecisionPolicy,
     DeepSpeed and Megatron run the model in bf16 outright."""
-    return t.precision == "bf16" and s.engine == "torch" and s.shard == "none"
+    return t.dtype == "bf16" and s.engine == "torch" and s.shard == "none"
 
 
 def layer_activation_bytes(m: ModelSpec, precision: str, fp32_residual: bool = True) -> float:
@@ -162,7 +163,7 @@ def selective_layer_bytes(m: ModelSpec, precision: str, fp32_residual: bool = Tr
 def precision_mode(t: TrainSpec, s: Strategy) -> str:
     """How the step runs the model: fp32 parameters under bf16 ``autocast``, ``bf16``
     parameters, or ``fp32`` throughout (the modes a ModelSpec's traces are made in)."""
-    return "autocast" if autocast(t, s) else "bf16" if t.precision == "bf16" else "fp32"
+    return "autocast" if autocast(t, s) else t.dtype
 
 
 def traced(m: ModelSpec, t: TrainSpec, s: Strategy) -> Traced | None:
@@ -180,15 +181,15 @@ def activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[in
     if tr is not None:
         return traced_activations(tr, m, t, s, micro, mode)
     fp32_residual = autocast(t, s) and not m.bf16_residual
-    per_layer = layer_activation_bytes(m, t.precision, fp32_residual) * calibration()["act_factor"][mode]
-    kept = selective_layer_bytes(m, t.precision, fp32_residual) * calibration()["act_factor"][mode]
+    per_layer = layer_activation_bytes(m, t.dtype, fp32_residual) * calibration()["act_factor"][mode]
+    kept = selective_layer_bytes(m, t.dtype, fp32_residual) * calibration()["act_factor"][mode]
     tokens = micro * t.seq_len / s.cp  # context parallel: this rank's shard of each sequence
     layers = m.layers  # L/pp layers x pp in-flight micro-batches on the first stage
     one_layer = per_layer * tokens / s.tp
     if s.cp > 1:  # the gathered keys and values of the whole sequence, one layer at a time
         one_layer += 2 * 2 * m.kv_dim * micro * t.seq_len
     if s.ac:
-        stored = (4 if fp32_residual or t.precision == "fp32" else 2) * m.hidden * tokens * layers / s.tp
+        stored = (4 if fp32_residual or t.dtype == "fp32" else 2) * m.hidden * tokens * layers / s.tp
         return int(stored), int(one_layer)
     if s.sac:  # the kept outputs, and one layer's recomputed rest in its backward
         stored = kept * tokens * layers / s.tp
@@ -242,8 +243,8 @@ def accumulation_grads(t: TrainSpec, s: Strategy, micro: int, states: dict[str, 
 def whole_model_compiled(t: TrainSpec, s: Strategy) -> bool:
     """meshrun compiles the whole model under single/DDP (its loss too where the model's
     forward takes it), but each block on its own under FSDP (so FSDP's hooks stay outside the
-    graphs): there the loss runs eager."""
-    return t.compile and s.engine == "torch" and s.shard == "none"
+    graphs) and for a Hugging Face model on every layout: there the loss runs eager."""
+    return t.compile and t.whole_compile and s.engine == "torch" and s.shard == "none"
 
 
 def logits_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
@@ -269,7 +270,7 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
     n = s.shard_group
     k = t.optimizer_bytes
     notes: list[str] = []
-    mixed = t.precision == "bf16"
+    mixed = t.dtype == "bf16"
     cpu = 0.0
     if s.engine == "deepspeed":
         # bf16 weights and grads on the GPU, fp32 master copy + moments in the optimizer
@@ -308,9 +309,10 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
         # FSDP2: the root (embeddings, head) stays gathered in bf16 through the step, the
         # last block too, plus the next block's prefetch and one block's unsharded fp32 grads.
         gathered = 2 if mixed else 4
-        buffers = gathered * (m.outer_params + 2 * block) + 4 * block
+        buffers = gathered * (m.outer_params + 2 * block) + 4 * block - 2 * float8.gathered_saving(m, t.precision, s.tp)
     if s.keep_gathered:
-        buffers = (2 if mixed else 4) * (m.outer_params + m.layers * block) + 4 * block
+        buffers = ((2 if mixed else 4) * (m.outer_params + m.layers * block) + 4 * block
+                   - m.layers * float8.gathered_saving(m, t.precision, s.tp))
     return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
             "comm_buffers": int(buffers)}, int(cpu), notes
 
@@ -319,10 +321,12 @@ def cast_copies(m: ModelSpec, t: TrainSpec, s: Strategy) -> float:
     """autocast's bf16 weight copies, saved by each matmul for its backward: alive from
     forward until that matmul's backward, so gone by the end of backward (the measured 1.3B
     single-GPU row with activation checkpointing, whose peak is there: H200, torch 2.11).
-    The input embedding lookup is not cast; a tied head is."""
+    The input embedding lookup is not cast; a tied head is. A float8 layer keeps a float8
+    copy instead (1 byte)."""
     if not autocast(t, s):
         return 0.0
-    return 2 * (params_per_gpu(m, s) - (0 if m.tied else m.vocab * m.hidden))
+    fp8 = float8.converted_block_params(m, t.precision) * m.layers / (s.tp * s.pp)
+    return 2 * (params_per_gpu(m, s) - (0 if m.tied else m.vocab * m.hidden)) - fp8
 
 
 def params_per_gpu(m: ModelSpec, s: Strategy) -> float:
@@ -406,8 +410,8 @@ def validation_growth(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> in
     if tr is None or not tr.eval_logits or s.pp > 1:
         return 0
     entries = val_micro(micro, t.seq_len, m.vocab, "logits") * t.seq_len * m.vocab / s.tp
-    logits = (4 if t.precision == "fp32" else 2) * entries
-    made = [logits, 4 * entries, 4 * entries] if t.precision != "fp32" else [logits, 4 * entries]
+    logits = (4 if t.dtype == "fp32" else 2) * entries
+    made = [logits, 4 * entries, 4 * entries] if t.dtype != "fp32" else [logits, 4 * entries]
     held = max(tr.at("block_largest", micro) / (s.tp * s.cp),
                max(tr.at("tail_largest", micro), tr.at("tail_steepest", micro)) / s.tp)
     return int(sum(x for x in made if x > held))
@@ -418,12 +422,13 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
     alive) and the end of backward (all gradients alive, activations gone)."""
     cal = calibration()
     states, cpu_per_gpu, notes = model_states(m, t, s)
-    if s.engine == "deepspeed" and s.shard == "params" and t.precision == "bf16":
+    if s.engine == "deepspeed" and s.shard == "params" and t.dtype == "bf16":
         # DeepSpeed's ZeRO-3 accumulates the gradient partitions in fp32, not the paper's
         # 2 bytes (measured on H200, torch 2.11, DeepSpeed 0.19.8: the 1.3B ZeRO-3 rows sit
         # 1.5 GB above a bf16 partition)
         states = dict(states, grads=int(4 * params_per_gpu(m, s) / s.shard_group))
     acts, transient = activations(m, t, s, micro)
+    transient += float8.cast_bytes(m, t.precision, micro * t.seq_len / s.cp, s.tp)
     logits = logits_bytes(m, t, s, micro)
     spike = max(logits, transient)  # the loss spike and one layer's backward do not overlap
     # ZeRO-1/2's reduce buckets are allocated during backward, with the gradients

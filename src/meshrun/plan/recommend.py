@@ -188,6 +188,14 @@ def passed_over(cands: list[Candidate], pick: Candidate | None, t: TrainSpec, en
     return out
 
 
+def float8_layouts(t: TrainSpec, layouts: list[Strategy]) -> list[Strategy]:
+    """The layouts meshrun train runs float8 on: its own engine, no tensor parallelism
+    (train/sections.py refuses the others)."""
+    if t.dtype == t.precision:
+        return layouts
+    return [s for s in layouts if s.engine == "torch" and s.tp == 1]
+
+
 def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torch", margin: float = 0.1) -> Plan:
     validate_cluster(c)
     validate_train(t, m.max_seq)
@@ -198,9 +206,9 @@ def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torc
             solve(t.global_batch, t.micro_batch, c.world)
         elif (err := check_divisible(t.global_batch, c.world)) is not None:
             raise err
-    cands = [_evaluate(m, c, t, s, limit) for s in candidates(m, c, t)]
+    cands = [_evaluate(m, c, t, s, limit) for s in float8_layouts(t, candidates(m, c, t))]
     if not any(x.fits and not x.strategy.offload_optimizer for x in cands):
-        cands += [_evaluate(m, c, t, s, limit) for s in model_parallel(m, c)]
+        cands += [_evaluate(m, c, t, s, limit) for s in float8_layouts(t, model_parallel(m, c))]
     engines = ENGINES[framework]
     pick = choose([x for x in cands if x.strategy.engine in engines], t)
     warnings: list[str] = []

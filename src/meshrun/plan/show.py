@@ -86,7 +86,7 @@ def legend(plan: Plan) -> list[str]:
         *(["optim cpu: offloaded; logits: Liger's fused loss (the head weight's and the input's gradients, "
            "a chunk of logits)"] if any(t.liger for t in plan.model.traced) else [
             "optim cpu: offloaded; logits: bf16 logits, their fp32 copy, log-softmax and its gradient at once",
-            "  (a model compiled whole, single or ddp, fuses most of that)"]),
+            *(["  (a model compiled whole, single or ddp, fuses most of that)"] if plan.train.whole_compile else [])]),
         f"step~: for GPUs of {c.gpu_flops / 1e12:.0f} TFLOP/s dense bf16 (H100/H200 SXM) at {ASSUMED_MFU:.0%} MFU "
         "x the layout's measured efficiency, + unhidden communication",
     ]
@@ -131,7 +131,7 @@ def explanation(plan: Plan) -> str:
         "of fresh segments (counted as fragmentation)",
         *(activation_lines(plan) if m.traced else [
             "  activations per layer per token (eager, flash attention), estimated from the shape: "
-            f"{layer_activation_bytes(m, t.precision):.0f} B here =",
+            f"{layer_activation_bytes(m, t.dtype):.0f} B here =",
             "    2·(r·h + a·h) norms + a·(h + 2·kv) qkv [+ a·(h + kv) rotary] + a·h attention out + 2·a·f MLP "
             "(4·a·f gated) + 4·heads",
             "    a = 2 (bf16) or 4; r = 4 under autocast (fp32 residual), else a; with checkpointing: r·h per layer",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import bad_value
-from ..vocab import AC_MODES, PRECISIONS
+from ..vocab import AC_MODES, FLOAT8_PRECISIONS, PRECISIONS
 
 # Per-GPU bandwidths in bytes/s, the "bus bandwidth" a ring collective reaches (what
 # nccl-tests reports as busbw). Datasheet-derived defaults; `meshrun doctor` measures them.
@@ -39,11 +39,19 @@ class TrainSpec:
     seq_len: int
     micro_batch: int | None  # None: the planner picks the largest that fits
     global_batch: int | None  # None: micro x data-parallel size (no accumulation)
-    precision: str = "bf16"
+    precision: str = "bf16"  # or fp8 / fp8-rowwise: bf16 with float8 matmuls (plan/float8.py)
     optimizer: str = "adamw"
     activation_checkpointing: str | None = None  # None: try both
     compile: bool = True  # meshrun train compiles on GPUs by default
     max_micro_batch: int | None = None  # when the planner picks the micro-batch: no larger than this
+    # compiled in one graph under single/DDP (meshrun's GPT, a user's module); a Hugging Face
+    # model is compiled block by block, its forward and loss eager (train/parallel/apply.py)
+    whole_compile: bool = True
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the model computes in: fp32, or bf16 (float8 runs keep bf16 elsewhere)."""
+        return "fp32" if self.precision == "fp32" else "bf16"
 
     @property
     def optimizer_bytes(self) -> int:
@@ -65,8 +73,8 @@ def validate_train(t: TrainSpec, max_seq: int | None) -> TrainSpec:
         value = getattr(t, name)
         if value is not None and value < 1:
             raise bad_value(f"--{name.replace('_', '-')}", value, "must be >= 1")
-    if t.precision not in PRECISIONS:
-        raise bad_value("--precision", t.precision, "unknown", f"one of {', '.join(PRECISIONS)}")
+    if t.precision not in (*PRECISIONS, *FLOAT8_PRECISIONS):
+        raise bad_value("--precision", t.precision, "unknown", f"one of {', '.join((*PRECISIONS, *FLOAT8_PRECISIONS))}")
     if t.optimizer not in OPTIMIZERS:
         raise bad_value("--optimizer", t.optimizer, "unknown", f"one of {', '.join(OPTIMIZERS)}")
     if t.activation_checkpointing not in (None, *AC_MODES):

@@ -114,7 +114,7 @@ def comm_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int, accum: int) 
     p = m.params / (s.tp * s.pp)
     n = s.shard_group if s.shard != "none" else s.dp
     ring = (n - 1) / n if n > 1 else 0.0
-    g = 2 if t.precision == "bf16" else 4  # bytes of a gathered parameter
+    g = 2 if t.dtype == "bf16" else 4  # bytes of a gathered parameter
     if s.engine == "deepspeed":
         vol = {"none": 2 * ring * g * p, "optimizer": ring * 2 * g * p,
                "grads": ring * g * p * accum + ring * g * p,

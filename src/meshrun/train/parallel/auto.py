@@ -31,6 +31,7 @@ from ...plan.recommend import MAX_MICRO_TOKENS, choose
 from ...units import fmt_bytes
 from ...vocab import (
     AUTO_CANDIDATES,
+    FLOAT8_PRECISIONS,
     FSDP_LARGE_MODEL,
     FSDP_POLICY,
     FSDP_SMALL_MODEL,
@@ -188,6 +189,7 @@ def _planned(model: Any, cfg: TrainConfig, world: int, local_world: int, gpu_mem
     usable bytes per GPU, and the largest micro-batch the pick fits with (None: unknown). With
     ``ac_open`` the planner may turn on checkpointing; ``liger``: the model runs Liger
     Kernel's kernels, traced as they keep tensors."""
+    from ..models.hf import is_transformers_model
     from .trace import with_trace  # (torch: imported when a GPU run plans)
 
     # what the model keeps for backward, traced on the meta device
@@ -196,8 +198,9 @@ def _planned(model: Any, cfg: TrainConfig, world: int, local_world: int, gpu_mem
     cluster = ClusterSpec(nodes=max(1, world // max(1, local_world)), gpus_per_node=max(1, local_world),
                           gpu_mem=gpu_mem)
     train = TrainSpec(seq_len=cfg.seq, micro_batch=cfg.micro_batch, global_batch=global_batch,
-                      max_micro_batch=max(1, MAX_MICRO_TOKENS // cfg.seq), precision="bf16" if bf16 else "fp32",
-                      compile=compiled,
+                      max_micro_batch=max(1, MAX_MICRO_TOKENS // cfg.seq),
+                      precision=(cfg.precision if cfg.precision in FLOAT8_PRECISIONS else "bf16") if bf16 else "fp32",
+                      compile=compiled, whole_compile=not is_transformers_model(model),
                       activation_checkpointing=None if ac_open else cfg.activation_checkpointing)
     plan = make_plan(spec, cluster, train, framework="any")
     ours = [x for x in plan.candidates if x.strategy.name in names and x.memory is not None]
