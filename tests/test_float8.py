@@ -152,3 +152,125 @@ def test_snapshots_get_the_tensors_inside_the_float8_wrappers():
     assert all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in plain), [type(t) for t in plain]
     assert sd["model"]["0.weight"].data_ptr() == weight._tensor.data_ptr()
     assert sd["optim"]["param_groups"] == []
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8-rowwise"])
+@pytest.mark.parametrize("shape", ["llama3-8b", "qwen2.5-1.5b", "gpt2"])
+def test_the_planner_converts_the_layers_the_trainer_converts(precision, shape, tmp_path):
+    """The planner's copy of the layer rule (plan/float8.py, torch-free) picks, on each
+    published shape, as many block matrices as torchao's Float8Linear replaces in the built
+    model: the two cannot drift apart."""
+    require("torch")
+    require("transformers")
+    require("torchao")
+    import subprocess
+    import sys
+
+    import torch
+    import transformers
+
+    from meshrun.modelinfo.read import resolve_with_module
+    from meshrun.plan.float8 import converted
+    from meshrun.train.parallel.float8 import convert
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, os.path.join(root, "bench", "hf_config.py"), shape, str(tmp_path), "--layers", "2"],
+                   check=True, capture_output=True)
+    spec, _ = resolve_with_module(str(tmp_path), "--model")
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        convert(model, precision, fsdp=False)
+    except Exception as exc:  # none large enough: the trainer refuses, the planner converts none
+        assert "none of the model's" in str(exc)
+        made = 0
+    else:
+        made = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    assert len(converted(spec, precision)) * spec.layers == made
+
+
+def test_the_planner_counts_float8_and_plans_only_what_trains_it(tmp_path):
+    """`meshrun plan --precision fp8`: the layouts meshrun train runs float8 on (no DeepSpeed,
+    no tensor parallelism), FSDP2's weights gathered in float8 (less than bf16's), the casts of
+    one layer in the transient, and the written config asks for fp8."""
+    require("torch")
+    require("transformers")
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, os.path.join(root, "bench", "hf_config.py"), "llama3-8b", str(tmp_path / "m"),
+                    "--layers", "4"], check=True, capture_output=True)
+
+    def plan(precision: str, *extra: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "meshrun", "plan", "--model", str(tmp_path / "m"),
+                              "--gpus-per-node", "2", "--gpu-mem", "80GiB", "--seq-len", "4096", "--micro-batch", "1",
+                              "--global-batch", "2", "--precision", precision, "--json", *extra],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    bf16, fp8 = plan("bf16", "--compile", "on"), plan("fp8", "--write", str(tmp_path / "cfg"))
+    assert "deepspeed" in {c["engine"] for c in bf16["candidates"]}
+    assert {c["engine"] for c in fp8["candidates"]} == {"torch"}
+    assert all(c["tp"] == 1 for c in fp8["candidates"])
+    rows = {c["strategy"]: c["breakdown"] for c in bf16["candidates"] if c.get("breakdown")}
+    rows8 = {c["strategy"]: c["breakdown"] for c in fp8["candidates"] if c.get("breakdown")}
+    full = next(name for name in rows8 if name.startswith("fsdp-full"))
+    assert rows8[full]["comm_buffers"] < rows[full]["comm_buffers"]  # the blocks gathered in float8
+    assert fp8["train"]["precision"] == "fp8"
+    config = next(f for f in fp8["written"] if f.endswith("train.yaml"))
+    assert "precision: fp8" in open(config).read()
+
+
+def test_torchaos_enum_notices_are_kept_off_a_runs_output():
+    """torchao's import logs two deprecation lines through torch's pytree logger (torch
+    2.13-2.15); transformers imports torchao wherever it is installed. meshrun's filter drops
+    exactly those lines."""
+    require("torch")
+    require("torchao")
+    import subprocess
+    import sys
+
+    probe = "import torch, torchao.float8; import logging; logging.getLogger('torch.utils._pytree').warning('kept')"
+    plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    quieted = "from meshrun.quiet import quiet_library_notices as q; q(); " + probe
+    quiet = subprocess.run([sys.executable, "-c", quieted], capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "Enum subclass" not in quiet.stderr
+    assert "kept" in quiet.stderr  # the logger's other messages still show
+    if "Enum subclass" not in plain.stderr:
+        pytest.skip("this torch and torchao log no such notice")
+
+
+def test_a_hugging_face_model_compiles_block_by_block(tmp_path):
+    """A Hugging Face model is compiled one decoder layer at a time on one process too: its
+    forward, which builds the attention mask, stays eager, so SDPA gets is_causal (under a
+    whole-model compile transformers before torch 2.14 builds a dense mask: no flash)."""
+    require("torch")
+    require("transformers")
+    import subprocess
+    import sys
+
+    from meshrun.train.parallel.apply import Build
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, os.path.join(root, "bench", "hf_config.py"), "llama3.2-1b", str(tmp_path / "m"),
+                    "--layers", "2"], check=True, capture_output=True)
+    assert Build._blocks_only.__doc__
+    config = tmp_path / "m" / "config.json"
+    import json
+
+    c = json.loads(config.read_text())
+    c.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+             head_dim=16)
+    config.write_text(json.dumps(c))
+    out = subprocess.run([sys.executable, "-m", "meshrun", "train", "--model", str(tmp_path / "m"), "--data", "random",
+                          "--steps", "2", "--nproc", "1", "--seq-len", "32", "--compile", "on"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first = next(line for line in out.stdout.splitlines() if line.startswith("meshrun train: strategy"))
+    assert "compiled per block" in first, first
+    assert "Enum subclass" not in out.stdout + out.stderr
