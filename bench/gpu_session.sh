@@ -21,6 +21,12 @@
 #               the plain FSDP2 peer on the same shape; then the same shape with random bf16 weights
 #               written as save_pretrained does, loaded (the rank-0 reading line); HF_LAYOUTS=1: an
 #               8-layer cut of it under CP and PP over 2 GPUs and FSDP2 at 32K tokens beside
+#   precision   float8 and document masks: a Llama-3-8B shape (FSDP2 full shard, full AC, seq 8192)
+#               and Llama-3.2-1B (seq 8192) in bf16 and --precision fp8; 200 steps of each on real
+#               text (bench/corpus.py) from one seed, for the loss curves; fp8 snapshots written,
+#               resumed and written again under FSDP2; 1B packed with and without --document-mask.
+#               PARTS picks some of: speed8b speed1b parity1b parity8b control8b resume
+#               docmask (default all)
 #   checks      the GPU correctness scripts: tests/scripts/head_loss_check.py (the head loss's
 #               Triton kernel), tests/scripts/fused_mlp_check.py (the GELU epilogues; needs
 #               nvmath-python) and tests/scripts/liger_check.py (Liger Kernel on a Llama)
@@ -44,6 +50,8 @@
 #   PREV_ARGS="--seq-len 1024 --global-batch 512 --compile"  defaults: that version's flags
 #   PEERBENCH=FILE      hf: the plain peer script (peerbench.py: --mode fsdp2 --arch llama3-8b)
 #   HF_LAYOUTS=1        hf: the CP / PP / FSDP2 rows of the 8-layer cut instead
+#   PARTS="speed8b ..." precision: its parts, in the order given
+#   PACK=1              every log and result file of OUT packed into OUT/results.tgz at the end
 #
 # Wheels in .whl/ (run's carry) are installed first: nvmath-python for the GELU epilogues (throughput,
 # checks), DeepSpeed and its pure-Python dependencies for ZeRO (layouts, memory).
@@ -56,8 +64,8 @@ SUITE=${1:-}; OUT=${2:-/tmp/meshrun-gpu}; mkdir -p "$OUT"
 DEADLINE_S=${DEADLINE_S:-540}
 T0=$SECONDS
 S="$OUT/summary.txt"
-case "$SUITE" in throughput|memory|snapshots|layouts|defaults|hf|checks) ;;
-  *) echo "usage: bash bench/gpu_session.sh throughput|memory|snapshots|layouts|defaults|hf|checks [OUT]" >&2; exit 2 ;;
+case "$SUITE" in throughput|memory|snapshots|layouts|defaults|hf|precision|checks) ;;
+  *) echo "usage: bash bench/gpu_session.sh throughput|memory|snapshots|layouts|defaults|hf|precision|checks [OUT]" >&2; exit 2 ;;
 esac
 NG=$(nvidia-smi -L | wc -l)
 if [ -d .whl ]; then  # wheels carried for this call: every suite sees them
@@ -112,6 +120,26 @@ cl() {  # cl LIMIT_S LABEL [--src DIR] -- TRAIN_ARGS... : one `meshrun train` ti
   late $((DEADLINE_S - lim / 2)) "$label" && return
   python3 bench/cli_train.py --label "$label" --log "$OUT/$label.log" --jsonl "$OUT/cli.jsonl" --timeout "$lim" "$@" \
     | tee -a "$S"
+}
+pair() {  # pair LIMIT_S LABEL_A LABEL_B ARGS... -- ARGS_A... -- ARGS_B... : two 1-GPU `meshrun train` runs at
+  # once, A on card 0 and B on card 1 (one after the other on a 1-GPU host), ARGS common to both
+  local lim=$1 a=$2 b=$3; shift 3
+  local common=() one=() two=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do common+=("$1"); shift; done; shift
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do one+=("$1"); shift; done; shift
+  two=("$@")
+  late $((DEADLINE_S - lim / 2)) "$a / $b" && return
+  if [ "$NG" -ge 2 ]; then
+    CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-0 python3 bench/cli_train.py --label "$a" \
+      --log "$OUT/$a.log" --jsonl "$OUT/cli.jsonl" --timeout "$lim" -- "${common[@]}" "${one[@]}" > "$OUT/$a.cli" &
+    CUDA_VISIBLE_DEVICES=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-1 python3 bench/cli_train.py --label "$b" \
+      --log "$OUT/$b.log" --jsonl "$OUT/cli.jsonl" --timeout "$lim" -- "${common[@]}" "${two[@]}" > "$OUT/$b.cli"
+    wait
+    cat "$OUT/$a.cli" "$OUT/$b.cli" | tee -a "$S"
+  else
+    CUDA_VISIBLE_DEVICES=0 cl "$lim" "$a" -- "${common[@]}" "${one[@]}"
+    CUDA_VISIBLE_DEVICES=0 cl "$lim" "$b" -- "${common[@]}" "${two[@]}"
+  fi
 }
 smi_start() {  # smi_start FILE : every card's clock, power and clock-event reasons once a second
   local q=index,utilization.gpu,clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active
@@ -293,6 +321,48 @@ hf)
     }
   fi
   ;;
+precision)
+  python3 bench/hf_config.py llama3-8b /tmp/meshrun-l8 | tee -a "$S"
+  python3 bench/hf_config.py llama3.2-1b /tmp/meshrun-l1b --seq 8192 | tee -a "$S"
+  case " ${PARTS:-parity1b docmask} " in *" parity"*|*" control8b "*|*" docmask "*)
+    python3 bench/corpus.py /tmp/meshrun-corpus --workers 8 | tee -a "$S" ;; esac
+  eightk="--strategy fsdp-full --activation-checkpointing full --seq-len 8192 --micro-batch 2 --global-batch $((2 * NG))"
+  text="--data /tmp/meshrun-corpus/data --seed 0 --seq-len 2048 --steps 200 --log-every 5 --eval-every 50"
+  for part in ${PARTS:-speed8b speed1b parity1b parity8b control8b resume docmask}; do
+    case $part in
+    speed8b)
+      cl 240 bf16-8b -- --model /tmp/meshrun-l8 --data random $eightk --steps 10 --log-every 2
+      cl 300 fp8-8b -- --model /tmp/meshrun-l8 --data random $eightk --steps 10 --log-every 2 --precision fp8 ;;
+    speed1b)
+      pair 200 bf16-1b fp8-1b --model /tmp/meshrun-l1b --data random --nproc 1 --seq-len 8192 --micro-batch 2 \
+        --global-batch 8 --steps 12 --log-every 1 -- -- --precision fp8 ;;
+    parity1b)
+      pair 300 parity-bf16-1b parity-fp8-1b --model /tmp/meshrun-l1b $text --nproc 1 --micro-batch 6 --global-batch 6 -- \
+        -- --precision fp8 ;;
+    parity8b)
+      cl 300 parity-bf16-8b -- --model /tmp/meshrun-l8 $text --strategy fsdp-full --micro-batch 2 --global-batch $((2 * NG))
+      cl 300 parity-fp8-8b -- --model /tmp/meshrun-l8 $text --strategy fsdp-full --micro-batch 2 --global-batch $((2 * NG)) \
+        --precision fp8 ;;
+    control8b)  # the bf16 curve once more, compiled (other kernels, the same precision): the spread of 8B curves
+      cl 300 parity-bf16-compiled-8b -- --model /tmp/meshrun-l8 $text --strategy fsdp-full --micro-batch 2 \
+        --global-batch $((2 * NG)) --compile on ;;
+    resume)
+      # float8 weights all-gathered by FSDP2: written, resumed from, written again
+      python3 bench/hf_config.py llama3.2-1b /tmp/meshrun-l1b4 --layers 4 | tee -a "$S"
+      rm -rf /tmp/meshrun-fp8-out
+      small="--model /tmp/meshrun-l1b4 --data random --strategy fsdp-full --seq-len 2048 --micro-batch 2 --precision fp8"
+      cl 200 fp8-resume-a -- $small --global-batch $((2 * NG)) --out /tmp/meshrun-fp8-out --steps 6 --save-every 3 --log-every 1
+      cl 200 fp8-resume-b -- $small --global-batch $((2 * NG)) --out /tmp/meshrun-fp8-out --steps 12 --save-every 3 --log-every 1
+      grep -hE "resum|snapshot|error" "$OUT/fp8-resume-a.log" "$OUT/fp8-resume-b.log" | cut -c1-300 | tee -a "$S"
+      ls /tmp/meshrun-fp8-out/checkpoints | tee -a "$S"
+      rm -rf /tmp/meshrun-fp8-out ;;
+    docmask)
+      pair 200 docmask-1b nomask-1b --model /tmp/meshrun-l1b --data /tmp/meshrun-corpus/data --seq-len 8192 --steps 12 \
+        --log-every 1 --nproc 1 --micro-batch 2 --global-batch 8 -- --document-mask --eval-batches 8 -- ;;
+    *) echo "precision: unknown part $part (speed8b speed1b parity1b parity8b control8b resume docmask)" | tee -a "$S" ;;
+    esac
+  done
+  ;;
 checks)
   ok=0
   check 200 tests/scripts/head_loss_check.py "$OUT/head_loss_check.log" "^ok|Error|^ALL OK" || ok=1
@@ -303,3 +373,4 @@ checks)
   ;;
 esac
 echo "suite $SUITE done in $((SECONDS - T0)) s" | tee -a "$S"
+[ "${PACK:-0}" = 1 ] && (cd "$OUT" && tar czf results.tgz --remove-files -- *.log *.cli *.jsonl 2>/dev/null)  # hosts that return few files
