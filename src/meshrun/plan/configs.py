@@ -120,7 +120,8 @@ def train_config(plan: Plan, c: Candidate, m: ModelSpec) -> dict[str, Any]:
 
 def write_all(plan: Plan, out_dir: str) -> list[str]:
     """Write the recommended candidate's files into out_dir, all three or none (meshrun.fsio:
-    a full disk leaves the files there unchanged); returns their paths."""
+    a full disk leaves the files there unchanged); returns their paths. A float8 plan writes
+    meshrun train's file alone: DeepSpeed and Accelerate configs would train it in bf16."""
     import json
     import os
 
@@ -132,11 +133,11 @@ def write_all(plan: Plan, out_dir: str) -> list[str]:
     if c is None:
         return []
     ds, acc, tr = (os.path.join(out_dir, name) for name in ("ds_config.json", "accelerate.yaml", "train.yaml"))
-    files = {
+    files: dict[str, bytes | str] = {} if plan.train.dtype != plan.train.precision else {
         ds: json.dumps(ds_config(plan, _zero_equivalent(plan, c)), indent=2),
         acc: yaml.safe_dump(accelerate_config(plan, c, ds), sort_keys=False),
-        tr: yaml.safe_dump(train_config(plan, c, plan.model), sort_keys=False),
     }
+    files[tr] = yaml.safe_dump(train_config(plan, c, plan.model), sort_keys=False)
     write_files(files, source="--write")
     return list(files)
 
