@@ -256,3 +256,27 @@ def test_requeue_is_for_slurm_only():
     assert res.stderr.strip().splitlines() == [
         ("meshrun: error: --requeue=True: is for Slurm jobs, not kubernetes (hint: drop it: run the same command "
          "again and meshrun train resumes from its newest snapshot)")]
+
+
+def test_a_finished_launcher_outlives_a_late_preemption_signal(tmp_path):
+    """The same for `meshrun train`'s own process, which every node of a Slurm step runs and
+    which also gets the step's signals: once its job has ended, a late SIGUSR1 or SIGTERM
+    leaves it alone (through an exec, as above: without the fix the process dies of SIGUSR1)."""
+    code = ("import os, sys\n"
+            f"sys.argv = ['meshrun', 'train', '--model-size', 'gpt-tiny', '--steps', '1', '--nproc', '1', "
+            f"'--seq-len', '16', '--data', 'random', '--out', {str(tmp_path / 'run')!r}]\n"
+            "from meshrun.cli import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('EXEC', flush=True)\n"
+            "os.execvp('sleep', ['sleep', '3'])\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line or line.strip() == "EXEC":
+            break
+    assert line.strip() == "EXEC", "the run did not end"
+    time.sleep(1.0)  # past the exec
+    proc.send_signal(signal.SIGUSR1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0

@@ -25,6 +25,17 @@ def hold(signals: Iterable[int]) -> None:
         signal.signal(sig, _keep)
 
 
+def settle(signals: Iterable[int]) -> None:
+    """Ignore ``signals`` from here until the process exits: called once the job's processes
+    are all gone, when a late warning has nothing left to stop. Python puts the default action
+    (the end of the process) back for the signals it handled as it finalises, so a scheduler's
+    SIGUSR1 reaching a launcher in its last milliseconds ended a finished job as killed by it
+    (a requeued Slurm job that had trained to its last step ended FAILED); an ignored signal
+    stays ignored at the OS level."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def take() -> list[int]:
     """The signals held so far, oldest first; they are handed over once."""
     out = _pending[:]

@@ -17,6 +17,7 @@ from typing import BinaryIO
 from ..cluster.net import free_port
 from ..cluster.topology import Topology
 from ..errors import PREEMPTED, JobFailed, MeshrunError
+from . import early
 from .command import Command, LaunchSpec
 from .failure import (
     ECHO_SUFFIX,
@@ -136,6 +137,7 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
         for path in [*said, echo_file]:
             if path and os.path.exists(path):
                 os.unlink(path)
+        early.settle(preempt_signals)  # the job is over: a late warning has nothing to stop
 
 
 def _interrupted(signum: int, ready: bool, interrupt_file: str | None,
