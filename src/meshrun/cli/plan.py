@@ -214,8 +214,11 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     model, module = resolve_with_module(ns.model, "--model")
     cluster = cluster_from_args(ns, env)
     train = train_from_args(ns, model.context, cluster.world)
-    if module is not None and hasattr(module, "config"):  # a Hugging Face model: compiled block by block
-        train = dataclasses.replace(train, whole_compile=False)
+    if module is not None:
+        from ..train.models.hf import is_transformers_model
+
+        if is_transformers_model(module):  # compiled block by block (train/parallel/apply.py)
+            train = dataclasses.replace(train, whole_compile=False)
     liger = uses_liger(ns, module)
     if liger:  # meshrun train runs Liger's kernels eager (train.parallel.auto.compile_and_kernels)
         train = dataclasses.replace(train, compile=False)

@@ -133,7 +133,7 @@ def write_all(plan: Plan, out_dir: str) -> list[str]:
     if c is None:
         return []
     ds, acc, tr = (os.path.join(out_dir, name) for name in ("ds_config.json", "accelerate.yaml", "train.yaml"))
-    files: dict[str, bytes | str] = {} if plan.train.dtype != plan.train.precision else {
+    files: dict[str, bytes | str] = {} if plan.train.float8 else {
         ds: json.dumps(ds_config(plan, _zero_equivalent(plan, c)), indent=2),
         acc: yaml.safe_dump(accelerate_config(plan, c, ds), sort_keys=False),
     }

@@ -54,6 +54,10 @@ class TrainSpec:
         return "fp32" if self.precision == "fp32" else "bf16"
 
     @property
+    def float8(self) -> bool:
+        return self.precision in FLOAT8_PRECISIONS
+
+    @property
     def optimizer_bytes(self) -> int:
         return OPTIMIZERS[self.optimizer]
 
