@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import shutil
 import signal
 import threading
 import time
@@ -281,12 +282,21 @@ def test_fsdp_snapshot_from_2_ranks_loads_on_1_and_3(tmp_path):
                 assert torch.equal(state[name], loaded["optim"][key][name]), (nproc, key, name)
 
 
-@pytest.fixture
-def snapshot(tmp_path):
+@pytest.fixture(scope="module")
+def trained_toy(tmp_path_factory):
+    """One real run of the toy model with a snapshot at step 4; tests alter copies of it."""
     require("torch")
-    res = run_cli("train", "--example", "toy", "--steps", "4", "--save-every", "4", "--out", str(tmp_path))
+    out = tmp_path_factory.mktemp("toy")
+    res = run_cli("train", "--example", "toy", "--steps", "4", "--save-every", "4", "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
-    return tmp_path / "checkpoints" / "step-00000004"
+    return out
+
+
+@pytest.fixture
+def snapshot(trained_toy, tmp_path):
+    """The step-4 snapshot in a copy of the trained run's OUT (tmp_path/run), this test's own."""
+    shutil.copytree(trained_toy, tmp_path / "run")
+    return tmp_path / "run" / "checkpoints" / "step-00000004"
 
 
 def test_export_safetensors_matches_the_snapshot(snapshot, tmp_path):

@@ -5,7 +5,9 @@ import os
 import re
 
 import pytest
-from helpers import clean_env, meshrun, require
+from helpers import clean_env, meshrun, require, with_faults
+
+from meshrun.cli import main
 
 pytestmark = pytest.mark.framework
 HERE = os.path.dirname(__file__)
@@ -66,12 +68,26 @@ def test_user_model_and_data_factories(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["val_loss"] is not None
 
 
-def test_dry_run_launches_the_worker_through_torchrun():
+def test_dry_run_starts_each_rank_of_one_node_itself():
+    """One node: a process per rank, no torchrun between (its import of torch bought nothing
+    meshrun's launcher does not do)."""
     out = meshrun("train", "--dry-run", "--json", "--steps", "5")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["argv"][1:] == ["--standalone", "--nproc_per_node=2", "-m", "meshrun.train.worker"]
+    assert data["argv"][1:] == ["-u", "-m", "meshrun.train.worker"]
+    assert not any("torchrun" in arg for p in data["processes"] for arg in p["argv"])
+    ranks = [(p["env"]["RANK"], p["env"]["LOCAL_RANK"], p["env"]["WORLD_SIZE"]) for p in data["processes"]]
+    assert ranks == [("0", "0", "2"), ("1", "1", "2")]
+    assert len({p["env"]["MASTER_PORT"] for p in data["processes"]}) == 1
     assert json.loads(data["env"]["MESHRUN_TRAIN_CONFIG"])["steps"] == 5
+
+
+def test_dry_run_of_a_multi_node_job_launches_torchrun():
+    out = meshrun("train", "--dry-run", "--json", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                  "--master-port", "29999")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["argv"][0].endswith("torchrun") and data["argv"][-2:] == ["-m", "meshrun.train.worker"]
 
 
 ERRORS = [
@@ -118,7 +134,7 @@ ERRORS = [
     (["--zero", "3"], "unrecognized arguments: --zero 3"),
     (["--precision", "fp8", "--nproc", "1", "--model-size", "gpt-tiny"],
      "--precision='fp8': float8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
-     "this run is on the CPU (hint: --precision bf16)"),
+     "this run is on the CPU (hint: --precision auto or fp32)"),
 ]
 
 
@@ -137,10 +153,13 @@ def test_parallel_layouts_from_the_cli(tmp_path, flags, said):
 
 
 @pytest.mark.parametrize("args,message", ERRORS)
-def test_bad_input_is_one_line_exit_2(args, message):
-    out = meshrun("train", *args, env=clean_env(PYTHONPATH=HERE), timeout=300)
-    assert out.returncode == 2, out.stderr[-2000:]
-    last = out.stderr.strip().splitlines()[-1]
+def test_bad_input_is_one_line_exit_2(args, message, capsys):
+    """Each is refused before any process starts: through the CLI in-process (the real
+    subprocess path of such refusals: tests/test_prelaunch.py, tests/test_bad_input.py)."""
+    code = main(["train", *args], clean_env(PYTHONPATH=HERE))
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
     assert last.startswith("meshrun: error: ") and message in last
 
 
@@ -192,7 +211,7 @@ def test_trainer_importable_from_meshrun():
 
 def test_out_of_memory_even_at_micro_batch_1_suggests_another_strategy():
     out = meshrun("train", "--example", "toy", "--model", "userpkg.factories:oom_model", "--steps", "3",
-                  env=clean_env(PYTHONPATH=HERE))
+                  env=with_faults(clean_env(PYTHONPATH=HERE), device_memory=1))  # the try runs as on a GPU
     assert out.returncode == 2
     halvings = [line for line in out.stdout.splitlines() if "out of GPU memory at micro-batch" in line]
     assert len(halvings) == 5  # 32, 16, 8, 4, 2: each halved, then micro-batch 1 does not fit either

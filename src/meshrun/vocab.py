@@ -157,6 +157,10 @@ def strategy_hint(dims: frozenset[str] | set[str], policies: bool = True) -> str
 
 # Pipeline schedules (torch.distributed.pipelining): 1F1B, GPipe, interleaved 1F1B (two stages a rank).
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# The Hugging Face families pipeline stages cut (their model_type): a causal LM that is
+# embed_tokens -> decoder layers (rotary positions) -> norm -> lm_head and nothing more (no
+# embedding scale, no logit cap), under ``model`` and ``lm_head``.
+LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral"})
 
 
 @dataclass(frozen=True)

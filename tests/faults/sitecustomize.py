@@ -11,6 +11,9 @@ imported, so the product carries no switch for them:
 - ``slow_write=S``: a snapshot's shard write takes S seconds longer; an interrupt in that
   time surfaces as the RuntimeError that torch's own writer raises for a write cut short.
 - ``prepare_pause=S``: `meshrun data prepare` waits S seconds after each resumable point.
+- ``device_memory=1``: a CPU rank's memory counts as one that can run out the way a GPU's does
+  (``batchfit.can_run_out_of_memory``), so the micro-batch try runs: the models of
+  tests/userpkg raise CUDA's out-of-memory error as a GPU would.
 """
 
 from __future__ import annotations
@@ -76,7 +79,13 @@ def _patch_prepare(module: Any) -> None:
         module._write_json = paused_write_json
 
 
+def _patch_batchfit(module: Any) -> None:
+    if "device_memory" in FAULTS:
+        module.can_run_out_of_memory = lambda device: True
+
+
 PATCHES: dict[str, Callable[[Any], None]] = {
+    "meshrun.train.batchfit": _patch_batchfit,
     "meshrun.train.checkpoint.save": _patch_save,
     "meshrun.data.prepare": _patch_prepare,
 }
@@ -110,7 +119,7 @@ class _Patcher(importlib.abc.MetaPathFinder):
 
 
 if FAULTS:
-    unknown = set(FAULTS) - {"save_pause", "write_delay", "slow_write", "prepare_pause"}
+    unknown = set(FAULTS) - {"save_pause", "write_delay", "slow_write", "prepare_pause", "device_memory"}
     if unknown:
         raise SystemExit(f"TEST_FAULTS: unknown fault(s) {sorted(unknown)}")
     sys.meta_path.insert(0, _Patcher())

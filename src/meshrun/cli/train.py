@@ -64,7 +64,8 @@ resume continues only a snapshot of OUT's run, --no-resume is refused where OUT 
 snapshots (--overwrite moves them aside first), and a resume on another number of processes
 keeps the snapshot's global batch by changing the gradient accumulation.
 
-when something fails: each rank's whole output is in OUT/logs/rank-N.log (torchrun's in
+when something fails: each rank's whole output is in OUT/logs/rank-N.log (what the ranks wrote
+before their logs opened in OUT/logs/ranks-node-N.log, torchrun's on several nodes in
 OUT/logs/torchrun-node-N.log; without --out, in a directory the error line names), and a rank
 that raises or dies ends the job with one line: the rank, the cause, its log and a hint (exit
 code 1). A micro-batch meshrun chose that runs out of GPU memory is halved before training,

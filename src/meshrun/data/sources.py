@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Literal
@@ -21,6 +22,8 @@ from typing import BinaryIO, Literal
 from ..errors import MeshrunError, bad_value
 from . import INDEX
 
+# The default corpus of `meshrun train` (--data stdlib), read as bytes: its last 5% is held out
+STDLIB_VAL_FRACTION = 0.05
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
 DataKind = Literal["tokens", "text"]  # what a --data path holds (data_kind)
@@ -76,6 +79,17 @@ def data_kind(path: str) -> DataKind | None:
     if os.path.isfile(path):
         return "tokens" if path.endswith(".bin") else "text"
     return None
+
+
+def stdlib_files() -> list[str]:
+    """The files of `meshrun train`'s default corpus (--data stdlib): the running Python's
+    standard library source, in sorted path order, without installed packages and caches: a
+    real text corpus on every machine with Python, so the default job downloads nothing."""
+    paths: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        paths += [os.path.join(dirpath, name) for name in sorted(filenames) if name.endswith(".py")]
+    return paths
 
 
 def is_saved_dataset(path: str) -> bool:

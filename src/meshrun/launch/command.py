@@ -35,10 +35,17 @@ class LaunchSpec:
 
 @dataclass(frozen=True)
 class Process:
-    """One OS process to start: its argv and the variables to add to the parent env."""
+    """One OS process to start: its argv and the variables to add to the parent env.
+
+    ``rank``: the global rank of a training process meshrun starts itself, with no launcher
+    between (`meshrun train` on one node). Such a process starts with SIGUSR1 and SIGUSR2
+    ignored, as a launcher does, until it installs its own handlers; a rank that fails is
+    named from its exit status; and the job's other ranks are stopped at once, since none can
+    finish a step without it."""
 
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
+    rank: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,15 @@
-"""Worker mode: the platform already started one process per device (``srun
+"""Processes started with the variables ``torch.distributed``'s ``env://`` init reads, with no
+launcher between.
+
+Worker mode (``build``): the platform already started one process per device (``srun
 --ntasks-per-node=G``, ``mpirun -npernode G``, a torchrun worker), so meshrun starts the
-script directly with the variables ``torch.distributed``'s ``env://`` init reads."""
+script directly in it.
+
+A node's ranks (``build_node``): `meshrun train` on one node starts every rank itself.
+torchrun there would only add an interpreter (its import of torch, 2.8 s of a 1-step run's 25 s
+on a 2-core box, torch 2.13) and a second supervisor: meshrun's launcher already owns
+restarts, signals, the failure line and the bounded waits (docs/decisions.md#direct-ranks).
+torchrun stays where its rendezvous is the contract: several nodes, and `meshrun launch`."""
 
 from __future__ import annotations
 
@@ -19,6 +28,17 @@ def torch_worker_env(topo: Topology, local_rank: int) -> dict[str, str]:
         "MASTER_ADDR": topo.master_addr,
         "MASTER_PORT": str(topo.master_port),
     }
+
+
+def build_node(topo: Topology, module: str) -> Command:
+    """Every rank of a one-node job: ``python -u -m MODULE`` per local rank (unbuffered, as
+    torchrun starts its workers), each with its rank's variables."""
+    if topo.nnodes != 1 or topo.local_rank is not None:
+        raise ValueError("build_node starts every rank of one node")  # a programming error
+    argv = ("python", "-u", "-m", module)
+    return Command(processes=tuple(Process(argv, torch_worker_env(topo, lr), rank=lr)
+                                   for lr in range(topo.nproc_per_node)),
+                   env=topology_env(topo))
 
 
 def build(topo: Topology, spec: LaunchSpec, extra_script_args: list[str] | None = None) -> Command:

@@ -96,12 +96,13 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
                       "resuming from the newest snapshot", file=sys.stderr, flush=True)
             cmd, spec, topo = command(attempt)
             cmd = prepare_network(topo, cmd, env, rdzv_timeout)
-            log = _launcher_log(log_dir, topo.node_rank)
+            log = _launcher_log(log_dir, _log_name(cmd, topo.node_rank))
             report = TorchrunReport(log=log)
             crashed = CrashWatch(crash_file, ready_file) if crash_file else None
+            exits: list[tuple[int, int]] = []
             try:
                 code = run_job(cmd, env, topo, spec, report=report, mute_stderr=mute, to_workers=preempt_signals,
-                               stop_when=crashed, waits=waits)
+                               stop_when=crashed, waits=waits, exits=exits)
             finally:
                 if log is not None:
                     log.close()
@@ -120,7 +121,8 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
                     first = f.readline().strip()
                 if first:  # bad input or a non-finite loss
                     raise MeshrunError(first)
-            line = _failure_line(crash_file, echo_file, report, log_dir, crashed, waits.stall_s)
+            line = _failure_line(crash_file, echo_file, report, log_dir, crashed, waits.stall_s,
+                                 _rank_failure(cmd, exits))
             if line is None:  # torchrun's report says what no line of ours can: shown as it is
                 for held in report.release():
                     sys.stderr.buffer.write(held)
@@ -156,14 +158,33 @@ def _interrupted(signum: int, ready: bool, interrupt_file: str | None,
     return PREEMPTED
 
 
-def _launcher_log(log_dir: str | None, node_rank: int) -> BinaryIO | None:
+def _log_name(cmd: Command, node_rank: int) -> str:
+    """Where this node's relayed stderr is kept: what torchrun said (torchrun-node-N.log), or
+    what the ranks meshrun started itself wrote before their own logs took over
+    (ranks-node-N.log: an import that failed, a warning at start-up)."""
+    if cmd.processes and cmd.processes[0].rank is not None:
+        return f"ranks-node-{node_rank}.log"
+    return f"torchrun-node-{node_rank}.log"
+
+
+def _launcher_log(log_dir: str | None, name: str) -> BinaryIO | None:
     if not log_dir:
         return None
     try:
         os.makedirs(log_dir, exist_ok=True)
-        return open(os.path.join(log_dir, f"torchrun-node-{node_rank}.log"), "ab")
+        return open(os.path.join(log_dir, name), "ab")
     except OSError:  # the run goes on; its ranks' logs say the rest
         return None
+
+
+def _rank_failure(cmd: Command, exits: list[tuple[int, int]]) -> tuple[int | None, int] | None:
+    """(rank, exit code) of the first rank meshrun started itself that failed, from the exit
+    statuses seen; None for a launcher's job (its own report says it) or when none failed."""
+    for index, code in exits:
+        rank = cmd.processes[index].rank if index < len(cmd.processes) else None
+        if rank is not None and code not in (0, PREEMPTED, 130):
+            return rank, code
+    return None
 
 
 def _first_line(path: str | None) -> str | None:
@@ -214,11 +235,13 @@ def _lines(path: str | None) -> list[str]:
 
 
 def _failure_line(crash_file: str | None, echo_file: str | None, report: TorchrunReport,
-                  log_dir: str | None, crashed: CrashWatch | None = None, timeout_s: float | None = None) -> str | None:
+                  log_dir: str | None, crashed: CrashWatch | None = None, timeout_s: float | None = None,
+                  rank_exit: tuple[int | None, int] | None = None) -> str | None:
     """The one line of a failed attempt: the rank that stopped answering when the others'
-    collectives timed out on it, else a rank's own account of its exception, else torchrun's
-    root cause (the rank and the signal or exit code it died of), else the line of a rank
-    that saw another go; None when nothing says anything."""
+    collectives timed out on it, else a rank's own account of its exception, else the rank and
+    the signal or exit code it died of (``rank_exit``, for ranks meshrun started itself, or
+    torchrun's root cause), else the line of a rank that saw another go; None when nothing
+    says anything."""
     if crashed is not None and timeout_s is not None and crashed.waited() and crashed.silent():
         lines = _lines(crash_file)
         if len(crashed.waited()) == len(lines):
@@ -226,7 +249,7 @@ def _failure_line(crash_file: str | None, echo_file: str | None, report: Torchru
     first = _first_line(crash_file)
     if first:
         return first
-    cause = parse_root_cause(report.text())
+    cause = rank_exit or parse_root_cause(report.text())
     if cause is not None:
         rank, exitcode = cause
         path = os.path.join(log_dir, f"rank-{rank}.log") if log_dir and rank is not None else log_dir

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..errors import JobFailed, MeshrunError
+from ..errors import PREEMPTED, JobFailed, MeshrunError
 from . import early, guard
 from .command import Command
 from .liveness import RankWatch, children
@@ -228,7 +228,7 @@ class _Ending:
 def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
             mute_stderr: Callable[[], bool] | None = None, watch: StderrFilter | None = None,
             to_workers: tuple[int, ...] = (), abort: Callable[[], bool] | None = None,
-            waits: Waits = NO_WAITS) -> int:
+            waits: Waits = NO_WAITS, exits: list[tuple[int, int]] | None = None) -> int:
     """Run the command; returns the job's exit code.
 
     ``mute_stderr``: when given, the children's stderr is relayed through this process and
@@ -242,7 +242,12 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
     (the caller says why: node 0's port never answered), or with a JobFailed naming a rank
     of this node found stopped: the rank whose silence made its peers fail.
     ``waits``: the bounds on waits for ranks (see Waits); a bound that passes ends the job
-    with a JobFailed whose line names the ranks."""
+    with a JobFailed whose line names the ranks.
+    ``exits``: when given, (process index, exit code) is appended for each process as it ends.
+
+    Ranks meshrun started itself (``Process.rank``) are one job: the first that fails (any
+    code but 0, PREEMPTED after its snapshot, and 130 after Ctrl-C) ends the others at once,
+    without a line (the caller names the rank)."""
     for path, text in cmd.files.items():
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
@@ -287,13 +292,15 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
     try:
         for argv, p in zip(argvs, cmd.processes):
             env = {**base_env, **cmd.env, **p.env, guard.TOKEN_VAR: token}
-            preexec = guard.child_preexec(WORKER_SIGNALS if is_launcher(argv) else ())
+            preexec = guard.child_preexec(WORKER_SIGNALS if is_launcher(argv) or p.rank is not None else ())
             procs.append(subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=preexec,
                                           stderr=subprocess.PIPE if (mute_stderr or watch) else None))
         relays = [_relay_stderr(p, mute_stderr, watch) for p in procs] if (mute_stderr or watch) else []
         for sig in early.take():  # came while meshrun was starting: passed on now
             forward(sig, None)
-        code = _supervise(procs, stopping_since, grace_s, workers, abort, ranks, ending)
+        ranked = bool(cmd.processes) and all(p.rank is not None for p in cmd.processes)
+        code = _supervise(procs, stopping_since, grace_s, workers, abort, ranks, ending,
+                          exits if exits is not None else [], ranked)
         if ending.line is not None:
             raise JobFailed(ending.line)
         return code
@@ -402,18 +409,25 @@ def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def _supervise(procs: list[subprocess.Popen[bytes]], stopping_since: list[float], grace_s: float,
-               workers: WorkerSignals, abort: Callable[[], bool] | None, ranks: RankWatch, ending: _Ending) -> int:
+               workers: WorkerSignals, abort: Callable[[], bool] | None, ranks: RankWatch, ending: _Ending,
+               exits: list[tuple[int, int]], ranked: bool) -> int:
     waiter = _Waiter(procs)
     try:
-        return _supervise_loop(procs, stopping_since, grace_s, workers, abort, waiter, ranks, ending)
+        return _supervise_loop(procs, stopping_since, grace_s, workers, abort, waiter, ranks, ending, exits, ranked)
     finally:
         waiter.close()
 
 
+# The exit codes of a rank that did not fail: done, stopped at a step by a preemption signal
+# after its snapshot (PREEMPTED; its peers stop at the same step), ended by Ctrl-C (130).
+_RANK_STOPPED = (0, PREEMPTED, 130)
+
+
 def _supervise_loop(procs: list[subprocess.Popen[bytes]], stopping_since: list[float], grace_s: float,
                     workers: WorkerSignals, abort: Callable[[], bool] | None, waiter: _Waiter,
-                    ranks: RankWatch, ending: _Ending) -> int:
+                    ranks: RankWatch, ending: _Ending, exits: list[tuple[int, int]], ranked: bool) -> int:
     first_failure: int | None = None
+    ended: set[int] = set()
     while True:
         if not ending.kill_now and first_failure is None:
             ending.line = ranks.tick()
@@ -428,6 +442,20 @@ def _supervise_loop(procs: list[subprocess.Popen[bytes]], stopping_since: list[f
         if workers.signals:
             workers.deliver()
         codes = [p.poll() for p in procs]
+        for i, code in enumerate(codes):
+            if code is not None and i not in ended:
+                ended.add(i)
+                exits.append((i, exit_code(code)))
+        if ranked and first_failure is None:
+            failed = next((exit_code(c) for c in codes if c is not None and exit_code(c) not in _RANK_STOPPED), None)
+            if failed is not None:  # the others cannot finish a step without it: ended now
+                ending.line = ranks.stopped_line()  # (a rank found stopped is the cause: named)
+                _kill_all(procs)
+                for i, code in enumerate(p.poll() for p in procs):
+                    if i not in ended and code is not None:
+                        ended.add(i)
+                        exits.append((i, exit_code(code)))
+                return 1 if ending.line is not None else failed
         for code in codes:
             if code not in (None, 0) and first_failure is None:
                 ending.line = ranks.stopped_line()  # a rank stopped: its peers died waiting on it (NCCL's abort)

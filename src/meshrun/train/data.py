@@ -3,8 +3,6 @@ sequences, random tokens, pytorch/examples' toy set, and distributed loaders."""
 
 from __future__ import annotations
 
-import os
-import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,27 +10,22 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
+from ..data.sources import STDLIB_VAL_FRACTION, stdlib_files
 from ..errors import MeshrunError
-
-VAL_FRACTION = 0.05
 
 
 def stdlib_corpus_bytes(limit: int | None = None) -> bytes:
     """The running Python's standard library source, in sorted path order: a real text corpus
     (~10-30 MB) present on every machine with Python, so the default job downloads nothing.
     Every rank reads the same bytes, so no broadcast is needed."""
-    root = sysconfig.get_paths()["stdlib"]
     parts: list[bytes] = []
     total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                with open(os.path.join(dirpath, name), "rb") as f:
-                    parts.append(f.read())
-                total += len(parts[-1])
-                if limit is not None and total >= limit:
-                    return b"\n".join(parts)[:limit]
+    for path in stdlib_files():
+        with open(path, "rb") as f:
+            parts.append(f.read())
+        total += len(parts[-1])
+        if limit is not None and total >= limit:
+            return b"\n".join(parts)[:limit]
     return b"\n".join(parts)
 
 
@@ -54,7 +47,7 @@ class TokenChunks(Dataset):
 def stdlib_splits(seq_len: int) -> tuple[TokenChunks, TokenChunks]:
     """Byte-level train/validation splits (the last 5% of the corpus is held out)."""
     data = torch.frombuffer(bytearray(stdlib_corpus_bytes()), dtype=torch.uint8)
-    cut = int(len(data) * (1 - VAL_FRACTION))
+    cut = int(len(data) * (1 - STDLIB_VAL_FRACTION))
     return TokenChunks(data[:cut], seq_len), TokenChunks(data[cut:], seq_len)
 
 

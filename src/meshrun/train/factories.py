@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from ..data.sources import data_kind
+from ..data.sources import STDLIB_VAL_FRACTION, data_kind, stdlib_files
 from ..errors import bad_value
 from ..modelinfo.factory import call_factory
 from .config import BUILTIN_DATA, TrainConfig
+
+# The built-in data's training samples, known without building it: `meshrun train` checks a
+# global batch against them before any rank starts (train/prelaunch.py)
+RANDOM_SAMPLES = 1 << 20  # --data random
+TOY_SAMPLES = 2048  # --data toy
 
 
 def data_name(cfg: TrainConfig) -> str:
@@ -99,10 +105,18 @@ def build_data(cfg: TrainConfig, vocab: int | None) -> tuple[Any, Any]:
                             "--data random, or your Dataset factory")
         return stdlib_splits(cfg.seq)
     if name == "random":
-        return RandomTokens(1 << 20, cfg.seq, vocab or 50304), RandomTokens(256, cfg.seq, vocab or 50304)
+        return RandomTokens(RANDOM_SAMPLES, cfg.seq, vocab or 50304), RandomTokens(256, cfg.seq, vocab or 50304)
     if name == "toy":
-        return ToyRegression(2048, seed=1234), ToyRegression(256, seed=99)
+        return ToyRegression(TOY_SAMPLES, seed=1234), ToyRegression(256, seed=99)
     result = call_factory(name, "--data")
     if isinstance(result, tuple) and len(result) == 2:
         return result
     return result, None
+
+
+def stdlib_train_bytes() -> int:
+    """The bytes of the default corpus' training split (data.stdlib_splits), from its files'
+    sizes, nothing read: the files joined by newlines, less the last STDLIB_VAL_FRACTION."""
+    paths = stdlib_files()
+    total = sum(os.path.getsize(p) for p in paths) + max(0, len(paths) - 1)
+    return int(total * (1 - STDLIB_VAL_FRACTION))

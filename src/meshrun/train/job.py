@@ -17,9 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cluster.gpus import count_visible_gpus
 from ..cluster.topology import Topology
 from ..defaults import FINISH_TIMEOUT_S
 from ..errors import JobFailed, MeshrunError, bad_value, require_packages
+from ..launch import direct
 from ..launch.build import build
 from ..launch.command import Command, LaunchSpec
 from ..launch.dryrun import dry_run_text
@@ -27,11 +29,12 @@ from ..launch.node import check_ports, rdzv_timeout_s
 from ..launch.restart import attempt_topology, run_with_restarts
 from ..launch.run import Waits
 from ..launch.torchrun import thread_env
-from . import trackers
+from . import prelaunch, trackers
 from .config import TrainConfig
 from .ranklog import LOG_DIR_ENV, RESULT_ENV
 
 TRAINER_PACKAGES = ("torch", "numpy", "safetensors")
+WORKER = "meshrun.train.worker"  # the module each rank runs
 
 
 @dataclass(frozen=True)
@@ -135,8 +138,9 @@ def _model_tokenizer(cfg: TrainConfig) -> str | None:
 
 
 
-def check(cfg: TrainConfig, topo: Topology, job: JobOptions) -> None:
-    """What can be known wrong before anything starts, refused in one line each."""
+def check(cfg: TrainConfig, topo: Topology, job: JobOptions, gpus: int | None = None) -> None:
+    """What can be known wrong before anything starts, refused in one line each (``gpus``:
+    this node's visible GPUs, 0 for ranks on the CPU, None when not known)."""
     if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:  # the split by the layout's rule (no torch imported)
         from .parallel.dims import make_dims
 
@@ -169,12 +173,13 @@ def check(cfg: TrainConfig, topo: Topology, job: JobOptions) -> None:
                            "no --out (hint: add --out DIR, or drop --overwrite)")
     if cfg.collective_timeout < 1:
         raise bad_value(cfg.source("collective_timeout"), cfg.collective_timeout, "must be >= 1 second")
+    prelaunch.check_layout(cfg, topo, gpus)  # what the ranks would refuse of this config, refused now
 
 
 def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str]) -> TrainResult:
     """Check, then run the job on this node (or print its command under ``job.dry_run``)."""
     require_trainer_packages()
-    check(cfg, topo, job)
+    check(cfg, topo, job, count_visible_gpus(env))
     if topo.node_rank == 0 and not job.dry_run:  # (rank 0 logs: its node checks the trackers' servers)
         trackers.preflight(trackers.parse(cfg.log_with, cfg.source("log_with")), env)
     # Node rank 0 owns OUT for the run's whole life, restarts included (on shared storage
@@ -252,9 +257,10 @@ def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Top
 
     def command(attempt: int) -> tuple[Command, LaunchSpec, Topology]:
         t = attempt_topology(topo, attempt)
-        spec = LaunchSpec(framework="torch", script="meshrun.train.worker", module=True,
-                          rdzv_timeout=job.rdzv_timeout)
-        launch = build(t, spec)
+        spec = LaunchSpec(framework="torch", script=WORKER, module=True, rdzv_timeout=job.rdzv_timeout)
+        # one node: meshrun starts every rank itself; torchrun where its rendezvous is the
+        # contract (several nodes) or the platform started this process as one rank
+        launch = direct.build_node(t, WORKER) if t.nnodes == 1 and t.local_rank is None else build(t, spec)
         # a restart continues this run: from its own snapshots, even when it started afresh
         attempt_cfg = cfg.replace(resume="auto") if attempt and cfg.resume == "none" else cfg
         return Command(processes=launch.processes, env={**launch.env, "MESHRUN_TRAIN_CONFIG": attempt_cfg.to_json(),

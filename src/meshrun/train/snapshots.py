@@ -6,6 +6,10 @@ the glue between it and the Trainer's state.
 The Trainer keeps the state a save carries from one call to the next (``_pending``, the
 asynchronous save in flight, and ``_async_group``, its gloo group): these functions read and
 set it there, so ``Trainer.save`` and a non-finite stop see the same pending save.
+
+``checkpoint`` is imported where a snapshot is listed, read or written (with --out or
+--resume): it imports torch.distributed.checkpoint, which a run without snapshots does not
+load.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ..errors import MeshrunError
-from . import checkpoint
-from .checkpoint import Position
 from .config import TrainConfig
 from .data import BatchStream, make_loader
 from .metrics import ReadCost, read_cost_line
@@ -26,6 +28,7 @@ from .optim import build_scheduler, extend_schedule, lr_factor
 from .outdir import RUN_ID_ENV
 
 if TYPE_CHECKING:
+    from .checkpoint import Position
     from .trainer import Trainer
 
 
@@ -39,8 +42,10 @@ def resume_path(cfg: TrainConfig, names: list[str] | None = None) -> str | None:
     --out (``auto``; ``names``: the listing of OUT/checkpoints when the caller has it), or
     none."""
     root = checkpoint_root(cfg)
-    if cfg.resume == "none":
+    if cfg.resume == "none" or (cfg.resume == "auto" and not root):
         return None
+    from . import checkpoint
+
     if cfg.resume != "auto":
         if os.path.isfile(os.path.join(cfg.resume, checkpoint.MARKER)):
             checkpoint.check_name(cfg.resume)
@@ -50,7 +55,7 @@ def resume_path(cfg: TrainConfig, names: list[str] | None = None) -> str | None:
             raise MeshrunError(f"--resume={cfg.resume!r}: not a committed snapshot nor a directory of them "
                                "(hint: give OUT/checkpoints/step-N, or --resume none)")
         return found
-    return checkpoint.latest(root, names) if root else None
+    return checkpoint.latest(root, names)
 
 
 def starting_point(cfg: TrainConfig, is_main: bool) -> tuple[str | None, list[str] | None]:
@@ -58,7 +63,11 @@ def starting_point(cfg: TrainConfig, is_main: bool) -> tuple[str | None, list[st
     directory is listed once: the same names give the snapshot to resume and, on rank 0, the
     partial saves ``restore`` clears (--resume PATH on another rank needs no listing)."""
     root = checkpoint_root(cfg)
-    names = checkpoint.entries(root) if root and (is_main or cfg.resume == "auto") else None
+    names = None
+    if root and (is_main or cfg.resume == "auto"):
+        from . import checkpoint
+
+        names = checkpoint.entries(root)
     return resume_path(cfg, names), names
 
 
@@ -68,28 +77,32 @@ def restore(trainer: Trainer) -> BatchStream:
     rt, root = trainer.rt, checkpoint_root(trainer.cfg)
     path, names = trainer.resume_from, trainer.checkpoint_names
     if root and rt.is_main:
+        from . import checkpoint
+
         checkpoint.clear_partial(root, names)  # a save killed halfway
     dist.barrier()
-    position = Position()
-    if path:
-        cost = ReadCost()
-        position, saved_world = checkpoint.load(path, trainer.model, trainer.optimizer,
-                                                  trainer.layout.local_shards(), trainer.layout.ties())
-        # Each rank's cost, for the line below: each reads its own shards (and hashes a
-        # share of the files), so a rank far above the others shows a slow disk or a rank
-        # that read more than its share.
-        costs: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(costs, cost.took())
-        trainer.step = position.step
-        if rt.is_main:
-            print(f"meshrun train: resumed from {path} at step {position.step} (epoch {position.epoch}, "
-                  f"{position.samples} samples into it; saved on {saved_world} rank(s); read in "
-                  f"{read_cost_line(costs)})", flush=True)
-        _place_schedule(trainer, position)
+    if not path:  # a fresh start: the data from its beginning
+        return BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.dp_size, 0, 0)
+    from . import checkpoint
+
+    cost = ReadCost()
+    position, saved_world = checkpoint.load(path, trainer.model, trainer.optimizer,
+                                            trainer.layout.local_shards(), trainer.layout.ties())
+    # Each rank's cost, for the line below: each reads its own shards (and hashes a
+    # share of the files), so a rank far above the others shows a slow disk or a rank
+    # that read more than its share.
+    costs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(costs, cost.took())
+    trainer.step = position.step
+    if rt.is_main:
+        print(f"meshrun train: resumed from {path} at step {position.step} (epoch {position.epoch}, "
+              f"{position.samples} samples into it; saved on {saved_world} rank(s); read in "
+              f"{read_cost_line(costs)})", flush=True)
+    _place_schedule(trainer, position)
     if position.samples and not hasattr(trainer.train_loader.sampler, "set_start"):  # iterable data
         trainer.loader_skip = position.samples // trainer.dp_size
         trainer.train_loader = make_loader(trainer.train_data, trainer.loader_spec, skip=trainer.loader_skip)
-        position = Position(position.step, position.epoch, 0)
+        position = checkpoint.Position(position.step, position.epoch, 0)
     return BatchStream(trainer.train_loader, trainer.cfg.micro, trainer.dp_size, position.epoch, position.samples)
 
 
@@ -119,6 +132,8 @@ def check_finite(trainer: Trainer) -> None:
         trainer.layout.check_finite(trainer.step)
     except MeshrunError:
         if trainer._pending is not None:
+            from . import checkpoint
+
             pending, trainer._pending = trainer._pending, None
             checkpoint.commit(pending)
         raise
@@ -132,6 +147,8 @@ def save(trainer: Trainer, data: BatchStream, final: bool = False) -> str | None
     root = checkpoint_root(cfg)
     if root is None:
         return None
+    from . import checkpoint
+
     if trainer._pending is not None:
         previous = trainer._pending
         apart = time.perf_counter() - previous.started  # training time between the two saves
@@ -146,7 +163,7 @@ def save(trainer: Trainer, data: BatchStream, final: bool = False) -> str | None
         if trainer._async_group is None:  # the background writer coordinates over gloo
             trainer._async_group = dist.new_group(backend="gloo")
         group = trainer._async_group
-    pending = checkpoint.begin_save(root, Position(trainer.step, data.epoch, data.samples, trainer.schedule),
+    pending = checkpoint.begin_save(root, checkpoint.Position(trainer.step, data.epoch, data.samples, trainer.schedule),
                                     trainer.model, trainer.optimizer, cfg.to_json(), cfg.keep_last, group,
                                     trainer.layout.local_shards(), trainer.model_record,
                                     run_id=os.environ.get(RUN_ID_ENV))

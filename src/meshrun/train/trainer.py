@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from ..errors import MeshrunError
 from ..modelinfo.hf import export_record
 from ..modelinfo.read import context_of
 from ..vocab import FLOAT8_PRECISIONS
-from . import checkpoint, preempt, report, snapshots, trackers
+from . import preempt, report, snapshots, trackers
 from .batchfit import fit_micro_batch, guarded_step
 from .config import TrainConfig, resolve_seq_len, validate
 from .data import BatchStream, LoaderSpec, make_loader
@@ -40,6 +40,9 @@ from .parallel.layouts import Batch
 from .resize import keep_global_batch, resized_line
 from .runtime import Runtime, init_runtime
 from .weights import Pretrained
+
+if TYPE_CHECKING:
+    from .checkpoint import PendingSave
 
 # A non-finite step is found at the next log line or snapshot, and at least this often: one
 # host sync per 50 steps costs nothing measurable, and a run with rare log lines stops soon.
@@ -269,11 +272,14 @@ class Trainer:
                 print(sink.finished(saved), flush=True)
         finally:
             sink.close()
-            checkpoint.wait_pruned()
+            if self.checkpoint_root:  # (snapshots, and so prunes, only with --out)
+                from . import checkpoint
+
+                checkpoint.wait_pruned()
         return sink.records
 
     # ---- snapshots (snapshots.py) --------------------------------------------------------
-    _pending: checkpoint.PendingSave | None = None  # the asynchronous save in flight
+    _pending: PendingSave | None = None  # the asynchronous save in flight
     _async_group: Any = None  # the gloo group its background writer coordinates over
 
     @property

@@ -188,5 +188,27 @@ def main() -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """End the rank as Python's exit would, but for its teardown of every module and object:
+    other threads finished (as the interpreter waits for them), the exit handlers run (the
+    trackers', torch's), the streams flushed, then ``os._exit``. The teardown alone took 1.4 s
+    of every run's end with torch and Dynamo loaded (2-core box, torch 2.13), after the run's
+    files were all closed."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more to say there
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -37,12 +37,13 @@ def register() -> dict[str, bool]:
     a GPU, or the CPU under Triton's interpreter (how the tests run it). Called when a model
     that uses it is built, so that a compiled first step finds it registered."""
     if not _USABLE:
+        cuda, cpu = torch.cuda.is_available(), os.environ.get("TRITON_INTERPRET") == "1"
         try:
-            _register_ops()  # imports Triton
+            if cuda or cpu:  # (importing Triton where it cannot run cost a CPU run 0.5 s at start)
+                _register_ops()  # imports Triton
         except ImportError:
-            _USABLE.update(cuda=False, cpu=False)
-        else:
-            _USABLE.update(cuda=torch.cuda.is_available(), cpu=os.environ.get("TRITON_INTERPRET") == "1")
+            cuda = cpu = False
+        _USABLE.update(cuda=cuda, cpu=cpu)
     return _USABLE
 
 

@@ -8,10 +8,6 @@ import torch.nn as nn
 
 from ...errors import MeshrunError
 
-# Families whose causal LM is embed_tokens -> decoder layers (rotary positions) -> norm ->
-# lm_head and nothing more (no embedding scale, no logit cap), under ``model`` and ``lm_head``.
-LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral"})
-
 
 def is_transformers_model(model: nn.Module) -> bool:
     return hasattr(model, "config") and hasattr(model.config, "_attn_implementation")

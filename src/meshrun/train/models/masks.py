@@ -11,8 +11,9 @@ them on the CPU, forward only)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,7 @@ def document_ids(positions: torch.Tensor) -> torch.Tensor:
     return torch.cumsum((positions == 0).to(torch.int32), dim=-1)
 
 
-@torch.compiler.disable  # built once per forward, outside the compiled graphs of the blocks
-def build(docs: torch.Tensor, q_start: int = 0, q_len: int | None = None, kv_len: int | None = None) -> Mask:
+def _build(docs: torch.Tensor, q_start: int = 0, q_len: int | None = None, kv_len: int | None = None) -> Mask:
     """The mask of the queries at positions [q_start, q_start + q_len) against the keys at
     [0, kv_len) of rows whose tokens are in documents ``docs`` (batch, t): query i sees key j
     when j <= i and both are in one document. Defaults: every query, every key."""
@@ -47,6 +47,26 @@ def build(docs: torch.Tensor, q_start: int = 0, q_len: int | None = None, kv_len
     causal = queries[:, None] >= torch.arange(kv_len, device=docs.device)[None, :]
     same = docs[:, q_start:q_start + q_len, None] == docs[:, None, :kv_len]
     return (same & causal)[:, None]
+
+
+if TYPE_CHECKING:
+    build = _build
+else:
+    def __getattr__(name: str) -> Any:
+        """``build``: ``_build`` kept out of compiled graphs (the mask is built once per
+        forward, outside the compiled graphs of the blocks) by ``torch.compiler.disable``. The
+        decorator imports torch._dynamo (with DTensor and FSDP: 2.2 s of CPU on a 2-core box,
+        torch 2.13): applied at import, it made every import of meshrun's models and Trainer
+        pay that. It is applied once torch._dynamo is loaded, as it is before anything
+        compiles: a compiled caller reads ``masks.build`` while tracing and gets the decorated
+        function (cached from then on); before that nothing compiles, and the plain function
+        does the same."""
+        if name != "build":
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        if "torch._dynamo" not in sys.modules:
+            return _build
+        fn = globals()["build"] = torch.compiler.disable(_build)
+        return fn
 
 
 def _block_mask(docs: torch.Tensor, q_start: int, q_len: int, kv_len: int) -> Mask:

@@ -32,11 +32,14 @@ def is_float8(precision: str) -> bool:
 
 def check_device(precision: str, device: torch.device, where: str) -> None:
     """Refuse, in one line, a device without float8 matmuls (compute capability below 8.9:
-    anything before Ada and Hopper, and the CPU) or a missing torchao."""
+    anything before Ada and Hopper, and the CPU) or a missing torchao. The hint is bf16 on a GPU;
+    on the CPU, where bf16 is refused too, what trains there. `meshrun train` refuses the CPU's
+    case before any rank starts, in the same words (train/prelaunch.py)."""
     hint = "--precision bf16"
     if device.type != "cuda":
         raise MeshrunError(f"{where}={precision!r}: float8 matmuls need a GPU of compute capability 8.9 or newer "
-                           f"(Ada, Hopper, Blackwell); this run is on the {device.type.upper()} (hint: {hint})")
+                           f"(Ada, Hopper, Blackwell); this run is on the {device.type.upper()} "
+                           "(hint: --precision auto or fp32)")
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         raise MeshrunError(f"{where}={precision!r}: {torch.cuda.get_device_name(device)} (compute capability "

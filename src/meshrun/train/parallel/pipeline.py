@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import MeshrunError
-from ..models.hf import LLAMA_LIKE, check_whole_prefix, is_transformers_model, model_type
+from ...vocab import LLAMA_LIKE
+from ..models.hf import check_whole_prefix, is_transformers_model, model_type
 
 
 def _place(root: nn.Module, path: str, module: nn.Module) -> None:
