@@ -51,3 +51,25 @@ def test_a_plain_rank_imports_no_snapshot_plot_tracker_nor_compiler_module():
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found["imported"] == [], found
     assert set(found["trained"]) <= set(BUILT_BY_TORCH), found
+
+
+EXITS = """
+import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from meshrun.train.worker import exit_now
+pool = ThreadPoolExecutor(2)  # idle workers, as Inductor's compile pool leaves them
+assert pool.submit(lambda: 1).result() == 1
+late = threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished", flush=True)))
+late.start()
+atexit.register(lambda: sys.stdout.write("exit handler ran, unflushed"))
+exit_now(3)
+"""
+
+
+def test_a_rank_exits_past_idle_thread_pools_after_its_threads_and_exit_handlers():
+    """exit_now ends as Python's exit would: a thread pool's idle workers told to stop (joining
+    them before that waited forever after any compiled run), other threads finished, exit
+    handlers run, output flushed, and the rank's own exit code."""
+    out = subprocess.run([sys.executable, "-c", EXITS], capture_output=True, text=True, timeout=30, env=clean_env())
+    assert out.returncode == 3, out.stderr
+    assert out.stdout.splitlines() == ["thread finished", "exit handler ran, unflushed"], out.stdout

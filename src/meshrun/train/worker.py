@@ -193,13 +193,15 @@ def exit_now(code: int) -> None:
     other threads finished (as the interpreter waits for them), the exit handlers run (the
     trackers', torch's), the streams flushed, then ``os._exit``. The teardown alone took 1.4 s
     of every run's end with torch and Dynamo loaded (2-core box, torch 2.13), after the run's
-    files were all closed."""
+    files were all closed.
+
+    Threads end through ``threading._shutdown``, the interpreter's own first step of exit: it
+    runs the threading exit hooks before it joins, and one of them tells idle thread-pool
+    workers (Inductor's compile pool) to stop; joining them without it waits forever."""
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    getattr(threading, "_shutdown")()  # noqa: B009 (private: typeshed leaves it out)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
