@@ -41,6 +41,21 @@ def meshrun(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
+def meshrun_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The CLI's ``main`` run in this process, its output captured, as ``meshrun`` returns it:
+    for a command that starts no process (``plan``), where a new interpreter would only import
+    torch again (4-5 s of CPU a call on 2 cores)."""
+    import contextlib
+    import io
+
+    from meshrun.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args), env if env is not None else clean_env())
+    return subprocess.CompletedProcess(["meshrun", *args], code, out.getvalue(), err.getvalue())
+
+
 def marked_pids(mark: str, tag: str) -> list[int]:
     """Live processes (zombies left out) whose environment holds ``mark=tag``: a test's job,
     found by a variable it set, whatever sessions its processes moved into."""

@@ -31,7 +31,10 @@ def test_torch_gloo_allreduce_two_processes():
 def test_a_thread_count_the_user_set_reaches_every_process(tmp_path):
     require("torch")
     probe = tmp_path / "threads.py"
-    probe.write_text("import os\nprint('THREADS', os.environ['RANK'], os.environ['OMP_NUM_THREADS'], flush=True)\n")
+    # one write per line: the ranks share the pipe, unbuffered (PYTHONUNBUFFERED), and print's
+    # separate writes of each word interleave between processes
+    probe.write_text("import os\n"
+                     "os.write(1, f\"THREADS {os.environ['RANK']} {os.environ['OMP_NUM_THREADS']}\\n\".encode())\n")
     out = meshrun("launch", "--nproc", "2", str(probe), env=clean_env(OMP_NUM_THREADS="3"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("THREADS")) == \

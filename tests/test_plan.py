@@ -10,7 +10,7 @@ import re
 from dataclasses import replace
 
 import pytest
-from helpers import bench_module, clean_env, example, lines, meshrun, require
+from helpers import bench_module, clean_env, example, lines, meshrun, meshrun_here, require
 
 from meshrun.errors import MeshrunError
 from meshrun.modelinfo.read import from_hf_config, resolve_model
@@ -615,7 +615,7 @@ def test_batch_arithmetic():
 # ---- CLI ---------------------------------------------------------------------------------------
 
 def test_plan_json_shape():
-    out = meshrun("plan", "--model", "gpt-1.3b", "--gpus-per-node", "4", "--gpu-mem", "80GiB", "--json")
+    out = meshrun_here("plan", "--model", "gpt-1.3b", "--gpus-per-node", "4", "--gpu-mem", "80GiB", "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     # meshrun train's defaults: compiled, the model's 1024-token context, a global batch of 512K
@@ -631,7 +631,7 @@ def test_plan_json_shape():
 
 
 def test_plan_table_explain_and_check_choice():
-    out = meshrun("plan", "--model", "gpt-1.3b", "--gpus-per-node", "4", "--gpu-mem", "80GiB",
+    out = meshrun_here("plan", "--model", "gpt-1.3b", "--gpus-per-node", "4", "--gpu-mem", "80GiB",
                   "--framework", "deepspeed", "--strategy", "zero3-offload", "--explain")
     assert out.returncode == 0, out.stderr
     assert "recommended: zero1" in out.stdout
@@ -641,7 +641,7 @@ def test_plan_table_explain_and_check_choice():
 
 def test_written_configs_are_accepted_by_accelerate_and_meshrun_train(tmp_path):
     require("accelerate")
-    out = meshrun("plan", "--model", "gpt-1.3b", "--gpus-per-node", "4", "--gpu-mem", "80GiB",
+    out = meshrun_here("plan", "--model", "gpt-1.3b", "--gpus-per-node", "4", "--gpu-mem", "80GiB",
                   "--global-batch", "64", "--write", str(tmp_path))
     assert out.returncode == 0, out.stderr
     from accelerate.commands.config.config_args import load_config_from_file
@@ -711,7 +711,7 @@ def test_bad_input_is_one_line(args, message, tmp_path):
 def test_bad_config_json_is_one_line(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "llama", "hidden_size": -4}))
-    out = meshrun("plan", "--model", str(path), "--gpu-mem", "80GiB")
+    out = meshrun_here("plan", "--model", str(path), "--gpu-mem", "80GiB")
     assert out.returncode == 2 and "hidden_size=-4: must be a positive integer" in out.stderr
 
 
@@ -783,7 +783,7 @@ def test_train_auto_chooses_the_micro_batch_for_a_global_batch():
 def test_plan_options_come_from_the_environment_too():
     env = plan_env()
     env.update(MESHRUN_PRECISION="fp32", MESHRUN_GPU_MEM="40GiB", MESHRUN_GPUS_PER_NODE="2")
-    d = json.loads(meshrun("plan", "--model", "gpt-124m", "--json", env=env).stdout)
+    d = json.loads(meshrun_here("plan", "--model", "gpt-124m", "--json", env=env).stdout)
     assert d["train"]["precision"] == "fp32" and d["cluster"]["gpu_mem_bytes"] == 40 * GiB
     assert d["cluster"]["gpus_per_node"] == 2
 
@@ -939,8 +939,9 @@ def test_plan_and_train_resolve_the_same_defaults(model):
     from meshrun.train.models.gpt import gpt
     from meshrun.train.parallel.auto import decide
 
-    out = meshrun("plan", "--model", model, "--gpus-per-node", "4", "--gpu-mem", "80GiB", "--json",
-                  env=plan_env())
+    # a factory is imported from PYTHONPATH: in a process of its own
+    out = (meshrun if ":" in model else meshrun_here)("plan", "--model", model, "--gpus-per-node", "4", "--gpu-mem",
+                                                      "80GiB", "--json", env=plan_env())
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     factory = ":" in model
@@ -1049,7 +1050,7 @@ def _table_rows(text: str) -> list[list[str]]:
 
 
 def test_every_size_in_the_table_is_gib_with_two_decimals_or_says_why_it_is_none():
-    out = meshrun("plan", *LLAMA3_8B_2X8, "--framework", "any", env=plan_env())
+    out = meshrun_here("plan", *LLAMA3_8B_2X8, "--framework", "any", env=plan_env())
     assert out.returncode == 0, out.stderr
     rows = _table_rows(out.stdout)
     assert len(rows) > 10
@@ -1070,7 +1071,7 @@ def test_step_times_have_three_figures_and_name_the_peak_they_assume():
 
     assert [fmt_seconds(x) for x in (0.000293, 0.00475, 0.512, 3.784, 11.04)] == \
         ["293 µs", "4.75 ms", "512 ms", "3.78 s", "11 s"]
-    out = meshrun("plan", "--model", "gpt-124m", "--gpus-per-node", "1", "--gpu-mem", "80GiB", env=plan_env())
+    out = meshrun_here("plan", "--model", "gpt-124m", "--gpus-per-node", "1", "--gpu-mem", "80GiB", env=plan_env())
     steps = [row[-1] for row in _table_rows(out.stdout)]
     assert steps and all(re.fullmatch(r"[\d.]+ (µs|ms|s)", s) for s in steps), steps
     assert "step~: for GPUs of 989 TFLOP/s dense bf16 (H100/H200 SXM) at 50% MFU" in out.stdout
@@ -1090,7 +1091,7 @@ def _step_s(cell: str) -> float:
 def test_the_pick_is_the_fastest_row_that_fits_or_a_line_says_why(args):
     """The recommended row has the shortest step~ among the rows of --framework that fit, or the
     reasons name the faster row and why it was passed over."""
-    out = meshrun("plan", *args, env=plan_env())
+    out = meshrun_here("plan", *args, env=plan_env())
     assert out.returncode == 0, out.stderr
     rows = _table_rows(out.stdout)
     pick = next(r for r in rows if r[0].startswith("*"))
@@ -1101,7 +1102,7 @@ def test_the_pick_is_the_fastest_row_that_fits_or_a_line_says_why(args):
 
 
 def test_the_plan_for_llama3_8b_on_two_nodes_says_why_hybrid_was_passed_over():
-    out = meshrun("plan", *LLAMA3_8B_2X8, env=plan_env())
+    out = meshrun_here("plan", *LLAMA3_8B_2X8, env=plan_env())
     said = [line.strip() for line in out.stdout.splitlines()]
     assert ("fsdp-hybrid shows a shorter step (3.78 s), but fsdp-grad-op+ac is faster per token: micro-batches of "
             "4,096 tokens run matmuls at about 50% of their best, of 16,384 at 80% (step~ leaves this out)") in said
@@ -1109,19 +1110,19 @@ def test_the_plan_for_llama3_8b_on_two_nodes_says_why_hybrid_was_passed_over():
 
 
 def test_a_strategy_asked_for_always_gets_its_verdict():
-    out = meshrun("plan", *LLAMA3_8B_2X8, "--strategy", "fsdp-hybrid", env=plan_env())
+    out = meshrun_here("plan", *LLAMA3_8B_2X8, "--strategy", "fsdp-hybrid", env=plan_env())
     assert ("--strategy fsdp-hybrid: fits, 50.5 GiB per GPU at micro-batch 1 x accumulation 8, about 3.78 s per "
             "step; the recommendation, fsdp-grad-op+ac, needs 58.4 GiB and about 4.75 s") in out.stdout
-    mine = meshrun("plan", *LLAMA3_8B_2X8, "--strategy", "fsdp-grad-op+ac", env=plan_env())
+    mine = meshrun_here("plan", *LLAMA3_8B_2X8, "--strategy", "fsdp-grad-op+ac", env=plan_env())
     assert "--strategy fsdp-grad-op+ac: fits, 58.4 GiB per GPU" in mine.stdout
     assert "; it is the recommendation" in mine.stdout
-    no = meshrun("plan", *LLAMA3_8B_2X8, "--strategy", "ddp", env=plan_env())
+    no = meshrun_here("plan", *LLAMA3_8B_2X8, "--strategy", "ddp", env=plan_env())
     assert "--strategy ddp: does not fit, 197 GiB per GPU" in no.stdout
 
 
 def test_nnodes_is_the_node_count_as_in_train_and_launch_and_nodes_is_the_same():
-    a = meshrun("plan", *LLAMA3_8B_2X8, "--json", env=plan_env())
-    b = meshrun("plan", *[("--nodes" if x == "--nnodes" else x) for x in LLAMA3_8B_2X8], "--json", env=plan_env())
+    a = meshrun_here("plan", *LLAMA3_8B_2X8, "--json", env=plan_env())
+    b = meshrun_here("plan", *[("--nodes" if x == "--nnodes" else x) for x in LLAMA3_8B_2X8], "--json", env=plan_env())
     assert a.returncode == b.returncode == 0
     assert json.loads(a.stdout) == json.loads(b.stdout)
     assert json.loads(a.stdout)["cluster"]["nodes"] == 2
@@ -1131,6 +1132,6 @@ def test_the_guides_plan_example_is_what_the_command_prints():
     guide = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "guide.md")).read()
     block = guide.split("```text\n$ meshrun plan ", 1)[1].split("\n```", 1)[0]
     command, shown = block.split("\n", 1)
-    out = meshrun("plan", *command.split(), env=plan_env())
+    out = meshrun_here("plan", *command.split(), env=plan_env())
     assert out.returncode == 0, out.stderr
     assert [line.rstrip() for line in out.stdout.splitlines()] == shown.splitlines()

@@ -61,6 +61,11 @@ def shown(value: object) -> str:
 # snapshot: EX_TEMPFAIL of sysexits.h ("try again later"). Running the same command again
 # resumes; a job script requeues on it, and `--max-restarts` does not count it as a crash.
 PREEMPTED = 75
+# The exit code of a process ended by Ctrl-C: 128 + SIGINT, as a shell reports it.
+INTERRUPTED = 130
+# The exit codes of a rank that did not fail: done, stopped at a step by a preemption signal
+# after its snapshot (its peers stop at the same step), ended by Ctrl-C.
+RANK_STOPPED = (0, PREEMPTED, INTERRUPTED)
 
 
 def require_packages(command: str, modules: tuple[str, ...], extra: str) -> None:

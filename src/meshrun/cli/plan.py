@@ -16,7 +16,7 @@ from ..errors import bad_value
 from ..modelinfo.read import resolve_with_module
 from ..modelinfo.spec import PRESETS, ModelSpec
 from ..paths import check_output_dir
-from ..plan import ClusterSpec, TrainSpec, make_plan
+from ..plan import ClusterSpec, TrainSpec, check_inputs, make_plan
 from ..plan.advice import check_choice, verdict
 from ..plan.recommend import MAX_MICRO_TOKENS
 from ..plan.spec import INTER_NODE, INTRA_NODE, OPTIMIZERS
@@ -219,6 +219,7 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
 
         if is_transformers_model(module):  # compiled block by block (train/parallel/apply.py)
             train = dataclasses.replace(train, whole_compile=False)
+    check_inputs(model, cluster, train)  # before the trace: a refusal in under a second
     liger = uses_liger(ns, module)
     if liger:  # meshrun train runs Liger's kernels eager (train.parallel.auto.compile_and_kernels)
         train = dataclasses.replace(train, compile=False)

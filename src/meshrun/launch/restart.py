@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 from ..cluster.net import free_port
 from ..cluster.topology import Topology
-from ..errors import PREEMPTED, JobFailed, MeshrunError
+from ..errors import PREEMPTED, RANK_STOPPED, JobFailed, MeshrunError
 from . import early
 from .command import Command, LaunchSpec
 from .failure import (
@@ -182,7 +182,7 @@ def _rank_failure(cmd: Command, exits: list[tuple[int, int]]) -> tuple[int | Non
     statuses seen; None for a launcher's job (its own report says it) or when none failed."""
     for index, code in exits:
         rank = cmd.processes[index].rank if index < len(cmd.processes) else None
-        if rank is not None and code not in (0, PREEMPTED, 130):
+        if rank is not None and code not in RANK_STOPPED:
             return rank, code
     return None
 

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..errors import PREEMPTED, JobFailed, MeshrunError
+from ..errors import RANK_STOPPED, JobFailed, MeshrunError
 from . import early, guard
 from .command import Command
 from .liveness import RankWatch, children
@@ -418,9 +418,12 @@ def _supervise(procs: list[subprocess.Popen[bytes]], stopping_since: list[float]
         waiter.close()
 
 
-# The exit codes of a rank that did not fail: done, stopped at a step by a preemption signal
-# after its snapshot (PREEMPTED; its peers stop at the same step), ended by Ctrl-C (130).
-_RANK_STOPPED = (0, PREEMPTED, 130)
+def _record_exits(codes: list[int | None], ended: set[int], exits: list[tuple[int, int]]) -> None:
+    """Append (process index, exit code) to ``exits`` for each process first seen ended."""
+    for i, code in enumerate(codes):
+        if code is not None and i not in ended:
+            ended.add(i)
+            exits.append((i, exit_code(code)))
 
 
 def _supervise_loop(procs: list[subprocess.Popen[bytes]], stopping_since: list[float], grace_s: float,
@@ -442,19 +445,13 @@ def _supervise_loop(procs: list[subprocess.Popen[bytes]], stopping_since: list[f
         if workers.signals:
             workers.deliver()
         codes = [p.poll() for p in procs]
-        for i, code in enumerate(codes):
-            if code is not None and i not in ended:
-                ended.add(i)
-                exits.append((i, exit_code(code)))
+        _record_exits(codes, ended, exits)
         if ranked and first_failure is None:
-            failed = next((exit_code(c) for c in codes if c is not None and exit_code(c) not in _RANK_STOPPED), None)
+            failed = next((exit_code(c) for c in codes if c is not None and exit_code(c) not in RANK_STOPPED), None)
             if failed is not None:  # the others cannot finish a step without it: ended now
                 ending.line = ranks.stopped_line()  # (a rank found stopped is the cause: named)
                 _kill_all(procs)
-                for i, code in enumerate(p.poll() for p in procs):
-                    if i not in ended and code is not None:
-                        ended.add(i)
-                        exits.append((i, exit_code(code)))
+                _record_exits([p.poll() for p in procs], ended, exits)
                 return 1 if ending.line is not None else failed
         for code in codes:
             if code not in (None, 0) and first_failure is None:

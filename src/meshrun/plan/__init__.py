@@ -9,7 +9,7 @@ or starts a process. A model's shape comes from ``meshrun.modelinfo``.
 
 from ..modelinfo.read import resolve_model
 from ..modelinfo.spec import ModelSpec
-from .recommend import Plan, make_plan
+from .recommend import Plan, check_inputs, make_plan
 from .spec import ClusterSpec, TrainSpec
 
-__all__ = ["ClusterSpec", "ModelSpec", "Plan", "TrainSpec", "make_plan", "resolve_model"]
+__all__ = ["ClusterSpec", "ModelSpec", "Plan", "TrainSpec", "check_inputs", "make_plan", "resolve_model"]

@@ -196,16 +196,22 @@ def float8_layouts(t: TrainSpec, layouts: list[Strategy]) -> list[Strategy]:
     return [s for s in layouts if s.engine == "torch" and s.tp == 1]
 
 
-def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torch", margin: float = 0.1) -> Plan:
+def check_inputs(m: ModelSpec, c: ClusterSpec, t: TrainSpec) -> None:
+    """Every refusal the settings decide alone, without the model's trace: `meshrun plan`
+    makes them before it traces the model (seconds on the CPU)."""
     validate_cluster(c)
     validate_train(t, m.max_seq)
-    m = m.at_seq(t.seq_len)
-    limit = c.gpu_mem * (1 - margin)
     if t.global_batch is not None:  # refuse a batch no data-parallel layout can split
         if t.micro_batch is not None:
             solve(t.global_batch, t.micro_batch, c.world)
         elif (err := check_divisible(t.global_batch, c.world)) is not None:
             raise err
+
+
+def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torch", margin: float = 0.1) -> Plan:
+    check_inputs(m, c, t)
+    m = m.at_seq(t.seq_len)
+    limit = c.gpu_mem * (1 - margin)
     cands = [_evaluate(m, c, t, s, limit) for s in float8_layouts(t, candidates(m, c, t))]
     if not any(x.fits and not x.strategy.offload_optimizer for x in cands):
         cands += [_evaluate(m, c, t, s, limit) for s in float8_layouts(t, model_parallel(m, c))]

@@ -26,12 +26,11 @@ import signal
 import sys
 from typing import Any
 
-from ..errors import PREEMPTED, MeshrunError
+from ..errors import INTERRUPTED, PREEMPTED, MeshrunError
 from ..quiet import quiet_library_notices
 from . import preempt
 from .ranklog import LOG_DIR_ENV, RESULT_ENV, redirect
 
-INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 # What a rank's exception says when a collective waited out its timeout (gloo: "Timed out
 # waiting 10000ms for recv operation to complete"; NCCL's blocking wait: "timed out").
 _TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
