@@ -26,11 +26,11 @@ def _remove_deepspeeds_shared_memory():
 # collection order. The modules that take longest start first, so that the suite does not end
 # on one long module running alone while the other worker idles (test_preempt ran alone for the
 # last 13 minutes of a 44-minute run on 2 cores). Ordered by their measured durations there.
-LONGEST_FIRST = ("test_plan.py", "test_train_equivalence.py", "test_float8.py", "test_hf_models.py",
-                 "test_checkpoint.py", "test_data.py", "test_preempt.py", "test_train_cli.py", "test_cluster.py",
-                 "test_hangs.py", "test_misuse_launcher.py", "test_train_units.py", "test_plan_trace.py",
-                 "test_mpi.py", "test_run_history.py", "test_job_failures.py", "test_misuse_outdir.py",
-                 "test_trackers.py", "test_head_loss.py", "test_launch_real.py")
+LONGEST_FIRST = ("test_train_equivalence.py", "test_plan.py", "test_cluster.py", "test_checkpoint.py",
+                 "test_hf_models.py", "test_data.py", "test_train_cli.py", "test_float8.py", "test_write_safety.py",
+                 "test_launch_real.py", "test_hangs.py", "test_preempt.py", "test_bad_input.py",
+                 "test_job_failures.py", "test_mpi.py", "test_examples.py", "test_doctor.py", "test_plan_trace.py",
+                 "test_trackers.py", "test_misuse_snapshots.py", "test_misuse_launcher.py", "test_head_loss.py")
 
 
 def pytest_collection_modifyitems(config, items):

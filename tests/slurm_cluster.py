@@ -84,9 +84,12 @@ class SlurmCluster:
 
     def wait(self, job_id: int, timeout: float, until: tuple[str, ...] = ("COMPLETED", "FAILED", "CANCELLED",
                                                                            "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                                                                           "PREEMPTED", "BOOT_FAIL", "DEADLINE")
-             ) -> dict[str, str]:
-        """Poll (bounded) until the job's state is one of ``until``; returns its record."""
+                                                                           "PREEMPTED", "BOOT_FAIL", "DEADLINE"),
+             output: Path | None = None) -> dict[str, str]:
+        """Poll (bounded) until the job's state is one of ``until``; returns its record. Past
+        ``timeout`` the job is cancelled and the error holds its record, the tail of its
+        ``output`` file and of the daemons' logs: what it was doing, for a failure seen
+        only in CI."""
         end = time.monotonic() + timeout
         info: dict[str, str] = {}
         while time.monotonic() < end:
@@ -95,8 +98,10 @@ class SlurmCluster:
                 return info
             time.sleep(0.5)
         self.run(["scancel", str(job_id)], timeout=30)
-        raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s: "
-                           f"{self.logs()[-3000:]}")
+        record = " ".join(f"{k}={info.get(k)}" for k in ("JobState", "Reason", "Restarts", "RunTime", "BeginTime"))
+        tail = "\n".join(output.read_text(errors="replace").splitlines()[-40:]) if output and output.exists() else ""
+        raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s ({record})\n"
+                           f"--- job output\n{tail}\n{self.logs()[-3000:]}")
 
     def accounting(self, job_id: int) -> list[str]:
         """The states ``sacct -c`` (job completion records) lists for the job, oldest first."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import require
+from helpers import meshrun_here, require
 
 
 def _llama_8b(layers: int = 2):
@@ -205,10 +205,9 @@ def test_the_planner_counts_float8_and_plans_only_what_trains_it(tmp_path):
                     "--layers", "4"], check=True, capture_output=True)
 
     def plan(precision: str, *extra: str) -> dict:
-        out = subprocess.run([sys.executable, "-m", "meshrun", "plan", "--model", str(tmp_path / "m"),
-                              "--gpus-per-node", "2", "--gpu-mem", "80GiB", "--seq-len", "4096", "--micro-batch", "1",
-                              "--global-batch", "2", "--precision", precision, "--json", *extra],
-                             capture_output=True, text=True, timeout=300)
+        out = meshrun_here("plan", "--model", str(tmp_path / "m"), "--gpus-per-node", "2", "--gpu-mem", "80GiB",
+                           "--seq-len", "4096", "--micro-batch", "1", "--global-batch", "2", "--precision", precision,
+                           "--json", *extra)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 

@@ -10,7 +10,7 @@ import json
 import os
 
 import pytest
-from helpers import clean_env, require
+from helpers import clean_env, meshrun_here, require
 from helpers import meshrun as run_cli
 
 import meshrun
@@ -363,8 +363,8 @@ def test_your_own_module_trains_whatever_it_returns(tmp_path):
     env = {**clean_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{clean_env().get('PYTHONPATH', '')}"}
     for args in (["--model", "mymodels:tiny_llama"], ["--model", "mymodels:plain", "--data", "random"]):
         out = tmp_path / args[1].split(":")[1]
-        res = run_cli("train", *args, "--steps", "4", "--log-every", "2", "--seq-len", "32", "--out", str(out),
-                      env=env, timeout=300)
+        res = run_cli("train", *args, "--nproc", "1", "--steps", "4", "--log-every", "2", "--seq-len", "32",
+                      "--out", str(out), env=env, timeout=300)
         assert res.returncode == 0, (args, res.stderr[-2000:])
         losses = _losses(out)
         assert sorted(losses) == [2, 4] and all(0 < v < 8 for v in losses.values()), losses
@@ -393,8 +393,13 @@ def _bad_inputs(tmp_path):
     shard = sorted(f for f in os.listdir(truncated) if f.endswith(".safetensors"))[1]
     with open(os.path.join(truncated, shard), "r+b") as f:
         f.truncate(os.path.getsize(os.path.join(truncated, shard)) // 2)
+    foreign = tmp_path / "foreign"  # a pickle (or anything else) saved under the safetensors name
+    transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2).save_pretrained(str(foreign))
+    (foreign / "model.safetensors").write_bytes(b"\x80\x04\x95" + bytes(range(256)) * 4)
     return [
         (["--model", "meta-llama/Llama-3.2-1B"], "looks like a Hugging Face Hub id; meshrun never downloads"),
+        (["--model", str(foreign)], "model.safetensors: cannot read it as safetensors (no header"),
         (["--model", str(empty)], "a directory without config.json"),
         (["--model", str(bert)], "an encoder (bert)"),
         (["--model", str(t5)], "an encoder-decoder model (t5)"),
@@ -415,7 +420,9 @@ def test_bad_models_are_one_line_each(tmp_path):
             args = args[:args.index("--data")]
         else:
             args = [*args, "--data", "random"]
-        res = run_cli("train", *args, "--steps", "1", "--seq-len", "16", env=clean_env(), timeout=300)
+        # refused in meshrun train's own process, before it starts a rank: run here, where
+        # transformers is imported once for the ten
+        res = meshrun_here("train", *args, "--steps", "1", "--seq-len", "16")
         last = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ""
         assert res.returncode == 2 and last.startswith("meshrun: error: ") and said in last, (args, res.stderr[-1500:])
         assert "Traceback" not in res.stderr, res.stderr[-1500:]
@@ -451,3 +458,31 @@ def test_an_architecture_without_sdpa_is_built_with_its_own_attention():
     assert type(model).__name__ == "Gemma2ForCausalLM"
     assert model.config._attn_implementation in ("eager", "sdpa")  # (newer transformers refuse SDPA for it)
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_weight_files_are_checked_from_their_headers_alone(tmp_path):
+    """A whole safetensors file passes; a cut one, a header that is not an object of tensors
+    with offsets, and a file too short for a header are each named, before any rank reads them."""
+    import struct
+
+    import torch
+    from safetensors.torch import save_file
+
+    from meshrun.errors import MeshrunError
+    from meshrun.modelinfo.hf import check_weight_files
+
+    whole = tmp_path / "whole.safetensors"
+    save_file({"w": torch.zeros(4, 4), "b": torch.ones(3)}, str(whole), metadata={"format": "pt"})
+    check_weight_files((str(whole),))
+    data = whole.read_bytes()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": []}}).encode()
+    cases = {"cut": (data[:-5], f"truncated: {len(data) - 5} bytes, its header places tensors up to byte {len(data)}"),
+             "offsets": (struct.pack("<Q", len(header)) + header, "its header's entry 'w' has no data offsets"),
+             "list": (struct.pack("<Q", 5) + b"[1,2]", "its header is not a JSON object"),
+             "short": (b"\x01\x02", "no header: 2 bytes")}
+    for name, (content, said) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(content)
+        with pytest.raises(MeshrunError, match="cannot read it as safetensors") as err:
+            check_weight_files((str(whole), str(path)))
+        assert str(err.value).startswith(f"{path}: ") and said in str(err.value), str(err.value)

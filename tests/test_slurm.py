@@ -119,9 +119,9 @@ def test_doctor_in_a_job_step_reports_both_nodes(cluster):
 
 # One process per node (see one_node_long), one thread each as torchrun gives the reference's two.
 ONE_PER_NODE = {"OMP_NUM_THREADS": "1"}
-# A user's map-style dataset whose items take USERPKG_ITEM_DELAY_S on a job's first run (none
-# after a requeue), so that a kill or a signal finds the job mid-run.
-LONG = [*JOB[:JOB.index("--steps")], "--steps", "120", *JOB[JOB.index("--steps") + 2:],
+# A user's map-style dataset whose items are slow on a job's first run (none after a requeue:
+# USERPKG_ITEM_DELAY_S, USERPKG_DELAY_AFTER), so that a kill or a signal finds the job mid-run.
+LONG = [*JOB[:JOB.index("--steps")], "--steps", "60", *JOB[JOB.index("--steps") + 2:],
         "--data", "userpkg.factories:slow_tokens"]
 
 
@@ -215,20 +215,25 @@ def test_scontrol_requeue_snapshots_and_the_requeued_job_resumes(cluster, one_no
     assert losses(out) == one_node_long
 
 
+@pytest.mark.timeout(900)  # above the job's bound below, whose error says what the job was doing
 def test_time_limit_signal_snapshots_requeues_and_resumes(cluster, one_node_long, tmp_path):
     """A job with a two-minute --time and --requeue: Slurm sends SIGUSR1 before the limit
     (`--signal=USR1@S`), meshrun train snapshots and exits 75, the script requeues the
     job, and the requeued run resumes; the losses equal the uninterrupted run's. Slurm
-    checks time limits every 30 s, so S=60 puts the warning 60-90 s into each run: the
-    first run is still training then, and the requeued one (no item delay) has 60 s to
-    finish. Each further warning would only requeue once more from a newer snapshot."""
+    checks time limits every 30 s, so S=60 puts the warning 60-90 s into each run, the
+    requeued one's too: what is left for it must take well under 60 s on a host busy with
+    the rest of the suite. So the first run's loader stalls after step 48 of 60 (8 s a step
+    from there: the 12 steps left would take 96 s, so only the warning can end it), and the
+    requeued run, its loader no longer slow, has at most 12 steps to run. On a host too slow
+    to reach step 48 by the warning, the requeued run may be warned too: it then stops
+    again and the next requeue resumes from a newer snapshot."""
     out = tmp_path / "run"
     job = render(tmp_path, "--requeue", "--time", "2", "--signal-before", "60",
                  command=["meshrun", "train", "--nproc", "1", *LONG, "--out", str(out)])
-    # 1.2 s a step on the first run: its 120 steps would take 144 s, longer than the whole
-    # two-minute limit, so only the warning (60-90 s in) can end it, however fast the host
-    job_id = cluster.sbatch(str(job), str(tmp_path), env={**ONE_PER_NODE, "USERPKG_ITEM_DELAY_S": "0.3"})
-    info = cluster.wait(job_id, timeout=600, until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
+    job_id = cluster.sbatch(str(job), str(tmp_path), env={**ONE_PER_NODE, "USERPKG_DELAY_AFTER": str(48 * 4),
+                                                          "USERPKG_ITEM_DELAY_S": "2"})
+    info = cluster.wait(job_id, timeout=780, until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"),
+                        output=tmp_path / f"mr-{job_id}.out")
     log = job_output(tmp_path, job_id)
     assert info["JobState"] == "COMPLETED" and int(info["Restarts"]) >= 1, log[-3000:]
     assert "preempted by SIGUSR1" in log and "resumed from" in log, log[-3000:]

@@ -21,13 +21,13 @@ def records(path):
 def test_default_job_short_form_loss_falls(tmp_path):
     require("torch")
     # Python's ResourceWarnings shown: the launcher closes what it opens (its ranks' stderr pipes)
-    out = meshrun("train", "--steps", "40", "--log-every", "10", "--out", str(tmp_path), timeout=600,
+    out = meshrun("train", "--steps", "12", "--log-every", "4", "--out", str(tmp_path), timeout=600,
                   env=clean_env(PYTHONWARNINGS="always::ResourceWarning"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ResourceWarning" not in out.stderr, out.stderr[-3000:]
     assert "strategy ddp" in out.stdout and "2 process(es)" in out.stdout
     rows = records(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [10, 20, 30, 40]
+    assert [r["step"] for r in rows] == [4, 8, 12]
     for key in ("step", "loss", "tokens_per_s", "mfu", "peak_mem_bytes"):
         assert key in rows[0]
     assert rows[0]["mfu"] is None  # CPU: no peak to compare with
@@ -36,13 +36,13 @@ def test_default_job_short_form_loss_falls(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000
     # a person reads where the run is, how long it has taken and has left, and where it wrote
     lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split(" | ")[0] for line in lines] == ["step 10/40", "step 20/40", "step 30/40", "step 40/40"]
+    assert [line.split(" | ")[0] for line in lines] == ["step 4/12", "step 8/12", "step 12/12"]
     assert all(re.search(r" \| elapsed \d+:\d\d \| left \d+:\d\d$", line) for line in lines[:-1]), lines
     assert "left" not in lines[-1] and "per_gpu" not in out.stdout  # 2 CPU processes are no GPUs
     closing = out.stdout.splitlines()[-1]
-    assert re.fullmatch(rf"meshrun train: finished step 40/40 in \d+:\d\d \(loss [\d.]+, val_loss [\d.]+\); "
+    assert re.fullmatch(rf"meshrun train: finished step 12/12 in \d+:\d\d \(loss [\d.]+, val_loss [\d.]+\); "
                         rf"in {re.escape(str(tmp_path))}: metrics.jsonl, loss.png(, tensorboard)?, "
-                        r"snapshot checkpoints/step-00000040", closing), closing
+                        r"snapshot checkpoints/step-00000012", closing), closing
 
 
 def test_toy_example_and_config_file_with_flag_override(tmp_path):

@@ -66,21 +66,26 @@ def tiny_llama():
 
 
 class _Tokens(torch.utils.data.Dataset):
-    """Seeded random token sequences (x, y = x shifted), as a user's map-style dataset; an
-    item takes USERPKG_ITEM_DELAY_S seconds on a job's first run (a slow loader, so a
-    scheduler's signal finds the job mid-run) and none once Slurm has requeued it."""
+    """Seeded random token sequences (x, y = x shifted), as a user's map-style dataset. On a
+    job's first run (none once Slurm has requeued it) an item takes USERPKG_ITEM_DELAY_S
+    seconds once this process has read USERPKG_DELAY_AFTER items (default 0): a slow loader,
+    or one that stalls near the end, so that a kill or a scheduler's signal finds the job
+    mid-run however fast the host runs the steps before."""
 
     def __init__(self, n: int, seq: int, seed: int):
         g = torch.Generator().manual_seed(seed)
         self.tokens = torch.randint(0, 256, (n, seq + 1), generator=g)
         first_run = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
         self.delay = float(os.environ.get("USERPKG_ITEM_DELAY_S", "0")) if first_run else 0.0
+        self.fast = int(os.environ.get("USERPKG_DELAY_AFTER", "0"))  # items read before the delay starts
 
     def __len__(self):
         return len(self.tokens)
 
     def __getitem__(self, i):
-        if self.delay:
+        if self.fast > 0:
+            self.fast -= 1
+        elif self.delay:
             time.sleep(self.delay)
         row = self.tokens[i]
         return row[:-1], row[1:]

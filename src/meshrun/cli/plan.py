@@ -17,7 +17,7 @@ from ..modelinfo.read import resolve_with_module
 from ..modelinfo.spec import PRESETS, ModelSpec
 from ..paths import check_output_dir
 from ..plan import ClusterSpec, TrainSpec, check_inputs, make_plan
-from ..plan.advice import check_choice, verdict
+from ..plan.advice import check_choice, named, verdict
 from ..plan.recommend import MAX_MICRO_TOKENS
 from ..plan.spec import INTER_NODE, INTRA_NODE, OPTIMIZERS
 from ..units import parse_bytes
@@ -220,6 +220,8 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         if is_transformers_model(module):  # compiled block by block (train/parallel/apply.py)
             train = dataclasses.replace(train, whole_compile=False)
     check_inputs(model, cluster, train)  # before the trace: a refusal in under a second
+    if ns.strategy:
+        named(ns.strategy, make_plan(model, cluster, train, ns.plan_framework, margin).candidates)
     liger = uses_liger(ns, module)
     if liger:  # meshrun train runs Liger's kernels eager (train.parallel.auto.compile_and_kernels)
         train = dataclasses.replace(train, compile=False)

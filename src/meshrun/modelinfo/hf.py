@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import bad_value
+from ..errors import MeshrunError, bad_value
 from ..quiet import quiet_library_notices
 
 CONFIG = "config.json"
@@ -93,6 +93,50 @@ def weight_files(directory: str) -> tuple[str, ...]:
                             "copy every model-*.safetensors file the index lists")
         return tuple(os.path.join(directory, n) for n in names)
     return tuple(sorted(glob.glob(os.path.join(directory, "*.safetensors"))))
+
+
+HEADER_MAX = 100 * 2**20  # a safetensors header past this is not one (safetensors' own limit)
+
+
+def check_weight_files(files: tuple[str, ...]) -> None:
+    """Each file is whole as its safetensors header describes it: an 8-byte length, that much
+    JSON, then the tensors' bytes up to the largest end offset the header names. Reads the
+    headers only (kilobytes), so ``meshrun train`` refuses a truncated or foreign file before
+    any rank starts, in the words the ranks' loader (weights.load_pretrained) uses."""
+    for path in files:
+        why = _unreadable(path)
+        if why:
+            raise MeshrunError(f"{path}: cannot read it as safetensors ({why}) "
+                               "(hint: copy the file again; save_pretrained writes it)")
+
+
+def _unreadable(path: str) -> str | None:
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(HEADER_MAX, size - 8):
+                return f"no header: {size} bytes"
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    except (ValueError, RecursionError):
+        return "its header is not JSON"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    ends = []
+    for key, entry in header.items():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if key != "__metadata__" and not (isinstance(offsets, list) and len(offsets) == 2
+                                          and all(isinstance(o, int) and o >= 0 for o in offsets)):
+            return f"its header's entry {key[:80]!r} has no data offsets"
+        if offsets:
+            ends.append(offsets[1])
+    end = 8 + n + max(ends, default=0)
+    if end > size:
+        return f"truncated: {size} bytes, its header places tensors up to byte {end}"
+    return None
 
 
 def load_config(model: HFModel, where: str = "--model") -> Any:

@@ -129,7 +129,7 @@ def fused_loss_advice(m: ModelSpec, t: TrainSpec, pick: Candidate | None, fused:
 def verdict(name: str, cands: list[Candidate], pick: Candidate | None) -> str:
     """The line ``meshrun plan --strategy NAME`` always prints: does it fit, with what, how
     fast, and how it stands against the recommendation."""
-    mine = _named(name, cands)
+    mine = named(name, cands)
     if mine.memory is None or mine.batch is None:
         return f"--strategy {name}: no batch to run it with ({mine.why_not})"
     said = (f"--strategy {name}: {'fits' if mine.fits else 'does not fit'}, {_peak(mine)} per GPU at micro-batch "
@@ -142,7 +142,10 @@ def verdict(name: str, cands: list[Candidate], pick: Candidate | None) -> str:
             f"{fmt_seconds(pick.step_time_s)}")
 
 
-def _named(name: str, cands: list[Candidate]) -> Candidate:
+def named(name: str, cands: list[Candidate]) -> Candidate:
+    """The candidate ``--strategy NAME`` names; an unknown name is an error listing the
+    names there are. The names depend on the cluster's shape, not on memory figures: a plan
+    of the untraced model refuses a wrong name before the trace (seconds on a large model)."""
     mine = next((x for x in cands if x.strategy.label == name), None)
     if mine is None:
         names = list(dict.fromkeys(x.strategy.label for x in cands))
@@ -153,7 +156,7 @@ def _named(name: str, cands: list[Candidate]) -> Candidate:
 def check_choice(name: str, cands: list[Candidate], pick: Candidate | None) -> list[str]:
     """Warnings for a strategy the user chose (``meshrun plan --strategy``); a name that is
     not in the table is an error listing the names that are."""
-    mine = _named(name, cands)
+    mine = named(name, cands)
     out = []
     if not mine.fits:
         out.append(f"--strategy {name}: {mine.why_not}")

@@ -157,12 +157,14 @@ def check(cfg: TrainConfig, topo: Topology, job: JobOptions, gpus: int | None = 
     if cfg.model and ":" not in cfg.model:  # a Hugging Face model: read and built (on meta) now, not in every rank
         from ..modelinfo import hf
 
-        hf.build_on_meta(hf.load_config(hf.locate(cfg.model, cfg.source("model")), cfg.source("model")),
-                         cfg.source("model"), cfg.model)
+        source = hf.locate(cfg.model, cfg.source("model"))
+        hf.build_on_meta(hf.load_config(source, cfg.source("model")), cfg.source("model"), cfg.model)
         if not cfg.data:
             raise bad_value("--data", "stdlib", "the default data is the standard library's source as bytes, not "
                             "text in this model's vocabulary", "--data random (random tokens of its vocabulary), "
                             "or --data pkg.mod:factory for your Dataset of token ids")
+        if cfg.init != "random":
+            hf.check_weight_files(source.weight_files)  # a truncated copy: refused now, not after loading
     if job.max_restarts < 0:
         raise bad_value(job.source("max_restarts"), job.max_restarts, "must be >= 0")
     if job.max_restarts and not cfg.out:
