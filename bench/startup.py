@@ -6,8 +6,9 @@ For each process count it runs ``meshrun train --model-size gpt-tiny --steps 1 -
 seconds from its log line; what is left of the wall time is the start-up and shut-down
 overhead, given as a ratio to ``python -c "import torch, torch.distributed"`` timed in the same
 call (median of ``--runs``, runs alternated so drift hits both). It also times gpt-tiny's
-forward pass at the run's micro-batch (8 x 256 tokens, no gradient, one process) in a process
-of its own, and compares validation's 8 micro-batches with 8 of those forwards.
+forward pass at the run's micro-batch (8 x 256 tokens, no gradient) in a process of its own,
+with the threads a rank has (all cores for one process; one each for several, as torchrun and
+meshrun set OMP_NUM_THREADS), and compares validation's 8 micro-batches with 8 of those.
 
     python bench/startup.py --runs 3            # prints one STARTUP {json} line per case
 """
@@ -56,6 +57,11 @@ def seconds(stdout: str, key: str) -> float:
     return float(m.group(1))
 
 
+def _threads(nproc: int) -> tuple[tuple[str, str], ...]:
+    """A rank's OMP_NUM_THREADS when the caller left it unset: one each for several ranks."""
+    return (("OMP_NUM_THREADS", "1"),) if nproc > 1 and "OMP_NUM_THREADS" not in os.environ else ()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
@@ -69,9 +75,11 @@ def main() -> None:
         for nproc, rows in runs.items():
             wall, stdout = timed([sys.executable, "-m", "meshrun", "train", *TRAIN, "--nproc", str(nproc)], env)
             rows.append((wall, seconds(stdout, "step_time_s"), seconds(stdout, "val_time_s")))
-    forward = float(timed([sys.executable, "-c", FORWARD], env)[1].strip())
+    forwards = {threads: float(timed([sys.executable, "-c", FORWARD], {**env, **dict(threads)})[1].strip())
+                for threads in map(_threads, {min(n, 2) for n in runs})}
     import_s = statistics.median(imports)
     for nproc, rows in runs.items():
+        forward = forwards[_threads(nproc)]
         overheads = [wall - step - val for wall, step, val in rows]
         val = statistics.median(r[2] for r in rows)
         print("STARTUP " + json.dumps({

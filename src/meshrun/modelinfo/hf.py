@@ -106,8 +106,13 @@ def check_weight_files(files: tuple[str, ...]) -> None:
     for path in files:
         why = _unreadable(path)
         if why:
-            raise MeshrunError(f"{path}: cannot read it as safetensors ({why}) "
-                               "(hint: copy the file again; save_pretrained writes it)")
+            raise unreadable_weights(path, why)
+
+
+def unreadable_weights(path: str, why: str) -> MeshrunError:
+    """The one line for a weight file that is not whole safetensors, before launch or in a rank."""
+    return MeshrunError(f"{path}: cannot read it as safetensors ({why}) "
+                        "(hint: copy the file again; save_pretrained writes it)")
 
 
 def _unreadable(path: str) -> str | None:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from .loaded import compiler_loaded
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float, fused: bool = True) -> torch.optim.AdamW:
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, fused: bool = True,
+                    torchs: bool = False) -> torch.optim.AdamW:
     """Decay weights of 2-D+ tensors (matmuls, embeddings); not biases and norm gains.
+    ``torchs``: torch's own AdamW class, for DeepSpeed, whose ZeRO takes the optimizers it
+    lists by their exact type (it refuses a subclass as "an untested ZeRO Optimizer").
 
     Fused (CUDA and CPU): one kernel for the whole update instead of several per tensor, and
     the only implementation that takes ``found_inf``, the device-side flag that skips a step
@@ -23,7 +29,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, fused: boo
     # plain tensors beside its own there (expert parallel's experts beside FSDP2's shards).
     mixed = len({hasattr(p, "device_mesh") for p in params}) > 1
     fused = fused and not mixed
-    cls = _PerMeshAdamW if fused and not _fused_takes_meshes(params) else torch.optim.AdamW
+    cls = torch.optim.AdamW if torchs else _PerMeshAdamW if fused and not _fused_takes_meshes(params) else AdamW
     return cls(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
@@ -48,7 +54,54 @@ def _fused_takes_meshes(params: list[nn.Parameter]) -> bool:
     return True
 
 
-class _PerMeshAdamW(torch.optim.AdamW):
+_Optimizer = torch.optim.Optimizer
+_STEP = inspect.unwrap(torch.optim.AdamW.step)
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, less its import of torch.compile's tracer while nothing can compile.
+
+    torch keeps its optimizers out of compiled graphs with wrappers that import torch._dynamo
+    on their first call (``add_param_group``, ``zero_grad``, ``state_dict``,
+    ``load_state_dict``; ``step`` on every call, for two graph breaks). That import is 1.3 s
+    of CPU (2-core box, torch 2.13; the same wrappers in 2.7 and 2.15), as much as importing
+    torch itself, paid by every run that does not compile, before its first step: without
+    torch._dynamo loaded nothing is being compiled, and the wrapped functions do the same
+    unwrapped. Once it is loaded (``--compile``, DDP's constructor), these are torch's own
+    methods again (docs/decisions.md#no-compiler-import)."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if compiler_loaded():
+            super().add_param_group(param_group)
+        else:
+            inspect.unwrap(_Optimizer.add_param_group)(self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if compiler_loaded():
+            super().zero_grad(set_to_none)
+        else:
+            inspect.unwrap(_Optimizer.zero_grad)(self, set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        if compiler_loaded():
+            return super().state_dict()
+        return inspect.unwrap(_Optimizer.state_dict)(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if compiler_loaded():
+            super().load_state_dict(state_dict)
+        else:
+            inspect.unwrap(_Optimizer.load_state_dict)(self, state_dict)
+
+    def step(self, closure: Any = None) -> Any:
+        if compiler_loaded():
+            return super().step(closure)
+        # what torch's wrapper does around the step, less its graph breaks
+        with torch.set_grad_enabled(self.defaults["differentiable"]):
+            return _STEP(self, closure)
+
+
+class _PerMeshAdamW(AdamW):
     """AdamW whose step runs the fused kernel once per device mesh of each group (the groups
     themselves stay as built: the state dict and snapshots are those of the plain AdamW), for
     a torch whose fused AdamW refuses DTensors of different meshes in one call (torch 2.7)."""

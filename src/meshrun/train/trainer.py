@@ -32,6 +32,7 @@ from .config import TrainConfig, resolve_seq_len, validate
 from .data import BatchStream, LoaderSpec, make_loader
 from .factories import vocab_size
 from .kernels.liger import liger_applies
+from .loaded import eager
 from .metrics import MetricsSink, flops_per_token
 from .optim import Schedule, build_scheduler
 from .parallel.apply import parallelize
@@ -185,7 +186,7 @@ class Trainer:
         where validating eager takes seconds."""
         if self.val_loader is None:
             return None
-        with torch.compiler.set_stance("force_eager"):
+        with eager():
             return self._evaluate(self.val_loader)
 
     def _evaluate(self, loader: Any) -> float | None:

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import MeshrunError
+from ..modelinfo.hf import unreadable_weights
 
 # Names that wrappers put into parameter paths, which the checkpoint files do not have.
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
@@ -164,9 +165,9 @@ def load_pretrained(model: nn.Module, weights: Pretrained, log: bool = False,
         except MeshrunError:
             raise
         except Exception as exc:  # a truncated or corrupt file: safetensors' own words
-            raise MeshrunError(f"{path}: cannot read it as safetensors ({type(exc).__name__}: "
-                               f"{str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}) "
-                               "(hint: copy the file again; save_pretrained writes it)") from None
+            said = str(exc).strip()
+            raise unreadable_weights(path, f"{type(exc).__name__}: {said.splitlines()[0][:160] if said else ''}"
+                                     ) from None
         if log and sys.stderr.isatty():
             print(f"\rmeshrun train: weights {i + 1}/{len(weights.files)} files", end="", file=sys.stderr, flush=True)
     missing = sorted(n for n, p in params.items() if id(p) not in filled and n not in (optional or set()))

@@ -11,7 +11,6 @@ them on the CPU, forward only)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import MeshrunError
+from ..loaded import compiler_loaded
 
 Mask = Any  # a dense boolean tensor (batch, 1, queries, keys) or FlexAttention's BlockMask
 
@@ -63,7 +63,7 @@ else:
         does the same."""
         if name != "build":
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        if "torch._dynamo" not in sys.modules:
+        if not compiler_loaded():
             return _build
         fn = globals()["build"] = torch.compiler.disable(_build)
         return fn

@@ -31,6 +31,6 @@ def deepspeed_engine(model: nn.Module, kind: StrategyKind, micro: int, accum: in
         # a compiled extension; torch's runs everywhere, more slowly)
         "zero_force_ds_cpu_optimizer": False,
     }
-    optimizer = build_optimizer(model, lr, weight_decay, fused=cuda)
+    optimizer = build_optimizer(model, lr, weight_decay, fused=cuda, torchs=True)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, dist_init_required=False)
     return engine, optimizer

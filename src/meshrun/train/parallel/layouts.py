@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import MeshrunError
+from ..loaded import plain_beside_dtensors
 from ..models.attention import attention_kernels
 from .gradnorm import clip_grad_norm, clip_grad_norm_sharded
 
@@ -104,16 +105,6 @@ def model_loss(model: nn.Module, mode: str, x: torch.Tensor, y: torch.Tensor,
     if not y.is_floating_point():
         return F.cross_entropy(out.float().view(-1, out.shape[-1]), y.reshape(-1))
     return F.mse_loss(out.float(), y.float())
-
-
-def _replicate_plain_tensors() -> contextlib.AbstractContextManager:
-    """The plain ``found_inf`` flag beside DTensor parameters (FSDP2, TP) in the fused
-    optimizer: torch 2.13 takes it as it is, earlier DTensor dispatch refused plain tensors
-    mixed with its own (github.com/pytorch/pytorch/issues/126670); replicated is what it is
-    (every rank holds the same)."""
-    from torch.distributed.tensor.experimental import implicit_replication
-
-    return implicit_replication()
 
 
 @dataclass(frozen=True)
@@ -238,7 +229,10 @@ class Layout:
             bad = ~torch.isfinite(norm)
             self.optimizer.found_inf = bad.float()
             self._bad_step = torch.where(bad & (self._bad_step == 0), step, self._bad_step)
-            with _replicate_plain_tensors():
+            # the plain found_inf flag beside DTensor parameters (FSDP2, TP): torch 2.13
+            # takes it as it is, earlier DTensor dispatch refused plain tensors mixed with its
+            # own (github.com/pytorch/pytorch/issues/126670); replicated is what it is
+            with plain_beside_dtensors():
                 self.optimizer.step()
         else:
             if not torch.isfinite(norm).item():

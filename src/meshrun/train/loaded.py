@@ -1,0 +1,44 @@
+"""What torch has loaded, asked without loading it.
+
+torch.compile's tracer (torch._dynamo) and DTensor are 1.3 s and 0.6 s of CPU to import (2-core
+box, torch 2.13), each as much as or more than a third of importing torch. A run that compiles
+nothing and shards nothing never needs them, yet torch's optimizers, ``set_stance`` and an
+``isinstance(t, DTensor)`` import them on first use. Before torch._dynamo is loaded nothing is
+being compiled, and before DTensor is loaded no tensor is one: the questions have their answer
+without the import (docs/decisions.md#no-compiler-import).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any
+
+
+def compiler_loaded() -> bool:
+    """Whether torch.compile's tracer is loaded: until it is, nothing runs compiled."""
+    return "torch._dynamo" in sys.modules
+
+
+def is_dtensor(t: object) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def eager() -> contextlib.AbstractContextManager[Any]:
+    """Compiled modules run eager inside (``torch.compiler.set_stance("force_eager")``)."""
+    if not compiler_loaded():
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.compiler.set_stance("force_eager")
+
+
+def plain_beside_dtensors() -> contextlib.AbstractContextManager[Any]:
+    """Plain tensors taken as replicated beside DTensor ones (``implicit_replication``); with
+    DTensor not loaded, there are none to stand beside."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
