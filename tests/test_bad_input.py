@@ -82,7 +82,7 @@ CASES = [
     (["train", "--dry-run", "--min-lr-ratio", "2"], {}, "--min-lr-ratio=2"),
     (["train", "--dry-run", "--min-lr-ratio", "nan"], {}, "--min-lr-ratio=nan"),
     (["train", "--dry-run", "--steps", "0"], {}, "--steps=0"),
-    (["train", "--dry-run"], {"MESHRUN_STEPS": "x"}, "MESHRUN_STEPS='x'"),
+    (["train", "--dry-run"], {"MESHRUN_STEPS": "x"}, "(from env MESHRUN_STEPS)='x': expected int"),
     (["train", "--dry-run"], {"MESHRUN_STEPS": "0"}, "MESHRUN_STEPS"),
     (["train", "--dry-run", "--micro-batch", "0"], {}, "--micro-batch=0"),
     (["train", "--dry-run", "--global-batch", "7"], {}, "--global-batch=7"),

@@ -179,6 +179,47 @@ def test_free_port_block_is_bindable():
     assert all(port_is_free(base + i) for i in range(4))
 
 
+STORE = """
+import datetime, sys
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, True, timeout=datetime.timedelta(seconds=20))
+store.set("k", "v")
+print(store.get("k").decode())
+"""
+
+
+def test_a_picked_port_stays_held_for_the_rank_that_listens_there():
+    """free_port keeps the ports it picked bound until released: another process's plain bind
+    of them fails (so neither its bind to port 0 nor its outgoing connection gets them in the
+    seconds before rank 0 listens), while torch's TCPStore, which sets SO_REUSEADDR, listens
+    there; once released, anyone may bind them."""
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    from meshrun.cluster.net import free_port, release_port
+
+    def plain_bind(port):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                return False
+        return True
+
+    port = free_port(2)
+    assert not plain_bind(port) and not plain_bind(port + 1)
+    release_port(port)
+    assert plain_bind(port) and plain_bind(port + 1)
+    port = free_port()
+    try:
+        out = subprocess.run([sys.executable, "-c", STORE, str(port)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == "v", out.stderr[-2000:]
+    finally:
+        release_port(port)
+
+
 BAD = [
     ({**SATURN, "SATURN_JOB_RANK": "2"}, 4, "SATURN_JOB_RANK", "must be in 0..1"),
     ({**SATURN, "SATURN_JOB_RANK": "one"}, 4, "SATURN_JOB_RANK", "not an integer"),

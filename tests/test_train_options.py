@@ -61,7 +61,7 @@ def test_a_field_added_to_a_section_is_a_flag_a_variable_a_config_key_and_a_keyw
     cfg = _config_of(out.stdout)
     assert (cfg["probe_depth"], cfg["sources"]["probe_depth"]) == (5, "env MESHRUN_PROBE_DEPTH")
     out = meshrun("train", "--dry-run", env={**env, "MESHRUN_PROBE_DEPTH": "deep"})
-    assert out.returncode == 2 and "env MESHRUN_PROBE_DEPTH='deep': not an integer" in out.stderr
+    assert out.returncode == 2 and "--probe-depth (from env MESHRUN_PROBE_DEPTH)='deep': expected int" in out.stderr
 
     # a --config key, flat and in its section's table
     flat, table = tmp_path / "flat.yaml", tmp_path / "table.toml"

@@ -130,20 +130,6 @@ def test_render_refuses_a_socket_and_a_directory(tmp_path):
 
 # ---- fsio itself ----------------------------------------------------------------------------
 
-def test_check_regular_or_absent(tmp_path):
-    fsio.check_regular_or_absent(str(tmp_path / "new.log"), "--log")
-    (tmp_path / "a.log").write_text("x")
-    (tmp_path / "link.log").symlink_to("a.log")
-    fsio.check_regular_or_absent(str(tmp_path / "a.log"), "--log")
-    fsio.check_regular_or_absent(str(tmp_path / "link.log"), "--log")
-    os.mkfifo(tmp_path / "fifo.log")
-    (tmp_path / "to-fifo.log").symlink_to("fifo.log")
-    for name, what in (("fifo.log", "a FIFO"), ("to-fifo.log", "a FIFO"), (".", "a directory")):
-        with pytest.raises(MeshrunError) as e:
-            fsio.check_regular_or_absent(str(tmp_path / name), "--log")
-        assert str(e.value).startswith(f"--log={str(tmp_path / name)!r}: is {what}, not a regular file (hint: ")
-
-
 def test_a_full_disk_leaves_no_file_behind(tmp_path):
     with _small_fs(tmp_path / "small") as small:
         (small / "keep.txt").write_text("old")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .cluster.detect import resolve
 from .cluster.gpus import count_visible_gpus
-from .cluster.net import free_port
+from .cluster.net import free_port, release_port
 from .cluster.options import user_topology
 from .cluster.topology import Topology
 from .errors import MeshrunError, bad_value
@@ -158,6 +158,7 @@ def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: s
             if p.is_alive():
                 p.kill()
                 p.join()
+        release_port(port)
     if failure is not None:
         raise RankError(*failure)
     return pickle.loads(reports[0][1])

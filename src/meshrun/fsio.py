@@ -98,25 +98,6 @@ def _kind(path: str, source: str) -> tuple[str, str]:
                     "give a file name")
 
 
-def check_regular_or_absent(path: str, source: str) -> None:
-    """Refuse, in one line, a path that exists (through its symlinks) and is not a regular
-    file: for files meshrun appends to, where a FIFO, a device or a directory would block,
-    fail late, or be written where the user did not mean."""
-    full = _full(path)
-    try:
-        st = os.stat(full)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise write_error(source, path, exc) from None
-    if stat.S_ISREG(st.st_mode):
-        return
-    what = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-            else "a character device" if stat.S_ISCHR(st.st_mode) else "a block device" if stat.S_ISBLK(st.st_mode)
-            else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
-    raise bad_value(source, path, f"is {what}, not a regular file", "give the path of a regular file, or a new one")
-
-
 def check_file_target(path: str, source: str, existing_hint: str | None = None) -> str:
     """What :func:`write_file` would do with ``path``, checked before any work: the kind it
     is ("new", "regular", "append", "fifo", "char"); refused in one line when it cannot be written.

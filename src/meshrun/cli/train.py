@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from ..cluster.gpus import count_visible_gpus
 from ..defaults import GLOBAL_BATCH_TOKENS
 from ..errors import MeshrunError
-from ..train.config import TrainConfig, build_config, load_file, option_names
+from ..train.config import TrainConfig, config_from, option_names
 from ..train.job import JobOptions, require_trainer_packages, run
 from ..train.options import argparse_keywords, flag, option_fields
 from ..train.sections import SECTIONS
@@ -121,12 +121,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=cmd_train)
 
 
-def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    file_values = load_file(ns.config) if ns.config else {}
-    keys = option_names()
-    flags = {k: getattr(ns, k, None) for k in keys}
-    env_sources = {k: v for k, v in getattr(ns, "_env_sources", {}).items() if k in keys}
-    return build_config(file_values, flags, ns.config, env_sources)
+def config_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> TrainConfig:
+    """The flags given on the command line, over MESHRUN_<NAME>, over --config: read and judged
+    as ``meshrun.train(...)`` reads its keywords (train/config.py: config_from)."""
+    from_env = getattr(ns, "_env_sources", {})
+    flags = {k: getattr(ns, k, None) for k in option_names() if k not in from_env}
+    return config_from(ns.config, env, flags, "flag")
 
 
 def job_from_args(ns: argparse.Namespace) -> JobOptions:
@@ -137,7 +137,7 @@ def job_from_args(ns: argparse.Namespace) -> JobOptions:
 def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     """Parse, then run the job as `meshrun.train(...)` does (train/job.py)."""
     require_trainer_packages()
-    cfg = config_from_args(ns)
+    cfg = config_from_args(ns, env)
     topo, elastic = topology_from_args(ns, env, count_visible_gpus(env))
     if elastic is not None:
         raise MeshrunError("--nnodes: meshrun train takes a fixed node count (hint: give N, not MIN:MAX)")

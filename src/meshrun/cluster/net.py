@@ -4,20 +4,58 @@ from __future__ import annotations
 
 import socket
 
+# Ports free_port picked, each with its bound sockets, until released or this process exits.
+_held: dict[int, list[socket.socket]] = {}
+
 
 def free_port(count: int = 1, host: str = "127.0.0.1", tries: int = 64) -> int:
     """A TCP port the kernel says is free now, for single-node jobs whose port nobody chose.
     With ``count`` > 1, the first of that many consecutive free ports: TensorFlow workers on
     one node listen on master_port + local_rank, and an ephemeral port picked alone may have
-    a neighbour an outgoing connection holds."""
+    a neighbour an outgoing connection holds.
+
+    The ports stay bound by this process (SO_REUSEADDR, not listening) until ``release_port``
+    or its exit. The kernel then gives them to no other process's bind to port 0 nor outgoing
+    connection, while the rank that listens there binds them as well: torch's TCPStore (2.7
+    to 2.15) and gRPC set SO_REUSEADDR too, and Linux lets sockets that all set it share a
+    port that none listens on. Picked and let go, a port was taken by another process's
+    connection in the seconds before rank 0 listened (two suites on one 2-core box: "port
+    ... is already in use on this node")."""
     port = 0
     for _ in range(max(1, tries)):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port + count - 1 <= 65535 and all(port_is_free(port + i) for i in range(1, count)):
+        first = _bound(host, 0)
+        if first is None:
+            continue
+        port = int(first.getsockname()[1])
+        socks = [first]
+        for i in range(1, count):
+            nxt = _bound(host, port + i) if port + i <= 65535 else None
+            if nxt is None:
+                break
+            socks.append(nxt)
+        if len(socks) == count:
+            _held[port] = socks
             return port
+        for s in socks:
+            s.close()
     return port  # the last candidate; check_ports still names any port that is taken
+
+
+def release_port(port: int) -> None:
+    """Let go of a port ``free_port`` holds (its job is over)."""
+    for s in _held.pop(port, []):
+        s.close()
+
+
+def _bound(host: str, port: int) -> socket.socket | None:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        return None
+    return s
 
 
 def port_is_free(port: int) -> bool:

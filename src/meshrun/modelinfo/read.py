@@ -125,11 +125,6 @@ def _count(model: Any) -> tuple[int, int, str | None]:
     return total, block, type(found[1][0]).__name__ if found else None
 
 
-def from_factory(text: str, where: str = "--model") -> ModelSpec:
-    """Build the user's model on the meta device (no memory, no init cost) and read it."""
-    return from_module(_factory_on_meta(text, where), text, f"factory {text} on the meta device")
-
-
 def _factory_on_meta(text: str, where: str) -> Any:
     import torch
     import torch.nn as nn

@@ -25,7 +25,7 @@ from ..cluster.gpus import count_visible_gpus
 from ..cluster.net import free_port
 from ..cluster.options import TOPOLOGY_OPTIONS, user_topology
 from ..errors import PREEMPTED, MeshrunError, bad_value
-from .config import build_config, env_values, load_file, option_names
+from .config import config_from, option_names
 from .job import JobOptions, TrainResult, run
 
 SOURCE = "meshrun.train"  # how a value given here is named in an error
@@ -50,11 +50,7 @@ def train(config: str | None = None, env: Mapping[str, str] | None = None, **opt
         if key in values:
             raise bad_value(f"{SOURCE}() option", name, f"given twice (as {key} too)", "give it once")
         values[key] = value
-    cfg_values, cfg_sources = env_values(env)
-    for name, value in values.items():
-        if name in train_keys and value is not None:
-            cfg_values[name], cfg_sources[name] = value, SOURCE
-    cfg = build_config(load_file(config) if config else {}, cfg_values, config, cfg_sources)
+    cfg = config_from(config, env, {k: v for k, v in values.items() if k in train_keys}, SOURCE)
     user = user_topology({k: v for k, v in values.items() if k in TOPOLOGY_OPTIONS}, env)
     if user.elastic is not None:
         raise bad_value(f"{SOURCE} nnodes", values.get("nnodes"), "meshrun train takes a fixed node count",

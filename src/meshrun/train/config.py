@@ -35,8 +35,8 @@ from .sections import (
     section_names,
 )
 
-__all__ = ["BUILTIN_DATA", "EXAMPLES", "STRATEGY_CHOICES", "TrainConfig", "build_config", "env_values", "load_file",
-           "option_names", "resolve_seq_len", "validate"]
+__all__ = ["BUILTIN_DATA", "EXAMPLES", "STRATEGY_CHOICES", "TrainConfig", "build_config", "config_from", "env_values",
+           "load_file", "option_names", "resolve_seq_len", "validate"]
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,18 @@ def load_file(path: str) -> dict[str, Any]:
                             "keep one of them")
         out[name], spelled[name] = value, key
     return out
+
+
+def config_from(file: str | None, env: Mapping[str, str], given: Mapping[str, Any], given_source: str) -> TrainConfig:
+    """The run's config from every source a user has, in one way for the CLI and
+    ``meshrun.train(...)``: defaults < the config file < MESHRUN_<NAME> < ``given`` (the flags,
+    or the keywords; ``given_source`` says which). Each value is judged by its option's
+    declaration whatever it came from, and an error names that source."""
+    values, sources = env_values(env)
+    for name, value in given.items():
+        if value is not None:
+            values[name], sources[name] = value, given_source
+    return build_config(load_file(file) if file else {}, values, file, sources)
 
 
 def env_values(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:

@@ -62,7 +62,7 @@ class AdamW(torch.optim.AdamW):
     """torch's AdamW, less its import of torch.compile's tracer while nothing can compile.
 
     torch keeps its optimizers out of compiled graphs with wrappers that import torch._dynamo
-    on their first call (``add_param_group``, ``zero_grad``, ``state_dict``,
+    when first called (``add_param_group``, ``zero_grad``, ``state_dict``,
     ``load_state_dict``; ``step`` on every call, for two graph breaks). That import is 1.3 s
     of CPU (2-core box, torch 2.13; the same wrappers in 2.7 and 2.15), as much as importing
     torch itself, paid by every run that does not compile, before its first step: without

@@ -81,15 +81,14 @@ def argparse_keywords(f: dataclasses.Field[Any]) -> dict[str, Any]:
     """What ``add_argument`` takes for the field's flag. Its default is always None, so that a
     value not given on the command line can come from MESHRUN_<NAME>, the config file or the
     field's default, in that order. A yes/no option that is off by default is a bare flag; one
-    that is on takes on|off. Choices are checked by ``check`` (one line naming the source),
-    not by argparse."""
+    that is on takes on|off. The value stays text: ``coerce`` and ``check`` judge it, as they
+    judge one from a variable, a config file or ``meshrun.train(...)``, in one line naming the
+    source (argparse's own type errors said it another way, for flags alone)."""
     s, k = spec(f), kind(f)
     kw: dict[str, Any] = {"default": None, "help": help_text(f).replace("%", "%%")}
     if k == "bool" and f.default is False:
         kw.update(action="store_const", const=True)
     else:
-        if k in ("int", "float"):
-            kw["type"] = int if k == "int" else float
         kw["metavar"] = s.metavar or ("on|off" if k == "bool" else "|".join(s.choices) if s.choices else "X")
     kw.update(s.cli)
     return kw
@@ -134,8 +133,12 @@ def check(f: dataclasses.Field[Any], value: Any, where: str) -> None:
         raise bad_value(where, value, "must be a finite number")
     lo, hi = s.minimum, s.maximum
     if lo is not None and hi is not None and not lo <= value <= hi:
-        raise bad_value(where, value, f"must be between {lo:g} and {hi:g}")
+        raise bad_value(where, value, f"must be between {_bound(lo)} and {_bound(hi)}")
     if lo is not None and value < lo:
-        raise bad_value(where, value, f"must be at least {lo:g}")
+        raise bad_value(where, value, f"must be at least {_bound(lo)}")
     if hi is not None and value > hi:
-        raise bad_value(where, value, f"must be at most {hi:g}")
+        raise bad_value(where, value, f"must be at most {_bound(hi)}")
+
+
+def _bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"

@@ -49,11 +49,6 @@ def settle() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def noted() -> int:
-    """The preemption signal this process received, or 0."""
-    return _noted
-
-
 class Preempted(SystemExit):
     """Training stopped on a preemption signal after step ``step``; ``snapshot`` is the
     committed snapshot of that step (None without a checkpoint directory). Uncaught, it

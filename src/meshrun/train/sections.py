@@ -312,7 +312,9 @@ class RuntimeOptions:
     collective_timeout: int = option(300, "seconds a collective waits for a rank that does not answer (stopped, "
                                      "hung); then the job ends in one line naming that rank, its last snapshot "
                                      "kept (default {default})", metavar="S", minimum=1)
-    seed: int = option(0, "seed for weights and data order (default {default})", metavar="S")
+    # torch's generators take 64-bit seeds; the data order seeds each epoch with seed + epoch
+    seed: int = option(0, "seed for weights and data order (default {default})", metavar="S", minimum=0,
+                       maximum=2**63 - 1)
 
     @staticmethod
     def check(cfg: TrainConfig) -> TrainConfig:

@@ -43,10 +43,6 @@ from ...vocab import (
 )
 from ..config import TrainConfig
 
-# What `--strategy auto` chooses among on GPUs: the data-parallel strategies of meshrun's
-# own trainer (DeepSpeed's are run when named).
-AUTO_STRATEGIES = AUTO_CANDIDATES
-
 # FSDP2 keeps the parameters gathered from forward to backward (fsdp-grad-op) when a bf16
 # copy of them takes under this share of the GPU: one all-gather per block per step less
 # (+5% at GPT 1.3B on 4 x H200, torch 2.11), at the cost of that copy. docs/decisions.md#fsdp-flavour
@@ -147,7 +143,7 @@ def _decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int,
         global_batch = global_batch_for(cfg.seq, dp)
         reasons.append(f"global batch {global_batch} x {cfg.seq} tokens (about {GLOBAL_BATCH_TOKENS // 1024}K "
                        "tokens, the default on GPUs; set --global-batch or --micro-batch to change it)")
-    names = (named,) if named else AUTO_STRATEGIES
+    names = (named,) if named else AUTO_CANDIDATES  # (DeepSpeed's strategies run when named)
     pick, usable, largest = _planned(model, cfg, world, local_world, gpu_mem, bf16, global_batch, names, compiled,
                                      liger,
                                      ac_open=named is None and "activation_checkpointing" not in cfg.sources)

@@ -70,7 +70,6 @@ _HIGH_UNLESS_DTYPE = frozenset({"softmax", "log_softmax", "cumsum", "cumprod", "
 _PASS_THROUGH = ("ToCopyBackward", "TBackward", "TransposeBackward", "PermuteBackward", "ViewBackward",
                  "UnsafeViewBackward", "ReshapeAliasBackward", "ExpandBackward", "SelectBackward",
                  "SliceBackward", "AliasBackward", "CloneBackward", "UnsqueezeBackward", "SqueezeBackward")
-PRECISION_MODES = ("autocast", "bf16", "fp32")  # fp32 parameters under bf16 autocast | bf16 parameters | fp32
 
 
 def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
