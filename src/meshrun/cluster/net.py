@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import socket
 
 # Ports free_port picked, each with its bound sockets, until released or this process exits.
@@ -34,6 +35,9 @@ def free_port(count: int = 1, host: str = "127.0.0.1", tries: int = 64) -> int:
                 break
             socks.append(nxt)
         if len(socks) == count:
+            if not _held:  # closed at exit: a socket left to the interpreter's teardown warns
+                atexit.unregister(_release_all)
+                atexit.register(_release_all)
             _held[port] = socks
             return port
         for s in socks:
@@ -45,6 +49,11 @@ def release_port(port: int) -> None:
     """Let go of a port ``free_port`` holds (its job is over)."""
     for s in _held.pop(port, []):
         s.close()
+
+
+def _release_all() -> None:
+    for port in list(_held):
+        release_port(port)
 
 
 def _bound(host: str, port: int) -> socket.socket | None:
