@@ -70,12 +70,10 @@ def _bound(host: str, port: int) -> socket.socket | None:
 def port_is_free(port: int) -> bool:
     """Whether a listener could bind ``port`` on every interface. SO_REUSEADDR, as
     torch's TCPStore sets it, so a port in TIME_WAIT counts as free, as it is for it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
+    s = _bound("", port)
+    if s is None:
+        return False
+    s.close()
     return True
 
 

@@ -20,8 +20,11 @@ def compiler_loaded() -> bool:
     return "torch._dynamo" in sys.modules
 
 
+_DTENSOR = "torch.distributed.tensor"
+
+
 def is_dtensor(t: object) -> bool:
-    dtensor = sys.modules.get("torch.distributed.tensor")
+    dtensor = sys.modules.get(_DTENSOR)
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
@@ -37,7 +40,7 @@ def eager() -> contextlib.AbstractContextManager[Any]:
 def plain_beside_dtensors() -> contextlib.AbstractContextManager[Any]:
     """Plain tensors taken as replicated beside DTensor ones (``implicit_replication``); with
     DTensor not loaded, there are none to stand beside."""
-    if "torch.distributed.tensor" not in sys.modules:
+    if _DTENSOR not in sys.modules:
         return contextlib.nullcontext()
     from torch.distributed.tensor.experimental import implicit_replication
 

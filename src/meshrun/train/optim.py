@@ -54,7 +54,9 @@ def _fused_takes_meshes(params: list[nn.Parameter]) -> bool:
     return True
 
 
-_Optimizer = torch.optim.Optimizer
+# torch's functions inside its torch._disable_dynamo wrappers (and AdamW.step's graph breaks)
+_PLAIN = {name: inspect.unwrap(getattr(torch.optim.Optimizer, name))
+          for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict")}
 _STEP = inspect.unwrap(torch.optim.AdamW.step)
 
 
@@ -74,24 +76,24 @@ class AdamW(torch.optim.AdamW):
         if compiler_loaded():
             super().add_param_group(param_group)
         else:
-            inspect.unwrap(_Optimizer.add_param_group)(self, param_group)
+            _PLAIN["add_param_group"](self, param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if compiler_loaded():
             super().zero_grad(set_to_none)
         else:
-            inspect.unwrap(_Optimizer.zero_grad)(self, set_to_none)
+            _PLAIN["zero_grad"](self, set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         if compiler_loaded():
             return super().state_dict()
-        return inspect.unwrap(_Optimizer.state_dict)(self)
+        return _PLAIN["state_dict"](self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if compiler_loaded():
             super().load_state_dict(state_dict)
         else:
-            inspect.unwrap(_Optimizer.load_state_dict)(self, state_dict)
+            _PLAIN["load_state_dict"](self, state_dict)
 
     def step(self, closure: Any = None) -> Any:
         if compiler_loaded():
