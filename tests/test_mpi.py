@@ -38,13 +38,17 @@ MODES = {
 }
 AGENT = """#!/bin/sh
 # ssh stand-in for mpirun: AGENT HOST COMMAND... runs COMMAND (one shell string, as ssh
-# passes it) in HOST's network namespace with a bare environment.
+# passes it) in HOST's network namespace with a bare environment. Every host has the same
+# hostname and /tmp, so each gets its own Open MPI session directory: orted on a and b both
+# creating /tmp/ompi.<hostname>.0/jf.<job>/0 raced ("mkdir: File exists", orte_init failed).
 host=$1; shift
 case "$host" in
 {cases}
   *) echo "agent: unknown host $host" >&2; exit 255 ;;
 esac
-exec ip netns exec "$ns" env -i PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin HOME=/root sh -c "$*"
+mkdir -p "{tmp}/$host"
+exec ip netns exec "$ns" env -i PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin HOME=/root \\
+  OMPI_MCA_orte_tmpdir_base="{tmp}/$host" sh -c "$*"
 """
 
 
@@ -63,7 +67,7 @@ def cluster(tmp_path_factory):
     try:
         agent = tmp_path_factory.mktemp("mpi") / "agent.sh"
         cases = "\n".join(f"  {name}) ns={hosts[i].netns} ;;" for name, i in NAMES.items())
-        agent.write_text(AGENT.format(cases=cases))
+        agent.write_text(AGENT.format(cases=cases, tmp=agent.parent / "sessions"))
         agent.chmod(0o755)
         yield hosts, str(agent), f"10.231.{subnet}.0/24"
     finally:
