@@ -92,7 +92,7 @@ ERRORS = [
     (["launch", "missing_script.py"], {}, "script='missing_script.py': no such file"),
     (["launch", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h", TRAIN], {},
      "flag --node-rank=2: node rank must be in 0..1"),
-    (["launch", "--node-rank", "x", TRAIN], {}, "flag --node-rank='x': not an integer"),
+    (["launch", "--node-rank", "x", TRAIN], {}, "--node-rank='x': expected int"),
     (["env"], {**SATURN, "SATURN_JOB_RANK": "one"}, "env SATURN_JOB_RANK='one': not an integer"),
     (["env"], {**SKYPILOT, "SKYPILOT_NUM_NODES": "3"}, "env SKYPILOT_NUM_NODES=3: but SKYPILOT_NODE_IPS lists 2"),
     (["env"], {**SLURM, "SLURM_JOB_NODELIST": "gpu[1-"}, "env SLURM_JOB_NODELIST='gpu[1-': cannot parse"),

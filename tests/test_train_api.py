@@ -55,7 +55,7 @@ def test_without_out_the_metrics_come_back_and_no_snapshot(tmp_path):
     (dict(steps="many"), "--steps (from meshrun.train)='many': expected int"),
     (dict(nproc=2, nproc_per_node=2), "meshrun.train() option='nproc_per_node': given twice"),
     (dict(strategy="fsdp-hybrid", tp=2, nproc=2), "--strategy (from meshrun.train)='fsdp-hybrid': does not compose"),
-    (dict(max_restarts=2), "meshrun.train max_restarts: a restarted job resumes from its snapshots"),
+    (dict(max_restarts=2), "--max-restarts (from meshrun.train): a restarted job resumes from its snapshots"),
 ])
 def test_a_bad_option_raises_the_clis_one_line_error_before_anything_starts(tmp_path, options, message):
     with pytest.raises(meshrun_pkg.MeshrunError) as err:

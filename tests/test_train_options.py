@@ -13,8 +13,8 @@ import pytest
 from helpers import clean_env, meshrun
 
 import meshrun as meshrun_pkg
+from meshrun.options import Option, kind, option_fields, spec
 from meshrun.train.config import TrainConfig, load_file, option_names
-from meshrun.train.options import Option, kind, option_fields, spec
 from meshrun.train.sections import SECTIONS
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(meshrun_pkg.__file__)))

@@ -19,7 +19,7 @@ from ..launch.command import Command, LaunchSpec
 from ..launch.node import check_ports, prepare_network, run_job
 from ..units import fmt_bytes, parse_bytes
 from ..vocab import GPT_PRESETS
-from .options import add_option, add_rdzv_timeout_option, add_topology_options, topology_from_args
+from .options import add_option, add_rdzv_timeout_option, add_topology_options, topology_from_args, waits_from_args
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BENCH_HELP = """\
@@ -108,21 +108,20 @@ def options(ns: argparse.Namespace, gpu: bool) -> dict[str, Any]:
 def cmd_bench(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     gpus = count_visible_gpus(env)
     opts = options(ns, gpus > 0)
-    topo, elastic = topology_from_args(ns, env, gpus)
-    if elastic is not None:
-        raise bad_value("--nnodes", ns.nnodes, "a benchmark runs on a fixed number of nodes", "give N, not MIN:MAX")
+    topo, _ = topology_from_args(ns, env, gpus, fixed_nodes="meshrun bench")
+    waits = waits_from_args(ns, env)
     # Rank 0 writes its result into a directory only this user can enter, under a name nobody
     # can guess in advance: a fixed or pid-derived path in a shared /tmp could be planted first.
     private = tempfile.mkdtemp(prefix="meshrun-bench-")
     out = os.path.join(private, "result.json")
     try:
         spec = LaunchSpec(framework="torch", script="meshrun.doctor.benchworker", module=True,
-                          script_args=(ns.kind, json.dumps(opts)), rdzv_timeout=ns.rdzv_timeout)
+                          script_args=(ns.kind, json.dumps(opts)), rdzv_timeout=waits.rdzv_timeout)
         launch = build(topo, spec)
         cmd = Command(processes=launch.processes, env={**launch.env, "MESHRUN_BENCH_OUT": out}, files=launch.files,
                       note=launch.note)
         check_ports(topo, cmd, spec)
-        cmd = prepare_network(topo, cmd, env, ns.rdzv_timeout)
+        cmd = prepare_network(topo, cmd, env, waits.rdzv_timeout)
         code = run_job(cmd, env, topo, spec)
         if code or not os.path.exists(out):
             return code or (0 if topo.node_rank else 1)  # only node 0 holds rank 0's result

@@ -13,6 +13,7 @@ from ..launch.build import build, per_framework
 from ..launch.command import LaunchSpec
 from ..launch.dryrun import dry_run_text
 from ..launch.node import check_ports, prepare_network, run_job
+from ..launch.options import WaitOptions
 from ..launch.run import Waits
 from ..launch.torchrun import thread_env
 from ..vocab import FRAMEWORKS
@@ -21,8 +22,8 @@ from .options import (
     add_option,
     add_rdzv_timeout_option,
     add_topology_options,
-    int_option,
     topology_from_args,
+    waits_from_args,
 )
 
 LAUNCH_HELP = """\
@@ -89,7 +90,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=cmd_launch)
 
 
-def launch_spec(ns: argparse.Namespace, elastic: tuple[int, int] | None) -> LaunchSpec:
+def launch_spec(ns: argparse.Namespace, elastic: tuple[int, int] | None, waits: WaitOptions) -> LaunchSpec:
     if not ns.module and not os.path.isfile(ns.script):
         raise bad_value("script", ns.script, "no such file",
                         "give the path of your training script, or -m for a module")
@@ -114,7 +115,7 @@ def launch_spec(ns: argparse.Namespace, elastic: tuple[int, int] | None) -> Laun
         use_fsdp=ns.use_fsdp or bool(ns.fsdp_sharding_strategy),
         fsdp_sharding_strategy=ns.fsdp_sharding_strategy,
         mixed_precision=ns.mixed_precision,
-        rdzv_timeout=ns.rdzv_timeout,
+        rdzv_timeout=waits.rdzv_timeout,
     )
 
 
@@ -125,8 +126,8 @@ def cmd_launch(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     gpus = count_visible_gpus(env)
     topo, elastic = topology_from_args(ns, env, gpus)
     topo = per_framework(topo, fw, gpus)
-    spec = launch_spec(ns, elastic)
-    finish_s = int_option(ns, "finish_timeout", minimum=1)
+    waits = waits_from_args(ns, env)
+    spec = launch_spec(ns, elastic, waits)
     cmd = build(topo, spec, env.get("CUDA_VISIBLE_DEVICES"))
     threads = thread_env(topo.nproc_per_node, env) if cmd.argv[:1] == ("torchrun",) else {}
     if threads:
@@ -137,5 +138,5 @@ def cmd_launch(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         print(dry_run_text(cmd, ns.json))
         return 0
     check_ports(topo, cmd, spec)
-    cmd = prepare_network(topo, cmd, env, ns.rdzv_timeout)
-    return run_job(cmd, env, topo, spec, waits=Waits(finish_s=finish_s))
+    cmd = prepare_network(topo, cmd, env, waits.rdzv_timeout)
+    return run_job(cmd, env, topo, spec, waits=Waits(finish_s=waits.finish_timeout))

@@ -9,14 +9,15 @@ import difflib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ..cluster.detect import PLATFORMS, resolve
+from ..cluster.detect import resolve
 from ..cluster.net import free_port
-from ..cluster.options import ENV_PREFIX, INTERNAL_VARIABLES, TOPOLOGY_OPTIONS, parse_int, user_topology
-from ..cluster.reach import DEFAULT_TIMEOUT_S
+from ..cluster.options import INTERNAL_VARIABLES, TopologyOptions, parse_int, user_topology
 from ..cluster.topology import Topology
-from ..defaults import FINISH_TIMEOUT_S
 from ..errors import MeshrunError, bad_value
+from ..launch.options import WaitOptions
+from ..options import ENV_PREFIX, anywhere, argparse_keywords, check_all, env_var, flag, option_fields, read
 from ..vocab import yes_no
 
 
@@ -39,12 +40,13 @@ class EnvDefault:
 
 # add_option hangs an EnvDefault on each action it creates (as ``meshrun_env``), so that
 # commands sharing an option name (--model, --precision, --framework) keep their own
-# defaults and choices. Topology options have none: cluster/options.py reads their variables
-# itself, so that their sources can be reported separately.
+# defaults and choices. An option declared with ``option()`` (options.py) has none: the one
+# reader of its sources (``options.read``) takes its variable; the action names that variable
+# (``meshrun_var``) for warn_unknown_env.
 
 
 def add_option(p: argparse._ActionsContainer, name: str, *aliases: str, from_env: bool = True,
-               **kw: object) -> None:
+               **kw: object) -> argparse.Action:
     """Register --a-b and --a_b (torchrun's convention) plus any aliases.
 
     With ``from_env`` the option's default is looked up in MESHRUN_<DEST> first, so that
@@ -65,7 +67,29 @@ def add_option(p: argparse._ActionsContainer, name: str, *aliases: str, from_env
         env_default = EnvDefault(name, kw.pop("default", False if kind == "bool" else None), kind, choices)
         kw["default"] = None
     action = p.add_argument(*spellings, **kw)  # type: ignore[arg-type]
-    action.meshrun_env = env_default  # type: ignore[attr-defined]
+    vars(action)["meshrun_env"] = env_default  # (a field argparse.Action does not declare)
+    return action
+
+
+def add_declared(g: argparse._ActionsContainer, cls: type, *, aliases: Mapping[str, tuple[str, ...]] | None = None,
+                 only: tuple[str, ...] | None = None) -> None:
+    """The flags of the options ``cls`` declares (all, or ``only`` these), from their
+    declarations; ``aliases``: other spellings by option name, listed first (--nproc)."""
+    everywhere = anywhere(cls)
+    for f in option_fields(cls):
+        if only is not None and f.name not in only:
+            continue
+        names = (*(aliases or {}).get(f.name, ()), flag(f.name))
+        action = add_option(g, *names, from_env=False, dest=f.name, **argparse_keywords(f))
+        vars(action)["meshrun_var"] = env_var(f.name) if f.name in everywhere else None
+
+
+def read_declared(cls: type, ns: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    """The options of ``cls`` a command was given (its flags, over MESHRUN_<NAME>), checked by
+    their declarations: the values set, by name."""
+    values, sources = read(cls, {}, None, env, {f.name: getattr(ns, f.name, None) for f in option_fields(cls)}, "flag")
+    check_all(cls, values, sources)
+    return values
 
 
 def fill_env_defaults(ns: argparse.Namespace, env: Mapping[str, str],
@@ -104,10 +128,13 @@ def option_variables(parser: argparse.ArgumentParser) -> set[str]:
     """The MESHRUN_<NAME> variables a command reads: its options' (those of its own
     subcommands too) and the topology options' (which meshrun also exports to the workers
     it launches, so a command run inside one sees them)."""
-    names = {ENV_PREFIX + name.upper() for name in TOPOLOGY_OPTIONS}
+    names = {env_var(name) for name in anywhere(TopologyOptions)}
     for action in parser._actions:
         if getattr(action, "meshrun_env", None) is not None:
-            names.add(ENV_PREFIX + action.dest.upper())
+            names.add(env_var(action.dest))
+        var = getattr(action, "meshrun_var", None)
+        if var is not None:
+            names.add(var)
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 names |= option_variables(sub)
@@ -141,34 +168,27 @@ def warn_unknown_env(env: Mapping[str, str], parser: argparse.ArgumentParser, co
 
 def add_topology_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("topology (override what the platform says)")
-    add_option(g, "--platform", from_env=False, metavar="NAME", help=f"skip detection: one of {', '.join(PLATFORMS)}")
-    add_option(g, "--nnodes", from_env=False, metavar="N|MIN:MAX", help="number of nodes; MIN:MAX for an elastic job")
-    add_option(g, "--node-rank", from_env=False, metavar="R", help="this node's rank, 0..nnodes-1")
-    add_option(g, "--nproc", "--nproc-per-node", from_env=False, metavar="G", dest="nproc_per_node",
-               help="processes on this node (default: one per visible GPU; 2 on a CPU-only machine)")
-    add_option(g, "--master-addr", from_env=False, metavar="HOST", help="node 0's address (rendezvous host)")
-    add_option(g, "--master-port", from_env=False, metavar="PORT", help="rendezvous port (default 29500)")
-    add_option(g, "--hosts", from_env=False, metavar="H0,H1,..", help="every node's address in node-rank order")
-    add_option(g, "--run-id", from_env=False, metavar="ID", help="rendezvous id shared by the job's nodes")
+    add_declared(g, TopologyOptions, aliases={"nproc_per_node": ("--nproc",)})
 
 
 def add_rdzv_timeout_option(g: argparse._ActionsContainer) -> None:
-    add_option(g, "--rdzv-timeout", type=int, metavar="S",
-               help=f"multi-node: seconds to wait for the master and the other nodes before a one-line "
-                    f"error saying why (default {DEFAULT_TIMEOUT_S})")
-
-
+    add_declared(g, WaitOptions, only=("rdzv_timeout",))
 
 
 def add_finish_timeout_option(g: argparse._ActionsContainer) -> None:
-    add_option(g, "--finish-timeout", type=int, metavar="S", default=FINISH_TIMEOUT_S,
-               help="seconds the other ranks of a node may keep running once one has finished; then the "
-                    f"launcher names them in one line, stops them and exits 1 (default {FINISH_TIMEOUT_S})")
+    add_declared(g, WaitOptions, only=("finish_timeout",))
 
 
-def topology_from_args(ns: argparse.Namespace, env: Mapping[str, str],
-                       gpus: int) -> tuple[Topology, tuple[int, int] | None]:
-    user = user_topology(vars(ns), env)
+def waits_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> WaitOptions:
+    """--rdzv-timeout and --finish-timeout, where the command has them, over their variables."""
+    return WaitOptions(**read_declared(WaitOptions, ns, env))
+
+
+def topology_from_args(ns: argparse.Namespace, env: Mapping[str, str], gpus: int,
+                       fixed_nodes: str | None = None) -> tuple[Topology, tuple[int, int] | None]:
+    """The topology: what the platform says, under the topology options the command was given
+    (``fixed_nodes``: the command, when it takes no node range)."""
+    user = user_topology(vars(ns), env, fixed_nodes=fixed_nodes)
     topo = resolve(env, gpus, user.platform, user.overrides, free_port=free_port)
     return topo, user.elastic
 

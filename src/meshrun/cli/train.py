@@ -5,22 +5,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
+from ..cluster.detect import resolve
 from ..cluster.gpus import count_visible_gpus
+from ..cluster.net import free_port
 from ..defaults import GLOBAL_BATCH_TOKENS
-from ..errors import MeshrunError
-from ..train.config import TrainConfig, config_from, option_names
+from ..train.api import job_from
 from ..train.job import JobOptions, require_trainer_packages, run
-from ..train.options import argparse_keywords, flag, option_fields
 from ..train.sections import SECTIONS
 from ..vocab import STRATEGIES
-from .options import (
-    add_finish_timeout_option,
-    add_option,
-    add_rdzv_timeout_option,
-    add_topology_options,
-    int_option,
-    topology_from_args,
-)
+from .options import add_declared, add_option, add_topology_options
 
 _STRATEGY_LINES = "".join(f"  {name:<14s}  {kind.about}\n" for name, kind in STRATEGIES.items())
 
@@ -99,46 +92,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                "dashes), flat or in tables named by the sections below ([parallel] tp = 2); flags and "
                "MESHRUN_<NAME> variables override it")
     for section in SECTIONS:  # every option of a section, from its declaration (train/sections.py)
-        g = p.add_argument_group(section.TITLE)
-        for f in option_fields(section):
-            add_option(g, flag(f.name), **argparse_keywords(f))
+        add_declared(p.add_argument_group(section.TITLE), section)
     g = p.add_argument_group("the job")
     add_option(g, "--no-resume", action="store_const", const="none", dest="resume", from_env=False,
                help="start a new run instead of resuming; refused where OUT holds snapshots (see --overwrite)")
-    add_option(g, "--overwrite", action="store_true", from_env=False,
-               help="start a new run in OUT, first moving the earlier run's checkpoints/, metrics.jsonl, "
-                    "loss.png, tensorboard/ and run.json into OUT/previous-<UTC time>/ (nothing is deleted; "
-                    "implies --no-resume). Not for job scripts that requeue: each start would set aside the "
-                    "progress so far")
-    add_option(g, "--max-restarts", type=int, metavar="N", default=0,
-               help="after a crash, start the job again (a fresh rendezvous) up to N times; it resumes "
-                    "(a preempted job, exit 75, is not restarted)")
-    add_rdzv_timeout_option(g)
-    add_finish_timeout_option(g)
-    add_option(g, "--dry-run", action="store_true", help="print the launch command; run nothing")
-    add_option(g, "--json", action="store_true", help="with --dry-run: one JSON object")
+    add_declared(g, JobOptions)
     add_topology_options(p)
     p.set_defaults(func=cmd_train)
 
 
-def config_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> TrainConfig:
-    """The flags given on the command line, over MESHRUN_<NAME>, over --config: read and judged
-    as ``meshrun.train(...)`` reads its keywords (train/config.py: config_from)."""
-    from_env = getattr(ns, "_env_sources", {})
-    flags = {k: getattr(ns, k, None) for k in option_names() if k not in from_env}
-    return config_from(ns.config, env, flags, "flag")
-
-
-def job_from_args(ns: argparse.Namespace) -> JobOptions:
-    return JobOptions(max_restarts=ns.max_restarts, overwrite=ns.overwrite, dry_run=ns.dry_run, json=ns.json,
-                      rdzv_timeout=ns.rdzv_timeout, finish_timeout=int_option(ns, "finish_timeout", minimum=1))
-
-
 def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
-    """Parse, then run the job as `meshrun.train(...)` does (train/job.py)."""
+    """Read every option as `meshrun.train(...)` reads its keywords (train/api.py: job_from),
+    then run the job (train/job.py)."""
     require_trainer_packages()
-    cfg = config_from_args(ns, env)
-    topo, elastic = topology_from_args(ns, env, count_visible_gpus(env))
-    if elastic is not None:
-        raise MeshrunError("--nnodes: meshrun train takes a fixed node count (hint: give N, not MIN:MAX)")
-    return run(cfg, topo, job_from_args(ns), env).code
+    flags = {k: v for k, v in vars(ns).items() if v is not None}
+    cfg, job, user = job_from(ns.config, env, flags, "flag")
+    topo = resolve(env, count_visible_gpus(env), user.platform, user.overrides, free_port=free_port)
+    return run(cfg, topo, job, env).code

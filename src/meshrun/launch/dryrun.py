@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import TypedDict
+from collections.abc import Mapping
+from typing import Any, TypedDict
 
 from ..errors import MeshrunError
 from .command import Command
@@ -16,7 +17,8 @@ class _Process(TypedDict):
     env: dict[str, str]
 
 
-def dry_run_text(cmd: Command, as_json: bool) -> str:
+def dry_run_text(cmd: Command, as_json: bool, extra: Mapping[str, Any] | None = None) -> str:
+    """The processes of ``cmd`` as shell lines, or one JSON object that also holds ``extra``'s keys."""
     from .run import resolve_program
 
     def exact(argv: tuple[str, ...]) -> list[str]:
@@ -29,7 +31,7 @@ def dry_run_text(cmd: Command, as_json: bool) -> str:
     procs: list[_Process] = [{"argv": exact(p.argv), "env": cmd.env_of(i)} for i, p in enumerate(cmd.processes)]
     if as_json:
         out = {"argv": procs[0]["argv"] if procs else [], "env": procs[0]["env"] if procs else dict(cmd.env),
-               "processes": procs, "files": dict(cmd.files), "note": cmd.note}
+               "processes": procs, "files": dict(cmd.files), "note": cmd.note, **(extra or {})}
         return json.dumps(out, indent=2)
     lines = [f"# {cmd.note}"] if cmd.note else []
     for path, text in cmd.files.items():

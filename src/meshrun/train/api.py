@@ -17,20 +17,32 @@ import difflib
 import os
 import signal
 from collections.abc import Mapping
-from dataclasses import fields
 from typing import Any
 
 from ..cluster.detect import resolve
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.net import free_port
-from ..cluster.options import TOPOLOGY_OPTIONS, user_topology
+from ..cluster.options import TOPOLOGY_OPTIONS, TopologyOptions, UserTopology, user_topology
 from ..errors import PREEMPTED, MeshrunError, bad_value
-from .config import config_from, option_names
-from .job import JobOptions, TrainResult, run
+from ..options import anywhere
+from .config import TrainConfig, config_from, load_file, option_names
+from .job import JOB_OPTIONS, JobOptions, TrainResult, job_options, run
 
 SOURCE = "meshrun.train"  # how a value given here is named in an error
 ALIASES = {"nproc": "nproc_per_node"}
-JOB_OPTIONS = tuple(f.name for f in fields(JobOptions) if f.name != "sources")
+
+
+def job_from(file: str | None, env: Mapping[str, str], given: Mapping[str, Any],
+             given_source: str) -> tuple[TrainConfig, JobOptions, UserTopology]:
+    """Everything a `meshrun train` job is told, from every source, read the same way for the
+    CLI (``given``: its flags) and ``meshrun.train(...)`` (its keywords): the config file <
+    MESHRUN_<NAME> < ``given``, each value judged by its option's declaration."""
+    others = (*anywhere(JobOptions), *anywhere(TopologyOptions))
+    flags_only = tuple(name for name in JOB_OPTIONS if name not in others)
+    file_values = load_file(file, others, flags_only) if file else {}
+    cfg = config_from(file_values, file, env, given, given_source)
+    job = job_options(file_values, file, env, given, given_source)
+    return cfg, job, user_topology(given, env, given_source, file_values, file, fixed_nodes="meshrun train")
 
 
 def train(config: str | None = None, env: Mapping[str, str] | None = None, **options: Any) -> TrainResult:
@@ -38,32 +50,20 @@ def train(config: str | None = None, env: Mapping[str, str] | None = None, **opt
     metrics, the newest snapshot). ``env``: the environment to read the platform from and to
     start the ranks with (default: this process's)."""
     env = dict(os.environ if env is None else env)
-    train_keys = option_names()
+    known = (*option_names(), *TOPOLOGY_OPTIONS, *JOB_OPTIONS)
     values: dict[str, Any] = {}
     for name, value in options.items():
         key = ALIASES.get(name, name)
-        if key not in (*train_keys, *TOPOLOGY_OPTIONS, *JOB_OPTIONS):
-            near = difflib.get_close_matches(name, [*train_keys, *TOPOLOGY_OPTIONS, *JOB_OPTIONS, *ALIASES], n=1)
+        if key not in known:
+            near = difflib.get_close_matches(name, [*known, *ALIASES], n=1)
             raise bad_value(f"{SOURCE}() option", name, "unknown option",
                             f"did you mean {near[0]}?" if near else "the options of `meshrun train --help`, "
                             "with underscores")
         if key in values:
             raise bad_value(f"{SOURCE}() option", name, f"given twice (as {key} too)", "give it once")
         values[key] = value
-    cfg = config_from(config, env, {k: v for k, v in values.items() if k in train_keys}, SOURCE)
-    user = user_topology({k: v for k, v in values.items() if k in TOPOLOGY_OPTIONS}, env)
-    if user.elastic is not None:
-        raise bad_value(f"{SOURCE} nnodes", values.get("nnodes"), "meshrun train takes a fixed node count",
-                        "give N, not MIN:MAX")
+    cfg, job, user = job_from(config, env, values, SOURCE)
     topo = resolve(env, count_visible_gpus(env), user.platform, user.overrides, free_port=free_port)
-    job_values = {k: v for k, v in values.items() if k in JOB_OPTIONS}
-    for name, value in job_values.items():
-        want = bool if name in ("overwrite", "dry_run", "json") else int
-        if value is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
-            raise bad_value(f"{SOURCE} {name}", value, f"expected {want.__name__}")
-    if job_values.get("finish_timeout") is not None and job_values["finish_timeout"] < 1:
-        raise bad_value(f"{SOURCE} finish_timeout", job_values["finish_timeout"], "must be >= 1")
-    job = JobOptions(**job_values, sources={k: f"{SOURCE} {k}" for k in job_values})
     result = run(cfg, topo, job, env)
     if result.code == 128 + signal.SIGINT:  # Ctrl-C: its line is said; Python's own way on from here
         raise KeyboardInterrupt

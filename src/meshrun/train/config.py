@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from ..defaults import compile_enabled, seq_len_for
 from ..errors import MeshrunError, bad_value
+from ..options import check_all, flag, option_fields, read, where
 from ..vocab import GPT_PRESETS
-from .options import check, coerce, env_var, flag, option_fields
 from .sections import (
     BUILTIN_DATA,
     EXAMPLES,
@@ -35,7 +36,7 @@ from .sections import (
     section_names,
 )
 
-__all__ = ["BUILTIN_DATA", "EXAMPLES", "STRATEGY_CHOICES", "TrainConfig", "build_config", "config_from", "env_values",
+__all__ = ["BUILTIN_DATA", "EXAMPLES", "STRATEGY_CHOICES", "TrainConfig", "build_config", "config_from",
            "load_file", "option_names", "resolve_seq_len", "validate"]
 
 
@@ -100,8 +101,7 @@ class TrainConfig(RuntimeOptions, MetricsOptions, CheckpointOptions, OptimOption
         return self.global_batch // per_step
 
     def source(self, name: str) -> str:
-        src = self.sources.get(name)
-        return flag(name) if src is None or src == "flag" else f"{flag(name)} (from {src})"
+        return where(name, self.sources.get(name, "flag"))
 
     def to_json(self) -> str:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -121,8 +121,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     rules, in SECTIONS' order; the config with paths made absolute and a GPT preset's context
     as the sequence length when none was given. Needs no torch and no process group (the
     batch arithmetic needs the world size and is checked by ``accumulation``)."""
-    for f in option_fields(TrainConfig):
-        check(f, getattr(cfg, f.name), cfg.source(f.name))
+    check_all(TrainConfig, {f.name: getattr(cfg, f.name) for f in option_fields(TrainConfig)}, cfg.sources)
     for section in SECTIONS:
         cfg = section.check(cfg)
     if cfg.seq_len is None and cfg.model is None and cfg.example == "gpt":  # a preset's own context
@@ -146,9 +145,12 @@ def option_names() -> list[str]:
     return [f.name for f in option_fields(TrainConfig)]
 
 
-def load_file(path: str) -> dict[str, Any]:
+def load_file(path: str, others: tuple[str, ...] = (), flags_only: tuple[str, ...] = ()) -> dict[str, Any]:
     """Read a YAML or TOML config whose keys are the options (dashes or underscores), given
-    flat or in their sections' tables (``[parallel]`` ``tp = 2``, or ``parallel: {tp: 2}``)."""
+    flat or in their sections' tables (``[parallel]`` ``tp = 2``, or ``parallel: {tp: 2}``);
+    ``others``: the names of options outside the sections it may hold too, flat (the job's
+    and the topology's: ``max_restarts: 2``, ``nproc_per_node: 4``); ``flags_only``: options a
+    file may not set (refused with a line that says so)."""
     if not os.path.isfile(path):
         raise bad_value("--config", path, "no such file")
     try:
@@ -177,7 +179,7 @@ def load_file(path: str) -> dict[str, Any]:
             entries += [(k, v, sections[str(key)]) for k, v in value.items()]
         else:
             entries.append((key, value, None))
-    known = set(option_names())
+    known = {*option_names(), *others}
     out: dict[str, Any] = {}
     spelled: dict[str, object] = {}  # each option's key as the file spells it
     for key, value, section in entries:
@@ -186,6 +188,9 @@ def load_file(path: str) -> dict[str, Any]:
             table = next(n for n, s in sections.items() if s is section)
             raise bad_value(f"--config {path} [{table}]", key, "unknown key in this section",
                             f"its keys are {', '.join(f.name for f in option_fields(section))}")
+        if name in flags_only:
+            raise bad_value(f"--config {path}", key, "is an option for the command line alone",
+                            f"give {flag(name)} when you mean it")
         if name not in known:
             raise bad_value(f"--config {path}", key, "unknown key",
                             f"keys are the flag names of meshrun train, or the sections {', '.join(sections)}")
@@ -196,36 +201,30 @@ def load_file(path: str) -> dict[str, Any]:
     return out
 
 
-def config_from(file: str | None, env: Mapping[str, str], given: Mapping[str, Any], given_source: str) -> TrainConfig:
+def config_from(file_values: Mapping[str, Any], file: str | None, env: Mapping[str, str], given: Mapping[str, Any],
+                given_source: str) -> TrainConfig:
     """The run's config from every source a user has, in one way for the CLI and
-    ``meshrun.train(...)``: defaults < the config file < MESHRUN_<NAME> < ``given`` (the flags,
-    or the keywords; ``given_source`` says which). Each value is judged by its option's
-    declaration whatever it came from, and an error names that source."""
-    values, sources = env_values(env)
-    for name, value in given.items():
-        if value is not None:
-            values[name], sources[name] = value, given_source
-    return build_config(load_file(file) if file else {}, values, file, sources)
+    ``meshrun.train(...)`` (options.read): defaults < the config file's ``file_values`` <
+    MESHRUN_<NAME> < ``given`` (the flags, or the keywords; ``given_source`` says which)."""
+    values, sources = read(TrainConfig, file_values, file, env, given, given_source)
+    return validate(TrainConfig(sources=sources, **values))
 
 
-def env_values(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """The options set by MESHRUN_<NAME> variables in ``env``, and their sources ("env VAR")."""
-    values: dict[str, str] = {}
-    sources: dict[str, str] = {}
-    for name in option_names():
-        var = env_var(name)
-        if var in env:
-            values[name], sources[name] = env[var], f"env {var}"
-    return values, sources
+_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
 
 
 def _unique_key_loader(yaml: Any) -> Any:
     """PyYAML's safe loader, except that a key given twice in one mapping is refused (the
     plain loader keeps the last value without a word, silently dropping a setting), and so
     is any anchor (&) or alias (*): a config of flag values needs none, and aliases nested
-    in aliases ("billion laughs") expand a few lines into gigabytes."""
+    in aliases ("billion laughs") expand a few lines into gigabytes. Digits between colons
+    stay text: YAML 1.1 reads ``nnodes: 1:2`` as the base-60 number 62 (YAML 1.2 dropped it)."""
 
     class UniqueKeyLoader(yaml.SafeLoader):
+        yaml_implicit_resolvers = {
+            first: ([("tag:yaml.org,2002:str", _SEXAGESIMAL)] if first in "+-0123456789" else []) + list(resolvers)
+            for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
         def compose_node(self, parent: Any, index: Any) -> Any:
             event = self.peek_event()
             if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
@@ -248,19 +247,6 @@ def _unique_key_loader(yaml: Any) -> Any:
 
 
 def build_config(file_values: Mapping[str, Any], flag_values: Mapping[str, Any],
-                 file_name: str | None = None, flag_sources: Mapping[str, str] | None = None) -> TrainConfig:
-    """Defaults < config file < flags; each value converted to its option's type and
-    remembering where it came from. ``flag_sources``: where a flag's value came from when not
-    the command line (e.g. "env MESHRUN_STEPS"), so that an error about it names the variable."""
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    for name, value in file_values.items():
-        values[name], sources[name] = value, f"config {file_name}"
-    for name, value in flag_values.items():
-        if value is not None:
-            values[name], sources[name] = value, (flag_sources or {}).get(name, "flag")
-    by_name = {f.name: f for f in option_fields(TrainConfig)}
-    for name, value in list(values.items()):
-        where = flag(name) if sources[name] == "flag" else f"{flag(name)} (from {sources[name]})"
-        values[name] = coerce(by_name[name], value, where)
-    return validate(TrainConfig(sources=sources, **values))
+                 file_name: str | None = None) -> TrainConfig:
+    """Defaults < config file < flags, as ``config_from`` reads them, with no variables."""
+    return config_from(file_values, file_name, {}, flag_values, "flag")

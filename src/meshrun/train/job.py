@@ -19,16 +19,17 @@ from typing import Any
 
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.topology import Topology
-from ..defaults import FINISH_TIMEOUT_S
 from ..errors import JobFailed, MeshrunError, bad_value, require_packages
 from ..launch import direct
 from ..launch.build import build
 from ..launch.command import Command, LaunchSpec
 from ..launch.dryrun import dry_run_text
 from ..launch.node import check_ports, rdzv_timeout_s
+from ..launch.options import WaitOptions
 from ..launch.restart import attempt_topology, run_with_restarts
 from ..launch.run import Waits
 from ..launch.torchrun import thread_env
+from ..options import check_all, option, option_fields, read, where
 from . import prelaunch, trackers
 from .config import TrainConfig
 from .ranklog import LOG_DIR_ENV, RESULT_ENV
@@ -38,19 +39,36 @@ WORKER = "meshrun.train.worker"  # the module each rank runs
 
 
 @dataclass(frozen=True)
-class JobOptions:
-    """How the job runs, beside what it trains (TrainConfig) and where (Topology)."""
+class JobOptions(WaitOptions):
+    """How the job runs, beside what it trains (TrainConfig) and where (Topology); declared as
+    the training options are (options.py)."""
 
-    max_restarts: int = 0  # after a crash, start again (resuming) up to this many times
-    overwrite: bool = False  # set an earlier run in OUT aside first (outdir.move_aside)
-    dry_run: bool = False  # print the launch command instead of running it
-    json: bool = False  # with dry_run: one JSON object
-    rdzv_timeout: int | None = None  # seconds to wait for the other nodes (None: the default)
-    finish_timeout: int | None = FINISH_TIMEOUT_S  # seconds ranks may run on after another finished
-    sources: Mapping[str, str] = field(default_factory=dict)  # option -> how it was given, for errors
+    max_restarts: int = option(0, "after a crash, start the job again (a fresh rendezvous) up to N times; it "
+                               "resumes (a preempted job, exit 75, is not restarted)", metavar="N", minimum=0,
+                               maximum=1000)
+    # a flag or a keyword only: a variable or a config file a requeued job starts with again would set the
+    # progress so far aside at each start
+    overwrite: bool = option(False, "start a new run in OUT, first moving the earlier run's checkpoints/, "
+                             "metrics.jsonl, loss.png, tensorboard/ and run.json into OUT/previous-<UTC time>/ "
+                             "(nothing is deleted; implies --no-resume). Not for job scripts that requeue: each start "
+                             "would set aside the progress so far", everywhere=False)
+    dry_run: bool = option(False, "print the launch command; run nothing")
+    json: bool = option(False, "with --dry-run: one JSON object")
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # option -> how it was given
 
     def source(self, name: str) -> str:
-        return self.sources.get(name, "--" + name.replace("_", "-"))
+        return where(name, self.sources.get(name, "flag"))
+
+
+JOB_OPTIONS = tuple(f.name for f in option_fields(JobOptions))
+
+
+def job_options(file_values: Mapping[str, Any], file: str | None, env: Mapping[str, str], given: Mapping[str, Any],
+                given_source: str) -> JobOptions:
+    """The job's options from every source (options.read), checked."""
+    values, sources = read(JobOptions, file_values, file, env, given, given_source)
+    check_all(JobOptions, values, sources)
+    return JobOptions(**values, sources=sources)
 
 
 @dataclass(frozen=True)
@@ -165,8 +183,6 @@ def check(cfg: TrainConfig, topo: Topology, job: JobOptions, gpus: int | None = 
                             "or --data pkg.mod:factory for your Dataset of token ids")
         if cfg.init != "random":
             hf.check_weight_files(source.weight_files)  # a truncated copy: refused now, not after loading
-    if job.max_restarts < 0:
-        raise bad_value(job.source("max_restarts"), job.max_restarts, "must be >= 0")
     if job.max_restarts and not cfg.out:
         raise MeshrunError(f"{job.source('max_restarts')}: a restarted job resumes from its snapshots, which need "
                            "--out DIR (hint: add --out)")
@@ -270,7 +286,11 @@ def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Top
 
     cmd, spec, _ = command(0)
     if job.dry_run:
-        print(dry_run_text(cmd, job.json))
+        told = {"job": {name: getattr(job, name) for name in JOB_OPTIONS},
+                "topology": {"platform": topo.platform, "nnodes": topo.nnodes, "node_rank": topo.node_rank,
+                             "nproc_per_node": topo.nproc_per_node, "master_addr": topo.master_addr,
+                             "master_port": topo.master_port, "hosts": topo.hosts, "run_id": topo.run_id}}
+        print(dry_run_text(cmd, job.json, told))
         return 0
     check_ports(topo, cmd, spec)
     if topo.node_rank == 0 and (topo.local_rank or 0) == 0:

@@ -20,6 +20,7 @@ from ..data.sources import data_kind
 from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS, KERNELS
 from ..errors import bad_value
 from ..modelinfo.hf import is_hf_path, locate
+from ..options import option
 from ..paths import check_output_dir
 from ..vocab import (
     AC_MODES,
@@ -33,7 +34,6 @@ from ..vocab import (
     yes_no,
 )
 from . import trackers
-from .options import option
 
 if TYPE_CHECKING:
     from .config import TrainConfig

@@ -1,13 +1,13 @@
-"""One declaration per option of `meshrun train`: a dataclass field made with ``option()``.
+"""One declaration per option: a dataclass field made with ``option()``. Training options
+(train/sections.py), the job's (train/job.py), a launch's waits (launch/waits.py) and the
+topology's (cluster/options.py) are all declared so.
 
 From that field alone come the command-line flag (``--name-with-dashes`` and its help), the
 ``MESHRUN_<NAME>`` variable, the key of a ``--config`` file, the keyword of ``meshrun.train()``,
 the conversion of a loosely typed value (text from a variable, a number from YAML) and the
 checks every option of its kind gets: a choice among ``choices``, a bound, a finite number.
-What concerns several options at once is checked by the section that declares them
-(sections.py).
-
-Torch-free, like the rest of the configuration.
+``read`` is the one reader of those sources, for the CLI and the Python API alike. What
+concerns several options at once is checked by whoever declares them (a section's ``check``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..cluster.options import ENV_PREFIX
-from ..errors import bad_value
-from ..vocab import yes_no
+from .errors import bad_value
+from .vocab import yes_no
 
+ENV_PREFIX = "MESHRUN_"
 SPEC = "meshrun_option"  # the field metadata key that holds an Option
 KINDS = ("bool", "int", "float", "str")
 
@@ -35,13 +35,14 @@ class Option:
     choices: tuple[str, ...] | None = None
     minimum: float | None = None
     maximum: float | None = None
+    everywhere: bool = True  # False: a flag or a keyword only, no MESHRUN_<NAME> nor config key
     cli: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # extra argparse keywords (nargs, const)
 
 
 def option(default: Any, help: str, *, metavar: str | None = None, choices: tuple[str, ...] | None = None,
-           minimum: float | None = None, maximum: float | None = None, **cli: Any) -> Any:
+           minimum: float | None = None, maximum: float | None = None, everywhere: bool = True, **cli: Any) -> Any:
     """A config field with everything meshrun needs to offer it (see the module's docstring)."""
-    spec = Option(help, metavar, tuple(choices) if choices is not None else None, minimum, maximum, cli)
+    spec = Option(help, metavar, tuple(choices) if choices is not None else None, minimum, maximum, everywhere, cli)
     return dataclasses.field(default=default, metadata={SPEC: spec})
 
 
@@ -67,6 +68,11 @@ def kind(f: dataclasses.Field[Any]) -> str:
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def anywhere(cls: type) -> list[str]:
+    """The options of ``cls`` a MESHRUN_<NAME> variable and a config file's key may set too."""
+    return [f.name for f in option_fields(cls) if spec(f).everywhere]
 
 
 def env_var(name: str) -> str:
@@ -142,3 +148,53 @@ def check(f: dataclasses.Field[Any], value: Any, where: str) -> None:
 
 def _bound(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def where(name: str, source: str) -> str:
+    """How an error names a value: its flag, and the source when that is not the command line
+    (``--steps (from env MESHRUN_STEPS)``)."""
+    return flag(name) if source == "flag" else f"{flag(name)} (from {source})"
+
+
+def env_values(names: list[str], env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The options among ``names`` that MESHRUN_<NAME> variables of ``env`` set, and their
+    sources ("env VAR"). A variable set to nothing (``MESHRUN_STEPS=``) sets nothing, as an
+    unset one: a job script's ``export MESHRUN_X=$MAYBE`` leaves the default in place."""
+    values: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    for name in names:
+        var = env_var(name)
+        if env.get(var, "").strip():
+            values[name], sources[name] = env[var], f"env {var}"
+    return values, sources
+
+
+def read(cls: type, file_values: Mapping[str, Any], file_name: str | None, env: Mapping[str, str],
+         given: Mapping[str, Any], given_source: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The options of ``cls`` that a user set, from every source, in one way for the CLI and
+    ``meshrun.train(...)``: a config file's keys < MESHRUN_<NAME> < ``given`` (the flags, or
+    the keywords: ``given_source`` says which). Each value is converted to its option's type
+    (``coerce``) whatever it came from, an error naming that source; (values, sources). The
+    declared checks are the caller's to run (``check_all``), once the options that depend on
+    each other are known."""
+    by_name = {f.name: f for f in option_fields(cls)}
+    everywhere = anywhere(cls)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, value in file_values.items():
+        if name in everywhere:
+            values[name], sources[name] = value, f"config {file_name}"
+    env_vals, env_sources = env_values(everywhere, env)
+    values.update(env_vals)
+    sources.update(env_sources)
+    for name, value in given.items():
+        if name in by_name and value is not None:
+            values[name], sources[name] = value, given_source
+    return {name: coerce(by_name[name], value, where(name, sources[name])) for name, value in values.items()}, sources
+
+
+def check_all(cls: type, values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """Every declared check of the options of ``cls`` in ``values``."""
+    for f in option_fields(cls):
+        if f.name in values:
+            check(f, values[f.name], where(f.name, sources.get(f.name, "flag")))
