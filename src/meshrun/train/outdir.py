@@ -227,7 +227,8 @@ def _split_metrics(path: str, aside: str, step: int) -> int:
     """Keep the records of steps up to ``step`` in ``path``; those after it go to ``aside``."""
     if not os.path.isfile(path):
         return 0
-    keep, later = [], []
+    keep: list[bytes] = []
+    later: list[bytes] = []
     with open(path, "rb") as f:
         for line in f:
             try:
@@ -276,8 +277,8 @@ def prepare(out: str, resume: str, overwrite: bool, resume_source: str = "--resu
             notes.append(f"meshrun train: --overwrite moved the earlier run's {', '.join(names)} to {target}; a new "
                          f"run starts in {out}")
     found = snapshots(root)
-    for _, path in found:
-        check_name(path)
+    for _, name in found:
+        check_name(name)
     note = "\n".join(notes) or None
     if resume == "none" and found:
         source = "--no-resume" if resume_source == "--resume" else f"{resume_source}=none"

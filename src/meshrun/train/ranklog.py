@@ -94,7 +94,7 @@ def redirect(log_dir: str, rank: int, world: int) -> str:
     if rank != 0:
         os.dup2(fd, 1)
     else:
-        sys.stdout = _Tee(sys.stdout, log)  # type: ignore[assignment]
+        sys.stdout = _Tee(sys.stdout, log)
     faulthandler.enable(file=log, all_threads=True)
     warnings.showwarning = _WarnOnce(log, terminal_err)
     return path

@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
-import socket
-import stat
 import sys
-import time
 from types import TracebackType
 
 from ..errors import MeshrunError, bad_value
+from ..lockfile import BUSY, holder_text, open_lock, read_holder, read_holder_at, try_lock, unlock, write_holder
 
 LOCK_NAME = ".meshrun.lock"
 CHECKPOINTS = "checkpoints"  # outdir.CHECKPOINTS
@@ -78,15 +75,13 @@ class OutputLock:
 
     def _release_snapshots(self) -> None:
         if self.snapshots_fd is not None:
-            fcntl.flock(self.snapshots_fd, fcntl.LOCK_UN)
-            os.close(self.snapshots_fd)
+            unlock(self.snapshots_fd)
             self.snapshots_fd = None
 
     def release(self) -> None:
         self._release_snapshots()
         if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
+            unlock(self.fd)
             self.fd = None
 
     def __enter__(self) -> OutputLock:
@@ -101,33 +96,25 @@ def _open_lock(path: str, source: str, out: str, where: str | None = None) -> in
     """Open and lock ``path``: exclusively, then shared, with this process's record in it.
     None on a filesystem without locks (said once on stderr)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # (not inherited by the workers)
+        fd = open_lock(path)
     except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise bad_value(source, out, f"its lock file {path} is not a regular file", "move it away") from None
         raise bad_value(source, out, f"its lock file {path} cannot be opened ({exc.strerror})",
                         "move that name away, or give another --out") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    state = try_lock(fd)
+    if state != "taken":
+        holder = read_holder(fd)
         os.close(fd)
-        raise bad_value(source, out, f"its lock file {path} is not a regular file", "move it away")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = _read_holder(fd)
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise MeshrunError(held_message(source, out, path, holder, where)) from None
-        # A filesystem without locks (some NFS mounts): run unguarded, and say so.
-        print(f"meshrun: warning: cannot lock {path} ({os.strerror(exc.errno or 0)}): a second run on "
-              f"{out} would not be refused", file=sys.stderr, flush=True)
+        if state == "busy":
+            raise MeshrunError(held_message(source, out, path, holder, where))
+        print(f"meshrun: warning: cannot lock {path}: a second run on {out} would not be refused",
+              file=sys.stderr, flush=True)
         return None
-    record = {"host": socket.gethostname(), "pid": os.getpid(),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-    try:  # shared from here on, so that the workers can join (not atomic: checked)
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
+    write_holder(fd)
+    if try_lock(fd, shared=True) != "taken":  # shared from here on, so that the workers can join (not atomic)
         os.close(fd)
-        raise MeshrunError(held_message(source, out, path, _read_holder_at(path), where)) from None
+        raise MeshrunError(held_message(source, out, path, read_holder_at(path), where))
     return fd
 
 
@@ -148,22 +135,19 @@ def _lock_dir(real: str, source: str, out: str, where: str) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:
         os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            holder = _read_holder_at(os.path.join(os.path.dirname(real), LOCK_NAME))
+        if exc.errno in BUSY:
+            holder = read_holder_at(os.path.join(os.path.dirname(real), LOCK_NAME))
             raise MeshrunError(held_message(source, out, real, holder, where)) from None
         return None  # a filesystem without locks: OUT's own lock said so already
     return fd
 
 
 def held_message(source: str, out: str, path: str, holder: dict[str, object], where: str | None = None) -> str:
-    host, pid = holder.get("host", "?"), holder.get("pid", "?")
-    since = f", since {holder['started']}" if holder.get("started") else ""
-    if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
-        since += ", gone, but training processes it started still run"
+    who = holder_text(holder, gone="gone, but training processes it started still run")
     what = (f"its snapshot directory {where} (really {path}) is another meshrun train's" if where
             else "another meshrun train holds this directory")
     lock = "" if where else f"; lock {path}"
-    return (f"{source}={out!r}: {what} (host {host}, pid {pid}{since}{lock}) (hint: wait for that run to "
+    return (f"{source}={out!r}: {what} ({who}{lock}) (hint: wait for that run to "
             "end or stop it, or give another --out" + (" with a checkpoints directory of its own" if where else "")
             + ")")
 
@@ -188,45 +172,14 @@ def _share(path: str, out: str, where: str | None = None) -> None:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
         return  # (the run reports an unwritable OUT where it writes)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as exc:
+    state = try_lock(fd, shared=True)
+    if state != "taken":
         os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            holder = _read_holder_at(os.path.join(os.path.dirname(path), LOCK_NAME) if where else path)
-            raise MeshrunError(held_message("--out", out, path, holder, where)) from None
+        if state == "busy":
+            holder = read_holder_at(os.path.join(os.path.dirname(path), LOCK_NAME) if where else path)
+            raise MeshrunError(held_message("--out", out, path, holder, where))
         return
     _SHARED.append(fd)  # open, and so locked, until the process exits
 
 
 _SHARED: list[int] = []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
-
-
-def _read_holder_at(path: str) -> dict[str, object]:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return {}
-    try:
-        return _read_holder(fd)
-    finally:
-        os.close(fd)
-
-
-def _read_holder(fd: int) -> dict[str, object]:
-    """The holder's record, or {} while it is still being written or was edited."""
-    try:
-        data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}

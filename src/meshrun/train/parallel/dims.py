@@ -91,7 +91,7 @@ class Meshes:
         coord = dict(zip(self.names, self.world.get_coordinate() or ()))
         shard = coord.get("edp", 0) * self.dims.ep + coord.get("ep", 0) if "ep" in self.names \
             else coord.get("dp_shard", 0)
-        return coord.get("dp_replicate", 0) * self.dims.dp_shard + shard
+        return int(coord.get("dp_replicate", 0) * self.dims.dp_shard + shard)
 
 
 def make_dims(world: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1,
