@@ -20,6 +20,7 @@ PACKAGE = os.path.join(SRC, "meshrun")
 # bottom import nothing above them (and no cycle among them, like everywhere).
 LAYERS = (
     ("meshrun.__main__",),
+    ("meshrun.start",),
     ("meshrun.cli",),
     ("meshrun.doctor",),
     ("meshrun.train",),
@@ -282,3 +283,15 @@ def test_strategy_rules_come_from_the_table():
                     and id(node) not in docs):
                 found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {node.value!r}")
     assert not found, "\n".join(found)
+
+
+def test_importing_the_cli_changes_no_process_state():
+    """The CLI's package sets no signal handler as it is imported, also for `meshrun train`
+    (whose preemption signals the console script holds before the import: start.py)."""
+    import subprocess
+    import sys
+
+    code = ("import signal, sys; sys.argv = ['meshrun', 'train']; sigs = (signal.SIGTERM, signal.SIGUSR1, "
+            "signal.SIGINT); before = [signal.getsignal(s) for s in sigs]; import meshrun.cli; "
+            "sys.exit(0 if [signal.getsignal(s) for s in sigs] == before else 1)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

@@ -30,14 +30,9 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-if sys.argv[1:2] == ["train"]:  # before the imports below: a preemption signal may come at once
-    from ..launch.early import hold
-
-    hold((signal.SIGTERM, signal.SIGUSR1))
-
-from .. import __version__  # noqa: E402
-from ..errors import MeshrunError  # noqa: E402
-from .options import Parser, fill_env_defaults, warn_unknown_env  # noqa: E402
+from .. import __version__
+from ..errors import MeshrunError
+from .options import Parser, fill_env_defaults, warn_unknown_env
 
 # Each command -> the module of this package that registers its parser. Only the module of the
 # command given is imported: `meshrun launch` starts on every node of a job, and importing every
