@@ -8,6 +8,7 @@ launchers and the job renderers) can take its choices from here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 # What `meshrun launch -f` starts, and what a rendered job spec's script runs under.
 FRAMEWORKS = ("torch", "deepspeed", "accelerate", "jax", "tensorflow")
@@ -24,6 +25,22 @@ PRECISIONS = ("bf16", "fp32")
 FLOAT8_PRECISIONS = ("fp8", "fp8-rowwise")
 
 
+class Engine(str, Enum):
+    """What runs a strategy: meshrun's own trainer (DDP, FSDP2), DeepSpeed, or Megatron-style
+    tensor x pipeline parallelism (a layout the planner estimates). Compares equal to its
+    name, which is how configs and JSON spell it."""
+
+    TORCH = "torch"
+    DEEPSPEED = "deepspeed"
+    MEGATRON = "megatron"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return self.value.__format__(spec)
+
+
 @dataclass(frozen=True)
 class StrategyKind:
     """One data-parallel strategy, by the name the planner, `meshrun train --strategy` and the
@@ -34,7 +51,7 @@ class StrategyKind:
     gathered from forward to backward), ``params`` (ZeRO-3, FSDP2 full shard)."""
 
     name: str
-    engine: str  # "torch" (meshrun's own trainer: DDP, FSDP2), "deepspeed", or "megatron" (the planner's TP x PP)
+    engine: Engine
     shard: str
     about: str
     fsdp: str | None = None  # FSDP2's flavour: full | grad_op | hybrid | no_shard
@@ -46,6 +63,9 @@ class StrategyKind:
     train: bool = True  # a choice of `meshrun train --strategy` (False: a layout only the planner plans)
     runs_as: str | None = None  # a planner-only layout: the --strategy `meshrun train` runs it with
     named_as: str = "{name}"  # a planned layout's name from its degrees (tp, pp, dp) when not the kind's own
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", Engine(self.engine))  # its name as text is taken too
 
     @property
     def keep_gathered(self) -> bool:
@@ -82,29 +102,29 @@ _ALL_MP = frozenset({"tp", "pp", "cp", "ep"})  # FSDP2 sharding over the data-pa
 _EP = frozenset({"ep"})  # expert parallelism beside replicated (or hybrid) data parallelism
 
 KINDS: dict[str, StrategyKind] = {k.name: k for k in (
-    StrategyKind("single", "torch", "none", "one process, one device"),
-    StrategyKind("ddp", "torch", "none", "DistributedDataParallel: a replica per GPU, gradients all-reduced",
+    StrategyKind("single", Engine.TORCH, "none", "one process, one device"),
+    StrategyKind("ddp", Engine.TORCH, "none", "DistributedDataParallel: a replica per GPU, gradients all-reduced",
                  wrapper="ddp", composes=_EP),
-    StrategyKind("fsdp-grad-op", "torch", "grads", "FSDP2, parameters kept gathered from forward to backward "
+    StrategyKind("fsdp-grad-op", Engine.TORCH, "grads", "FSDP2, parameters kept gathered from forward to backward "
                  "(ZeRO-2)", fsdp="grad_op", wrapper="fsdp", composes=_ALL_MP),
-    StrategyKind("fsdp-full", "torch", "params", "FSDP2 full shard (ZeRO-3)", fsdp="full", wrapper="fsdp",
+    StrategyKind("fsdp-full", Engine.TORCH, "params", "FSDP2 full shard (ZeRO-3)", fsdp="full", wrapper="fsdp",
                  composes=_ALL_MP),
-    StrategyKind("fsdp-hybrid", "torch", "params", "FSDP2 sharded within a group (a node), replicated across "
+    StrategyKind("fsdp-hybrid", Engine.TORCH, "params", "FSDP2 sharded within a group (a node), replicated across "
                  "groups (HSDP)", fsdp="hybrid", wrapper="fsdp", composes=_EP),
-    StrategyKind("fsdp-no-shard", "torch", "none", "FSDP2 on a (world, 1) mesh: every rank holds everything "
+    StrategyKind("fsdp-no-shard", Engine.TORCH, "none", "FSDP2 on a (world, 1) mesh: every rank holds everything "
                  "(DDP's memory, for comparison)", fsdp="no_shard", wrapper="fsdp", composes=_EP, planned=False),
-    StrategyKind("zero1", "deepspeed", "optimizer", "DeepSpeed ZeRO-1", zero=1, wrapper="deepspeed"),
-    StrategyKind("zero2", "deepspeed", "grads", "DeepSpeed ZeRO-2", zero=2, wrapper="deepspeed"),
-    StrategyKind("zero3", "deepspeed", "params", "DeepSpeed ZeRO-3", zero=3, wrapper="deepspeed"),
-    StrategyKind("zero2-offload", "deepspeed", "grads", "DeepSpeed ZeRO-2, optimizer on the CPU", zero=2,
+    StrategyKind("zero1", Engine.DEEPSPEED, "optimizer", "DeepSpeed ZeRO-1", zero=1, wrapper="deepspeed"),
+    StrategyKind("zero2", Engine.DEEPSPEED, "grads", "DeepSpeed ZeRO-2", zero=2, wrapper="deepspeed"),
+    StrategyKind("zero3", Engine.DEEPSPEED, "params", "DeepSpeed ZeRO-3", zero=3, wrapper="deepspeed"),
+    StrategyKind("zero2-offload", Engine.DEEPSPEED, "grads", "DeepSpeed ZeRO-2, optimizer on the CPU", zero=2,
                  offload="optimizer", wrapper="deepspeed"),
-    StrategyKind("zero3-offload", "deepspeed", "params", "DeepSpeed ZeRO-3, optimizer on the CPU", zero=3,
+    StrategyKind("zero3-offload", Engine.DEEPSPEED, "params", "DeepSpeed ZeRO-3, optimizer on the CPU", zero=3,
                  offload="optimizer", wrapper="deepspeed"),
-    StrategyKind("zero3-offload-all", "deepspeed", "params", "DeepSpeed ZeRO-3, optimizer and parameters on "
+    StrategyKind("zero3-offload-all", Engine.DEEPSPEED, "params", "DeepSpeed ZeRO-3, optimizer and parameters on "
                  "the CPU", zero=3, offload="all", wrapper="deepspeed"),
     # The planner's tensor x pipeline layouts (Megatron-style, a distributed optimizer), named by their
     # degrees; `meshrun train` runs them as FSDP2 full shard with --tp/--pp.
-    StrategyKind("megatron", "megatron", "optimizer", "tensor x pipeline x data parallelism", train=False,
+    StrategyKind("megatron", Engine.MEGATRON, "optimizer", "tensor x pipeline x data parallelism", train=False,
                  runs_as="fsdp-full", named_as="tp{tp}-pp{pp}-dp{dp}"),
 )}
 
@@ -128,7 +148,7 @@ EXPERT_PARALLEL = "ddp"  # the planner's expert-parallel layouts (ddp-epN)
 MODEL_PARALLEL = "megatron"  # the planner's tensor x pipeline layouts (tpN-ppN-dpN)
 # What `--strategy auto` chooses among on GPUs: the data-parallel strategies of meshrun's own
 # trainer that the planner estimates (DeepSpeed's are run when named).
-AUTO_CANDIDATES = tuple(n for n, k in STRATEGIES.items() if k.engine == "torch" and k.planned)
+AUTO_CANDIDATES = tuple(n for n, k in STRATEGIES.items() if k.engine is Engine.TORCH and k.planned)
 # The planner's data-parallel candidates, least communication and complexity first, then CPU offload.
 PLAN_ORDER = ("ddp", "fsdp-grad-op", "zero1", "zero2", "fsdp-hybrid", "fsdp-full", "zero3")
 PLAN_OFFLOAD = tuple(n for n, k in STRATEGIES.items() if k.planned and k.offload_optimizer)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..modelinfo.spec import ModelSpec
-from ..vocab import GPT_PRESETS
+from ..vocab import GPT_PRESETS, Engine
 from .candidate import Candidate, Plan
 
 # What a strategy shards, as the ZeRO stage that shards the same (the paper's stages)
@@ -15,7 +15,7 @@ ZERO_STAGE = {"none": 0, "optimizer": 1, "grads": 2, "params": 3}
 
 def zero_stage(c: Candidate) -> int:
     """The ZeRO stage of a candidate; TP x PP runs Megatron's distributed optimizer, ZeRO-1."""
-    return 1 if c.strategy.engine == "megatron" else ZERO_STAGE[c.strategy.shard]
+    return 1 if c.strategy.engine is Engine.MEGATRON else ZERO_STAGE[c.strategy.shard]
 
 
 def zero_section(stage: int, hidden: int, offload_optimizer: bool = False,
@@ -70,7 +70,7 @@ def accelerate_config(plan: Plan, c: Candidate, ds_config_file: str = "ds_config
         "rdzv_backend": "static", "same_network": True, "use_cpu": False, "gpu_ids": "all",
         "downcast_bf16": "no", "tpu_env": [], "tpu_use_cluster": False, "tpu_use_sudo": False,
     }
-    if s.engine == "deepspeed":
+    if s.engine is Engine.DEEPSPEED:
         out["distributed_type"] = "DEEPSPEED"
         out["deepspeed_config"] = {"deepspeed_config_file": ds_config_file, "zero3_init_flag": zero_stage(c) == 3}
     elif s.kind.uses_fsdp:
@@ -145,11 +145,11 @@ def write_all(plan: Plan, out_dir: str) -> list[str]:
 def _zero_equivalent(plan: Plan, c: Candidate) -> Candidate:
     """For a torch pick, the DeepSpeed candidate of the same stage (so ds_config.json is the
     DeepSpeed route to the same memory), when the plan has one that fits; else the pick."""
-    if c.strategy.engine == "deepspeed":
+    if c.strategy.engine is Engine.DEEPSPEED:
         return c
     stage = zero_stage(c)
     for x in plan.candidates:
-        if x.strategy.engine == "deepspeed" and zero_stage(x) == stage and x.strategy.ac == c.strategy.ac \
+        if x.strategy.engine is Engine.DEEPSPEED and zero_stage(x) == stage and x.strategy.ac == c.strategy.ac \
                 and not x.strategy.offload_optimizer and x.batch is not None:
             return x
     return c

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..defaults import val_micro
 from ..modelinfo.spec import LOSS_CHUNK_TOKENS, ModelSpec, Traced
-from ..vocab import StrategyKind
+from ..vocab import Engine, StrategyKind
 from . import float8
 from .spec import ClusterSpec, TrainSpec
 
@@ -69,7 +69,7 @@ class Strategy:
         return base + "".join(f"-{d}{n}" for d, n in (("cp", self.cp), ("ep", self.ep)) if n > 1)
 
     @property
-    def engine(self) -> str:  # torch | deepspeed | megatron (TP x PP)
+    def engine(self) -> Engine:
         return self.kind.engine
 
     @property
@@ -121,7 +121,7 @@ class Memory:
 def autocast(t: TrainSpec, s: Strategy) -> bool:
     """fp32 parameters under bf16 autocast (meshrun's single/DDP); FSDP2's MixedPrecisionPolicy,
     DeepSpeed and Megatron run the model in bf16 outright."""
-    return t.dtype == "bf16" and s.engine == "torch" and s.shard == "none"
+    return t.dtype == "bf16" and s.engine is Engine.TORCH and s.shard == "none"
 
 
 def layer_activation_bytes(m: ModelSpec, precision: str, fp32_residual: bool = True) -> float:
@@ -176,7 +176,7 @@ def activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[in
     """(stored for backward over all of this GPU's layers, transient of one layer's backward
     or recomputation). Tensor parallelism with sequence parallelism divides everything by tp;
     1F1B pipelining keeps pp micro-batches of L/pp layers on the first stage: L layers' worth."""
-    mode = "compiled" if t.compile and s.engine == "torch" else "eager"
+    mode = "compiled" if t.compile and s.engine is Engine.TORCH else "eager"
     tr = traced(m, t, s)
     if tr is not None:
         return traced_activations(tr, m, t, s, micro, mode)
@@ -236,7 +236,7 @@ def accumulation_grads(t: TrainSpec, s: Strategy, micro: int, states: dict[str, 
     Mistral-shaped 8 layers 53.4 against 53.4 (docs/decisions.md#traced-memory)."""
     if t.global_batch is None or t.global_batch <= micro * s.dp:
         return 0
-    one_gpu = s.engine == "torch" and s.shard == "none" and not persistent_grads(s)
+    one_gpu = s.engine is Engine.TORCH and s.shard == "none" and not persistent_grads(s)
     return states["grads"] if one_gpu or whole_model_compiled(t, s) else 0
 
 
@@ -244,7 +244,7 @@ def whole_model_compiled(t: TrainSpec, s: Strategy) -> bool:
     """meshrun compiles the whole model under single/DDP (its loss too where the model's
     forward takes it), but each block on its own under FSDP (so FSDP's hooks stay outside the
     graphs) and for a Hugging Face model on every layout: there the loss runs eager."""
-    return t.compile and t.whole_compile and s.engine == "torch" and s.shard == "none"
+    return t.compile and t.whole_compile and s.engine is Engine.TORCH and s.shard == "none"
 
 
 def logits_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
@@ -272,7 +272,7 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
     notes: list[str] = []
     mixed = t.dtype == "bf16"
     cpu = 0.0
-    if s.engine == "deepspeed":
+    if s.engine is Engine.DEEPSPEED:
         # bf16 weights and grads on the GPU, fp32 master copy + moments in the optimizer
         # (the paper's accounting; what DeepSpeed adds at the peak is in estimate())
         pw, gw, master = (2, 2, 4 + k) if mixed else (4, 4, k)
@@ -295,7 +295,7 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
                 "comm_buffers": int(bucket)}, int(cpu), notes
     # torch / megatron-style: fp32 params and grads (or bf16 everything for megatron's
     # distributed optimizer, whose 2 + 4 + 12/dp we use for TP x PP).
-    if s.engine == "megatron":
+    if s.engine is Engine.MEGATRON:
         params, grads = 2 * p, 4 * p
         opt = (4 + k) * p / s.dp
         return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
@@ -340,9 +340,9 @@ def persistent_grads(s: Strategy) -> bool:
     gradients are freed by ``zero_grad(set_to_none=True)`` and appear only during backward,
     and so do ZeRO-1/2's reduce buckets and gradient partitions (measured on H200, torch 2.11,
     DeepSpeed 0.19.8: those rows' peak is the start of backward with neither)."""
-    if s.engine == "deepspeed":
+    if s.engine is Engine.DEEPSPEED:
         return s.shard == "params"
-    return s.engine != "torch" or s.kind.uses_ddp or (s.shard == "none" and s.dp > 1)
+    return s.engine is not Engine.TORCH or s.kind.uses_ddp or (s.shard == "none" and s.dp > 1)
 
 
 def deepspeed_step_bytes(m: ModelSpec, s: Strategy) -> float:
@@ -351,7 +351,7 @@ def deepspeed_step_bytes(m: ModelSpec, s: Strategy) -> float:
     freed the activations, in blocks too large for the activations' cached ones, so they
     take new segments (calibrated bytes per parameter of this rank's partition; 0 when the
     step runs on the CPU)."""
-    if s.engine != "deepspeed" or s.offload_optimizer:
+    if s.engine is not Engine.DEEPSPEED or s.offload_optimizer:
         return 0.0
     per_param: float = calibration()["deepspeed_step_bytes_per_param"]
     return per_param * params_per_gpu(m, s) / s.shard_group
@@ -364,7 +364,7 @@ def side_stream_grads(s: Strategy, grads: float) -> float:
     fp32 gradients' bytes (measured: GPT 1.3B on 4 x H200, torch 2.11, 1.27 GiB on the
     reduce-scatter stream against 1.21 GiB of gradient shards;
     docs/decisions.md#reserved-over-allocated)."""
-    return grads if s.engine == "torch" and s.shard in ("grads", "params") else 0.0
+    return grads if s.engine is Engine.TORCH and s.shard in ("grads", "params") else 0.0
 
 
 def outside_allocator(c: ClusterSpec, s: Strategy) -> int:
@@ -373,7 +373,7 @@ def outside_allocator(c: ClusterSpec, s: Strategy) -> int:
     DeepSpeed's engine allocates outside torch's allocator (calibrated)."""
     cal = calibration()
     extra = cal["nccl_buffer_bytes"] if c.world > 1 else 0
-    if s.engine == "deepspeed":
+    if s.engine is Engine.DEEPSPEED:
         extra += cal["deepspeed_outside_bytes"]
     return int(cal["cuda_context_bytes"] + extra)
 
@@ -422,7 +422,7 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
     alive) and the end of backward (all gradients alive, activations gone)."""
     cal = calibration()
     states, cpu_per_gpu, notes = model_states(m, t, s)
-    if s.engine == "deepspeed" and s.shard == "params" and t.dtype == "bf16":
+    if s.engine is Engine.DEEPSPEED and s.shard == "params" and t.dtype == "bf16":
         # DeepSpeed's ZeRO-3 accumulates the gradient partitions in fp32, not the paper's
         # 2 bytes (measured on H200, torch 2.11, DeepSpeed 0.19.8: the 1.3B ZeRO-3 rows sit
         # 1.5 GB above a bf16 partition)
@@ -432,7 +432,7 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
     logits = logits_bytes(m, t, s, micro)
     spike = max(logits, transient)  # the loss spike and one layer's backward do not overlap
     # ZeRO-1/2's reduce buckets are allocated during backward, with the gradients
-    late_buffers = states["comm_buffers"] if s.engine == "deepspeed" and not persistent_grads(s) else 0
+    late_buffers = states["comm_buffers"] if s.engine is Engine.DEEPSPEED and not persistent_grads(s) else 0
     fixed = states["params"] + states["optimizer"] + states["comm_buffers"] - late_buffers + cal["workspace_bytes"]
     grads_early = (states["grads"] if persistent_grads(s) else 0) + accumulation_grads(t, s, micro, states)
     start = fixed + grads_early + acts + spike

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..errors import MeshrunError
 from ..modelinfo.spec import ModelSpec
 from ..units import fmt_bytes, fmt_seconds
+from ..vocab import Engine
 from .batch import Batch, check_divisible, micro_choices, solve
 from .candidate import Candidate, Plan, fitting_twin
 from .memory import Strategy, estimate
@@ -37,7 +38,7 @@ def layout_efficiency(s: Strategy) -> float:
         out *= eff.get(f"tp{min(s.tp, 4)}", 1.0)
     if s.pp > 1:
         out *= eff.get("pp", 1.0)
-    if s.engine == "deepspeed" and not s.offload_optimizer:
+    if s.engine is Engine.DEEPSPEED and not s.offload_optimizer:
         out *= eff.get(f"zero{s.kind.zero}", 1.0)  # measured: zero2, zero3
     if s.cp > 1:
         out *= eff.get("cp", 1.0)
@@ -68,7 +69,7 @@ def step_time(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Batch,
     compute = flops / (c.gpu_flops * work_efficiency() * layout_efficiency(s))
     if s.pp > 1:  # the 1F1B bubble: meshrun cuts each micro-batch into pp pieces (--pp-microbatches)
         compute *= 1 + (s.pp - 1) / (max(1, b.accum) * s.pp)
-    if s.engine == "torch" and s.shard != "none":  # FSDP2's fixed cost per micro-step (calibration.json)
+    if s.engine is Engine.TORCH and s.shard != "none":  # FSDP2's fixed cost per micro-step (calibration.json)
         from .memory import calibration
 
         compute += calibration().get("fsdp_microstep_s", 0.0) * max(1, b.accum)
@@ -161,7 +162,7 @@ def choose(cands: list[Candidate], t: TrainSpec) -> Candidate | None:
     return _faster_twin(fitting[0], cands)
 
 
-def passed_over(cands: list[Candidate], pick: Candidate | None, t: TrainSpec, engines: tuple[str, ...],
+def passed_over(cands: list[Candidate], pick: Candidate | None, t: TrainSpec, engines: tuple[Engine, ...],
                 framework: str) -> list[str]:
     """Why the pick is not the row whose step~ is shortest among those that fit, when it is
     not: of --framework's strategies, then of the others."""
@@ -193,7 +194,7 @@ def float8_layouts(t: TrainSpec, layouts: list[Strategy]) -> list[Strategy]:
     (train/sections.py refuses the others)."""
     if not t.float8:
         return layouts
-    return [s for s in layouts if s.engine == "torch" and s.tp == 1]
+    return [s for s in layouts if s.engine is Engine.TORCH and s.tp == 1]
 
 
 def check_inputs(m: ModelSpec, c: ClusterSpec, t: TrainSpec) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..units import fmt_bytes, fmt_count, fmt_seconds
+from ..vocab import Engine
 from .candidate import Candidate
 from .memory import BREAKDOWN_KEYS, calibration, layer_activation_bytes
 from .recommend import ASSUMED_MFU, Plan, work_efficiency
@@ -23,7 +24,7 @@ def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
                         "memory in GiB per GPU")
     for col in ("strategy", "mb x acc", *SHORT.values(), "peak", "fits", "step~"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right", no_wrap=True)
-    mp = [x for x in plan.candidates if x.strategy.engine == "megatron"]
+    mp = [x for x in plan.candidates if x.strategy.engine is Engine.MEGATRON]
     # Of the TP x PP combinations, the ones that fit (fewest GPUs per model copy first),
     # else the smallest footprints; all of them are in --json.
     mp_shown = {id(x) for x in sorted(mp, key=lambda x: (not x.fits,
@@ -31,7 +32,7 @@ def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
                 [:MAX_MODEL_PARALLEL_ROWS]}
     for x in plan.candidates:
         s = x.strategy
-        if s.engine == "megatron" and id(x) not in mp_shown and x is not plan.recommended:
+        if s.engine is Engine.MEGATRON and id(x) not in mp_shown and x is not plan.recommended:
             continue
         mark = "*" if x is plan.recommended else ""
         if x.memory is None or x.batch is None:

@@ -18,12 +18,14 @@ from ..vocab import (
     PLAN_ORDER,
     STRATEGIES,
     TWINS,
+    Engine,
 )
 from .memory import Strategy
 from .spec import ClusterSpec, TrainSpec
 
 # What each engine can run; meshrun train runs the torch ones.
-ENGINES = {"torch": ("torch", "megatron"), "deepspeed": ("deepspeed",), "any": ("torch", "deepspeed", "megatron")}
+ENGINES: dict[str, tuple[Engine, ...]] = {"torch": (Engine.TORCH, Engine.MEGATRON), "deepspeed": (Engine.DEEPSPEED,),
+                                          "any": tuple(Engine)}
 # Measured (GPT 1.3B on 4 x H200, torch 2.11, no accumulation; docs/decisions.md#strategy): from here FSDP2 keeping
 # parameters gathered beat DDP even when a replica fits, so it ranks first among torch
 # strategies; when both fit, the step-time estimate has the last word (recommend._faster_twin).
@@ -115,11 +117,11 @@ def comm_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int, accum: int) 
     n = s.shard_group if s.shard != "none" else s.dp
     ring = (n - 1) / n if n > 1 else 0.0
     g = 2 if t.dtype == "bf16" else 4  # bytes of a gathered parameter
-    if s.engine == "deepspeed":
+    if s.engine is Engine.DEEPSPEED:
         vol = {"none": 2 * ring * g * p, "optimizer": ring * 2 * g * p,
                "grads": ring * g * p * accum + ring * g * p,
                "params": ring * 3 * g * p * accum}[s.shard]
-    elif s.engine == "megatron":
+    elif s.engine is Engine.MEGATRON:
         vol = 2 * ring * 4 * p  # distributed optimizer: reduce-scatter fp32 grads + all-gather
         tp_ring = 2 * (s.tp - 1) / s.tp
         act = 2 * micro * t.seq_len * m.hidden  # bf16 activation slab

@@ -30,6 +30,7 @@ from ..vocab import (
     PP_SCHEDULES,
     PRECISIONS,
     STRATEGIES,
+    Engine,
     strategy_hint,
     yes_no,
 )
@@ -338,7 +339,7 @@ def _float8(cfg: TrainConfig) -> TrainConfig:
     linear layers it converts as they are."""
     where = cfg.source("precision")
     kind = STRATEGIES.get(cfg.strategy)
-    if kind is not None and kind.engine == "deepspeed":
+    if kind is not None and kind.engine is Engine.DEEPSPEED:
         raise bad_value(where, cfg.precision, f"does not combine with DeepSpeed's engine (--strategy {cfg.strategy})",
                         "--strategy fsdp (its weights are all-gathered in float8)")
     if cfg.tp > 1:

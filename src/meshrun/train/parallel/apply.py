@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ...errors import MeshrunError, bad_value
 from ...modelinfo.blocks import find_blocks
-from ...vocab import StrategyKind
+from ...vocab import Engine, StrategyKind
 from ..config import TrainConfig
 from ..models.hf import is_transformers_model
 from ..models.hooks import ExpertModule, KernelModel
@@ -119,7 +119,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
     kind = choice.kind
     found = find_blocks(model, cfg.blocks)
     blocks = found[1] if found else None
-    zero3 = kind.engine == "deepspeed" and kind.zero == 3  # its partitioned weights take the plain paths
+    zero3 = kind.engine is Engine.DEEPSPEED and kind.zero == 3  # its partitioned weights take the plain paths
     kernels = model.meshrun_kernels(rt.device, cfg.tp, cfg.pp) if isinstance(model, KernelModel) and not zero3 else []
     if choice.liger and not kernels:  # auto.decide plans ZeRO-3 without Liger, as it runs
         from ..kernels.liger import apply_liger
@@ -141,7 +141,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
                 m.stats_group = dist.group.WORLD
     dims = layout_dims(cfg, kind, rt) if kind.engine != "deepspeed" else None
     build = Build(model, blocks, cfg, rt, choice, kind, bf16, settings, weights if deferred else None, deferred, dims)
-    if kind.engine == "deepspeed":
+    if kind.engine is Engine.DEEPSPEED:
         layout = build.deepspeed()
     elif cfg.ep > 1:
         layout = build.expert_parallel()

@@ -39,6 +39,7 @@ from ...vocab import (
     PIPELINE_DEFAULT,
     REPLICATE,
     STRATEGIES,
+    Engine,
     StrategyKind,
 )
 from ..config import TrainConfig
@@ -101,7 +102,7 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
     the CPU); ``liger``: Liger Kernel can patch the model here. Pure: no process group, no
     device (the model may live on the meta device)."""
     kind = STRATEGIES.get(cfg.strategy)
-    if kind is not None and kind.engine == "deepspeed" and kind.zero == 3:
+    if kind is not None and kind.engine is Engine.DEEPSPEED and kind.zero == 3:
         liger = False  # ZeRO-3's partitioned weights take the plain paths (parallel/apply.py): planned so
     compiled, use_liger, why = compile_and_kernels(cfg, gpu_mem is not None, liger)
     choice = _decide(model, cfg, world, local_world, dp, gpu_mem, bf16, compiled, use_liger)
