@@ -9,6 +9,7 @@ from ..data.sources import STDLIB_VAL_FRACTION, data_kind, stdlib_files
 from ..errors import bad_value
 from ..modelinfo.factory import call_factory
 from .config import BUILTIN_DATA, TrainConfig
+from .models.hooks import ConfiguredModel
 
 # The built-in data's training samples, known without building it: `meshrun train` checks a
 # global batch against them before any rank starts (train/prelaunch.py)
@@ -82,7 +83,7 @@ def vocab_size(model: Any) -> int | None:
         embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if isinstance(embedding, nn.Embedding):
         return int(embedding.num_embeddings)
-    vocab = getattr(getattr(model, "cfg", None), "vocab", None)
+    vocab = getattr(model.cfg, "vocab", None) if isinstance(model, ConfiguredModel) else None
     return int(vocab) if isinstance(vocab, int) else None
 
 

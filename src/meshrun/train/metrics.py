@@ -15,6 +15,7 @@ import torch
 from ..errors import MeshrunError
 from ..units import clock
 from . import tracking
+from .models.hooks import FlopsModel
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets; sparsity excluded).
 PEAK_BF16 = (
@@ -53,7 +54,7 @@ def flops_per_token(model: Any, seq: int) -> float | None:
     """Training FLOPs per token for MFU: the model's own count when it has one (meshrun's GPT:
     6N + 12·L·d·T); for a Hugging Face causal LM torchtitan's count, 6 x the parameters but the
     input embedding (when untied: a lookup, no matmul) + 12·L·d·T; else None (MFU not reported)."""
-    if hasattr(model, "flops_per_token"):
+    if isinstance(model, FlopsModel):
         return float(model.flops_per_token())
     config = getattr(model, "config", None)
     layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ...errors import MeshrunError
+from ..models.hooks import CheckpointingEngine
 from .layout import DS_DIR, FORMAT, MARKER, Position, io_threads, listing, sha256
 from .parts import float8_unwrapped, shards_as_dtensors, shards_as_local
 from .rng import set_rng_state
@@ -522,7 +523,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     saved_world = int(state["world_size"])
     same_world = saved_world == world
     rng: Any = None
-    if hasattr(model, "load_checkpoint"):  # a DeepSpeed engine
+    if isinstance(model, CheckpointingEngine):  # a DeepSpeed engine
         if not os.path.isdir(os.path.join(path, DS_DIR)):
             raise MeshrunError(f"{path}: not a DeepSpeed snapshot (hint: resume it with the strategy that wrote it)")
         if saved_world != world:

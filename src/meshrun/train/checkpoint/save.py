@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ...errors import MeshrunError
+from ..models.hooks import CheckpointingEngine
 from .layout import (
     DS_DIR,
     FORMAT,
@@ -80,7 +81,7 @@ def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer:
         os.makedirs(tmp)
     dist.barrier()
     write_json(os.path.join(tmp, f"rng-rank{rank}.json"), rng_state())
-    if hasattr(model, "save_checkpoint"):  # a DeepSpeed engine: its format, inside this commit protocol
+    if isinstance(model, CheckpointingEngine):  # a DeepSpeed engine: its format, inside this commit protocol
         model.save_checkpoint(tmp, tag=DS_DIR, save_latest=False)
         dist.barrier()  # every rank's DeepSpeed files are written before rank 0 hashes them
         _hash_own_files(tmp, rank)

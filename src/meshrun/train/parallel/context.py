@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ...errors import MeshrunError
 from ..models import masks
 from ..models.hf import check_whole_prefix, is_transformers_model
+from ..models.hooks import FusedBlock, PositionedModel
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -150,7 +151,7 @@ def apply_cp(model: nn.Module, blocks: nn.ModuleList, group: Any, cp: int, rank:
     too; a Hugging Face model takes them as ``position_ids`` from the layout); returns it:
     its ``local`` is the index of this rank's tokens in a full sequence (to shard the
     batches), its ``set_documents`` takes each step's document positions."""
-    gpt = hasattr(model, "positions") and all(hasattr(b, "attend") for b in blocks)
+    gpt = isinstance(model, PositionedModel) and all(isinstance(b, FusedBlock) for b in blocks)
     if not gpt and not is_transformers_model(model):
         raise MeshrunError(f"--cp: context parallelism needs meshrun's GPT or a Hugging Face model, not "
                            f"{type(model).__name__} (hint: --tp or FSDP2 for this model)")

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from ...plan.configs import zero_section
 from ...vocab import StrategyKind
+from ..models.hooks import ConfiguredModel
 from ..optim import build_optimizer
 
 
@@ -18,7 +19,7 @@ def deepspeed_engine(model: nn.Module, kind: StrategyKind, micro: int, accum: in
     DeepSpeed's optimizer shares)."""
     import deepspeed
 
-    hidden = getattr(getattr(model, "cfg", None), "d_model", 1024)
+    hidden = getattr(model.cfg, "d_model", 1024) if isinstance(model, ConfiguredModel) else 1024
     ds = {
         "train_batch_size": micro * accum * dp,
         "train_micro_batch_size_per_gpu": micro,

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from ...errors import MeshrunError
+from ..models.hooks import FusedBlock
 
 RECIPES = {"fp8": "tensorwise", "fp8-rowwise": "rowwise"}
 HEAD_NAMES = ("lm_head", "head", "output")  # a model's output projection, by its attribute name
@@ -88,7 +89,7 @@ def convert(model: nn.Module, precision: str, fsdp: bool) -> tuple[str, Callable
         raise MeshrunError(f"--precision={precision!r}: none of the model's {linears} linear layers is large "
                            "enough to gain from float8 (hint: --precision bf16)")
     for m in model.modules():  # the fused MLP reads its weights without calling the float8 layers
-        if getattr(m, "fused_mlp", False) and any(c in converted for c in m.children()):
+        if isinstance(m, FusedBlock) and m.fused_mlp and any(c in converted for c in m.children()):
             m.fused_mlp = False
     what = f"float8 {recipe} in {len(converted)} of {linears} linear layers"
     if not gather:

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ...errors import bad_value
+from ..models.hooks import FusedBlock
 
 
 class SplitQKV(nn.Module):
@@ -43,7 +44,7 @@ TP_PLANS = {
 
 
 def tp_family(block: nn.Module) -> str | None:
-    if all(hasattr(block, n) for n in ("qkv", "proj", "up", "down", "n_heads")):
+    if isinstance(block, FusedBlock):
         return "meshrun-gpt"
     attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
     if attn is not None and mlp is not None and hasattr(attn, "q_proj") and hasattr(mlp, "gate_proj"):
