@@ -104,9 +104,10 @@ def test_every_source_of_an_option_gets_the_same_answer(name, tmp_path, monkeypa
 @pytest.mark.parametrize("name", [n for n, (_, f) in FIELDS.items() if not spec(f).everywhere])
 def test_an_option_for_flags_and_keywords_alone_is_no_variable_and_no_key(name, tmp_path, capsys):
     """--overwrite from a variable or a config file would set a run aside at every start of a
-    job that requeues: its variable is warned about and left unread, its key refused."""
+    job that requeues, and MESHRUN_GPU_MEM, which meshrun plan reads, would refuse every run that
+    is not dry: such a variable is warned about and left unread, the key refused."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_")}
-    assert _cli([], {**env, env_var(name): "1"}, capsys, name) == ("accepted", False)
+    assert _cli([], {**env, env_var(name): "1"}, capsys, name) == ("accepted", FIELDS[name][1].default)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({name: True}))
     assert main(["train", "--config", str(config), "--dry-run"], env=env) == 2

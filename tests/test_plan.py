@@ -1012,16 +1012,20 @@ def test_plan_and_train_agree_on_when_liger_runs():
     require("liger_kernel")
     import argparse
 
-    from meshrun.cli.plan import uses_liger
+    from meshrun.cli.plan import run_config, run_facts
     from meshrun.train.config import TrainConfig, validate
     from meshrun.train.parallel.auto import compile_and_kernels
+    from meshrun.train.policy import settings
 
     llama = _hf_llama_on_meta()
+    facts = run_facts(ClusterSpec(1, 2, 141 * GiB), "bf16", llama, builtin_gpt=False)
     for kernels in ("auto", "plain"):
         for compile_choice in ("auto", "on", "off"):
             cfg = validate(TrainConfig(seq_len=4096, kernels=kernels, compile=compile_choice))
             runs = compile_and_kernels(cfg, True, True)[1]
-            assert uses_liger(argparse.Namespace(kernels=kernels, compile=compile_choice), llama) is runs
+            ns = argparse.Namespace(kernels=kernels, compile=compile_choice, micro_batch=None, global_batch=None,
+                                    precision="bf16", strategy=None, activation_checkpointing="auto", seq_len="4096")
+            assert settings(run_config(ns, None), facts).liger is runs  # what plan traces with
             assert runs is (kernels == "auto" and compile_choice != "on")
 
 

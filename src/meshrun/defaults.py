@@ -8,6 +8,8 @@ and the measurements behind them: docs/decisions.md.
 
 from __future__ import annotations
 
+from .vocab import FLOAT8_PRECISIONS
+
 COMPILE_CHOICES = ("auto", "on", "off")
 # the built-in GPT's own kernels (Liger's for a Hugging Face model) where they run, or none
 KERNELS = ("auto", "plain")
@@ -31,6 +33,13 @@ def compile_enabled(choice: str, cuda: bool) -> bool:
     eager on the CPU, where compiling takes longer than the short jobs it would speed up.
     docs/decisions.md#compile"""
     return choice == "on" or (choice == "auto" and cuda)
+
+
+def compile_choice(choice: str, precision: str) -> str:
+    """``--compile`` as a run takes it: ``auto`` is ``on`` for float8 precisions, whose casts
+    and scales pay only fused into their neighbours (eager float8 is for debugging); else as
+    given."""
+    return "on" if choice == "auto" and precision in FLOAT8_PRECISIONS else choice
 
 
 def liger_runs(kernels: str, compile: str, compile_tune: bool, applies: bool) -> bool:

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import shutil
-import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-from ..cluster.gpus import count_visible_gpus
-from ..defaults import COMPILE_CHOICES, KERNELS, compile_enabled, global_batch_for, liger_runs, seq_len_for
-from ..errors import bad_value
+from ..cluster.gpus import count_visible_gpus, detect_gpu_memory
+from ..defaults import COMPILE_CHOICES, KERNELS, seq_len_for
+from ..errors import MeshrunError, bad_value
 from ..modelinfo.read import resolve_with_module
 from ..modelinfo.spec import PRESETS, ModelSpec
 from ..paths import check_output_dir
@@ -20,8 +17,11 @@ from ..plan import ClusterSpec, TrainSpec, check_inputs, make_plan
 from ..plan.advice import check_choice, named, verdict
 from ..plan.recommend import MAX_MICRO_TOKENS
 from ..plan.spec import INTER_NODE, INTRA_NODE, OPTIMIZERS
+from ..train.config import TrainConfig
+from ..train.policy import Facts, Settings, resolve, settings
+from ..train.sections import STRATEGY_CHOICES
 from ..units import parse_bytes
-from ..vocab import AC_MODES, FLOAT8_PRECISIONS, PRECISIONS
+from ..vocab import AC_MODES, FLOAT8_PRECISIONS, GPT_PRESETS, PRECISIONS
 from .options import add_option, int_option
 
 PLAN_HELP = f"""\
@@ -107,26 +107,6 @@ def _bandwidth(text: str, table: Mapping[str, float], where: str) -> float:
     return value
 
 
-def detect_gpu_memory() -> int | None:
-    """The first GPU's memory in bytes: from torch when it is installed and sees a GPU, else
-    from nvidia-smi; None on a machine without GPUs."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(0).total_memory)
-    except ImportError:
-        pass
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=20).stdout.split()
-            return int(out[0]) * 2**20 if out else None
-        except (OSError, subprocess.SubprocessError, ValueError):
-            return None
-    return None
-
-
 def cluster_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> ClusterSpec:
     gpus_here = count_visible_gpus(env)
     sources = []
@@ -149,38 +129,59 @@ def cluster_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> Cluster
                        inter_bw=_bandwidth(ns.inter, INTER_NODE, "--inter"), sources=tuple(sources))
 
 
-def train_from_args(ns: argparse.Namespace, context: int | None, world: int) -> TrainSpec:
-    """The training settings, with meshrun train's defaults (defaults.py) for what is not
-    given: the model's context as the sequence length, compiled, and with no batch size a
-    global batch of about 512K tokens with the largest micro-batch that fits."""
-    seq = int_option(ns, "seq_len", 1) or seq_len_for(context)
-    micro, global_batch = int_option(ns, "micro_batch", 1), int_option(ns, "global_batch", 1)
-    if micro is None and global_batch is None:
-        global_batch = global_batch_for(seq, world)
+def run_config(ns: argparse.Namespace, context: int | None) -> TrainConfig:
+    """The `meshrun train` config of what this plan was given, for the run policy: the same
+    options, read as meshrun train reads them (a strategy it does not take by name: auto)."""
+    given: dict[str, Any] = {"micro_batch": int_option(ns, "micro_batch", 1),
+                             "global_batch": int_option(ns, "global_batch", 1), "precision": ns.precision,
+                             "compile": ns.compile, "kernels": ns.kernels,
+                             "strategy": ns.strategy if ns.strategy in STRATEGY_CHOICES else None,
+                             "activation_checkpointing": None if ns.activation_checkpointing == "auto"
+                             else ns.activation_checkpointing}
+    seq = int_option(ns, "seq_len", 1)
+    sources = {k: "flag" for k, v in given.items() if v is not None}
+    if seq is None:
+        seq, sources["seq_len"] = seq_len_for(context), "the model's context"
+    else:
+        sources["seq_len"] = "flag"
+    return TrainConfig(seq_len=seq, sources=sources, **{k: v for k, v in given.items() if v is not None})
+
+
+def run_facts(cluster: ClusterSpec, precision: str, module: Any, builtin_gpt: bool) -> Facts:
+    """What the run policy needs to know of the GPUs and the model: ``module``, the model as
+    resolve_with_module built it on the meta device (None for a preset of published shapes);
+    ``builtin_gpt``: meshrun's GPT, with its own kernels. bf16 as the GPUs meshrun plans for
+    (Ampere and newer) compute it."""
+    hf = liger = False
+    blocks = True
+    if module is not None:
+        from ..modelinfo.blocks import find_blocks
+        from ..train.kernels.liger import liger_knows
+        from ..train.models.hf import is_transformers_model
+
+        hf, blocks = is_transformers_model(module), find_blocks(module) is not None
+        liger = hf and liger_knows(module)
+    return Facts(world=cluster.world, local_world=cluster.gpus_per_node, dp=cluster.world, gpu_mem=cluster.gpu_mem,
+                 bf16=precision != "fp32", liger=liger, hf=hf, blocks=blocks, own_kernels=builtin_gpt)
+
+
+def train_spec(ns: argparse.Namespace, cfg: TrainConfig, s: Settings, hf: bool) -> TrainSpec:
+    """The training settings the plan's table is made for: the run policy's compile setting
+    and default global batch (``s``), and the plan's own optimizer and checkpointing choice."""
     ac = None if ns.activation_checkpointing == "auto" else ns.activation_checkpointing
-    return TrainSpec(seq_len=seq, micro_batch=micro, global_batch=global_batch, precision=ns.precision,
-                     optimizer=ns.optimizer, activation_checkpointing=ac,
-                     compile=compile_enabled(ns.compile, cuda=True),
-                     max_micro_batch=max(1, MAX_MICRO_TOKENS // seq) if micro is None else None)
+    return TrainSpec(seq_len=cfg.seq, micro_batch=cfg.micro_batch, global_batch=s.global_batch,
+                     precision=ns.precision, optimizer=ns.optimizer, activation_checkpointing=ac, compile=s.compile,
+                     max_micro_batch=max(1, MAX_MICRO_TOKENS // cfg.seq) if cfg.micro_batch is None else None,
+                     whole_compile=not hf)
 
 
-def uses_liger(ns: argparse.Namespace, module: Any) -> bool:
-    """Whether meshrun train would patch ``module`` with Liger Kernel's kernels on a GPU
-    (defaults.liger_runs, as train.parallel.auto.compile_and_kernels asks it): a Hugging Face
-    model type Liger knows, with Liger installed here."""
-    if module is None or not hasattr(module, "config") or not liger_runs(ns.kernels, ns.compile, False, True):
-        return False
-    from ..train.kernels.liger import liger_knows
-
-    return liger_knows(module)
-
-
-def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec, liger: bool = False) -> ModelSpec:
+def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec, liger: bool, kernels: str) -> ModelSpec:
     """``model`` with what it keeps for backward traced at the plan's sequence length, when
     torch can build it on the meta device: meshrun's GPT as `meshrun train` builds it on GPUs
-    (its Triton loss and fused MLP), a Hugging Face config or a ``module:factory`` (``module``,
-    as resolve_with_module built it), with Liger Kernel's kernels when ``liger``. Other presets
-    (published shapes with no module here) keep the estimate from their shape."""
+    (with ``kernels`` auto, its Triton loss and fused MLP), a Hugging Face config or a
+    ``module:factory`` (``module``, as resolve_with_module built it), with Liger Kernel's
+    kernels when ``liger``. Other presets (published shapes with no module here) keep the
+    estimate from their shape."""
     import importlib.util
 
     from ..vocab import GPT_PRESETS
@@ -190,8 +191,9 @@ def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec, liger: bo
 
         from ..train.models.gpt import gpt
 
+        own = kernels == "auto"
         with torch.device("meta"):
-            module = gpt(text, seq_len=train.seq_len, head_loss=True, fused_mlp="auto")
+            module = gpt(text, seq_len=train.seq_len, head_loss=own, fused_mlp="auto" if own else False)
     if module is None:
         return model
     from ..train.parallel.trace import with_trace
@@ -209,25 +211,19 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         raise bad_value("--margin", ns.margin, "must be in [0, 1)", "e.g. 0.1")
     if ns.write:
         check_output_dir(ns.write, "--write")
-    if ns.precision in FLOAT8_PRECISIONS and ns.compile == "auto":
-        ns.compile = "on"  # as meshrun train compiles float8 runs (not with Liger's eager kernels)
     model, module = resolve_with_module(ns.model, "--model")
     cluster = cluster_from_args(ns, env)
-    train = train_from_args(ns, model.context, cluster.world)
-    if module is not None:
-        from ..train.models.hf import is_transformers_model
-
-        if is_transformers_model(module):  # compiled block by block (train/parallel/apply.py)
-            train = dataclasses.replace(train, whole_compile=False)
+    cfg = run_config(ns, model.context)
+    facts = run_facts(cluster, ns.precision, module, ns.model in GPT_PRESETS)
+    s = settings(cfg, facts)  # the run policy's compile, kernels and default batch, as meshrun train's
+    train = train_spec(ns, cfg, s, facts.hf)
     check_inputs(model, cluster, train)  # before the trace: a refusal in under a second
     if ns.strategy:
         named(ns.strategy, make_plan(model, cluster, train, ns.plan_framework, margin).candidates)
-    liger = uses_liger(ns, module)
-    if liger:  # meshrun train runs Liger's kernels eager (train.parallel.auto.compile_and_kernels)
-        train = dataclasses.replace(train, compile=False)
-    model = traced(model, module, ns.model, train, liger)
+    shape = model
+    model = traced(model, module, ns.model, train, s.liger, ns.kernels)
     plan = make_plan(model, cluster, train, ns.plan_framework, margin)
-    if liger:
+    if s.liger:
         plan.reasons.append("Liger Kernel's fused kernels (installed here), eager, as meshrun train runs this model "
                             "(--kernels plain or --compile on to plan without them)")
     if ns.strategy:
@@ -241,9 +237,19 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     if ns.json:
         out = plan.to_dict()
         out["written"] = written
+        out["run"] = run_summary(shape, model, cfg, facts)
         print(json.dumps(out, indent=2))
     else:
         from ..plan.show import print_plan
 
         print_plan(plan, written, ns.explain)
     return 0
+
+
+def run_summary(shape: ModelSpec, traced_model: ModelSpec, cfg: TrainConfig, facts: Facts) -> dict[str, Any]:
+    """What `meshrun train` with these options does on this cluster (the run policy, as
+    `meshrun train --dry-run` prints it), or the line it refuses the run with."""
+    try:
+        return resolve(shape, cfg, facts, lambda compiled, liger: traced_model).summary()
+    except MeshrunError as exc:
+        return {"refused": str(exc)}

@@ -44,3 +44,23 @@ def count_visible_gpus(env: Mapping[str, str], dev_dir: str = "/dev") -> int:
         except (OSError, subprocess.SubprocessError):
             return 0
     return 0
+
+
+def detect_gpu_memory() -> int | None:
+    """The first GPU's memory in bytes: from torch when it is installed and sees a GPU, else
+    from nvidia-smi; None on a machine without GPUs."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except ImportError:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20).stdout.split()
+            return int(out[0]) * 2**20 if out else None
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return None
+    return None

@@ -4,7 +4,7 @@ The options are the command's, spelled as Python names: every option of the conf
 sections (``model_size="gpt-tiny"``, ``steps=2``, ``out="runs/a"``, ...: train/sections.py),
 the topology options (``nproc``/``nproc_per_node``, ``nnodes``, ``node_rank``,
 ``master_addr``, ...), the job options (``max_restarts``, ``overwrite``, ``rdzv_timeout``,
-``finish_timeout``, ``dry_run``, ``json``) and ``config`` (a YAML or TOML file). As on the
+``finish_timeout``, ``dry_run``, ``json``, ``gpu_mem``) and ``config`` (a YAML or TOML file). As on the
 command line, a keyword wins over a MESHRUN_<NAME> variable of ``env``, and a variable over the
 file. The ranks run in processes of their
 own, as under the CLI, which calls the same train/job.py. A bad value raises MeshrunError with

@@ -30,6 +30,7 @@ from ..launch.restart import attempt_topology, run_with_restarts
 from ..launch.run import Waits
 from ..launch.torchrun import thread_env
 from ..options import check_all, option, option_fields, read, where
+from ..units import parse_bytes
 from . import prelaunch, trackers
 from .config import TrainConfig
 from .ranklog import LOG_DIR_ENV, RESULT_ENV
@@ -52,8 +53,13 @@ class JobOptions(WaitOptions):
                              "metrics.jsonl, loss.png, tensorboard/ and run.json into OUT/previous-<UTC time>/ "
                              "(nothing is deleted; implies --no-resume). Not for job scripts that requeue: each start "
                              "would set aside the progress so far", everywhere=False)
-    dry_run: bool = option(False, "print the launch command; run nothing")
+    dry_run: bool = option(False, "print the launch command and what the ranks will decide (strategy, batch sizes, "
+                           "compile, kernels, precision); run nothing")
     json: bool = option(False, "with --dry-run: one JSON object")
+    # a flag or a keyword only: MESHRUN_GPU_MEM, which meshrun plan reads, would refuse every run that is not dry
+    gpu_mem: str | None = option(None, "with --dry-run: decide for GPUs of this memory (e.g. 80GiB), one per "
+                                 "process (default: this machine's GPUs; on a machine without any, CPU processes)",
+                                 metavar="SIZE", everywhere=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # option -> how it was given
 
     def source(self, name: str) -> str:
@@ -194,10 +200,21 @@ def check(cfg: TrainConfig, topo: Topology, job: JobOptions, gpus: int | None = 
     prelaunch.check_layout(cfg, topo, gpus)  # what the ranks would refuse of this config, refused now
 
 
+def gpu_bytes(job: JobOptions) -> int | None:
+    """--gpu-mem in bytes; None when not given."""
+    return None if job.gpu_mem is None else parse_bytes(job.gpu_mem, job.source("gpu_mem"))
+
+
 def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str]) -> TrainResult:
     """Check, then run the job on this node (or print its command under ``job.dry_run``)."""
     require_trainer_packages()
-    check(cfg, topo, job, count_visible_gpus(env))
+    gpus = count_visible_gpus(env)
+    if gpu_bytes(job) is not None:
+        if not job.dry_run:
+            raise bad_value(job.source("gpu_mem"), job.gpu_mem, "sets the GPUs a dry run decides for; the ranks "
+                            "read their own", "add --dry-run, or drop it")
+        gpus = topo.nproc_per_node  # (a GPU per process, as the dry run decides for)
+    check(cfg, topo, job, gpus)
     if topo.node_rank == 0 and not job.dry_run:  # (rank 0 logs: its node checks the trackers' servers)
         trackers.preflight(trackers.parse(cfg.log_with, cfg.source("log_with")), env)
     # Node rank 0 owns OUT for the run's whole life, restarts included (on shared storage
@@ -286,11 +303,14 @@ def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Top
 
     cmd, spec, _ = command(0)
     if job.dry_run:
+        from .preview import decided  # (torch-free on the CPU)
+
         told = {"job": {name: getattr(job, name) for name in JOB_OPTIONS},
                 "topology": {"platform": topo.platform, "nnodes": topo.nnodes, "node_rank": topo.node_rank,
                              "nproc_per_node": topo.nproc_per_node, "master_addr": topo.master_addr,
                              "master_port": topo.master_port, "hosts": topo.hosts, "run_id": topo.run_id}}
-        print(dry_run_text(cmd, job.json, told))
+        keys, lines = decided(cfg, topo, gpu_bytes(job), count_visible_gpus(env))
+        print(dry_run_text(cmd, job.json, {**told, **keys}, lines))
         return 0
     check_ports(topo, cmd, spec)
     if topo.node_rank == 0 and (topo.local_rank or 0) == 0:

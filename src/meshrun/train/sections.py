@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..data.sources import data_kind
-from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS, KERNELS
+from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS, KERNELS, compile_choice
 from ..errors import bad_value
 from ..modelinfo.hf import is_hf_path, locate
 from ..options import option
@@ -345,8 +345,8 @@ def _float8(cfg: TrainConfig) -> TrainConfig:
     if cfg.tp > 1:
         raise bad_value(where, cfg.precision, "does not combine with --tp (its sharded linear layers are not "
                         "converted)", "FSDP2 alone or with --cp")
-    # compiled also instead of Liger's eager kernels (parallel/auto.py: compile_and_kernels)
-    return cfg.replace(compile="on") if cfg.compile == "auto" else cfg
+    # compiled also instead of Liger's eager kernels (policy.py: compile_and_kernels)
+    return cfg.replace(compile=compile_choice(cfg.compile, cfg.precision))
 
 
 # In the order --help shows them and validate() checks them
