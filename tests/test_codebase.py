@@ -294,7 +294,7 @@ def test_strategy_rules_come_from_the_table():
     assert not found, "\n".join(found)
 
 
-# ---- state ----------------------------------------------------------------------------------
+# ---- who sets an object's attributes ------------------------------------------------------
 
 # Objects a module may set attributes of although it neither is them nor made them: module ->
 # (the assignments' targets as written, why).
@@ -410,9 +410,8 @@ def _foreign_writes(tree: ast.Module) -> list[tuple[int, str]]:
     def visit(node: ast.AST, own: frozenset[str]) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                params = {a.arg for a in child.args.args}
-                autograd = "ctx" if "ctx" in params else ""
-                visit(child, own | _made_by_call(child) | _own_typed_params(child, classes) | {autograd})
+                autograd = {a.arg for a in child.args.args} & {"ctx"}  # a Function's forward and backward
+                visit(child, own | _made_by_call(child) | _own_typed_params(child, classes) | autograd)
                 continue
             for t in _assigned(child):
                 if not isinstance(t, ast.Attribute) or t.attr == "grad":
