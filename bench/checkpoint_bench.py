@@ -107,9 +107,9 @@ def main() -> None:
         sync_phases(args, t, data, root, pos, res, rank)
 
     def drain() -> None:  # the last snapshot's background write, which training did not wait for
-        if t._pending is not None:
-            checkpoint.commit(t._pending)
-            t._pending = None
+        if t.snapshots.pending is not None:
+            checkpoint.commit(t.snapshots.pending)
+            t.snapshots.pending = None
 
     def steps(n: int, save_async: bool) -> None:
         for i in range(n):
@@ -117,13 +117,13 @@ def main() -> None:
             if save_async and (i + 1) % args.save_every == 0:
                 t.cfg = t.cfg.replace(out=os.path.join(args.dir, "async"), async_save=True)
                 start = time.perf_counter()
-                pending = t._pending
+                pending = t.snapshots.pending
                 t.save(data)  # training waits for: the previous snapshot's commit, then staging this one
                 res["async_blocking_s"] = res.get("async_blocking_s", 0.0) + time.perf_counter() - start
                 if pending is not None:  # the commit t.save did first, and its wait for the writer
                     res["commit_s"] = res.get("commit_s", 0.0) + pending.commit_s
                     res["commit_wait_s"] = res.get("commit_wait_s", 0.0) + pending.wait_s
-                for k, v in t._pending.timings.items():  # this save's own parts
+                for k, v in t.snapshots.pending.timings.items():  # this save's own parts
                     res[k] = res.get(k, 0.0) + v
         if torch.cuda.is_available():
             torch.cuda.synchronize()

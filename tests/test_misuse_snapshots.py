@@ -216,7 +216,7 @@ def test_commit_refuses_a_snapshot_missing_a_ranks_files(out, tmp_path):
 
 # Put first on a job's PYTHONPATH: every rank records, through an audit hook, each open of a
 # file in the snapshot TEST_READS_SNAPSHOT names and each listing of its parent directory,
-# made within snapshots.restore (the resume), one JSON line each, into
+# made within snapshots.py's restore (the resume), one JSON line each, into
 # TEST_READS_LOG/rank<R>-<pid>.jsonl.
 # Audit events see every open (builtins.open, io.open, os.open, pathlib) and every listing
 # (os.listdir, os.scandir), whoever makes them.

@@ -128,9 +128,9 @@ def _first_step_gradients(overrides):
     views = []  # whether each forward returned a view (FSDP2 hooks its backward on the output)
     t.layout.model.register_forward_hook(lambda m, a, out: views.append(out._base is not None))
     data = BatchStream(t.train_loader, cfg.micro, t.dp_size)
-    for micro in range(t.accum):
-        x, y, positions = t._to_device(next(data))
-        t.layout.micro_step(x, y, last=micro == t.accum - 1, positions=positions)
+    for micro in range(t.state.accum):
+        x, y, positions = t.to_device(next(data))
+        t.layout.micro_step(x, y, last=micro == t.state.accum - 1, positions=positions)
     with CommDebugMode() as comms:
         norm = float(clip_grad_norm(t.layout.model.parameters(), float("inf")))
     grads = {}

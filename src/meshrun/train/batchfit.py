@@ -24,17 +24,59 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..errors import MeshrunError
 from ..units import fmt_bytes
+from .config import TrainConfig
 from .data import BatchStream, LoaderSpec, make_loader
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from torch.utils.data import Dataset
+
+    from .parallel.auto import Choice
+    from .parallel.layouts import Batch, Layout
+    from .runtime import Runtime
+    from .state import TrainState
+
+
+class Run(Protocol):
+    """What the batch fit reads of the run it fits (the Trainer, trainer.py)."""
+
+    rt: Runtime
+    cfg: TrainConfig
+    choice: Choice
+    layout: Layout
+    state: TrainState
+    micro_is_ours: bool  # the micro-batch is meshrun's to change (the user left it open)
+    train_data: Dataset
+    loader_spec: LoaderSpec
+
+    @property
+    def dp_size(self) -> int: ...
+
+    @property
+    def strategy(self) -> str: ...
+
+    def to_device(self, batch: Any) -> Batch: ...
+
+    def train_step(self, data: Iterator) -> tuple[torch.Tensor, torch.Tensor | None, int]: ...
+
+
+@dataclass(frozen=True)
+class Resized:
+    """A smaller micro-batch the run trains with, for the Trainer to put in place: the config
+    that records it (and where it came from), the accumulation that keeps the global batch,
+    and the training loader at that micro-batch."""
+
+    cfg: TrainConfig
+    accum: int
+    loader_spec: LoaderSpec
+    train_loader: Any
 
 
 def _peak(device: torch.device) -> int | None:
@@ -56,7 +98,7 @@ def oom_line(micro: int, strategy: str, device: torch.device, predicted: int | N
     return "; ".join(parts) + f" (hint: {fit}--activation-checkpointing full, or an FSDP2 --strategy)"
 
 
-def _try_micro_step(trainer: Trainer, data: BatchStream) -> bool:
+def _try_micro_step(trainer: Run, data: BatchStream) -> bool:
     """One micro-step at the run's micro-batch; whether this rank ran out of memory. Leaves
     no gradient, random state or data position behind."""
     device = trainer.rt.device
@@ -64,7 +106,7 @@ def _try_micro_step(trainer: Trainer, data: BatchStream) -> bool:
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     failed = False
     try:
-        x, y, positions = trainer._to_device(next(data))
+        x, y, positions = trainer.to_device(next(data))
         trainer.layout.try_micro_step(x, y, positions)
     except torch.cuda.OutOfMemoryError:
         failed = True
@@ -88,50 +130,52 @@ def can_run_out_of_memory(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def fit_micro_batch(trainer: Trainer, data: BatchStream) -> BatchStream:
+def fit_micro_batch(trainer: Run, data: BatchStream) -> tuple[BatchStream, Resized | None]:
     """The data stream to train from, at a micro-batch every rank has run one micro-step of
-    (module docstring). Returns ``data`` itself, unread, when the micro-batch is the user's,
-    the layout cannot change it (pipelines, DeepSpeed: their schedules are cut for it) or the
-    device cannot run out of memory in a way a try would see (``can_run_out_of_memory``)."""
+    (module docstring), and the smaller micro-batch the run then trains with (None: it keeps
+    its own). Returns ``data`` itself, unread, when the micro-batch is the user's, the layout
+    cannot change it (pipelines, DeepSpeed: their schedules are cut for it) or the device
+    cannot run out of memory in a way a try would see (``can_run_out_of_memory``)."""
     if (not trainer.micro_is_ours or not trainer.layout.resizable_batch
             or not can_run_out_of_memory(trainer.rt.device)):
-        return data
+        return data, None
     epoch, samples = data.epoch, data.samples
+    resized: Resized | None = None
+    cfg, accum, loader = trainer.cfg, trainer.state.accum, data.loader
     while True:
-        cfg = trainer.cfg
         failed = torch.tensor(float(_try_micro_step(trainer, data)), device=trainer.rt.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if not failed.item():
-            return BatchStream(trainer.train_loader, cfg.micro, trainer.dp_size, epoch, samples)
+            return BatchStream(loader, cfg.micro, trainer.dp_size, epoch, samples), resized
         what = "in a first micro-step"
         if cfg.micro == 1:
             raise MeshrunError(oom_line(1, trainer.strategy, trainer.rt.device, trainer.choice.predicted_peak, None,
                                         what).replace(" (hint: a smaller --micro-batch, ", " (hint: "))
-        global_batch = cfg.micro * trainer.accum * trainer.dp_size
+        global_batch = cfg.micro * accum * trainer.dp_size
         half = cfg.micro // 2 if cfg.micro % 2 == 0 else (cfg.micro + 1) // 2
         while global_batch % (half * trainer.dp_size):  # a micro-batch that divides the global batch
             half -= 1
-        _resize(trainer, half, global_batch)
-        data = BatchStream(trainer.train_loader, half, trainer.dp_size, epoch, samples)
+        before = cfg.micro
+        resized = _resize(trainer, cfg, half, global_batch)
+        cfg, accum, loader = resized.cfg, resized.accum, resized.train_loader
+        data = BatchStream(loader, half, trainer.dp_size, epoch, samples)
         if trainer.rt.is_main:
-            print(f"meshrun train: out of GPU memory at micro-batch {cfg.micro} in a first micro-step; micro-batch "
-                  f"{half} x {trainer.accum} accumulation instead (global batch {global_batch} unchanged, so the "
+            print(f"meshrun train: out of GPU memory at micro-batch {before} in a first micro-step; micro-batch "
+                  f"{half} x {accum} accumulation instead (global batch {global_batch} unchanged, so the "
                   "loss curve is the same)", flush=True)
 
 
-def _resize(trainer: Trainer, micro: int, global_batch: int) -> None:
+def _resize(trainer: Run, cfg: TrainConfig, micro: int, global_batch: int) -> Resized:
     """Train at ``micro`` with the accumulation that keeps ``global_batch``."""
-    cfg = trainer.cfg
     sources: dict[str, Any] = {**cfg.sources, "micro_batch": "halved after running out of memory"}
-    trainer.cfg = cfg = cfg.replace(micro_batch=micro, global_batch=global_batch, sources=sources)
-    trainer.accum = trainer.layout.accum = cfg.accumulation(trainer.dp_size)
+    cfg = cfg.replace(micro_batch=micro, global_batch=global_batch, sources=sources)
     spec = trainer.loader_spec
-    trainer.loader_spec = LoaderSpec(micro, spec.dp_rank, spec.dp_size, spec.seed, spec.pin_memory, spec.shuffle)
-    trainer.train_loader = make_loader(trainer.train_data, trainer.loader_spec, skip=trainer.loader_skip)
-    trainer.val_loader = trainer.make_val_loader()
+    spec = LoaderSpec(micro, spec.dp_rank, spec.dp_size, spec.seed, spec.pin_memory, spec.shuffle)
+    loader = make_loader(trainer.train_data, spec, skip=trainer.state.loader_skip)
+    return Resized(cfg, cfg.accumulation(trainer.dp_size), spec, loader)
 
 
-def guarded_step(trainer: Trainer, data: Iterator, first: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+def guarded_step(trainer: Run, data: Iterator, first: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """``trainer.train_step``; out of memory on the run's first step becomes advice, not a traceback."""
     try:
         return trainer.train_step(data)

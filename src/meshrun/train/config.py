@@ -1,6 +1,6 @@
-"""TrainConfig: every option of `meshrun train` (declared by section in sections.py), read
-from a config file, MESHRUN_* variables and flags or keywords, with errors that name where
-each value came from.
+"""Reading TrainConfig, every option of `meshrun train` (declared by section, and combined,
+in sections.py), from a config file, MESHRUN_* variables and flags or keywords, with errors
+that name where each value came from.
 
 This module does not import torch: the CLI validates a config before launching anything.
 """
@@ -8,112 +8,19 @@ This module does not import torch: the CLI validates a config before launching a
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any
 
-from ..defaults import compile_enabled, seq_len_for
+from ..defaults import seq_len_for
 from ..errors import MeshrunError, bad_value
-from ..options import check_all, flag, option_fields, read, where
+from ..options import check_all, flag, option_fields, read
 from ..vocab import GPT_PRESETS
-from .sections import (
-    BUILTIN_DATA,
-    EXAMPLES,
-    SECTIONS,
-    STRATEGY_CHOICES,
-    CheckpointOptions,
-    DataOptions,
-    MetricsOptions,
-    ModelOptions,
-    OptimOptions,
-    ParallelOptions,
-    RuntimeOptions,
-    ScheduleOptions,
-    Section,
-    section_names,
-)
+from .sections import BUILTIN_DATA, EXAMPLES, STRATEGY_CHOICES, Section, TrainConfig, section_names
 
 __all__ = ["BUILTIN_DATA", "EXAMPLES", "STRATEGY_CHOICES", "TrainConfig", "build_config", "config_from",
            "load_file", "option_names", "resolve_seq_len", "validate"]
-
-
-@dataclass(frozen=True)
-class TrainConfig(RuntimeOptions, MetricsOptions, CheckpointOptions, OptimOptions, ScheduleOptions,
-                  ParallelOptions, DataOptions, ModelOptions):
-    """Every option of `meshrun train`: the sections of sections.py at once (``cfg.tp``,
-    ``cfg.steps``), and where each value came from (``sources``: option -> "flag",
-    "env MESHRUN_X", "config FILE", ...), so that an error names it."""
-
-    TITLE: ClassVar[str] = "meshrun train"
-    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
-
-    @staticmethod
-    def check(cfg: TrainConfig) -> TrainConfig:
-        """Every section's checks (each section's ``check`` covers its own options)."""
-        return validate(cfg)
-
-    # ---- derived ------------------------------------------------------------------------
-    @property
-    def micro(self) -> int:
-        if self.micro_batch is not None:
-            return self.micro_batch
-        return 32 if self.example == "toy" else 8
-
-    @property
-    def seq(self) -> int:
-        """The sequence length; resolved (``resolve_seq_len``) before training starts."""
-        if self.seq_len is None:
-            raise MeshrunError("the sequence length is not resolved yet (hint: set --seq-len)")
-        return self.seq_len
-
-    def compiles(self, cuda: bool) -> bool:
-        return compile_enabled(self.compile, cuda) or self.compile_tune
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.warmup if self.warmup is not None else min(100, self.steps // 10)
-
-    def dp_size(self, world: int) -> int:
-        """The data-parallel ranks of ``world`` processes: those left after --tp, --pp and --cp.
-        The launcher checks the split with the layout's own rule before any rank starts
-        (job.check); the layout's ParallelDims is built once, by ``parallelize``."""
-        model_parallel = self.tp * self.pp * self.cp
-        if world % model_parallel:
-            raise bad_value(f"--tp {self.tp} --pp {self.pp} --cp {self.cp}", model_parallel,
-                            f"model-parallel ranks do not divide the {world} processes",
-                            "degrees whose product divides the number of processes")
-        return world // model_parallel
-
-    def accumulation(self, dp_size: int) -> int:
-        """Micro-steps per optimizer step: global = micro x accumulation x data-parallel size."""
-        per_step = self.micro * dp_size
-        if self.global_batch is None:
-            return 1
-        if self.global_batch % per_step:
-            lo = self.global_batch // per_step * per_step
-            near = f"{lo} or {lo + per_step}" if lo else str(per_step)
-            raise bad_value(self.source("global_batch"), self.global_batch,
-                            f"is not a multiple of micro-batch {self.micro} x data-parallel size {dp_size} "
-                            f"= {per_step}", f"use a multiple of {per_step}, e.g. {near}")
-        return self.global_batch // per_step
-
-    def source(self, name: str) -> str:
-        return where(name, self.sources.get(name, "flag"))
-
-    def to_json(self) -> str:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["sources"] = dict(self.sources)
-        return json.dumps(d)
-
-    @classmethod
-    def from_json(cls, text: str) -> TrainConfig:
-        return cls(**json.loads(text))
-
-    def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -122,8 +29,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     as the sequence length when none was given. Needs no torch and no process group (the
     batch arithmetic needs the world size and is checked by ``accumulation``)."""
     check_all(TrainConfig, {f.name: getattr(cfg, f.name) for f in option_fields(TrainConfig)}, cfg.sources)
-    for section in SECTIONS:
-        cfg = section.check(cfg)
+    cfg = TrainConfig.check(cfg)  # each section's rules
     if cfg.seq_len is None and cfg.model is None and cfg.example == "gpt":  # a preset's own context
         cfg = cfg.replace(seq_len=seq_len_for(GPT_PRESETS[cfg.model_size].context),
                           sources={**cfg.sources, "seq_len": "the preset's context"})

@@ -5,7 +5,7 @@ each log line's metrics, and the run's config as a tracker's parameters. Where t
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -13,12 +13,34 @@ import torch.distributed as dist
 from .metrics import mfu, peak_flops
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .config import TrainConfig
+    from .parallel.auto import Choice
+    from .parallel.layouts import Layout
+    from .runtime import Runtime
+    from .state import TrainState
 
 
-def describe(trainer: Trainer) -> str:
+class Run(Protocol):
+    """What the report reads of the run (the Trainer, trainer.py)."""
+
+    rt: Runtime
+    cfg: TrainConfig
+    choice: Choice
+    layout: Layout
+    state: TrainState
+    scheduler: Any
+    n_params: int
+    flops_per_token: float | None
+    bf16: bool
+    data_s: float  # host seconds spent reading batches since the last log line
+
+    @property
+    def dp_size(self) -> int: ...
+
+
+def describe(trainer: Run) -> str:
     """The run's first line: what runs, and what was chosen for the user and why."""
-    cfg, rt, accum, dp_size = trainer.cfg, trainer.rt, trainer.accum, trainer.dp_size
+    cfg, rt, accum, dp_size = trainer.cfg, trainer.rt, trainer.state.accum, trainer.dp_size
     batch = cfg.micro * accum * dp_size
     line = (f"meshrun train: strategy {trainer.layout.description}, {rt.world_size} process(es), "
             f"{trainer.n_params / 1e6:.2f}M parameters, global batch {cfg.micro} x {accum} x {dp_size} = "
@@ -27,19 +49,19 @@ def describe(trainer: Trainer) -> str:
     return line + "".join(f"\n  {reason}" for reason in trainer.choice.reasons)
 
 
-def params(trainer: Trainer) -> dict[str, Any]:
+def params(trainer: Run) -> dict[str, Any]:
     """The run's resolved config as a tracker's parameters: every option as it ran (the
     defaults resolved: sequence length, micro-batch), and what meshrun chose for it."""
     cfg, rt = trainer.cfg, trainer.rt
     options = {k: v for k, v in json.loads(cfg.to_json()).items() if k != "sources"}
     return {**options, "micro_batch": cfg.micro, "seq_len": cfg.seq, "layout": trainer.layout.description,
-            "world_size": rt.world_size, "dp_size": trainer.dp_size, "accumulation": trainer.accum,
-            "global_batch": cfg.micro * trainer.accum * trainer.dp_size,
+            "world_size": rt.world_size, "dp_size": trainer.dp_size, "accumulation": trainer.state.accum,
+            "global_batch": cfg.micro * trainer.state.accum * trainer.dp_size,
             "precision": "bf16" if trainer.bf16 else "fp32", "parameters": trainer.n_params,
             "device": rt.device.type, "torch": torch.__version__}
 
 
-def record(trainer: Trainer, step: int, loss_sum: torch.Tensor, steps: int, tokens: int, elapsed: float,
+def record(trainer: Run, step: int, loss_sum: torch.Tensor, steps: int, tokens: int, elapsed: float,
            norm: torch.Tensor | None) -> dict[str, Any]:
     """One log line's metrics over the last ``steps`` steps, ``elapsed`` seconds of training
     (snapshots and validation not counted). The loss is the mean over the whole global

@@ -1,8 +1,9 @@
 """The sections of `meshrun train`'s configuration: model, data, parallelism, schedule,
 optimizer, snapshots, metrics, runtime. Each is a small dataclass whose fields are the
 section's options, declared once with ``option()`` (options.py), and whose ``check`` holds
-the rules that tie its options to others. TrainConfig (config.py) is every section at once,
-so a rule reads ``cfg.tp`` wherever the option lives.
+the rules that tie its options to others. TrainConfig (at the end) is every section at once,
+so a rule reads ``cfg.tp`` wherever the option lives; config.py reads it from a config file,
+MESHRUN_* variables and flags or keywords.
 
 Adding an option is adding a field to a section: the flag, its help, MESHRUN_<NAME>, the
 config-file key, the keyword of ``meshrun.train()`` and the checks of its declaration follow.
@@ -12,15 +13,18 @@ Torch-free: the CLI validates a config before launching anything.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Protocol
 
 from ..data.sources import data_kind
-from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS, KERNELS, compile_choice
-from ..errors import bad_value
+from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS, KERNELS, compile_choice, compile_enabled
+from ..errors import MeshrunError, bad_value
 from ..modelinfo.hf import is_hf_path, locate
-from ..options import option
+from ..options import option, where
 from ..paths import check_output_dir
 from ..vocab import (
     AC_MODES,
@@ -35,9 +39,6 @@ from ..vocab import (
     yes_no,
 )
 from . import trackers
-
-if TYPE_CHECKING:
-    from .config import TrainConfig
 
 STRATEGY_CHOICES = (*POLICIES, *STRATEGIES)
 REDUCE_PRECISIONS = ("fp32", "bf16")
@@ -358,3 +359,81 @@ def section_names() -> dict[str, type[Section]]:
     """Each section by the name a config file's table gives it (``[parallel]``, ``schedule:``)."""
     return {s.__name__.removesuffix("Options").lower(): s for s in SECTIONS}
 
+
+@dataclass(frozen=True)
+class TrainConfig(RuntimeOptions, MetricsOptions, CheckpointOptions, OptimOptions, ScheduleOptions,
+                  ParallelOptions, DataOptions, ModelOptions):
+    """Every option of `meshrun train`: the sections above at once (``cfg.tp``,
+    ``cfg.steps``), and where each value came from (``sources``: option -> "flag",
+    "env MESHRUN_X", "config FILE", ...), so that an error names it."""
+
+    TITLE: ClassVar[str] = "meshrun train"
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    @staticmethod
+    def check(cfg: TrainConfig) -> TrainConfig:
+        """Every section's rules, in SECTIONS' order (each section's ``check`` covers its own
+        options; config.validate runs them after each option's own checks)."""
+        for section in SECTIONS:
+            cfg = section.check(cfg)
+        return cfg
+
+    # ---- derived ------------------------------------------------------------------------
+    @property
+    def micro(self) -> int:
+        if self.micro_batch is not None:
+            return self.micro_batch
+        return 32 if self.example == "toy" else 8
+
+    @property
+    def seq(self) -> int:
+        """The sequence length; resolved (``resolve_seq_len``) before training starts."""
+        if self.seq_len is None:
+            raise MeshrunError("the sequence length is not resolved yet (hint: set --seq-len)")
+        return self.seq_len
+
+    def compiles(self, cuda: bool) -> bool:
+        return compile_enabled(self.compile, cuda) or self.compile_tune
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else min(100, self.steps // 10)
+
+    def dp_size(self, world: int) -> int:
+        """The data-parallel ranks of ``world`` processes: those left after --tp, --pp and --cp.
+        The launcher checks the split with the layout's own rule before any rank starts
+        (job.check); the layout's ParallelDims is built once, by ``parallelize``."""
+        model_parallel = self.tp * self.pp * self.cp
+        if world % model_parallel:
+            raise bad_value(f"--tp {self.tp} --pp {self.pp} --cp {self.cp}", model_parallel,
+                            f"model-parallel ranks do not divide the {world} processes",
+                            "degrees whose product divides the number of processes")
+        return world // model_parallel
+
+    def accumulation(self, dp_size: int) -> int:
+        """Micro-steps per optimizer step: global = micro x accumulation x data-parallel size."""
+        per_step = self.micro * dp_size
+        if self.global_batch is None:
+            return 1
+        if self.global_batch % per_step:
+            lo = self.global_batch // per_step * per_step
+            near = f"{lo} or {lo + per_step}" if lo else str(per_step)
+            raise bad_value(self.source("global_batch"), self.global_batch,
+                            f"is not a multiple of micro-batch {self.micro} x data-parallel size {dp_size} "
+                            f"= {per_step}", f"use a multiple of {per_step}, e.g. {near}")
+        return self.global_batch // per_step
+
+    def source(self, name: str) -> str:
+        return where(name, self.sources.get(name, "flag"))
+
+    def to_json(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["sources"] = dict(self.sources)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        return cls(**json.loads(text))
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)

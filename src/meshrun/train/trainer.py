@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,23 +27,22 @@ from ..modelinfo.hf import export_record
 from ..modelinfo.read import context_of
 from ..vocab import FLOAT8_PRECISIONS
 from . import preempt, report, snapshots, trackers
-from .batchfit import fit_micro_batch, guarded_step
+from .batchfit import Resized, fit_micro_batch, guarded_step
 from .config import TrainConfig, resolve_seq_len, validate
 from .data import BatchStream, LoaderSpec, make_loader
 from .factories import vocab_size
 from .kernels.liger import liger_applies
 from .loaded import eager
 from .metrics import MetricsSink, flops_per_token
-from .optim import Schedule, build_scheduler
+from .optim import build_scheduler
 from .parallel.apply import parallelize
 from .parallel.auto import Choice, decide
 from .parallel.layouts import Batch
 from .resize import keep_global_batch, resized_line
 from .runtime import Runtime, init_runtime
+from .snapshots import Snapshots
+from .state import TrainState
 from .weights import Pretrained
-
-if TYPE_CHECKING:
-    from .checkpoint import PendingSave
 
 # A non-finite step is found at the next log line or snapshot, and at least this often: one
 # host sync per 50 steps costs nothing measurable, and a run with rare log lines stops soon.
@@ -98,21 +97,24 @@ class Trainer:
             line = resized_line(resized, resume_from, cfg.micro, dp)
             if rt.is_main:
                 print(f"meshrun train: {line}", flush=True)
-        self.accum = cfg.accumulation(dp)
-        self.layout = parallelize(model, cfg, rt, self.choice, self.accum, self.bf16, weights)
-        self.schedule: Schedule = ((0, cfg.steps),)  # a resume may add pieces (restore)
-        self.scheduler = build_scheduler(self.layout.optimizer, cfg.warmup_steps, self.schedule, cfg.min_lr_ratio)
+        accum = cfg.accumulation(dp)
+        self.layout = parallelize(model, cfg, rt, self.choice, accum, self.bf16, weights)
+        # where the run is; a resume (restore) and the batch fit (fit) return the changes to it
+        self.state = TrainState(cfg.micro, accum, schedule=((0, cfg.steps),))
+        self.scheduler = build_scheduler(self.layout.optimizer, cfg.warmup_steps, self.state.schedule,
+                                         cfg.min_lr_ratio)
+        self.snapshots = Snapshots(rt.is_main)  # (with the asynchronous save in flight)
         self.train_data = train_data
         self.loader_spec = LoaderSpec(cfg.micro, self.dp_rank, self.dp_size, cfg.seed, pin_memory=rt.cuda)
         self.train_loader = make_loader(train_data, self.loader_spec)
         self.val_data = val_data
         self.val_loader = self.make_val_loader()
-        if not isinstance(train_data, IterableDataset) and len(train_data) < cfg.micro * self.accum * self.dp_size:
+        if not isinstance(train_data, IterableDataset) and len(train_data) < cfg.micro * accum * self.dp_size:
             raise MeshrunError(
                 f"the training data has {len(train_data)} samples" + (f" of {cfg.seq} tokens" if cfg.example == "gpt"
                                                                       else "")
-                + f": fewer than one global batch of {cfg.micro * self.accum * self.dp_size} (micro-batch {cfg.micro} "
-                f"x {self.accum} x {self.dp_size} data-parallel ranks) (hint: a smaller --global-batch or "
+                + f": fewer than one global batch of {cfg.micro * accum * self.dp_size} (micro-batch {cfg.micro} "
+                f"x {accum} x {self.dp_size} data-parallel ranks) (hint: a smaller --global-batch or "
                 "--seq-len, or more data)")
 
     def make_val_loader(self) -> Any:
@@ -151,12 +153,15 @@ class Trainer:
     def dp_size(self) -> int:
         return self.layout.dp_size
 
-    step = 0  # optimizer steps done
-    loader_skip = 0  # iterable data: samples per rank the loader skips (a resume's position)
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+        return self.state.step
+
     data_s = 0.0  # host seconds spent reading batches and starting their copies, since the last log line
 
     # ---- the step -----------------------------------------------------------------------
-    def _to_device(self, batch: Any) -> Batch:
+    def to_device(self, batch: Any) -> Batch:
         """(inputs, targets, document positions or None) on the device, this rank's part."""
         x, y, *positions = (t.to(self.rt.device, non_blocking=True) for t in batch)
         return self.layout.batch(x, y, positions[0] if positions else None)
@@ -167,15 +172,16 @@ class Trainer:
         tokens this rank processed."""
         loss_sum = torch.zeros((), device=self.rt.device)
         tokens = 0
-        for micro in range(self.accum):
+        accum = self.state.accum
+        for micro in range(accum):
             t0 = time.perf_counter()
-            x, y, positions = self._to_device(next(data))
+            x, y, positions = self.to_device(next(data))
             self.data_s += time.perf_counter() - t0
             tokens += x.numel() if not x.is_floating_point() else x.shape[0]
-            loss_sum += self.layout.micro_step(x, y, last=micro == self.accum - 1, positions=positions)
+            loss_sum += self.layout.micro_step(x, y, last=micro == accum - 1, positions=positions)
         norm = self.layout.step(self.step + 1, loss_sum)
         self.scheduler.step()
-        self.step += 1
+        self.state = self.state.replace(step=self.step + 1)
         return loss_sum, (norm if self.cfg.grad_clip > 0 else None), tokens
 
     @torch.no_grad()
@@ -198,7 +204,7 @@ class Trainer:
         for i, batch in enumerate(loader):
             if i >= batches:
                 break
-            x, y, positions = self._to_device(batch)
+            x, y, positions = self.to_device(batch)
             loss = self.layout.eval_loss(x, y, positions)
             if loss is not None:  # (a pipeline's loss is on its last stage only)
                 total += torch.stack([loss.float(), one])
@@ -225,7 +231,9 @@ class Trainer:
                       + (f" of {cfg.steps}" if self.step == cfg.steps else f", past --steps {cfg.steps}")
                       + "; nothing to do (hint: pass a larger --steps to train on)", flush=True)
             return []
-        data = fit_micro_batch(self, stream)  # (a micro-batch of meshrun's may be halved: batchfit.py)
+        data, resized = fit_micro_batch(self, stream)  # (a micro-batch of meshrun's may be halved: batchfit.py)
+        if resized is not None:
+            self._resize(resized)
         sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main, done=self.step,
                            trackers=trackers.parse(cfg.log_with, cfg.source("log_with")),
                            params=report.params(self) if rt.is_main else None)
@@ -246,7 +254,7 @@ class Trainer:
                 log = step % cfg.log_every == 0 or last or stop
                 if not (log or snapshot or step % FINITE_CHECK_EVERY == 0):
                     continue
-                snapshots.check_finite(self)  # a host sync: the device has done the steps so far
+                self.snapshots.check_finite(self.layout, self.step)  # a host sync: the device has done the steps so far
                 trained = time.perf_counter() - start - paused
                 extra: dict[str, Any] = {}
                 if snapshot and self.checkpoint_root:
@@ -279,20 +287,31 @@ class Trainer:
                 checkpoint.wait_pruned()
         return sink.records
 
-    # ---- snapshots (snapshots.py) --------------------------------------------------------
-    _pending: PendingSave | None = None  # the asynchronous save in flight
-    _async_group: Any = None  # the gloo group its background writer coordinates over
+    def _resize(self, resized: Resized) -> None:
+        """Train at the smaller micro-batch the batch fit settled on, global batch unchanged."""
+        self.cfg, self.loader_spec, self.train_loader = resized.cfg, resized.loader_spec, resized.train_loader
+        self.state = self.state.replace(micro_batch=resized.cfg.micro, accum=resized.accum)
+        self.layout.set_accum(resized.accum)
+        self.val_loader = self.make_val_loader()
 
+    # ---- snapshots (snapshots.py) --------------------------------------------------------
     @property
     def checkpoint_root(self) -> str | None:
         return snapshots.checkpoint_root(self.cfg)
 
     def restore(self) -> BatchStream:
-        """Load the snapshot to resume from, if any, and return the data stream positioned
-        where it stopped."""
-        return snapshots.restore(self)
+        """Load the snapshot to resume from, if any, put the state it holds in place, and
+        return the data stream positioned where it stopped."""
+        seekable = hasattr(self.train_loader.sampler, "set_start")  # else iterable data: skipped to its place
+        self.state, scheduler = self.snapshots.restore(self.resume_from, self.checkpoint_names, self.cfg,
+                                                       self.layout, self.state, seekable)
+        if scheduler is not None:  # (None: a fresh start, the schedule as built)
+            self.scheduler = scheduler
+        if self.state.loader_skip:
+            self.train_loader = make_loader(self.train_data, self.loader_spec, skip=self.state.loader_skip)
+        return BatchStream(self.train_loader, self.cfg.micro, self.dp_size, self.state.epoch, self.state.samples)
 
     def save(self, data: BatchStream, final: bool = False) -> str | None:
         """Snapshot now; returns its path (committed on return unless it is an asynchronous
         save still in flight, one at a time)."""
-        return snapshots.save(self, data, final)
+        return self.snapshots.save(self.cfg, self.state, data, self.layout, self.model_record, final)

@@ -157,6 +157,10 @@ class Layout:
     # schedule or an engine was cut for it (pipelines, DeepSpeed)
     resizable_batch = True
 
+    def set_accum(self, accum: int) -> None:
+        """Micro-steps per optimizer step, after the batch fit made the micro-batch smaller."""
+        self.accum = accum
+
     def try_micro_step(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Forward and backward of one micro-batch, to see that it fits; no update follows
         (``drop_gradients``)."""
