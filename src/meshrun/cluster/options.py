@@ -17,11 +17,10 @@ from .detect import PLATFORMS, Overrides
 # internals and tests. A variable of this prefix that is neither one of these nor an option
 # of the command being run is warned about (cli/options.py: warn_unknown_env).
 INTERNAL_VARIABLES = (
-    "MESHRUN_TRAIN_CONFIG", "MESHRUN_ERROR_FILE", "MESHRUN_PREEMPT_FILE", "MESHRUN_CACHE",
+    "MESHRUN_TRAIN_CONFIG", "MESHRUN_RUN_DIR", "MESHRUN_LOG_DIR", "MESHRUN_CACHE",
     "MESHRUN_SAVE_THREADS",
     "MESHRUN_BENCH_OUT", "MESHRUN_LOCAL_RANK", "MESHRUN_PROCESS_ID", "MESHRUN_NUM_PROCESSES",
     "MESHRUN_TEST_STRICT", "MESHRUN_SKYPILOT_PYTHON", "MESHRUN_JOB_TOKEN", "MESHRUN_OUT_RUN_ID",
-    "MESHRUN_CRASH_FILE", "MESHRUN_READY_FILE", "MESHRUN_INTERRUPT_FILE", "MESHRUN_RESULT_FILE",
     "MESHRUN_PLATFORMS",  # the user's platforms, read by detection itself (userplatforms.py)
 )
 _PLATFORM_HELP = f"skip detection: one of {', '.join(PLATFORMS)}, or a platform of MESHRUN_PLATFORMS"

@@ -49,9 +49,6 @@ _SIGNAL_HINTS = {
 }
 
 
-ECHO_SUFFIX = ".echo"  # beside the crash file: the lines of ranks that only saw another rank go
-
-
 def first_line(message: str, limit: int = 300) -> str:
     """The first non-empty line of ``message``, at most ``limit`` characters."""
     line = next((s.strip() for s in message.splitlines() if s.strip()), "")
@@ -166,10 +163,6 @@ class TorchrunReport:
         return out
 
 
-_TIMED_OUT_LINE = re.compile(r"^rank (\d+): a collective waited ")
-_RANK_LINE = re.compile(r"^rank (\d+)\b")
-
-
 def timeout_line(rank: int, timeout_s: int, log_path: str | None) -> str:
     """The line of a rank whose collective waited out the collective timeout: it knows that a
     peer did not answer, not which one (``silent_line`` says that from the launcher)."""
@@ -177,15 +170,6 @@ def timeout_line(rank: int, timeout_s: int, log_path: str | None) -> str:
             + (f" (full log: {log_path})" if log_path else "")
             + " (hint: a rank that stopped or hangs; a step slower than that, such as a long snapshot, needs a larger "
               "--collective-timeout)")
-
-
-def timed_out_ranks(lines: list[str]) -> set[int]:
-    return {int(m.group(1)) for m in map(_TIMED_OUT_LINE.match, lines) if m}
-
-
-def ranks_named(lines: list[str]) -> set[int]:
-    """The ranks whose lines these are (``rank N ...``)."""
-    return {int(m.group(1)) for m in map(_RANK_LINE.match, lines) if m}
 
 
 def silent_line(silent: list[int], waited: list[int], timeout_s: int, log_dir: str | None) -> str:

@@ -6,7 +6,6 @@ trains, or writes snapshots, beside the workers of the attempt before it."""
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import sys
@@ -19,17 +18,10 @@ from ..cluster.topology import Topology
 from ..errors import PREEMPTED, RANK_STOPPED, JobFailed, MeshrunError
 from . import early
 from .command import Command, LaunchSpec
-from .failure import (
-    ECHO_SUFFIX,
-    TorchrunReport,
-    parse_root_cause,
-    ranks_named,
-    signal_line,
-    silent_line,
-    timed_out_ranks,
-)
+from .failure import TorchrunReport, parse_root_cause, signal_line, silent_line
 from .node import prepare_network, run_job
 from .run import NO_WAITS, Waits
+from .rundir import CRASH, ERROR, INTERRUPT, PREEMPT, Report, ReportReader, RunDir
 
 SETTLE_S = 5.0  # after a rank's collective timed out: how long the others may take to say they waited too
 RETRY_PORT_STRIDE = 1  # attempt k rendezvous on master_port + k: every node computes the same port
@@ -48,46 +40,44 @@ def attempt_topology(topo: Topology, attempt: int) -> Topology:
 
 
 def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topology]], env: Mapping[str, str],
-                      max_restarts: int, rdzv_timeout: int | None, error_file: str,
-                      preempt_file: str | None = None, preempt_signals: tuple[int, ...] = (),
-                      crash_file: str | None = None, log_dir: str | None = None,
-                      waits: Waits = NO_WAITS, ready_file: str | None = None,
-                      interrupt_file: str | None = None, last_snapshot: Callable[[], str] | None = None) -> int:
+                      max_restarts: int, rdzv_timeout: int | None, run_dir: RunDir,
+                      preempt_signals: tuple[int, ...] = (), waits: Waits = NO_WAITS,
+                      last_snapshot: Callable[[], str] | None = None) -> int:
     """Run attempt 0, 1, ... of ``command(attempt)`` until one succeeds or ``max_restarts``
-    restarts are spent; returns the last exit code. A rank that explains a bad input in
-    ``error_file`` (the first line is the message) ends the job with that message: a restart
-    would fail the same way. A job whose ranks wrote ``preempt_file`` stopped on one of
-    ``preempt_signals`` (sent to the workers themselves) after its snapshot: its line is
-    printed and the job ends with PREEMPTED, not restarted here; the same command resumes it
-    later. Once either file is written, torchrun's failure report is noise, and the
+    restarts are spent; returns the last exit code. The ranks report to ``run_dir``
+    (launch/rundir.py). A rank's ``error`` record (a bad input explained; its first line is
+    the message) ends the job with that message: a restart would fail the same way. A job
+    whose ranks wrote a ``preempt`` record stopped on one of ``preempt_signals`` (sent to the
+    workers themselves) after its snapshot: its line is printed and the job ends with
+    PREEMPTED, not restarted here; the same command resumes it later. Once a rank has said
+    anything but an echo of another's failure, torchrun's failure report is noise, and the
     children's stderr stops being relayed.
 
-    A failed attempt ends in one line (launch/failure.py): the first line a rank wrote to
-    ``crash_file`` (it raised), else the rank and signal or exit code read from torchrun's
-    failure report, which is held back from the terminal and kept, with the rest of what
-    torchrun said, in ``log_dir``/torchrun-node-N.log. The job is stopped as soon as a rank has
-    written its line: the others would only wait on it in a collective. Once restarts are
-    spent the line ends the job as a JobFailed (exit code 1).
+    A failed attempt ends in one line (launch/failure.py): the first ``crash`` record a rank
+    wrote (it raised), else the rank and signal or exit code read from torchrun's failure
+    report, which is held back from the terminal and kept, with the rest of what torchrun
+    said, in the run's log directory (torchrun-node-N.log). The job is stopped as soon as a
+    rank has written its line: the others would only wait on it in a collective. Once
+    restarts are spent the line ends the job as a JobFailed (exit code 1).
 
-    ``waits`` bounds the waits for ranks (run.Waits). With ``ready_file`` (each rank writes
-    READY.RANK once past its rendezvous) and ``interrupt_file`` (the step a rank says Ctrl-C
-    stopped it at), Ctrl-C ends the job in one line and code 130, which names the snapshot a
-    run resumes from (``last_snapshot``, asked once every rank ended), and a stopping signal
-    during the rendezvous ends it at once: nothing the processes print after it reaches the
-    terminal (their tracebacks, torchrun's), all of it stays in ``log_dir``."""
+    ``waits`` bounds the waits for ranks (run.Waits). Each rank writes ``ready.RANK`` once
+    past its rendezvous and an ``interrupt`` record with the step Ctrl-C stopped it at: Ctrl-C
+    ends the job in one line and code 130, which names the snapshot a run resumes from
+    (``last_snapshot``, asked once every rank ended), and a stopping signal during the
+    rendezvous ends it at once: nothing the processes print after it reaches the terminal
+    (their tracebacks, torchrun's), all of it stays in the log directory."""
     code = 0
-    said = [path for path in (error_file, preempt_file, crash_file, interrupt_file) if path]
-    echo_file = crash_file + ECHO_SUFFIX if crash_file else None
+    log_dir = run_dir.log_dir
+    reports = ReportReader(run_dir)
     interrupted: list[tuple[int, bool]] = []  # (signal, whether the ranks were past their rendezvous)
 
     def mute() -> bool:
-        return bool(interrupted) or any(os.path.exists(path) for path in said)
+        return bool(interrupted) or reports.any()
 
-    if ready_file and interrupt_file:
-        def ready() -> bool:
-            return bool(glob.glob(glob.escape(ready_file) + ".*"))
+    def ready() -> bool:
+        return bool(run_dir.ready_ranks())
 
-        waits = Waits(waits.stall_s, waits.finish_s, ready, lambda signum: interrupted.append((signum, ready())))
+    waits = Waits(waits.stall_s, waits.finish_s, ready, lambda signum: interrupted.append((signum, ready())))
 
     try:
         for attempt in range(max_restarts + 1):
@@ -98,7 +88,7 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
             cmd = prepare_network(topo, cmd, env, rdzv_timeout)
             log = _launcher_log(log_dir, _log_name(cmd, topo.node_rank))
             report = TorchrunReport(log=log)
-            crashed = CrashWatch(crash_file, ready_file) if crash_file else None
+            crashed = CrashWatch(run_dir, reports)
             exits: list[tuple[int, int]] = []
             try:
                 code = run_job(cmd, env, topo, spec, report=report, mute_stderr=mute, to_workers=preempt_signals,
@@ -106,23 +96,20 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
             finally:
                 if log is not None:
                     log.close()
-                for ready_path in glob.glob(glob.escape(ready_file) + ".*") if ready_file else ():
-                    os.unlink(ready_path)  # the next attempt has a rendezvous of its own
+                run_dir.clear_ready()  # the next attempt has a rendezvous of its own
             if interrupted:
-                return _interrupted(*interrupted[0], interrupt_file, last_snapshot)
-            if preempt_file and os.path.exists(preempt_file):
-                with open(preempt_file) as f:
-                    print(f"meshrun: {f.readline().strip()}", file=sys.stderr, flush=True)
+                said = reports.first(INTERRUPT)
+                return _interrupted(*interrupted[0], said.line if said else None, last_snapshot)
+            preempted = reports.first(PREEMPT)
+            if preempted is not None:
+                print(f"meshrun: {preempted.line}", file=sys.stderr, flush=True)
                 return PREEMPTED
             if code == 0:
                 return 0
-            if os.path.exists(error_file):
-                with open(error_file) as f:
-                    first = f.readline().strip()
-                if first:  # bad input or a non-finite loss
-                    raise MeshrunError(first)
-            line = _failure_line(crash_file, echo_file, report, log_dir, crashed, waits.stall_s,
-                                 _rank_failure(cmd, exits))
+            error = reports.first(ERROR)
+            if error is not None and error.line:  # bad input or a non-finite loss
+                raise MeshrunError(error.line)
+            line = _failure_line(reports, report, log_dir, crashed, waits.stall_s, _rank_failure(cmd, exits))
             if line is None:  # torchrun's report says what no line of ours can: shown as it is
                 for held in report.release():
                     sys.stderr.buffer.write(held)
@@ -131,24 +118,19 @@ def run_with_restarts(command: Callable[[int], tuple[Command, LaunchSpec, Topolo
                 print(f"meshrun: {line}", file=sys.stderr, flush=True)
             else:
                 raise JobFailed(line)
-            for path in (crash_file, echo_file):  # the next attempt's first failure is its own
-                if path and os.path.exists(path):
-                    os.unlink(path)
+            reports.clear()  # the next attempt's first failure is its own
         return code
     finally:
-        for path in [*said, echo_file]:
-            if path and os.path.exists(path):
-                os.unlink(path)
+        reports.clear()
         early.settle(preempt_signals)  # the job is over: a late warning has nothing to stop
 
 
-def _interrupted(signum: int, ready: bool, interrupt_file: str | None,
-                 last_snapshot: Callable[[], str] | None) -> int:
+def _interrupted(signum: int, ready: bool, said: str | None, last_snapshot: Callable[[], str] | None) -> int:
     """Say where a job ended on Ctrl-C (the step a rank said, and the snapshot it resumes
     from), or on a stopping signal during start-up; return its exit code."""
     if signum == signal.SIGINT:
         # (no rank said a step when each was killed before its handler ran: the grace ran out)
-        line = _first_line(interrupt_file) or ("interrupted while training" if ready else "interrupted during start-up")
+        line = said or ("interrupted while training" if ready else "interrupted during start-up")
         if ready and last_snapshot is not None:
             line += f"; {last_snapshot()}"
         print(f"meshrun: {line}", file=sys.stderr, flush=True)
@@ -167,9 +149,7 @@ def _log_name(cmd: Command, node_rank: int) -> str:
     return f"torchrun-node-{node_rank}.log"
 
 
-def _launcher_log(log_dir: str | None, name: str) -> BinaryIO | None:
-    if not log_dir:
-        return None
+def _launcher_log(log_dir: str, name: str) -> BinaryIO | None:
     try:
         os.makedirs(log_dir, exist_ok=True)
         return open(os.path.join(log_dir, name), "ab")
@@ -187,71 +167,64 @@ def _rank_failure(cmd: Command, exits: list[tuple[int, int]]) -> tuple[int | Non
     return None
 
 
-def _first_line(path: str | None) -> str | None:
-    if not path or not os.path.exists(path):
-        return None
-    with open(path, errors="replace") as f:
-        return f.readline().strip() or None
+def _crashes(reports: ReportReader) -> list[Report]:
+    """The ranks' own failures, each a line, without the echoes of another rank's."""
+    return [r for r in reports.records(CRASH) if not r.echo and r.line]
+
+
+def _echoes(reports: ReportReader) -> list[Report]:
+    return [r for r in reports.records(CRASH) if r.echo and r.line]
 
 
 class CrashWatch:
-    """``stop_when`` of a job whose ranks write their one line to ``crash_file``: a rank's
+    """``stop_when`` of a job whose ranks write their one line as a ``crash`` record: a rank's
     error stops the job at once. A collective that timed out does so once every rank of
-    this node that passed its rendezvous (``ready_file``.RANK) has said that it waited too
-    (a timeout, or the peer-gone echo of one), or SETTLE_S later: a rank that said nothing by
+    this node that passed its rendezvous (``ready.RANK``) has said that it waited too (a
+    timeout, or the peer-gone echo of one), or SETTLE_S later: a rank that said nothing by
     then is the one that stopped answering."""
 
-    def __init__(self, crash_file: str, ready_file: str | None) -> None:
-        self.crash_file, self.echo_file, self.ready_file = crash_file, crash_file + ECHO_SUFFIX, ready_file
+    def __init__(self, run_dir: RunDir, reports: ReportReader) -> None:
+        self.run_dir, self.reports = run_dir, reports
         self.ready: set[int] = set()  # the ranks of this node past their rendezvous
         self.first_timeout: float | None = None
 
     def __call__(self) -> bool:
-        if self.ready_file:
-            self.ready |= {int(p.rpartition(".")[2]) for p in glob.glob(glob.escape(self.ready_file) + ".*")
-                           if p.rpartition(".")[2].isdigit()}
-        lines = _lines(self.crash_file)
-        if not lines:
+        self.ready |= self.run_dir.ready_ranks()
+        crashes = _crashes(self.reports)
+        if not crashes:
             return False
-        if len(timed_out_ranks(lines)) < len(lines):  # a rank's own error
+        if len(self.waited()) < len(crashes):  # a rank's own error
             return True
         if self.first_timeout is None:
             self.first_timeout = time.monotonic()
         return not self.silent() or time.monotonic() - self.first_timeout >= SETTLE_S
 
     def waited(self) -> set[int]:
-        return timed_out_ranks(_lines(self.crash_file))
+        """The ranks whose collective waited out its timeout."""
+        return {r.rank for r in _crashes(self.reports) if r.timed_out}
 
     def silent(self) -> set[int]:
         """The ranks of this node that neither waited nor failed."""
-        return self.ready - ranks_named(_lines(self.crash_file) + _lines(self.echo_file))
+        return self.ready - {r.rank for r in _crashes(self.reports) + _echoes(self.reports)}
 
 
-def _lines(path: str | None) -> list[str]:
-    if not path or not os.path.exists(path):
-        return []
-    with open(path, errors="replace") as f:
-        return [line.strip() for line in f if line.strip()]
-
-
-def _failure_line(crash_file: str | None, echo_file: str | None, report: TorchrunReport,
-                  log_dir: str | None, crashed: CrashWatch | None = None, timeout_s: float | None = None,
-                  rank_exit: tuple[int | None, int] | None = None) -> str | None:
+def _failure_line(reports: ReportReader, report: TorchrunReport, log_dir: str, crashed: CrashWatch,
+                  timeout_s: float | None = None, rank_exit: tuple[int | None, int] | None = None) -> str | None:
     """The one line of a failed attempt: the rank that stopped answering when the others'
     collectives timed out on it, else a rank's own account of its exception, else the rank and
     the signal or exit code it died of (``rank_exit``, for ranks meshrun started itself, or
     torchrun's root cause), else the line of a rank that saw another go; None when nothing
     says anything."""
-    if crashed is not None and timeout_s is not None and crashed.waited() and crashed.silent():
-        lines = _lines(crash_file)
-        if len(crashed.waited()) == len(lines):
+    crashes = _crashes(reports)
+    if timeout_s is not None and crashed.waited() and crashed.silent():
+        if len(crashed.waited()) == len(crashes):
             return silent_line(sorted(crashed.silent()), sorted(crashed.waited()), int(timeout_s), log_dir)
-    first = _first_line(crash_file)
-    if first:
-        return first
+    if crashes:
+        return crashes[0].line
     cause = rank_exit or parse_root_cause(report.text())
     if cause is not None:
         rank, exitcode = cause
-        path = os.path.join(log_dir, f"rank-{rank}.log") if log_dir and rank is not None else log_dir
+        path = os.path.join(log_dir, f"rank-{rank}.log") if rank is not None else log_dir
         return signal_line(rank, exitcode, path)
-    return _first_line(echo_file)
+    echoes = _echoes(reports)
+    return echoes[0].line if echoes else None

@@ -28,12 +28,12 @@ from ..launch.node import check_ports, rdzv_timeout_s
 from ..launch.options import WaitOptions
 from ..launch.restart import attempt_topology, run_with_restarts
 from ..launch.run import Waits
+from ..launch.rundir import RunDir
 from ..launch.torchrun import thread_env
 from ..options import check_all, option, option_fields, read, where
 from ..units import parse_bytes
 from . import prelaunch, trackers
 from .config import TrainConfig
-from .ranklog import LOG_DIR_ENV, RESULT_ENV
 
 TRAINER_PACKAGES = ("torch", "numpy", "safetensors")
 WORKER = "meshrun.train.worker"  # the module each rank runs
@@ -246,43 +246,37 @@ def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str
             cfg, run_id = cfg.replace(resume=prepared.resume), prepared.run_id
         elif job.overwrite:  # the other nodes start afresh, as node 0 does
             cfg = cfg.replace(resume="none")
-        # The ranks' one-line error and preemption account go to a directory of this run's own
-        # (mkdtemp: a fresh name, mode 0700), so no file another user planted, or an earlier run
-        # left behind, can stand in for them; it is removed when the run ends, however it ends.
-        run_dir = tempfile.mkdtemp(prefix="meshrun-train-")
+        # The ranks report to a directory of this run's own (launch/rundir.py; mkdtemp: a fresh
+        # name, mode 0700), so no file another user planted, or an earlier run left behind, can
+        # stand in for their reports; it is removed when the run ends, however it ends. Each
+        # rank's whole output goes to LOGS/rank-N.log (train/ranklog.py): OUT/logs, or without
+        # --out the run directory's own, kept only when the job fails (its line names it).
+        root = tempfile.mkdtemp(prefix="meshrun-train-")
+        run_dir = RunDir(root, os.path.join(cfg.out, "logs") if cfg.out else None)
         keep = False
         try:
             code = _launch(job, env, cfg, topo, run_dir, run_id)
             return TrainResult(code, _last_record(run_dir), _newest_snapshot(cfg.out), cfg.out)
         except JobFailed:
             # without --out the ranks' logs live here: kept when a rank failed (its line names them)
-            keep = not cfg.out and os.path.isdir(os.path.join(run_dir, "logs"))
+            keep = not cfg.out and os.path.isdir(run_dir.log_dir)
             raise
         finally:
-            for name in os.listdir(run_dir) if keep else ():
-                if name != "logs":
-                    os.unlink(os.path.join(run_dir, name))
+            for name in os.listdir(root) if keep else ():
+                if name != os.path.basename(run_dir.log_dir):
+                    os.unlink(os.path.join(root, name))
             if not keep:
-                shutil.rmtree(run_dir, ignore_errors=True)
+                shutil.rmtree(root, ignore_errors=True)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Topology, run_dir: str,
+def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Topology, run_dir: RunDir,
             run_id: str | None = None) -> int:
-    """Launch the workers (or print the command, under --dry-run) with their report files in
-    ``run_dir``; ``run_id``: the run the snapshots belong to (node rank 0 knows it)."""
-    error_file = os.path.join(run_dir, "error")
-    preempt_file = os.path.join(run_dir, "preempted")
-    crash_file = os.path.join(run_dir, "crash")
-    # Each rank's whole output goes to LOGS/rank-N.log (train/ranklog.py): OUT/logs, or without
-    # --out a directory of this run's own, kept only when the job fails (its line names it)
-    log_dir = os.path.join(cfg.out, "logs") if cfg.out else os.path.join(run_dir, "logs")
-    ready_file, interrupt_file = os.path.join(run_dir, "ready"), os.path.join(run_dir, "interrupted")
-    extra = {"MESHRUN_ERROR_FILE": error_file, "MESHRUN_PREEMPT_FILE": preempt_file,
-             "MESHRUN_CRASH_FILE": crash_file, LOG_DIR_ENV: log_dir, "MESHRUN_READY_FILE": ready_file,
-             "MESHRUN_INTERRUPT_FILE": interrupt_file, RESULT_ENV: os.path.join(run_dir, "result.json")}
+    """Launch the workers (or print the command, under --dry-run) reporting to ``run_dir``;
+    ``run_id``: the run the snapshots belong to (node rank 0 knows it)."""
+    extra = run_dir.env()
     waits = Waits(stall_s=cfg.collective_timeout, finish_s=job.finish_timeout)
     extra.update(thread_env(topo.nproc_per_node, env))  # torchrun's own choice, without its banner
     if run_id:
@@ -318,9 +312,8 @@ def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Top
         print(waits_line(rdzv, waits.stall_s, waits.finish_s), flush=True)
     from .preempt import SIGNALS  # (signal numbers only: no torch import here)
 
-    return run_with_restarts(command, env, job.max_restarts, job.rdzv_timeout, error_file, preempt_file, SIGNALS,
-                             crash_file=crash_file, log_dir=log_dir, waits=waits, ready_file=ready_file,
-                             interrupt_file=interrupt_file, last_snapshot=lambda: _last_snapshot(cfg.out))
+    return run_with_restarts(command, env, job.max_restarts, job.rdzv_timeout, run_dir, SIGNALS, waits=waits,
+                             last_snapshot=lambda: _last_snapshot(cfg.out))
 
 
 def _newest_snapshot(out: str | None) -> str | None:
@@ -340,10 +333,10 @@ def _last_snapshot(out: str | None) -> str:
     return f"the last snapshot is {newest}" if newest else "no snapshot yet"
 
 
-def _last_record(run_dir: str) -> dict[str, Any]:
+def _last_record(run_dir: RunDir) -> dict[str, Any]:
     """Rank 0's last log record, when rank 0 ran on this node and trained."""
     try:
-        with open(os.path.join(run_dir, "result.json")) as f:
+        with open(run_dir.result) as f:
             record = json.load(f)
     except (OSError, ValueError):
         return {}

@@ -22,9 +22,6 @@ import time
 import warnings
 from typing import Any, TextIO
 
-LOG_DIR_ENV = "MESHRUN_LOG_DIR"  # set by `meshrun train` for its workers
-RESULT_ENV = "MESHRUN_RESULT_FILE"  # where rank 0 writes its last log record, for meshrun.train(...)
-
 
 def log_path(log_dir: str, rank: int) -> str:
     return os.path.join(log_dir, f"rank-{rank}.log")

@@ -1,21 +1,23 @@
 """The per-rank program that `meshrun train` launches: `python -m meshrun.train.worker`.
 
-It reads the validated TrainConfig from MESHRUN_TRAIN_CONFIG. A MeshrunError (bad factory,
-out of memory at step 1, ...) is written to MESHRUN_ERROR_FILE for the launching
-`meshrun train`, which prints it as its one-line error, and the rank exits with code 2. Any
-other exception (in the model, the compiler, a collective) is written in full to the rank's
-log (ranklog.py) and as one line (launch/failure.py: rank, type, message, log, hint) to
-MESHRUN_CRASH_FILE, and the rank exits with code 1; `meshrun train` prints the first such line.
-SIGTERM and SIGUSR1 stop the run after a step all ranks agree on, with a snapshot
-(preempt.py): the rank exits with PREEMPTED (75), and the local rank 0 writes the one-line
-account to MESHRUN_PREEMPT_FILE for `meshrun train` to print.
+It reads the validated TrainConfig from MESHRUN_TRAIN_CONFIG, and reports to the launching
+`meshrun train` through the run directory it names (launch/rundir.py: MESHRUN_RUN_DIR). A
+MeshrunError (bad factory, out of memory at step 1, ...) is an ``error`` record, which
+`meshrun train` prints as its one-line error, and the rank exits with code 2. Any other
+exception (in the model, the compiler, a collective) is written in full to the rank's log
+(ranklog.py, in MESHRUN_LOG_DIR) and as one line (launch/failure.py: rank, type, message,
+log, hint) in a ``crash`` record, and the rank exits with code 1; `meshrun train` prints the
+first such line. SIGTERM and SIGUSR1 stop the run after a step all ranks agree on, with a
+snapshot (preempt.py): the rank exits with PREEMPTED (75), and the local rank 0 writes the
+one-line account as a ``preempt`` record for `meshrun train` to print.
 
-Once past its rendezvous a rank writes MESHRUN_READY_FILE.RANK: until then a stopping signal
-ends the job at once. Collectives wait at most the config's ``collective_timeout``; a rank
-whose collective timed out says so in its line (the launcher names a peer it finds stopped).
-Ctrl-C (SIGINT, which `meshrun train` sends the workers alone) ends the rank with code 130,
-also when it surfaces as another error (a snapshot write it cut short, a collective its peer
-left); the first rank to see it writes the step to MESHRUN_INTERRUPT_FILE at once.
+Once past its rendezvous a rank writes ``ready.RANK`` in the run directory: until then a
+stopping signal ends the job at once. Collectives wait at most the config's
+``collective_timeout``; a rank whose collective timed out says so in its line (the launcher
+names a peer it finds stopped). Ctrl-C (SIGINT, which `meshrun train` sends the workers
+alone) ends the rank with code 130, also when it surfaces as another error (a snapshot write
+it cut short, a collective its peer left); the first rank to see it writes the step as an
+``interrupt`` record at once.
 """
 
 from __future__ import annotations
@@ -28,44 +30,45 @@ import sys
 from typing import Any
 
 from ..errors import INTERRUPTED, PREEMPTED, MeshrunError
+from ..launch.rundir import CRASH, ERROR, INTERRUPT, PREEMPT, Report, ReportReader, RunDir
 from ..quiet import quiet_library_notices
 from . import preempt
-from .ranklog import LOG_DIR_ENV, RESULT_ENV, redirect
+from .ranklog import redirect
 
 # What a rank's exception says when a collective waited out its timeout (gloo: "Timed out
 # waiting 10000ms for recv operation to complete"; NCCL's blocking wait: "timed out").
 _TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
 def _report(exc: MeshrunError) -> None:
-    path = os.environ.get("MESHRUN_ERROR_FILE")
-    if path:  # `meshrun train` prints it once, as its last line
-        print(f"meshrun: error: {exc}", file=sys.stderr, flush=True)  # (the rank's log)
-        with open(path, "a") as f:
-            f.write(f"{exc}\n")
-    else:
-        print(f"meshrun: error: {exc}", file=sys.stderr, flush=True)
+    print(f"meshrun: error: {exc}", file=sys.stderr, flush=True)  # (the rank's log, when it has one)
+    run_dir = RunDir.from_env(os.environ)
+    if run_dir is not None:  # `meshrun train` prints it once, as its last line
+        run_dir.report(Report(ERROR, _rank(), str(exc)))
 
 
 def _report_crash(exc: BaseException, log: str | None, timeout_s: int | None = None) -> None:
     """The full traceback to the rank's log (its stderr), one line for `meshrun train`."""
     import traceback
 
-    from ..launch.failure import ECHO_SUFFIX, exception_line, is_echo, timeout_line
+    from ..launch.failure import exception_line, is_echo, timeout_line
 
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     sys.stderr.write(tb)
     sys.stderr.flush()
-    rank = int(os.environ.get("RANK", "0"))
+    rank = _rank()
     line = exception_line(rank, type(exc).__name__, type(exc).__module__, str(exc), tb, log)
+    timed_out = False
     if timeout_s is not None and any(n in str(exc) for n in _TIMED_OUT):
-        line = timeout_line(rank, timeout_s, log)
-    path = os.environ.get("MESHRUN_CRASH_FILE")
-    if path and is_echo(f"{type(exc).__name__}: {exc}"):
-        path += ECHO_SUFFIX  # another rank went first: its line, or torchrun's account of it, is the cause
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
+        line, timed_out = timeout_line(rank, timeout_s, log), True
+    run_dir = RunDir.from_env(os.environ)
+    if run_dir is not None:
+        # an echo: another rank went first, and its line, or torchrun's account of it, is the cause
+        run_dir.report(Report(CRASH, rank, line, echo=is_echo(f"{type(exc).__name__}: {exc}"), timed_out=timed_out))
     else:
         print(f"meshrun: error: {line}", file=sys.__stderr__, flush=True)
 
@@ -73,10 +76,10 @@ def _report_crash(exc: BaseException, log: str | None, timeout_s: int | None = N
 def _report_preempted(stop: preempt.Preempted) -> None:
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
-    path = os.environ.get("MESHRUN_PREEMPT_FILE")
-    if path:
-        _write_whole(path, f"{stop.message()}\n")
-    elif os.environ.get("RANK", "0") == "0":
+    run_dir = RunDir.from_env(os.environ)
+    if run_dir is not None:
+        run_dir.report(Report(PREEMPT, _rank(), stop.message()))
+    elif _rank() == 0:
         print(f"meshrun: {stop.message()}", file=sys.stderr, flush=True)
 
 
@@ -97,16 +100,16 @@ def _on_sigint(_signum: int, _frame: Any) -> None:
 def _say_interrupted() -> None:
     """Where Ctrl-C stopped the run: its step (each rank knows it: the ranks step together).
     The first rank to stop says it; `meshrun train` adds the last snapshot once all ended."""
-    path = os.environ.get("MESHRUN_INTERRUPT_FILE")
-    if not path or os.path.exists(path):
+    run_dir = RunDir.from_env(os.environ)
+    if run_dir is None or ReportReader(run_dir).first(INTERRUPT) is not None:
         return
     line = "interrupted during start-up" if _trainer is None else f"interrupted at step {_trainer.step}"
-    _write_whole(path, line + "\n")
+    run_dir.report(Report(INTERRUPT, _rank(), line))
 
 
 def _write_whole(path: str, text: str) -> None:
-    """Whole or not at all: `meshrun train` reads these files as soon as they exist. The
-    temporary name is this process's own: two ranks may write one at once."""
+    """Whole or not at all: `meshrun train` never reads half a record. The temporary name is
+    this process's own."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
@@ -120,9 +123,9 @@ def _mark_ready() -> None:
     """Past the rendezvous: from here a stopping signal is this rank's to handle, at a step."""
     global _ready
     _ready = True
-    path = os.environ.get("MESHRUN_READY_FILE")
-    if path:
-        with open(f"{path}.{os.environ.get('RANK', '0')}", "w"):
+    run_dir = RunDir.from_env(os.environ)
+    if run_dir is not None:
+        with open(run_dir.ready(_rank()), "w"):
             pass
 
 
@@ -150,12 +153,12 @@ def main() -> int:
 
     cfg = TrainConfig.from_json(os.environ["MESHRUN_TRAIN_CONFIG"])
     log = None
-    if os.environ.get(LOG_DIR_ENV):  # every rank's output in LOGS/rank-N.log (ranklog.py)
+    run_dir = RunDir.from_env(os.environ)
+    if run_dir is not None:  # every rank's output in LOGS/rank-N.log (ranklog.py)
         try:
-            log = redirect(os.environ[LOG_DIR_ENV], int(os.environ.get("RANK", "0")),
-                           int(os.environ.get("WORLD_SIZE", "1")))
-        except OSError as exc:  # the run goes on, its output on the terminal as before
-            print(f"meshrun: warning: no log in {os.environ[LOG_DIR_ENV]} ({exc.strerror}); output stays "
+            log = redirect(run_dir.log_dir, _rank(), int(os.environ.get("WORLD_SIZE", "1")))
+        except OSError as exc:  # the run goes on, its output on the terminal
+            print(f"meshrun: warning: no log in {run_dir.log_dir} ({exc.strerror}); output stays "
                   "on the terminal", file=sys.stderr, flush=True)
     global _trainer
     try:
@@ -173,8 +176,8 @@ def main() -> int:
         _trainer = Trainer(model, train, val, cfg, rt, weights=pretrained_weights(cfg))
         records = _trainer.fit()
         preempt.settle()  # done: its last snapshot is committed
-        if records and os.environ.get(RESULT_ENV):  # rank 0's last record, for meshrun.train(...)
-            _write_whole(os.environ[RESULT_ENV], json.dumps(records[-1]))
+        if records and run_dir is not None:  # rank 0's last record, for meshrun.train(...)
+            _write_whole(run_dir.result, json.dumps(records[-1]))
     except preempt.Preempted as stop:  # every rank stopped at the same step, past the snapshot's commit
         preempt.settle()
         _report_preempted(stop)
