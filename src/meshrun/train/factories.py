@@ -9,7 +9,6 @@ from ..data.sources import STDLIB_VAL_FRACTION, data_kind, stdlib_files
 from ..errors import bad_value
 from ..modelinfo.factory import call_factory
 from .config import BUILTIN_DATA, TrainConfig
-from .models.hooks import ConfiguredModel
 
 # The built-in data's training samples, known without building it: `meshrun train` checks a
 # global batch against them before any rank starts (train/prelaunch.py)
@@ -76,6 +75,8 @@ def vocab_size(model: Any) -> int | None:
     """The number of token ids a model takes: its input embedding's rows (a Hugging Face
     model's ``get_input_embeddings()``, else its first nn.Embedding), else ``cfg.vocab``."""
     import torch.nn as nn
+
+    from .models.hooks import ConfiguredModel
 
     getter = getattr(model, "get_input_embeddings", None)
     embedding = getter() if callable(getter) else None
