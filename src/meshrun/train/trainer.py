@@ -81,6 +81,8 @@ class Trainer:
         resume_from, self.checkpoint_names = snapshots.starting_point(cfg, rt.is_main)
         self.resume_from = resume_from
         cfg, resized = keep_global_batch(cfg, resume_from, dp)
+        if resized is not None and resume_from is not None and cfg.micro_batch is not None:
+            resized_line(resized, resume_from, cfg.micro, dp)  # a batch that does not split: refused, sizes that fit
         gpu_mem = torch.cuda.get_device_properties(rt.device).total_memory if rt.cuda else None
         liger = cfg.kernels == "auto" and rt.cuda and liger_applies(model, rt.device, cfg.tp, cfg.pp)
         self.choice: Choice = decide(model, cfg, rt.world_size, rt.local_world_size, dp, gpu_mem, self.bf16, liger)
