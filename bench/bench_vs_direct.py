@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from meshrun.doctor import benchworker  # noqa: E402
-from meshrun.train.runtime import init_runtime, teardown  # noqa: E402
+from meshrun.training.runtime import init_runtime, teardown  # noqa: E402
 from meshrun.units import parse_bytes  # noqa: E402
 
 

@@ -16,12 +16,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshrun.train import checkpoint
-from meshrun.train.checkpoint import Position
-from meshrun.train.config import TrainConfig
-from meshrun.train.data import BatchStream, RandomTokens
-from meshrun.train.models.gpt import gpt
-from meshrun.train.trainer import Trainer
+from meshrun.config import TrainConfig
+from meshrun.training import snapshot as checkpoint
+from meshrun.training.loader import BatchStream, RandomTokens
+from meshrun.training.models.gpt import gpt
+from meshrun.training.snapshot import Position
+from meshrun.training.trainer import Trainer
 
 
 def dir_bytes(path: str) -> int:

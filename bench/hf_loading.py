@@ -1,6 +1,6 @@
 """CPU memory and time of reading a Hugging Face model's weights into FSDP2 shards: each rank
 builds the model on the meta device, shards it, and fills its shards from the safetensors
-files (``meshrun.train.weights.materialize``, as ``meshrun train --model DIR`` does). Reports,
+files (``meshrun.training.weights.materialize``, as ``meshrun train --model DIR`` does). Reports,
 per rank, the peak resident memory added while reading, against the model's bf16 size.
 
     python3 bench/hf_config.py llama3-8b /tmp/l8-2 --layers 2 --weights
@@ -24,9 +24,9 @@ def _load(path: str) -> dict:
     import torch.distributed as dist
 
     from meshrun.modelinfo import hf
-    from meshrun.train.parallel.dims import make_dims
-    from meshrun.train.parallel.fsdp import apply_fsdp
-    from meshrun.train.weights import Pretrained, materialize
+    from meshrun.training.parallel.dims import make_dims
+    from meshrun.training.parallel.fsdp import apply_fsdp
+    from meshrun.training.weights import Pretrained, materialize
 
     source = hf.locate(path)
     model = hf.build_on_meta(hf.load_config(source))

@@ -1,5 +1,5 @@
 """How fast meshrun's loader serves packed sequences to one rank: a token corpus memory-mapped,
-cut into sequences, shuffled, collated into micro-batches (``meshrun.train.data``: PackedTokens,
+cut into sequences, shuffled, collated into micro-batches (``meshrun.training.loader``: PackedTokens,
 make_loader), timed on the host. Compare with a training step: the loader keeps up when a
 micro-batch takes far less than the device's step.
 
@@ -32,7 +32,7 @@ def main() -> None:
     import numpy as np
 
     from meshrun.data.store import TokenSplit, open_tokens
-    from meshrun.train.data import BatchStream, LoaderSpec, PackedTokens, make_loader
+    from meshrun.training.loader import BatchStream, LoaderSpec, PackedTokens, make_loader
 
     if a.data:
         split = open_tokens(a.data).splits["train"]

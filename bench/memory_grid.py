@@ -271,7 +271,7 @@ def build_module(row: dict[str, Any], where: str) -> Any:
     kind, _, what = row["source"].partition(":")
     what, _, layers_text = what.partition(" (")
     if kind == "gpt":  # as meshrun train builds it on GPUs (--kernels auto)
-        from meshrun.train.models.gpt import gpt
+        from meshrun.training.models.gpt import gpt
 
         with torch.device("meta"):
             return gpt(what, seq_len=row["seq"], head_loss=True, fused_mlp="auto")
@@ -297,7 +297,7 @@ _SPECS: dict[tuple[Any, ...], Any] = {}  # model_spec's answers: rows of one mod
 
 def model_spec(row: dict[str, Any], where: str) -> Any:
     """The planner's ModelSpec of a measured row's model, read and traced from the model as
-    `meshrun train` reads and traces it (train/parallel/auto.py). The trace depends on the
+    `meshrun train` reads and traces it (training/parallel/auto.py). The trace depends on the
     model, the sequence length, the precision mode, compilation and Liger Kernel alone: rows
     that differ only in micro-batch or GPU count reuse it (44 traces for the 67 predictions of
     tests/test_plan_trace.py's accuracy test, instead of 67: 57.8 s against 78.7 s on 2 cores)."""
@@ -307,7 +307,7 @@ def model_spec(row: dict[str, Any], where: str) -> Any:
     key = (row["source"], row["seq"], modes, compiled, liger, where)
     if key not in _SPECS:
         from meshrun.modelinfo.read import from_module
-        from meshrun.train.parallel.trace import with_trace
+        from meshrun.plan.trace import with_trace
 
         what = row["source"].partition(":")[2].partition(" (")[0]
         module = build_module(row, where)

@@ -74,10 +74,10 @@ def grid(name: str, world: int, deepspeed: bool, compile_: bool, engines: str = 
 # ---- measure (runs under torchrun) -------------------------------------------------------------
 
 def _meshrun_step_fn(conf: dict, rt):
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import BatchStream, RandomTokens
-    from meshrun.train.models.gpt import gpt
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import BatchStream, RandomTokens
+    from meshrun.training.models.gpt import gpt
+    from meshrun.training.trainer import Trainer
 
     cfg = TrainConfig(strategy=conf["strategy"], micro_batch=conf["micro"], seq_len=conf["seq"],
                       compile="on" if conf["compile"] else "off",
@@ -115,7 +115,7 @@ def _deepspeed_step_fn(conf: dict, rt):
     from meshrun.modelinfo.spec import PRESETS
     from meshrun.plan import ClusterSpec, TrainSpec, make_plan
     from meshrun.plan.configs import ds_config
-    from meshrun.train.models.gpt import gpt
+    from meshrun.training.models.gpt import gpt
 
     spec = PRESETS[conf["model"]]
     mem = torch.cuda.get_device_properties(rt.device).total_memory if rt.cuda else 10**12
@@ -128,7 +128,7 @@ def _deepspeed_step_fn(conf: dict, rt):
     torch.manual_seed(0)
     model = gpt(conf["model"], conf["seq"])
     if conf["ac"]:
-        from meshrun.train.parallel.apply import apply_activation_checkpointing
+        from meshrun.training.parallel.apply import apply_activation_checkpointing
 
         apply_activation_checkpointing(model.blocks)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -201,7 +201,7 @@ def dump_traces(snap: dict, dev: int, marks: list[int], path: str, min_bytes: in
 def _live_trainers() -> int:
     """Trainers (and DeepSpeed engines) still alive: any at the start of a configuration
     would add its states to the measured peak."""
-    from meshrun.train.trainer import Trainer
+    from meshrun.training.trainer import Trainer
 
     names = {"DeepSpeedEngine"}
     return sum(1 for o in gc.get_objects() if isinstance(o, Trainer) or type(o).__name__ in names)
@@ -211,7 +211,7 @@ def measure(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from meshrun.train.runtime import init_runtime, teardown
+    from meshrun.training.runtime import init_runtime, teardown
 
     rt = init_runtime()
     has_ds = False

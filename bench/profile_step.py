@@ -22,9 +22,9 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from meshrun.train.config import TrainConfig
-from meshrun.train.data import BatchStream, RandomTokens
-from meshrun.train.trainer import Trainer
+from meshrun.config import TrainConfig
+from meshrun.training.loader import BatchStream, RandomTokens
+from meshrun.training.trainer import Trainer
 
 # Attention first: cuDNN's flash kernels also carry "sm90" in their names.
 FAMILIES = (("attention", ("flash", "fmha", "attention", "sdpa")),
@@ -148,7 +148,7 @@ def main() -> None:
     for e in events:
         by_family[family(e.key)] += getattr(e, attr)
     device_ms = total / args.steps / 1e3
-    from meshrun.train.runtime import teardown
+    from meshrun.training.runtime import teardown
 
     if trainer.rt.rank != 0:  # rank 0 speaks for all
         teardown()
@@ -181,7 +181,7 @@ def main() -> None:
     for e in sorted(events, key=lambda e: -getattr(e, attr))[:args.top]:
         print(f"  {100 * getattr(e, attr) / total:5.1f}%  {e.count // args.steps:4d}/step  {e.key[:100]}")
     if getattr(model.blocks[0], "fused_mlp", False):
-        from meshrun.train.kernels import fused_mlp
+        from meshrun.kernels import fused_mlp
 
         print(f"  fused MLP: calls {dict(fused_mlp.PATHS)} ({dict(fused_mlp.EXECUTED)}), "
               f"plans made {dict(fused_mlp.PLANNED)}, "

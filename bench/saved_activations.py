@@ -1,5 +1,5 @@
 """What one block keeps for backward on the GPU, eager and under torch.compile, against what
-the planner's trace says (train/parallel/trace.py): the trace checked directly, not through a
+the planner's trace says (plan/trace.py): the trace checked directly, not through a
 whole run's nvidia-smi peak.
 
 For each model, built twice with different numbers of blocks (a Hugging Face shape of
@@ -87,7 +87,7 @@ def user_llama(layers: int) -> Any:
 
 def gpt_model(preset: str, layers: int, seq: int) -> Any:
     """meshrun's GPT preset with ``layers`` blocks, its plain PyTorch path (no Triton kernels)."""
-    from meshrun.train.models.gpt import GPT, GPTConfig
+    from meshrun.training.models.gpt import GPT, GPTConfig
     from meshrun.vocab import GPT_PRESETS
 
     p = GPT_PRESETS[preset]
@@ -103,7 +103,7 @@ def saved_bytes(model: Any, way: str, seq: int, micro: int) -> dict[str, int]:
     import torch
 
     from meshrun.modelinfo.blocks import find_blocks
-    from meshrun.train.parallel.layouts import loss_mode, model_loss
+    from meshrun.modelinfo.loss import loss_mode, model_loss
 
     torch._dynamo.reset()
     model = model.cuda()
@@ -119,7 +119,7 @@ def saved_bytes(model: Any, way: str, seq: int, micro: int) -> dict[str, int]:
     if way in ("compiled", "compiled-ddp"):
         run.compile()
     if way == "liger":
-        from meshrun.train.kernels.liger import apply_liger
+        from meshrun.kernels.liger import apply_liger
 
         apply_liger(model)
     mode = loss_mode(model)
@@ -163,7 +163,7 @@ def traced_per_block(shape: str, layers: int, seq: int, micro: int, where: str,
                      mode: str, liger: bool = False) -> tuple[float, float | None]:
     """The trace's bytes per block at ``micro`` sequences: eager (with Liger's kernels when
     ``liger``), and Inductor's partition."""
-    from meshrun.train.parallel.trace import trace
+    from meshrun.plan.trace import trace
 
     tr = trace(meta_model(shape, layers, seq, where), mode, seq, liger=liger)
     if tr is None:
@@ -176,7 +176,7 @@ def traced_per_block(shape: str, layers: int, seq: int, micro: int, where: str,
 def trace_terms(shape: str, layers: int, seq: int, micro: int, where: str, mode: str,
                 liger: bool = False) -> dict[str, float]:
     """The trace's terms for the model with ``layers`` blocks at ``micro`` sequences."""
-    from meshrun.train.parallel.trace import trace
+    from meshrun.plan.trace import trace
 
     tr = trace(meta_model(shape, layers, seq, where), mode, seq, liger=liger)
     if tr is None:

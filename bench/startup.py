@@ -27,8 +27,8 @@ import time
 TRAIN = ["--model-size", "gpt-tiny", "--steps", "1", "--data", "random"]
 FORWARD = """
 import time, torch
-from meshrun.train.config import TrainConfig
-from meshrun.train.factories import build_model
+from meshrun.config import TrainConfig
+from meshrun.training.factories import build_model
 torch.manual_seed(0)
 model = build_model(TrainConfig(model_size="gpt-tiny", data="random", seq_len=256)).eval()
 x = torch.randint(0, 50304, (8, 256))

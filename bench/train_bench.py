@@ -27,9 +27,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from meshrun.train.config import TrainConfig
-from meshrun.train.metrics import peak_flops
-from meshrun.train.models.gpt import GPT, GPTConfig
+from meshrun.config import TrainConfig
+from meshrun.training.metrics import peak_flops
+from meshrun.training.models.gpt import GPT, GPTConfig
 from meshrun.vocab import GPT_PRESETS
 
 
@@ -164,8 +164,8 @@ def main() -> None:
     extra: dict = {}
 
     if args.mode == "meshrun":
-        from meshrun.train.data import BatchStream, RandomTokens
-        from meshrun.train.trainer import Trainer
+        from meshrun.training.loader import BatchStream, RandomTokens
+        from meshrun.training.trainer import Trainer
 
         global_batch = args.global_tokens // args.seq if args.global_tokens else None
         compile_ = "on" if args.compile else "off" if args.eager else "auto"
@@ -279,7 +279,7 @@ def main() -> None:
     way = getattr(model.blocks[0], "fused_mlp", False)
     result.update(head_loss=model.cfg.head_loss, mlp=way or "plain")  # as resolved ("auto": by nvmath's presence)
     if way:  # which path ran, and why not cuBLASLt's if it did not
-        from meshrun.train.kernels import fused_mlp
+        from meshrun.kernels import fused_mlp
 
         result.update(mlp_paths=dict(fused_mlp.PATHS), mlp_fallback=list(fused_mlp.FALLBACK.values()),
                       mlp_calls=dict(fused_mlp.EXECUTED))

@@ -31,7 +31,7 @@ total = accelerator.reduce(torch.tensor([1.0], device=accelerator.device), reduc
 sys.stdout.write(f"ACCEL index={accelerator.process_index} num={accelerator.num_processes} "
                  f"type={accelerator.distributed_type} counted={total:.0f} checksum={checksum:.6f}\n")
 sys.stdout.flush()
-# The order of meshrun's own teardown (train/runtime.py): the DDP wrapper's reducer holds the
+# The order of meshrun's own teardown (training/runtime.py): the DDP wrapper's reducer holds the
 # process group, so free it (Accelerate keeps references too) before the group is destroyed;
 # else gloo can abort a finished rank at exit ("terminate called without an active exception",
 # seen once in CI with end_training alone).

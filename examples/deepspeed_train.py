@@ -51,7 +51,7 @@ sys.stdout.flush()
 # End the process group explicitly, after the engine has let go of it: left to interpreter
 # exit, or destroyed while the engine still holds the group's work objects, gloo's threads
 # can abort a finished process ("terminate called without an active exception"; seen in CI
-# with the barrier and destroy alone). The order of meshrun's own teardown (train/runtime.py).
+# with the barrier and destroy alone). The order of meshrun's own teardown (training/runtime.py).
 engine.destroy()
 del engine, model
 gc.collect()

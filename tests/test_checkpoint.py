@@ -37,7 +37,7 @@ def worker_pids(out_dir):
                 env = f.read()
         except OSError:
             continue
-        if b"meshrun.train.worker" in cmd and out_dir.encode() in env:
+        if b"meshrun.training.worker" in cmd and out_dir.encode() in env:
             pids.append(int(pid))
     return pids
 
@@ -128,7 +128,7 @@ def test_a_slow_disk_under_async_snapshots_gets_a_save_every_hint(tmp_path):
 
 
 def test_slow_writer_advice_only_when_training_waited():
-    from meshrun.train.checkpoint import slow_writer_advice
+    from meshrun.training.snapshot import slow_writer_advice
 
     assert slow_writer_advice(0.2, 30.0, 26.0, 50) is None  # a short wait is not worth a line
     line = slow_writer_advice(5.5, 32.0, 26.5, 50)
@@ -151,7 +151,7 @@ def test_pruning_renames_first_so_no_listing_sees_a_half_deleted_snapshot(tmp_pa
     leaves that name atomically before any of its files is deleted, and leftovers of a
     deletion that was killed are cleared at the next start."""
     require("torch")
-    from meshrun.train import checkpoint
+    from meshrun.training import snapshot as checkpoint
 
     for step in (2, 4, 6):
         d = tmp_path / f"step-{step:08d}"
@@ -181,11 +181,11 @@ def _nan_at_step_three(out, strategy, steps=6, log_every=5, save_every=2, async_
     a snapshot every 2 steps and a log line every 5: the bad step falls between two checks."""
     import torch
 
+    from meshrun.config import TrainConfig
     from meshrun.errors import MeshrunError
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import RandomTokens
-    from meshrun.train.models.gpt import GPT, GPTConfig
-    from meshrun.train.trainer import Trainer
+    from meshrun.training.loader import RandomTokens
+    from meshrun.training.models.gpt import GPT, GPTConfig
+    from meshrun.training.trainer import Trainer
 
     class Poisoned(GPT):
         def forward(self, idx, targets=None):
@@ -243,10 +243,10 @@ def _fsdp_state(out, steps, resume):
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import RandomTokens
-    from meshrun.train.models.gpt import GPT, GPTConfig
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import RandomTokens
+    from meshrun.training.models.gpt import GPT, GPTConfig
+    from meshrun.training.trainer import Trainer
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
@@ -310,7 +310,7 @@ def test_export_safetensors_matches_the_snapshot(snapshot, tmp_path):
 
 
 def _rewrite_marker(snap, name):
-    from meshrun.train.checkpoint.layout import sha256 as _sha256
+    from meshrun.training.snapshot.layout import sha256 as _sha256
 
     marker = snap / "COMMITTED.json"
     data = json.loads(marker.read_text())
@@ -320,7 +320,7 @@ def _rewrite_marker(snap, name):
 
 def test_altered_shard_is_refused_naming_it(snapshot):
     from meshrun.errors import MeshrunError
-    from meshrun.train.checkpoint import verify
+    from meshrun.training.snapshot import verify
 
     shard = sorted(p for p in snapshot.iterdir() if p.suffix == ".distcp")[0]
     data = bytearray(shard.read_bytes())
@@ -332,7 +332,7 @@ def test_altered_shard_is_refused_naming_it(snapshot):
 
 def test_truncated_metadata_is_refused(snapshot):
     from meshrun.errors import MeshrunError
-    from meshrun.train.checkpoint import verify
+    from meshrun.training.snapshot import verify
 
     meta = snapshot / ".metadata"
     meta.write_bytes(meta.read_bytes()[:40])
@@ -345,7 +345,7 @@ def test_truncated_metadata_is_refused(snapshot):
 
 def test_malicious_pickle_is_refused_without_running(snapshot, tmp_path):
     from meshrun.errors import MeshrunError
-    from meshrun.train.checkpoint import verify
+    from meshrun.training.snapshot import verify
 
     witness = tmp_path / "pwned"
 
@@ -422,7 +422,7 @@ def _stage_twice():
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from meshrun.train.checkpoint.staging import Stager
+    from meshrun.training.snapshot.staging import Stager
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
@@ -459,12 +459,12 @@ def _train_with_a_failing_disk(out):
 
     import torch
 
+    from meshrun.config import TrainConfig
     from meshrun.errors import MeshrunError
-    from meshrun.train import checkpoint
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import RandomTokens
-    from meshrun.train.models.gpt import gpt
-    from meshrun.train.trainer import Trainer
+    from meshrun.training import snapshot as checkpoint
+    from meshrun.training.loader import RandomTokens
+    from meshrun.training.models.gpt import gpt
+    from meshrun.training.trainer import Trainer
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails with EFBIG instead of killing
     torch.manual_seed(0)

@@ -23,9 +23,12 @@ LAYERS = (
     ("meshrun.start",),
     ("meshrun.cli",),
     ("meshrun.doctor",),
-    ("meshrun.train",),
+    ("meshrun.job",),
+    ("meshrun.training",),
+    ("meshrun.config",),
     ("meshrun.data",),
     ("meshrun.plan",),
+    ("meshrun.kernels",),
     ("meshrun.modelinfo",),
     ("meshrun.integrations",),
     ("meshrun.launch", "meshrun.render", "meshrun.api"),
@@ -108,12 +111,12 @@ def _layer(module: str) -> tuple[int, str]:
 def test_the_check_sees_imports_inside_functions():
     inside = sum(1 for edges in GRAPH.values() for _, local, _ in edges if local)
     assert inside > 20, inside  # the trainer's CLI imports torch-side modules only when it runs
-    assert ("meshrun.train.parallel.dims", True, False) in GRAPH["meshrun.train.job"]  # job.check, for --tp/--pp/--cp
+    assert ("meshrun.training.parallel.dims", True, False) in GRAPH["meshrun.job"]  # job.check, for --tp/--pp/--cp
 
 
 def test_the_check_sees_imports_for_annotations_only():
     typed = {(m, t) for m, edges in GRAPH.items() for t, _, typing_only in edges if typing_only}
-    assert ("meshrun", "meshrun.train.trainer") in typed  # meshrun's lazy names, typed for the type checker
+    assert ("meshrun", "meshrun.training.trainer") in typed  # meshrun's lazy names, typed for the type checker
 
 
 def test_no_import_cycle_between_meshrun_modules():
@@ -279,12 +282,13 @@ def _docstring_ids(tree: ast.AST) -> set[int]:
 def test_strategy_rules_come_from_the_table():
     """The trainer and the planner read what a strategy does from vocab's table (its kinds'
     attributes and the named roles there), never by comparing or spelling out a strategy's name:
-    no string constant in meshrun.train or meshrun.plan is one of vocab.STRATEGIES' names."""
+    no string constant in meshrun.training, meshrun.config, meshrun.job or meshrun.plan is one of
+    vocab.STRATEGIES' names."""
     from meshrun.vocab import STRATEGIES
 
     found = []
     for module, path in sorted(MODULES.items()):
-        if not module.startswith(("meshrun.train", "meshrun.plan")):
+        if not module.startswith(("meshrun.training", "meshrun.config", "meshrun.job", "meshrun.plan")):
             continue
         tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
         docs = _docstring_ids(tree)
@@ -315,28 +319,28 @@ FOREIGN_WRITES_ALLOWED: dict[str, tuple[set[str], str]] = {
     "meshrun.data.prepare": ({"exc.filename"}, "names the token file on the OSError it caught and raises again"),
     "meshrun.launch.node": ({"report.inner"}, "chains torchrun's failure report in front of the rendezvous "
                             "filter the job builds"),
-    "meshrun.train.checkpoint.load": ({"metadata.storage_meta.load_id", "engine.checkpoint_engine"},
+    "meshrun.training.snapshot.load": ({"metadata.storage_meta.load_id", "engine.checkpoint_engine"},
                                       "DCP's metadata gets the load id FileSystemReader records; DeepSpeed's engine "
                                       "reads through meshrun's verified reader for one load, put back after"),
-    "meshrun.train.models.gpt": ({"self.head.weight"}, "ties the model's output head to its token embedding"),
-    "meshrun.train.parallel.tp": ({"block.qkv", "block.n_heads", "model.head.weight"}, "tensor parallelism "
+    "meshrun.training.models.gpt": ({"self.head.weight"}, "ties the model's output head to its token embedding"),
+    "meshrun.training.parallel.tp": ({"block.qkv", "block.n_heads", "model.head.weight"}, "tensor parallelism "
                                   "splits meshrun GPT's attention over the ranks and ties the head to the sharded "
                                   "embedding again"),
-    "meshrun.train.models.masks": ({"model.config._attn_implementation"}, "selects the attention kernel of a "
+    "meshrun.training.models.masks": ({"model.config._attn_implementation"}, "selects the attention kernel of a "
                                    "Hugging Face model: its config attribute is transformers' switch"),
-    "meshrun.train.parallel.context": ({"model.config._attn_implementation", "block.attend", "model.positions"},
+    "meshrun.training.parallel.context": ({"model.config._attn_implementation", "block.attend", "model.positions"},
                                        "context parallelism rewires the model's attention and positions to the "
                                        "sharded sequence"),
-    "meshrun.train.parallel.trace_liger": ({"twin.config._attn_implementation", "f.apply"},
+    "meshrun.plan.trace_liger": ({"twin.config._attn_implementation", "f.apply"},
                                            "the traced meta twin gets the model's attention kernel; Liger's "
                                            "autograd Functions get stand-ins while tracing, put back after"),
-    "meshrun.train.parallel.apply": ({"m.stats_group"}, "gives the model's expert layers the group their load "
+    "meshrun.training.parallel.apply": ({"m.stats_group"}, "gives the model's expert layers the group their load "
                                      "balancing reduces over"),
-    "meshrun.train.parallel.ddp": ({"ddp.released_old_buckets"}, "marks the DDP wrapper the layout built once "
+    "meshrun.training.parallel.ddp": ({"ddp.released_old_buckets"}, "marks the DDP wrapper the layout built once "
                                    "its first gradient buckets are freed"),
-    "meshrun.train.parallel.float8": ({"m.fused_mlp"}, "turns off the fused MLP of blocks whose linear layers "
+    "meshrun.training.parallel.float8": ({"m.fused_mlp"}, "turns off the fused MLP of blocks whose linear layers "
                                       "became float8 (it reads their weights directly)"),
-    "meshrun.train.parallel.layouts": ({"self.optimizer.found_inf"}, "the fused AdamW skips a non-finite step "
+    "meshrun.training.parallel.layouts": ({"self.optimizer.found_inf"}, "the fused AdamW skips a non-finite step "
                                        "on the device when found_inf is set: torch's interface for it"),
 }
 

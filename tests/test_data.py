@@ -163,8 +163,8 @@ def test_train_reads_prepared_flat_and_text_data(tmp_path, corpus):
     (tokenized once into the cache: the second run finds it ready)."""
     import numpy as np
 
-    from meshrun.train.config import TrainConfig, validate
-    from meshrun.train.factories import build_model
+    from meshrun.config import TrainConfig, validate
+    from meshrun.training.factories import build_model
 
     cfg = validate(TrainConfig(data=corpus["prepared"], model_size="gpt-tiny", seq_len=32))
     assert build_model(cfg).cfg.vocab == 320
@@ -252,7 +252,7 @@ def _packed_against_alone(prepared: str, model_kind: str, flex: bool) -> tuple[f
     import torch.nn.functional as F
 
     from meshrun.data.store import open_tokens
-    from meshrun.train.data import PackedTokens
+    from meshrun.training.loader import PackedTokens
 
     torch.manual_seed(0)
     split = open_tokens(prepared).splits["train"]
@@ -261,7 +261,7 @@ def _packed_against_alone(prepared: str, model_kind: str, flex: bool) -> tuple[f
     seq = starts[4] - 3  # four documents, the last one cut short
     x, y, pos = PackedTokens(split, seq, document_mask=True)[0]
     if model_kind == "gpt":
-        from meshrun.train.models.gpt import gpt
+        from meshrun.training.models.gpt import gpt
 
         model = gpt("gpt-tiny", seq_len=seq + 1, vocab=320, head_loss=False, fused_mlp=False).eval()
 
@@ -274,7 +274,7 @@ def _packed_against_alone(prepared: str, model_kind: str, flex: bool) -> tuple[f
             vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, attn_implementation="sdpa")).eval()
         if flex:  # as meshrun sets it on a GPU
-            from meshrun.train.models.masks import use_flex_in_transformers
+            from meshrun.training.models.masks import use_flex_in_transformers
 
             use_flex_in_transformers(model)
             assert model.config._attn_implementation == "meshrun_flex"
@@ -303,7 +303,7 @@ def test_a_packed_sequence_scores_as_its_documents_alone(corpus, model_kind, fle
     the CPU and FlexAttention's block mask of a GPU (its forward, which runs on the CPU)."""
     if model_kind == "llama":
         require("transformers")
-    from meshrun.train.models import masks
+    from meshrun.training.models import masks
 
     monkeypatch.setattr(masks, "uses_flex", lambda device: flex)
     packed, alone = _packed_against_alone(corpus["prepared"], model_kind, flex)
@@ -317,7 +317,7 @@ def test_block_masks_attend_as_the_dense_masks(kv_heads, monkeypatch):
     against the keys before them), with as many key heads as query heads and with fewer."""
     import torch
 
-    from meshrun.train.models import masks
+    from meshrun.training.models import masks
 
     torch.manual_seed(0)
     t = 64
@@ -347,7 +347,7 @@ def test_document_positions_and_targets():
     import numpy as np
 
     from meshrun.data.store import TokenSplit
-    from meshrun.train.data import PackedTokens
+    from meshrun.training.loader import PackedTokens
 
     tokens = np.arange(100, 120, dtype=np.uint16)
     split = TokenSplit([tokens[:7], tokens[7:]], np.array([0, 3, 9, 10, 16]))
@@ -363,9 +363,9 @@ def _sample_ids(prepared, out, overrides, record):
     """Train with a dataset that writes each sample id it serves to ``record``.<rank>."""
     import torch.distributed as dist
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import corpus_splits
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import corpus_splits
+    from meshrun.training.trainer import Trainer
 
     train, val = corpus_splits(prepared, 8, False, vocab=320)
 
@@ -378,7 +378,7 @@ def _sample_ids(prepared, out, overrides, record):
     data = Recorded(train.split, 8)
     cfg = TrainConfig(model_size="gpt-tiny", seq_len=8, steps=8, log_every=1, precision="fp32", out=out,
                       save_every=4, strategy="ddp", **overrides)
-    from meshrun.train.models.gpt import gpt
+    from meshrun.training.models.gpt import gpt
 
     Trainer(gpt("gpt-tiny", seq_len=8, vocab=320), data, None, cfg).fit()
 
@@ -413,10 +413,10 @@ def _epoch_ids(prepared, overrides, record, steps):
     coordinates are in its file name."""
     import torch.distributed as dist
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import corpus_splits
-    from meshrun.train.models.gpt import gpt
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import corpus_splits
+    from meshrun.training.models.gpt import gpt
+    from meshrun.training.trainer import Trainer
 
     train, _ = corpus_splits(prepared, 8, False, vocab=320)
 
@@ -434,7 +434,7 @@ def test_ranks_split_an_epoch_and_model_parallel_ranks_share_samples(tmp_path, c
     """Over one epoch two data-parallel ranks read disjoint samples whose union is every
     sample of the epoch (the last partial global batch left out); the two tensor-parallel ranks
     of one replica read the very same samples."""
-    from meshrun.train.data import corpus_splits
+    from meshrun.training.loader import corpus_splits
 
     record = str(tmp_path / "dp")
     n = len(corpus_splits(corpus["prepared"], 8, False)[0])

@@ -310,7 +310,7 @@ def test_a_corpus_too_large_to_read_first_checks_each_sample_as_it_is_read(tmp_p
     require("torch")
     from meshrun.data.store import open_tokens
     from meshrun.errors import MeshrunError
-    from meshrun.train.data import PackedTokens
+    from meshrun.training.loader import PackedTokens
 
     tokens = np.arange(1000, dtype=np.uint16) % 50
     tokens[613] = 70

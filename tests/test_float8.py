@@ -1,4 +1,4 @@
-"""Float8 training's layer rule (--precision fp8, fp8-rowwise; train/parallel/float8.py): which
+"""Float8 training's layer rule (--precision fp8, fp8-rowwise; training/parallel/float8.py): which
 linear layers torchao's Float8Linear replaces, on models built on the meta device at their
 published widths (the rule depends on them), and the refusals that need no GPU. The float8
 matmuls themselves run on GPUs only (docs/benchmarks.md)."""
@@ -34,7 +34,7 @@ def test_the_large_projections_of_a_llama_compute_in_float8(precision, fsdp):
     require("torch")
     require("transformers")
     require("torchao")
-    from meshrun.train.parallel.float8 import convert
+    from meshrun.training.parallel.float8 import convert
 
     model = _llama_8b()
     what, after = convert(model, precision, fsdp=fsdp)
@@ -56,8 +56,8 @@ def test_a_tied_output_head_stays_out_and_the_fused_mlp_gives_way():
     require("torchao")
     import torch
 
-    from meshrun.train.models.gpt import GPT, GPTConfig
-    from meshrun.train.parallel.float8 import convert
+    from meshrun.training.models.gpt import GPT, GPTConfig
+    from meshrun.training.parallel.float8 import convert
 
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab=50304, seq_len=128, d_model=2048, n_layers=2, n_heads=16, fused_mlp=True))
@@ -74,7 +74,7 @@ def test_a_model_too_small_for_float8_is_one_line():
     import torch
 
     from meshrun.errors import MeshrunError
-    from meshrun.train.parallel.float8 import convert
+    from meshrun.training.parallel.float8 import convert
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     with pytest.raises(MeshrunError, match=r"--precision='fp8': none of the model's 2 linear layers is large "
@@ -88,11 +88,11 @@ def _train_float8(overrides):
     (no speed there), so the device check is lifted here; every other piece is the real one."""
     import torch
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import RandomTokens
-    from meshrun.train.models.gpt import GPT, GPTConfig
-    from meshrun.train.parallel import float8
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import RandomTokens
+    from meshrun.training.models.gpt import GPT, GPTConfig
+    from meshrun.training.parallel import float8
+    from meshrun.training.trainer import Trainer
 
     float8.check_device = lambda *args: None
     torch.manual_seed(0)
@@ -139,7 +139,7 @@ def test_snapshots_get_the_tensors_inside_the_float8_wrappers():
     import torch
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from meshrun.train.checkpoint.parts import float8_unwrapped
+    from meshrun.training.snapshot.parts import float8_unwrapped
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
     convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
@@ -171,7 +171,7 @@ def test_the_planner_converts_the_layers_the_trainer_converts(precision, shape, 
 
     from meshrun.modelinfo.read import resolve_with_module
     from meshrun.plan.float8 import converted
-    from meshrun.train.parallel.float8 import convert
+    from meshrun.training.parallel.float8 import convert
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, os.path.join(root, "bench", "hf_config.py"), shape, str(tmp_path), "--layers", "2"],
@@ -254,7 +254,7 @@ def test_a_hugging_face_model_compiles_block_by_block(tmp_path):
     import subprocess
     import sys
 
-    from meshrun.train.parallel.apply import Build
+    from meshrun.training.parallel.apply import Build
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, os.path.join(root, "bench", "hf_config.py"), "llama3.2-1b", str(tmp_path / "m"),

@@ -1,4 +1,4 @@
-"""The GPT MLP through meshrun's custom ops (train/kernels/fused_mlp.py): on the CPU they take
+"""The GPT MLP through meshrun's custom ops (kernels/fused_mlp.py): on the CPU they take
 the plain torch path, which must compute what Linear, GELU (tanh), Linear compute, eager and
 compiled, with and without autocast. The cuBLASLt path is checked on a GPU by
 tests/scripts/fused_mlp_check.py (bench/gpu_session.sh checks)."""
@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshrun.train.kernels import fused_mlp
-from meshrun.train.models.gpt import GPT, GPTConfig
+from meshrun.kernels import fused_mlp
+from meshrun.training.models.gpt import GPT, GPTConfig
 
 ONE_BLOCK = dict(vocab=64, seq_len=16, d_model=32, n_layers=1, n_heads=4)  # a GPT small enough for the CPU
 
@@ -118,7 +118,7 @@ def test_the_configured_way_resolves_per_block():
     """GPTConfig.fused_mlp: "auto" is the plain MLP where nvmath-python does not import (as
     here: the CPU build of torch has no CUDA libraries for it) and the fused MLP, on CUDA only,
     where it does; True the fused MLP everywhere; anything else is refused by name."""
-    from meshrun.train.models.gpt import _mlp_way
+    from meshrun.training.models.gpt import _mlp_way
 
     auto = _mlp_way(GPTConfig(**ONE_BLOCK))
     assert auto == ((True, True) if fused_mlp.available() else (False, True))
@@ -157,8 +157,8 @@ def test_partitioned_weights_take_the_plain_mlp():
 def test_meshrun_train_kernels_option_builds_the_gpt_with_or_without_them():
     """`meshrun train --kernels auto` (the default) builds the GPT with the head loss and the
     MLP's "auto" way; `--kernels plain` with neither."""
-    from meshrun.train.config import TrainConfig, validate
-    from meshrun.train.factories import build_model
+    from meshrun.config import TrainConfig, validate
+    from meshrun.training.factories import build_model
 
     auto = build_model(validate(TrainConfig(model_size="gpt-tiny", seq_len=16)))
     plain = build_model(validate(TrainConfig(model_size="gpt-tiny", seq_len=16, kernels="plain")))

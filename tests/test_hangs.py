@@ -42,7 +42,7 @@ def _rank_pid(tag: str, rank: int) -> int | None:
                 env = f.read().split(b"\0")
         except OSError:
             continue
-        if b"meshrun.train.worker" in cmd and b"torchrun" not in cmd and f"RANK={rank}".encode() in env:
+        if b"meshrun.training.worker" in cmd and b"torchrun" not in cmd and f"RANK={rank}".encode() in env:
             return pid
     return None
 

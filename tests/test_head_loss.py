@@ -1,4 +1,4 @@
-"""meshrun's head loss (train/kernels/head_loss.py: the head's matmul and the cross-entropy,
+"""meshrun's head loss (kernels/head_loss.py: the head's matmul and the cross-entropy,
 its gradient written in the forward by a Triton kernel) against torch's, on the CPU.
 
 The kernel runs here through Triton's interpreter (TRITON_INTERPRET=1, in a process of its
@@ -26,8 +26,8 @@ def test_head_loss_without_triton_is_the_plain_expression_and_the_gpt_default():
     """head_cross_entropy where its kernel cannot run: F.cross_entropy(F.linear(h, w).float())
     bit for bit, gradients too; wrong shapes refused by name. meshrun's GPT takes it by
     default, and its loss and gradients equal those of the GPT with the plain loss."""
-    from meshrun.train.kernels import head_loss as ce_kernel
-    from meshrun.train.models.gpt import GPT, GPTConfig
+    from meshrun.kernels import head_loss as ce_kernel
+    from meshrun.training.models.gpt import GPT, GPTConfig
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("this process runs Triton's interpreter")
@@ -63,8 +63,8 @@ def test_head_loss_without_triton_is_the_plain_expression_and_the_gpt_default():
 def test_a_zero3_partitioned_head_takes_the_plain_loss(monkeypatch):
     """The head loss uses the tied weight without calling the head's Linear, so a weight only
     that Linear's hooks gather (DeepSpeed ZeRO-3's, marked ``ds_id``) takes the plain loss."""
-    from meshrun.train.kernels import head_loss as ce_kernel
-    from meshrun.train.models.gpt import GPT, GPTConfig
+    from meshrun.kernels import head_loss as ce_kernel
+    from meshrun.training.models.gpt import GPT, GPTConfig
 
     calls = []
     real = ce_kernel.head_cross_entropy
@@ -97,7 +97,7 @@ def test_kernels_compile_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from meshrun.train.kernels import head_loss, head_loss_triton
+    from meshrun.kernels import head_loss, head_loss_triton
 
     sig = {"x_ptr": "*bf16", "stride": "i64", "t_ptr": "*i64", "rows_ptr": "*fp32", "V": "i32",
            "ignore_index": "i64", "BLOCK": "constexpr"}

@@ -43,10 +43,10 @@ def tiny_config(family: str):
 
 
 def _train(family: str, overrides: dict) -> list[tuple[float, float]]:
+    from meshrun.config import TrainConfig
     from meshrun.modelinfo.hf import build_on_meta
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import RandomTokens
-    from meshrun.train.trainer import Trainer
+    from meshrun.training.loader import RandomTokens
+    from meshrun.training.trainer import Trainer
 
     model = build_on_meta(tiny_config(family))
     cfg = TrainConfig(steps=STEPS, seq_len=16, lr=3e-3, warmup=1, log_every=1, precision="fp32", **overrides)
@@ -144,11 +144,11 @@ def _logits_after_loading(path: str, overrides: dict, tokens: list[list[int]]) -
     while its weights were read."""
     import torch
 
+    from meshrun.config import TrainConfig
     from meshrun.modelinfo import hf
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import RandomTokens
-    from meshrun.train.trainer import Trainer
-    from meshrun.train.weights import Pretrained
+    from meshrun.training.loader import RandomTokens
+    from meshrun.training.trainer import Trainer
+    from meshrun.training.weights import Pretrained
 
     source = hf.locate(path)
     model = hf.build_on_meta(hf.load_config(source))
@@ -183,9 +183,9 @@ def _peak_rss_growth_while_loading(path: str) -> tuple[int, int]:
     import torch
 
     from meshrun.modelinfo import hf
-    from meshrun.train.parallel.dims import make_dims
-    from meshrun.train.parallel.fsdp import apply_fsdp
-    from meshrun.train.weights import Pretrained, materialize
+    from meshrun.training.parallel.dims import make_dims
+    from meshrun.training.parallel.fsdp import apply_fsdp
+    from meshrun.training.weights import Pretrained, materialize
 
     source = hf.locate(path)
     model = hf.build_on_meta(hf.load_config(source))
@@ -305,10 +305,10 @@ def _first_loss(path: str, seq: list[int], overrides: dict) -> float:
     import torch
     from torch.utils.data import Dataset
 
+    from meshrun.config import TrainConfig
     from meshrun.modelinfo import hf
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.trainer import Trainer
-    from meshrun.train.weights import Pretrained
+    from meshrun.training.trainer import Trainer
+    from meshrun.training.weights import Pretrained
 
     class Same(Dataset):
         def __len__(self) -> int:

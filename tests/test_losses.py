@@ -1,4 +1,4 @@
-"""The chunked linear + cross-entropy (train/models/losses.py) against torch's own loss."""
+"""The chunked linear + cross-entropy (training/models/losses.py) against torch's own loss."""
 
 import pytest
 
@@ -6,9 +6,9 @@ pytestmark = pytest.mark.framework
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from meshrun.train.models import losses  # noqa: E402
-from meshrun.train.models.gpt import GPT, GPTConfig  # noqa: E402
-from meshrun.train.models.losses import linear_cross_entropy  # noqa: E402
+from meshrun.training.models import losses  # noqa: E402
+from meshrun.training.models.gpt import GPT, GPTConfig  # noqa: E402
+from meshrun.training.models.losses import linear_cross_entropy  # noqa: E402
 
 
 @pytest.fixture
@@ -93,8 +93,8 @@ def test_compiles_as_one_graph():
 
     code = """
 import torch
-from meshrun.train.models import losses
-from meshrun.train.models.gpt import GPT, GPTConfig
+from meshrun.training.models import losses
+from meshrun.training.models.gpt import GPT, GPTConfig
 losses.CHUNK_TOKENS = 96
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab=256, seq_len=32, d_model=32, n_layers=2, n_heads=4, fused_loss=True))

@@ -55,7 +55,7 @@ def _plant(snap, name, witness):
     rewrite the marker's hash of it: every hash matches."""
     import torch
 
-    from meshrun.train.checkpoint.layout import sha256
+    from meshrun.training.snapshot.layout import sha256
 
     path = snap / name
     state = torch.load(path, weights_only=False)  # (the file as DeepSpeed wrote it, before the plant)
@@ -125,7 +125,7 @@ def test_deepspeed_reading_around_its_checkpoint_engine_is_refused(out, tmp_path
     )
 
     from meshrun.errors import MeshrunError
-    from meshrun.train.checkpoint.load import check, load_deepspeed
+    from meshrun.training.snapshot.load import check, load_deepspeed
 
     witness = tmp_path / "pwned"
     planted = _plant(out / STEP2, "deepspeed/mp_rank_00_model_states.pt", witness)

@@ -45,7 +45,7 @@ def cmdline(pid: int) -> bytes:
 
 
 def workers_of(tag: str) -> list[int]:
-    return [p for p in job_pids(tag) if b"meshrun.train.worker" in cmdline(p) and b"torchrun" not in cmdline(p)]
+    return [p for p in job_pids(tag) if b"meshrun.training.worker" in cmdline(p) and b"torchrun" not in cmdline(p)]
 
 
 def last_step(out: str) -> int:

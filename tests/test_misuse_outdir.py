@@ -115,7 +115,7 @@ def start_train(*args, new_session=False):
 # ---- one run per output directory -------------------------------------------------------
 
 def test_a_second_run_on_the_same_out_is_refused_and_the_first_is_intact(contested, tmp_path):
-    from meshrun.train.checkpoint import verify
+    from meshrun.training.snapshot import verify
 
     out, pid, first, second = contested
     line = one_line_error(second)
@@ -181,7 +181,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(trained, tmp_path):
 
 def test_processes_of_a_dead_launcher_still_hold_the_directory(tmp_path):
     """A training process shares the lock: OUT is not free while one outlives its launcher."""
-    from meshrun.train import runlock
+    from meshrun.config import runlock
 
     out = str(tmp_path / "out")
     os.makedirs(out)
@@ -240,8 +240,8 @@ def test_resuming_another_runs_snapshot_is_refused(trained, tmp_path):
 def test_run_ids_settled_before_launching(tmp_path):
     """prepare(): a fresh start takes a new id; a snapshot without one (older meshrun) is
     accepted; a fresh OUT resuming another directory's snapshot continues its run."""
+    from meshrun.config import outdir
     from meshrun.errors import MeshrunError
-    from meshrun.train import outdir
 
     out = str(tmp_path / "out")
     snap = os.path.join(out, "checkpoints", "step-00000004")

@@ -47,7 +47,7 @@ def _snap(out):
 def _forge_marker(snap, *names):
     """Rewrite the marker's hashes of ``names`` (an attacker who can write the snapshot can
     write its marker), and drop the files no longer there."""
-    from meshrun.train.checkpoint.layout import sha256
+    from meshrun.training.snapshot.layout import sha256
 
     marker = snap / "COMMITTED.json"
     data = json.loads(marker.read_text())
@@ -60,7 +60,7 @@ def _forge_marker(snap, *names):
 
 
 def _metadata(snap):
-    from meshrun.train.checkpoint.load import unpickle_metadata
+    from meshrun.training.snapshot.load import unpickle_metadata
 
     return unpickle_metadata((snap / ".metadata").read_bytes(), ".metadata")
 
@@ -109,9 +109,9 @@ def test_files_swapped_after_their_check_are_never_read(out, tmp_path, monkeypat
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from meshrun.train.checkpoint import export
+    from meshrun.training.snapshot import export
 
-    load = importlib.import_module("meshrun.train.checkpoint.load")  # (the package's `load` is the function)
+    load = importlib.import_module("meshrun.training.snapshot.load")  # (the package's `load` is the function)
     snap = _snap(out)
     reference, _ = export.read_weights(str(snap))
     witness = tmp_path / "pwned"
@@ -161,7 +161,7 @@ def test_a_state_json_with_a_matching_hash_but_not_json_is_one_line(out, tmp_pat
 @pytest.mark.parametrize("name", ["__1_0.distcp", "rng-rank1.json", ".metadata"])
 def test_a_snapshot_missing_a_required_file_is_refused_naming_it(out, name):
     from meshrun.errors import MeshrunError
-    from meshrun.train.checkpoint import verify
+    from meshrun.training.snapshot import verify
 
     snap = _snap(out)
     (snap / name).unlink()
@@ -182,7 +182,7 @@ def test_a_shard_file_missing_from_the_cli_is_one_line(out, tmp_path):
 def _staged(snap, tmp, ranks_hashed):
     """A temporary snapshot directory as the commit sees it: the shards, RNG files and
     .metadata written, and the hash lists of the ranks in ``ranks_hashed``."""
-    from meshrun.train.checkpoint.layout import sha256
+    from meshrun.training.snapshot.layout import sha256
 
     tmp.mkdir()
     for path in snap.iterdir():
@@ -200,7 +200,7 @@ def test_commit_refuses_a_snapshot_missing_a_ranks_files(out, tmp_path):
     import torch.distributed as dist
 
     from meshrun.errors import MeshrunError
-    from meshrun.train.checkpoint.save import _incomplete, _refuse_incomplete
+    from meshrun.training.snapshot.save import _incomplete, _refuse_incomplete
 
     assert _incomplete(_staged(_snap(out), tmp_path / "whole", [0, 1]), 2) is None
     tmp = _staged(_snap(out), tmp_path / "partial", [0])
@@ -216,7 +216,7 @@ def test_commit_refuses_a_snapshot_missing_a_ranks_files(out, tmp_path):
 
 # Put first on a job's PYTHONPATH: every rank records, through an audit hook, each open of a
 # file in the snapshot TEST_READS_SNAPSHOT names and each listing of its parent directory,
-# made within snapshots.py's restore (the resume), one JSON line each, into
+# made within saves.py's restore (the resume), one JSON line each, into
 # TEST_READS_LOG/rank<R>-<pid>.jsonl.
 # Audit events see every open (builtins.open, io.open, os.open, pathlib) and every listing
 # (os.listdir, os.scandir), whoever makes them.
@@ -239,7 +239,7 @@ if _log and _snap and _rank is not None:
         while frame is not None:
             code = frame.f_code
             if code.co_name in ("starting_point", "restore") and \
-                    code.co_filename.endswith(os.path.join("train", "snapshots.py")):
+                    code.co_filename.endswith(os.path.join("training", "saves.py")):
                 return True
             frame = frame.f_back
         return False
@@ -326,7 +326,7 @@ def test_an_export_hashes_the_files_it_does_not_read(out):
     """An export reads the shards holding the weights (each hashed as it is read), never the
     RNG files: a damaged one is refused all the same."""
     from meshrun.errors import MeshrunError
-    from meshrun.train.checkpoint.export import read_weights
+    from meshrun.training.snapshot.export import read_weights
 
     snap = _snap(out)
     tensors, _ = read_weights(str(snap))

@@ -15,9 +15,9 @@ import yaml
 import meshrun
 from meshrun.cli import main
 from meshrun.cluster.options import TopologyOptions
+from meshrun.config import TrainConfig, _unique_key_loader
+from meshrun.job import JobOptions
 from meshrun.options import env_var, flag, kind, option_fields, spec
-from meshrun.train.config import TrainConfig, _unique_key_loader
-from meshrun.train.job import JobOptions
 
 BASE = {"model_size": "gpt-tiny", "data": "random", "steps": "1", "nproc_per_node": "1"}
 # where the dry run's JSON shows each declaration's accepted values

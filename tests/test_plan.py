@@ -88,7 +88,7 @@ def test_activation_formula_matches_what_autograd_saves(precision, residual):
     require("torch")
     import torch
 
-    from meshrun.train.models.gpt import Block, GPTConfig
+    from meshrun.training.models.gpt import Block, GPTConfig
 
     torch.manual_seed(0)
     h, heads, b, t = 128, 4, 2, 64
@@ -107,7 +107,7 @@ def test_meshrun_gpt_feeds_its_blocks_a_bf16_residual_stream_under_autocast():
     require("torch")
     import torch
 
-    from meshrun.train.models.gpt import GPT, GPTConfig
+    from meshrun.training.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
@@ -132,8 +132,8 @@ def test_checkpointed_activations_are_the_block_inputs():
     import torch
 
     from meshrun.plan import memory
-    from meshrun.train.models.gpt import Block, GPTConfig
-    from meshrun.train.parallel.apply import apply_activation_checkpointing
+    from meshrun.training.models.gpt import Block, GPTConfig
+    from meshrun.training.parallel.apply import apply_activation_checkpointing
 
     h, b, t, layers = 64, 2, 16, 3
     blocks = torch.nn.ModuleList(Block(GPTConfig(vocab=32, seq_len=t, d_model=h, n_layers=layers, n_heads=4))
@@ -166,15 +166,15 @@ def test_checkpointed_activations_are_the_block_inputs():
 
 def test_selective_checkpointing_keeps_what_the_planner_counts():
     """Selective checkpointing keeps each block's input and the outputs of its matmuls and of
-    attention (the policy in train/parallel/apply.py): summed over one GPT block's forward (fp32,
+    attention (the policy in training/parallel/apply.py): summed over one GPT block's forward (fp32,
     on the CPU), exactly the planner's selective term."""
     require("torch")
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from meshrun.plan import memory
-    from meshrun.train.models.gpt import Block, GPTConfig
-    from meshrun.train.parallel.apply import _kept_ops
+    from meshrun.training.models.gpt import Block, GPTConfig
+    from meshrun.training.parallel.apply import _kept_ops
 
     h, b, t, heads = 64, 2, 16, 4
     block = Block(GPTConfig(vocab=32, seq_len=t, d_model=h, n_layers=1, n_heads=heads, fused_mlp=False))
@@ -342,7 +342,7 @@ def test_segment_allocs_say_where_and_when_the_allocator_grew():
     allocations and frames elsewhere are left out."""
     bench = _plan_accuracy()
     fr = [{"filename": "/x/torch/_tensor.py", "line": 1, "name": "float"},
-          {"filename": "/x/src/meshrun/train/models.py", "line": 148, "name": "forward"},
+          {"filename": "/x/src/meshrun/training/models/gpt.py", "line": 148, "name": "forward"},
           {"filename": "/x/torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "line": 9, "name": "alloc"}]
     traces = [{"action": "alloc", "size": GiB, "frames": fr},
               {"action": "segment_alloc", "size": 2 * GiB, "stream": 0, "frames": fr},
@@ -350,9 +350,9 @@ def test_segment_allocs_say_where_and_when_the_allocator_grew():
               {"action": "segment_alloc", "size": GiB // 2, "stream": 7, "frames": fr[:1]},
               {"action": "segment_alloc", "size": GiB, "stream": 0, "frames": fr[1:]}]
     got = bench.segment_allocs(traces, marks=[3, 4], top=1)
-    assert got == [{"step": 0, "gib": 2.0, "stream": 0, "where": ["train/models.py:148 forward"]},
+    assert got == [{"step": 0, "gib": 2.0, "stream": 0, "where": ["models/gpt.py:148 forward"]},
                    {"step": 1, "gib": 0.5, "stream": 7, "where": []},
-                   {"step": 2, "gib": 1.0, "stream": 0, "where": ["train/models.py:148 forward"]}]
+                   {"step": 2, "gib": 1.0, "stream": 0, "where": ["models/gpt.py:148 forward"]}]
 
 
 def test_grid_rows_say_which_stream_holds_the_reserved_segments():
@@ -537,7 +537,7 @@ def test_factory_built_on_meta_device_is_read():
     assert spec.params == sum(p.numel() for p in real.parameters())
     assert (spec.layers, spec.hidden, spec.ffn, spec.heads, spec.vocab) == (3, 64, 176, 4, 1000)
     assert spec.gated_mlp and not spec.tied and spec.block_class == "_GatedBlock"
-    gpt = resolve_model("meshrun.train.models:gpt")  # meshrun's GPT: read exactly from its config
+    gpt = resolve_model("meshrun.training.models:gpt")  # meshrun's GPT: read exactly from its config
     assert gpt.hidden == 256 and gpt.layers == 4 and gpt.block_class == "Block"
 
 
@@ -647,7 +647,7 @@ def test_written_configs_are_accepted_by_accelerate_and_meshrun_train(tmp_path):
     acc = load_config_from_file(str(tmp_path / "accelerate.yaml"))
     assert acc.distributed_type == "FSDP" and acc.num_processes == 4
     assert acc.fsdp_config["fsdp_reshard_after_forward"] is False  # grad_op
-    from meshrun.train.config import build_config, load_file
+    from meshrun.config import build_config, load_file
 
     cfg = build_config(load_file(str(tmp_path / "train.yaml")), {}, "train.yaml")
     assert (cfg.strategy, cfg.global_batch, cfg.model_size, cfg.compile) == ("fsdp-grad-op", 64, "gpt-1.3b", "on")
@@ -719,9 +719,9 @@ def test_train_auto_asks_the_planner():
     require("torch")
     import torch
 
-    from meshrun.train.config import TrainConfig, build_config, validate
-    from meshrun.train.models.gpt import gpt
-    from meshrun.train.parallel.auto import decide
+    from meshrun.config import TrainConfig, build_config, validate
+    from meshrun.training.models.gpt import gpt
+    from meshrun.training.parallel.auto import decide
 
     with torch.device("meta"):
         model = gpt("gpt-1.3b", 1024)
@@ -748,10 +748,10 @@ def test_train_auto_chooses_the_micro_batch_for_a_global_batch():
     require("torch")
     import torch
 
+    from meshrun.config import TrainConfig, validate
     from meshrun.plan.recommend import MAX_MICRO_TOKENS
-    from meshrun.train.config import TrainConfig, validate
-    from meshrun.train.models.gpt import gpt
-    from meshrun.train.parallel.auto import decide
+    from meshrun.training.models.gpt import gpt
+    from meshrun.training.parallel.auto import decide
 
     def pick(size, world, mem, **kw):
         with torch.device("meta"):
@@ -789,8 +789,8 @@ def test_plan_options_come_from_the_environment_too():
 @pytest.mark.parametrize("name", ["zero3-offload+ac", "tp2-pp2-dp2+ac"])
 def test_train_config_for_deepspeed_and_model_parallel_candidates(name):
     """Every candidate meshrun train runs becomes a valid train config."""
+    from meshrun.config import build_config
     from meshrun.plan.configs import train_config
-    from meshrun.train.config import build_config
 
     p = make_plan(PRESETS["gpt-1.3b"], ClusterSpec(1, 8, 10 * GiB), TrainSpec(1024, 1, None, compile=False),
                   framework="any")
@@ -931,11 +931,11 @@ def test_plan_and_train_resolve_the_same_defaults(model):
     require("torch")
     import torch
 
+    from meshrun.config import TrainConfig, resolve_seq_len, validate
     from meshrun.modelinfo.factory import call_factory
     from meshrun.modelinfo.read import context_of
-    from meshrun.train.config import TrainConfig, resolve_seq_len, validate
-    from meshrun.train.models.gpt import gpt
-    from meshrun.train.parallel.auto import decide
+    from meshrun.training.models.gpt import gpt
+    from meshrun.training.parallel.auto import decide
 
     # a factory is imported from PYTHONPATH: in a process of its own
     out = (meshrun if ":" in model else meshrun_here)("plan", "--model", model, "--gpus-per-node", "4", "--gpu-mem",
@@ -976,9 +976,9 @@ def test_the_policy_never_compiles_a_model_liger_patches():
     require("torch")
     import torch
 
-    from meshrun.train.config import TrainConfig, validate
-    from meshrun.train.models.gpt import gpt
-    from meshrun.train.parallel.auto import decide
+    from meshrun.config import TrainConfig, validate
+    from meshrun.training.models.gpt import gpt
+    from meshrun.training.parallel.auto import decide
 
     llama = _hf_llama_on_meta()
     cfg = validate(TrainConfig(seq_len=4096))
@@ -1013,9 +1013,9 @@ def test_plan_and_train_agree_on_when_liger_runs():
     import argparse
 
     from meshrun.cli.plan import run_config, run_facts
-    from meshrun.train.config import TrainConfig, validate
-    from meshrun.train.parallel.auto import compile_and_kernels
-    from meshrun.train.policy import settings
+    from meshrun.config import TrainConfig, validate
+    from meshrun.config.policy import settings
+    from meshrun.training.parallel.auto import compile_and_kernels
 
     llama = _hf_llama_on_meta()
     facts = run_facts(ClusterSpec(1, 2, 141 * GiB), "bf16", llama, builtin_gpt=False)
@@ -1031,8 +1031,8 @@ def test_plan_and_train_agree_on_when_liger_runs():
 
 def test_a_model_that_fits_nowhere_is_refused_before_it_runs_out_of_memory():
     require("torch")
-    from meshrun.train.config import TrainConfig, validate
-    from meshrun.train.parallel.auto import decide
+    from meshrun.config import TrainConfig, validate
+    from meshrun.training.parallel.auto import decide
 
     llama = _hf_llama_on_meta()
     with pytest.raises(MeshrunError, match=r"does not fit 1 GPU\(s\) of 8 GiB: the planner's least, .* needs "):

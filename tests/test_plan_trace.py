@@ -1,4 +1,4 @@
-"""The planner's traced activations (train/parallel/trace.py): what a model keeps for backward,
+"""The planner's traced activations (plan/trace.py): what a model keeps for backward,
 read from the model itself on the meta device, exact on models whose saved tensors can be
 counted by hand, put back exactly as found, and used by `meshrun plan` and `meshrun train`."""
 
@@ -76,7 +76,7 @@ def test_a_traced_block_saves_what_autograd_saves_in_each_precision():
     first Linear's cast of the fp32 embeddings, then bf16 throughout). Linear in the
     micro-batch; a block's input is one s·h tensor. Traced from a model on the CPU, nothing
     allocated for it."""
-    from meshrun.train.parallel.trace import trace
+    from meshrun.plan.trace import trace
 
     model, seq, h, layers = _mlp_model(), 16, 64, 3
     fp32, bf16, mixed = (trace(model, mode, seq) for mode in ("fp32", "bf16", "autocast"))
@@ -97,7 +97,7 @@ def test_attention_is_counted_as_the_fused_kernels_save_it():
     log-sum-exp per head and token: no seq x seq score matrix (which SDPA's math path, the only
     one on the meta device, would keep)."""
     torch, nn, F = _torch()
-    from meshrun.train.parallel.trace import trace
+    from meshrun.plan.trace import trace
 
     heads, width, seq = 4, 64, 256
 
@@ -133,8 +133,8 @@ def test_attention_is_counted_as_the_fused_kernels_save_it():
 
 def test_tracing_leaves_the_model_and_torch_as_they_were():
     torch, nn, F = _torch()
-    from meshrun.train.kernels import head_loss
-    from meshrun.train.parallel.trace import trace
+    from meshrun.kernels import head_loss
+    from meshrun.plan.trace import trace
 
     model = _mlp_model()
     before = {n: (p, p.device, p.dtype, p.data_ptr()) for n, p in model.named_parameters()}
@@ -155,7 +155,7 @@ def test_a_model_the_meta_device_cannot_run_keeps_the_estimate():
     trace, the planner's estimate from the shape stands, and nothing is left changed."""
     torch, nn, F = _torch()
     from meshrun.modelinfo.read import from_module
-    from meshrun.train.parallel.trace import trace, with_trace
+    from meshrun.plan.trace import trace, with_trace
 
     class Picky(nn.Module):
         def __init__(self) -> None:
@@ -190,7 +190,7 @@ def test_the_planner_uses_the_traced_bytes():
     from meshrun.plan import ClusterSpec, TrainSpec
     from meshrun.plan.memory import activations, estimate, logits_bytes
     from meshrun.plan.strategies import named
-    from meshrun.train.parallel.trace import with_trace
+    from meshrun.plan.trace import with_trace
 
     model = _mlp_model(layers=4, width=128)
     spec = with_trace(from_module(model, "mlp", "test"), model, 32, ("autocast", "bf16"))
@@ -298,7 +298,7 @@ def test_compiled_blocks_keep_what_inductors_partitioner_keeps():
     Inductor's partitioner does not recompute a fusible chain that long), fp32, nothing else;
     eager autograd keeps every piece of the GELU too. The trace records whether the loss is
     inside the model's forward (compiled with it) or taken from its logits outside."""
-    from meshrun.train.parallel.trace import trace
+    from meshrun.plan.trace import trace
 
     seq, h, f, layers = 16, 32, 128, 2
     outside, inside = _pointwise_model(), _pointwise_model(loss_inside=True)
@@ -322,7 +322,7 @@ def test_the_planner_takes_compiled_blocks_a_compiled_loss_and_accumulated_gradi
     from meshrun.plan import ClusterSpec, TrainSpec
     from meshrun.plan.memory import activations, calibration, estimate, logits_bytes, model_states
     from meshrun.plan.strategies import named
-    from meshrun.train.parallel.trace import with_trace
+    from meshrun.plan.trace import with_trace
 
     cal = calibration()
     seq, micro = 32, 4

@@ -1,5 +1,5 @@
 """What a Hugging Face model keeps with Liger Kernel's fused kernels, traced on the meta device
-(train/parallel/trace_liger.py), and the planner's terms that come with it: the fused loss's
+(plan/trace_liger.py), and the planner's terms that come with it: the fused loss's
 gradients instead of the logits, the fused Mixture-of-Experts' backward buffers, the
 allocator's new segments when validation computes whole logits, and `meshrun plan` choosing
 the kernels as `meshrun train` would."""
@@ -81,7 +81,7 @@ def test_liger_keeps_the_fused_losss_gradients_not_the_logits_and_leaves_everyth
     import transformers.models.llama.modeling_llama as modeling
     from liger_kernel.ops import LigerFusedLinearCrossEntropyFunction, LigerRMSNormFunction
 
-    from meshrun.train.parallel.trace import trace
+    from meshrun.plan.trace import trace
 
     vocab, hidden, seq = 4096, 64, 64
     model = _llama(vocab, hidden)
@@ -113,8 +113,8 @@ def test_a_liger_function_without_a_stand_in_traces_the_model_unpatched(monkeypa
     _liger()
     import transformers.models.llama.modeling_llama as modeling
 
-    from meshrun.train.parallel import trace_liger
-    from meshrun.train.parallel.trace import trace
+    from meshrun.plan import trace_liger
+    from meshrun.plan.trace import trace
 
     model = _llama()
     forward = modeling.LlamaForCausalLM.forward
@@ -132,9 +132,9 @@ def test_a_mixture_of_experts_keeps_its_own_experts_in_training_and_in_the_trace
     torch = _liger()
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    from meshrun.train.kernels.liger import apply_liger, liger_options
-    from meshrun.train.parallel.trace import trace
-    from meshrun.train.parallel.trace_liger import liger_twin
+    from meshrun.kernels.liger import apply_liger, liger_options
+    from meshrun.plan.trace import trace
+    from meshrun.plan.trace_liger import liger_twin
 
     cfg = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=512, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -170,7 +170,7 @@ def test_liger_cross_entropy_on_granites_scaled_logits_is_traced_and_put_back():
     import torch.nn.functional as F
     from transformers import GPT2Config, GPT2LMHeadModel, GraniteConfig, GraniteForCausalLM
 
-    from meshrun.train.parallel.trace import trace
+    from meshrun.plan.trace import trace
 
     vocab, seq = 4096, 64
     with torch.device("meta"):
@@ -188,7 +188,7 @@ def test_liger_cross_entropy_on_granites_scaled_logits_is_traced_and_put_back():
     # torch's loss holds fp32 logits and log-softmax's fp32 output at once; Liger's, the logits alone
     assert plain.tail[0] - patched.tail[0] >= 4 * seq * vocab
     # the run's first line names the loss Liger gives it
-    from meshrun.train.kernels.liger import apply_liger
+    from meshrun.kernels.liger import apply_liger
 
     with torch.device("meta"):
         real = GraniteForCausalLM(granite.config)
@@ -210,7 +210,7 @@ def test_validation_adds_the_segments_its_logits_cannot_find_in_the_cache():
     from meshrun.plan import ClusterSpec, TrainSpec
     from meshrun.plan.memory import estimate, validation_growth
     from meshrun.plan.strategies import named
-    from meshrun.train.parallel.trace import with_trace
+    from meshrun.plan.trace import with_trace
 
     vocab, seq, micro = 4096, 64, 8
     model = _llama(vocab)
@@ -232,7 +232,7 @@ def test_the_tails_tensors_are_paired_across_sizes_even_when_one_size_makes_one_
     """The tail's storages in making order at micro-batch 1 and 2 are aligned (an op may make one
     more at one size): the largest at 1 and the fastest-growing are each one tensor's sizes."""
     require("torch")
-    from meshrun.train.parallel.trace import _largest_lines
+    from meshrun.plan.trace import _largest_lines
 
     one = [32, 8, 1000, 256, 4, 4, 256]
     two = [64, 16, 1000, 7, 512, 4, 4, 512]
@@ -264,8 +264,8 @@ def test_a_liger_patched_model_is_called_with_return_dict_so_transformers_logs_n
     _liger()
     import transformers.models.llama.modeling_llama as modeling
 
-    from meshrun.train.kernels.liger import apply_liger
-    from meshrun.train.parallel.layouts import LABELS_KWARGS, loss_mode
+    from meshrun.kernels.liger import apply_liger
+    from meshrun.modelinfo.loss import LABELS_KWARGS, loss_mode
 
     model = _llama()
     assert loss_mode(model) == "labels-nocache"  # transformers' own forward: no return_dict to give
@@ -277,7 +277,7 @@ def test_a_liger_patched_model_is_called_with_return_dict_so_transformers_logs_n
 
 def test_model_loss_passes_what_the_forward_names():
     torch = _liger()
-    from meshrun.train.parallel.layouts import loss_mode, model_loss
+    from meshrun.modelinfo.loss import loss_mode, model_loss
 
     class Forward(torch.nn.Module):
         def __init__(self):
@@ -300,7 +300,7 @@ def test_transformers_renamed_cache_line_about_ligers_code_is_dropped_and_no_oth
 
     import transformers.models.llama.modeling_llama as modeling
 
-    from meshrun.train.kernels.liger import apply_liger
+    from meshrun.kernels.liger import apply_liger
 
     with _put_back(modeling):
         apply_liger(_llama())

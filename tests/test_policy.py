@@ -1,7 +1,7 @@
 """`meshrun plan` and `meshrun train --dry-run` say the same of a run: its strategy, micro-batch,
 compile, kernels and precision, over a grid of models and options.
 
-Both commands ask the one run policy (meshrun.train.policy.resolve), each through its own
+Both commands ask the one run policy (meshrun.config.policy.resolve), each through its own
 front-end: plan from its flags, a preset's or config's shape and the GPUs it is told of;
 train's dry run from the train config, the model built on the meta device as the ranks build
 it, and parallel/auto.decide, the ranks' own call. What is compared is what those front-ends
@@ -89,7 +89,7 @@ def traces(monkeypatch):
     """meshrun's own with_trace, run once per distinct input."""
     import dataclasses
 
-    from meshrun.train.parallel import trace
+    from meshrun.plan import trace
 
     real = trace.with_trace
 
@@ -178,7 +178,7 @@ def test_the_dry_run_prints_its_decisions_before_the_commands(capsys):
     assert lines[:4] == ["# decided for CPU processes:", "# strategy: single (rules)", "# micro-batch: 4 (user)",
                          "# global batch: micro-batch x data-parallel ranks"]
     assert "# compile: off" in lines and "# kernels: plain" in lines and "# precision: fp32" in lines
-    assert lines[-1].endswith("-m meshrun.train.worker")
+    assert lines[-1].endswith("-m meshrun.training.worker")
 
 
 def test_gpu_mem_is_for_dry_runs(capsys):

@@ -187,7 +187,7 @@ def test_a_finished_rank_outlives_a_late_preemption_signal(settled):
     OS level, as an exec shows: the process that replaces the rank survives both signals once
     ``settle()`` ran, and dies of the first without it."""
     code = ("import os, sys\n"
-            "from meshrun.train import preempt\n"
+            "from meshrun.training import preempt\n"
             "preempt.install()\n"
             + ("preempt.settle()\n" if settled else "")
             + "os.execvp('sleep', ['sleep', '3'])\n")

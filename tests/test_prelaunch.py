@@ -1,6 +1,6 @@
 """What the configuration alone decides is refused by `meshrun train` itself, before any rank
 starts and before anything is written to --out: one line, exit code 2, within 2 s, in the words
-the ranks use for it (train/prelaunch.py). Each case runs the real CLI in-process; some also as a
+the ranks use for it (job/prelaunch.py). Each case runs the real CLI in-process; some also as a
 real process. The ranks are on the CPU here (no GPU visible), as in CI."""
 
 from __future__ import annotations
@@ -161,8 +161,8 @@ TORCH_FREE = """
 import sys
 from meshrun.cluster.topology import Topology
 from meshrun.errors import MeshrunError
-from meshrun.train.config import build_config
-from meshrun.train.prelaunch import check_layout
+from meshrun.config import build_config
+from meshrun.job.prelaunch import check_layout
 
 topo = Topology("local", 1, 0, 2, "127.0.0.1", 29500)
 said = []

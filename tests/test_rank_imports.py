@@ -21,16 +21,16 @@ import json, sys
 HEAVY = {heavy!r}
 loaded = lambda: [m for m in HEAVY if m in sys.modules]
 # worker.main's imports
-import meshrun.train.worker
+import meshrun.training.worker
 from meshrun.modelinfo.read import context_of
-from meshrun.train.config import TrainConfig, resolve_seq_len
-from meshrun.train.factories import build_data, build_model, pretrained_weights, vocab_size
-from meshrun.train.runtime import init_runtime, teardown
-from meshrun.train.trainer import Trainer
+from meshrun.config import TrainConfig, resolve_seq_len
+from meshrun.training.factories import build_data, build_model, pretrained_weights, vocab_size
+from meshrun.training.runtime import init_runtime, teardown
+from meshrun.training.trainer import Trainer
 imported = loaded()
 # a plain CPU run's objects and its one step, without --out
-from meshrun.train.data import RandomTokens
-from meshrun.train.models.gpt import gpt
+from meshrun.training.loader import RandomTokens
+from meshrun.training.models.gpt import gpt
 cfg = TrainConfig(model_size="gpt-tiny", seq_len=16, micro_batch=2, steps=1, precision="fp32", strategy="single")
 Trainer(gpt("gpt-tiny", 16, 64), RandomTokens(64, 16, 64), RandomTokens(8, 16, 64), cfg).fit()
 print(json.dumps({{"imported": imported, "trained": loaded()}}))
@@ -54,8 +54,8 @@ def test_a_plain_rank_imports_no_snapshot_plot_tracker_nor_compiler_module():
 ADAMW = """
 import copy, json, sys
 import torch
-from meshrun.train.models.gpt import GPT, GPTConfig
-from meshrun.train.optim import build_optimizer, create_state
+from meshrun.training.models.gpt import GPT, GPTConfig
+from meshrun.training.optim import build_optimizer, create_state
 torch.manual_seed(0)
 mine = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))
 ref = copy.deepcopy(mine)
@@ -104,7 +104,7 @@ def test_meshruns_adamw_steps_saves_and_loads_as_torchs_without_importing_the_co
 EXITS = """
 import atexit, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
-from meshrun.train.worker import exit_now
+from meshrun.training.worker import exit_now
 pool = ThreadPoolExecutor(2)  # idle workers, as Inductor's compile pool leaves them
 assert pool.submit(lambda: 1).result() == 1
 late = threading.Thread(target=lambda: (time.sleep(0.3), print("thread finished", flush=True)))

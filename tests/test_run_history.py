@@ -54,7 +54,7 @@ def _copy(src, dst):
 def test_a_symlinked_checkpoints_directory_of_a_live_run_is_refused(tmp_path, finished):
     """Run B's checkpoints/ is a symlink into run A's: while A holds its directory, B is
     refused in one line naming the real directory, and A's snapshots are untouched."""
-    from meshrun.train.runlock import OutputLock
+    from meshrun.config.runlock import OutputLock
 
     a = _copy(finished, tmp_path / "a")
     b = tmp_path / "b"
@@ -163,7 +163,7 @@ def test_the_schedule_goes_on_from_where_it_was():
     """Pieces added by a resume start at the rate reached and decay to the floor: continuous,
     never rising, at the floor at the new end; within the warmup only the length changes."""
     require("torch")
-    from meshrun.train.optim import extend_schedule, lr_factor
+    from meshrun.training.optim import extend_schedule, lr_factor
 
     longer = extend_schedule(((0, 100),), 50, 200, 10)
     assert longer == ((0, 100), (50, 200))
@@ -182,7 +182,7 @@ def test_the_loss_curve_is_drawn_from_the_whole_metrics_file(tmp_path):
     """A step a restart logged again counts once (its latest record); a line cut short by a
     kill is skipped."""
     require("torch")
-    from meshrun.train.metrics import read_records
+    from meshrun.training.metrics import read_records
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n'

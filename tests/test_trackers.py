@@ -138,7 +138,7 @@ def test_tensorboard_events_are_written_without_importing_tensorflow(tmp_path):
     require("torch")
     require("tensorflow")
     code = ("import sys\n"
-            "from meshrun.train.tracking import TensorBoard\n"
+            "from meshrun.training.tracking import TensorBoard\n"
             "board = TensorBoard(sys.argv[1], {'lr': 0.01})\n"
             "board.log({'loss': 1.5, 'lr': 0.01}, 3)\n"
             "board.log({'loss': 1.25}, 4)\n"
@@ -225,7 +225,7 @@ def test_wandb_online_without_a_key_or_a_server_is_one_line(tmp_path):
 
 
 def test_a_tracker_that_fails_mid_run_is_dropped_and_the_others_go_on(capsys):
-    from meshrun.train import tracking
+    from meshrun.training import tracking
 
     class Logged:
         name = "kept"

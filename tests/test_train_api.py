@@ -1,5 +1,5 @@
 """meshrun.train(...): the `meshrun train` job from a Python script, through the same
-train/job.py the CLI calls; its result is rank 0's last metrics and the newest snapshot."""
+job/__init__.py the CLI calls; its result is rank 0's last metrics and the newest snapshot."""
 
 import json
 import os

@@ -74,7 +74,7 @@ def test_dry_run_starts_each_rank_of_one_node_itself():
     out = meshrun("train", "--dry-run", "--json", "--steps", "5")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["argv"][1:] == ["-u", "-m", "meshrun.train.worker"]
+    assert data["argv"][1:] == ["-u", "-m", "meshrun.training.worker"]
     assert not any("torchrun" in arg for p in data["processes"] for arg in p["argv"])
     ranks = [(p["env"]["RANK"], p["env"]["LOCAL_RANK"], p["env"]["WORLD_SIZE"]) for p in data["processes"]]
     assert ranks == [("0", "0", "2"), ("1", "1", "2")]
@@ -87,7 +87,7 @@ def test_dry_run_of_a_multi_node_job_launches_torchrun():
                   "--master-port", "29999")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["argv"][0].endswith("torchrun") and data["argv"][-2:] == ["-m", "meshrun.train.worker"]
+    assert data["argv"][0].endswith("torchrun") and data["argv"][-2:] == ["-m", "meshrun.training.worker"]
 
 
 ERRORS = [

@@ -29,10 +29,10 @@ STEPS = 6
 def _train(overrides):
     import torch
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import RandomTokens
-    from meshrun.train.models.gpt import GPT, GPTConfig
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import RandomTokens
+    from meshrun.training.models.gpt import GPT, GPTConfig
+    from meshrun.training.trainer import Trainer
 
     overrides = dict(overrides)
     layers = overrides.pop("layers", 2)
@@ -59,7 +59,7 @@ def _documents():
     import numpy as np
 
     from meshrun.data.store import TokenSplit
-    from meshrun.train.data import PackedTokens
+    from meshrun.training.loader import PackedTokens
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 64, 512 * 16 + 1, dtype=np.uint16)
@@ -115,11 +115,11 @@ def _first_step_gradients(overrides):
     import torch
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import BatchStream, RandomTokens
-    from meshrun.train.models.gpt import GPT, GPTConfig
-    from meshrun.train.parallel.gradnorm import clip_grad_norm
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import BatchStream, RandomTokens
+    from meshrun.training.models.gpt import GPT, GPTConfig
+    from meshrun.training.parallel.gradnorm import clip_grad_norm
+    from meshrun.training.trainer import Trainer
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
@@ -186,10 +186,10 @@ def _sequence_parallel_shapes(sequence_parallel):
     """What each LayerNorm gets under TP=2 (its local tensor), and the head's local logits."""
     import torch
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import BatchStream, RandomTokens
-    from meshrun.train.models.gpt import GPT, GPTConfig
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import BatchStream, RandomTokens
+    from meshrun.training.models.gpt import GPT, GPTConfig
+    from meshrun.training.trainer import Trainer
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
@@ -225,10 +225,10 @@ def _train_steps(overrides):
     """Like _train, but {step: loss} of the steps this run logged (after a resume: only those)."""
     import torch
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import RandomTokens
-    from meshrun.train.models.gpt import GPT, GPTConfig
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import RandomTokens
+    from meshrun.training.models.gpt import GPT, GPTConfig
+    from meshrun.training.trainer import Trainer
 
     overrides = dict(overrides)
     layers = overrides.pop("layers", 2)
@@ -418,10 +418,10 @@ def _all_gathers_in_a_step(global_batch):
     import torch
     import torch.distributed as dist
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import BatchStream, RandomTokens
-    from meshrun.train.models.gpt import GPT, GPTConfig
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import BatchStream, RandomTokens
+    from meshrun.training.models.gpt import GPT, GPTConfig
+    from meshrun.training.trainer import Trainer
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
@@ -488,8 +488,8 @@ def _train_iterable():
     import torch
     from torch.utils.data import IterableDataset
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.trainer import Trainer
 
     class Stream(IterableDataset):
         def __iter__(self):
@@ -515,7 +515,7 @@ def _llama_tp_logits_match(sequence_parallel):
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshrun.train.parallel.tp import apply_tp
+    from meshrun.training.parallel.tp import apply_tp
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -557,7 +557,7 @@ def _cp_attention_matches():
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from meshrun.train.parallel.context import ContextAttention
+    from meshrun.training.parallel.context import ContextAttention
 
     g = torch.Generator().manual_seed(7)
     b, h, t, d = 2, 3, 16, 8

@@ -1,4 +1,4 @@
-"""`meshrun train`'s options come from one declaration each (train/sections.py): the flag and
+"""`meshrun train`'s options come from one declaration each (config/sections.py): the flag and
 its help, MESHRUN_<NAME>, the config-file key (flat or in its section) and the keyword of
 meshrun.train() all follow from a field, and so do its checks."""
 
@@ -13,9 +13,9 @@ import pytest
 from helpers import clean_env, meshrun
 
 import meshrun as meshrun_pkg
+from meshrun.config import TrainConfig, load_file, option_names
+from meshrun.config.sections import SECTIONS
 from meshrun.options import Option, kind, option_fields, spec
-from meshrun.train.config import TrainConfig, load_file, option_names
-from meshrun.train.sections import SECTIONS
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(meshrun_pkg.__file__)))
 
@@ -27,7 +27,7 @@ DECLARATION = ('    probe_depth: int = option(7, "a probe option that exists onl
 def _package_with_a_new_option(tmp_path) -> str:
     root = tmp_path / "pkg"
     shutil.copytree(os.path.join(SRC, "meshrun"), root / "meshrun", ignore=shutil.ignore_patterns("__pycache__"))
-    sections = root / "meshrun" / "train" / "sections.py"
+    sections = root / "meshrun" / "config" / "sections.py"
     text = sections.read_text()
     anchor = '    TITLE: ClassVar[str] = "schedule"\n\n'
     assert text.count(anchor) == 1

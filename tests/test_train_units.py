@@ -11,13 +11,13 @@ torch = pytest.importorskip("torch")
 
 from helpers import BENCH, DATA, bench_module, clean_env, require  # noqa: E402
 
+from meshrun.config import TrainConfig, build_config  # noqa: E402
 from meshrun.errors import MeshrunError  # noqa: E402
 from meshrun.modelinfo.blocks import find_blocks  # noqa: E402
-from meshrun.train.config import TrainConfig, build_config  # noqa: E402
-from meshrun.train.data import ShardedIterable, TokenChunks  # noqa: E402
-from meshrun.train.metrics import mfu, peak_for_name  # noqa: E402
-from meshrun.train.models.gpt import GPT, GPTConfig  # noqa: E402
-from meshrun.train.optim import lr_factor  # noqa: E402
+from meshrun.training.loader import ShardedIterable, TokenChunks  # noqa: E402
+from meshrun.training.metrics import mfu, peak_for_name  # noqa: E402
+from meshrun.training.models.gpt import GPT, GPTConfig  # noqa: E402
+from meshrun.training.optim import lr_factor  # noqa: E402
 
 nn = torch.nn
 
@@ -108,7 +108,7 @@ def test_attention_choice_goes_first_and_the_order_comes_back():
     leave torch's order alone. (The order is process state; no GPU is needed to read it.)"""
     from torch.nn.attention import SDPBackend
 
-    from meshrun.train.models.attention import attention_kernels
+    from meshrun.training.models.attention import attention_kernels
 
     torchs = torch._C._get_sdp_priority_order()
     gpu = torch.device("cuda", 0)
@@ -128,7 +128,7 @@ def _ddp_rebuild_release():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from meshrun.train.parallel.ddp import release_old_buckets
+    from meshrun.training.parallel.ddp import release_old_buckets
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
@@ -159,8 +159,8 @@ def test_ddp_releases_its_first_buckets_once_right_after_the_rebuild():
     (25, True, 4, 4, 25),       # the user's size wins
 ], ids=["compiled-one-host", "compiled-two-hosts", "eager", "requested"])
 def test_ddp_bucket_size_follows_compile_and_hosts(requested, compiled, world, local, expected):
-    from meshrun.train.parallel.ddp import ddp_bucket_mb
-    from meshrun.train.runtime import Runtime
+    from meshrun.training.parallel.ddp import ddp_bucket_mb
+    from meshrun.training.runtime import Runtime
 
     rt = Runtime(rank=0, local_rank=0, world_size=world, local_world_size=local, device=torch.device("cpu"),
                  backend="gloo")
@@ -173,9 +173,9 @@ def test_compile_tune_asks_inductor_for_tuned_kernels_torch_accepts():
     torch.compile checks option names when it is called, so a key this torch lacks would
     raise here rather than at a GPU job's first step. Tuning compiles (also on the CPU, where
     compiling is otherwise off by default), and refuses --compile off."""
+    from meshrun.config import validate
     from meshrun.errors import MeshrunError
-    from meshrun.train.config import validate
-    from meshrun.train.parallel.apply import compile_options
+    from meshrun.training.parallel.apply import compile_options
 
     assert compile_options(False) == {}
     assert compile_options(True) == {"coordinate_descent_tuning": True}
@@ -252,7 +252,7 @@ def test_optimizer_state_made_before_the_first_step_changes_nothing(fused):
 
     import torch
 
-    from meshrun.train.optim import build_optimizer, create_state
+    from meshrun.training.optim import build_optimizer, create_state
 
     torch.manual_seed(0)
     a = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))
@@ -282,7 +282,7 @@ def _per_mesh_adamw_steps():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from meshrun.train.optim import _PerMeshAdamW
+    from meshrun.training.optim import _PerMeshAdamW
 
     torch.manual_seed(0)
     meshes = [init_device_mesh("cpu", (1,)), init_device_mesh("cpu", (1, 1))]
@@ -326,7 +326,7 @@ def _summing_gloo_refuses_hybrid_with_tp():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from meshrun.train.parallel.fsdp import _summing_mesh
+    from meshrun.training.parallel.fsdp import _summing_mesh
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
     plain = nn.Linear(2, 2)
@@ -359,10 +359,10 @@ def _state_at_setup():
 
     import torch
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import RandomTokens
-    from meshrun.train.models.gpt import gpt
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import RandomTokens
+    from meshrun.training.models.gpt import gpt
+    from meshrun.training.trainer import Trainer
 
     torch.manual_seed(0)
     model = gpt("gpt-tiny", 16, 64)
@@ -390,10 +390,10 @@ def _validation_compiles():
     import torch
     from torch._dynamo.testing import CompileCounter
 
-    from meshrun.train.config import TrainConfig
-    from meshrun.train.data import RandomTokens
-    from meshrun.train.models.gpt import gpt
-    from meshrun.train.trainer import Trainer
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import RandomTokens
+    from meshrun.training.models.gpt import gpt
+    from meshrun.training.trainer import Trainer
 
     torch.manual_seed(0)
     cfg = TrainConfig(model_size="gpt-tiny", seq_len=16, micro_batch=2, steps=1, precision="fp32", strategy="single")
@@ -467,9 +467,9 @@ def test_a_users_modules_offer_the_hooks_by_their_methods_alone():
     import torch.distributed as dist
 
     from meshrun.api import run
-    from meshrun.train.models.hooks import ExpertModule, KernelModel
-    from meshrun.train.models.moe import MoE
-    from meshrun.train.parallel.expert import shard_experts
+    from meshrun.training.models.hooks import ExpertModule, KernelModel
+    from meshrun.training.models.moe import MoE
+    from meshrun.training.parallel.expert import shard_experts
 
     class MyExperts(torch.nn.Module):
         def __init__(self) -> None:

@@ -16,13 +16,13 @@ __all__ = ["Topology", "MeshrunError", "Trainer", "TrainConfig", "TrainResult", 
 if TYPE_CHECKING:
     from .api import detect, run
     from .cluster.topology import Topology
+    from .config import TrainConfig
     from .errors import MeshrunError
     from .integrations.jax import jax_initialize
     from .integrations.tensorflow import tf_config
-    from .train.api import train
-    from .train.config import TrainConfig
-    from .train.job import TrainResult
-    from .train.trainer import Trainer
+    from .job import TrainResult
+    from .job.api import train
+    from .training.trainer import Trainer
 
 _LAZY = {
     "Topology": ("meshrun.cluster.topology", "Topology"),
@@ -31,17 +31,14 @@ _LAZY = {
     "run": ("meshrun.api", "run"),
     "tf_config": ("meshrun.integrations.tensorflow", "tf_config"),
     "jax_initialize": ("meshrun.integrations.jax", "jax_initialize"),
-    "Trainer": ("meshrun.train.trainer", "Trainer"),
-    "TrainConfig": ("meshrun.train.config", "TrainConfig"),
-    "TrainResult": ("meshrun.train.job", "TrainResult"),
+    "Trainer": ("meshrun.training.trainer", "Trainer"),
+    "TrainConfig": ("meshrun.config", "TrainConfig"),
+    "TrainResult": ("meshrun.job", "TrainResult"),
+    "train": ("meshrun.job.api", "train"),
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name == "train":  # the package meshrun.train, which is callable: meshrun.train(...) runs a job
-        import importlib
-
-        return importlib.import_module("meshrun.train")
     if name in _LAZY:
         import importlib
 

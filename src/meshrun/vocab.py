@@ -21,7 +21,7 @@ AC_MODES = ("none", "full", "selective")
 # Training precisions: bf16 mixed precision (fp32 master weights), or fp32 throughout.
 PRECISIONS = ("bf16", "fp32")
 # meshrun train's float8: bf16, with the large linear layers' matmuls in float8 (torchao's
-# tensorwise or rowwise scales; train/parallel/float8.py)
+# tensorwise or rowwise scales; training/parallel/float8.py)
 FLOAT8_PRECISIONS = ("fp8", "fp8-rowwise")
 
 

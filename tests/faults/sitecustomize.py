@@ -85,8 +85,8 @@ def _patch_batchfit(module: Any) -> None:
 
 
 PATCHES: dict[str, Callable[[Any], None]] = {
-    "meshrun.train.batchfit": _patch_batchfit,
-    "meshrun.train.checkpoint.save": _patch_save,
+    "meshrun.training.batchfit": _patch_batchfit,
+    "meshrun.training.snapshot.save": _patch_save,
     "meshrun.data.prepare": _patch_prepare,
 }
 

@@ -1,4 +1,4 @@
-"""meshrun.train.kernels.fused_mlp on a GPU (cuBLASLt's epilogues through nvmath-python)
+"""meshrun.kernels.fused_mlp on a GPU (cuBLASLt's epilogues through nvmath-python)
 against the same ops' plain torch path, then the MLP's time per forward + backward at the
 benchmark's shapes: Inductor's (Linear, GELU, Linear compiled) against the epilogues'. Run by
 `bash bench/gpu_session.sh checks OUT`; prints one line per check and ALL OK, or stops at the
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshrun.train.kernels import fused_mlp
+from meshrun.kernels import fused_mlp
 
 if not torch.cuda.is_available():
     raise SystemExit("fused_mlp_check: needs a GPU")

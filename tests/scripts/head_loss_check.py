@@ -1,4 +1,4 @@
-"""meshrun's head loss (train/kernels/head_loss.py) against F.cross_entropy: run by
+"""meshrun's head loss (kernels/head_loss.py) against F.cross_entropy: run by
 tests/test_head_loss.py on the CPU under Triton's interpreter (TRITON_INTERPRET=1), and as it
 is on a GPU host (bench/gpu_session.sh checks). Prints ALL OK."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from meshrun.train.kernels import head_loss as ce_kernel
-from meshrun.train.models.gpt import GPT, GPTConfig
+from meshrun.kernels import head_loss as ce_kernel
+from meshrun.training.models.gpt import GPT, GPTConfig
 
 dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 usable = ce_kernel.register()

@@ -1,4 +1,4 @@
-"""Liger Kernel on a GPU (meshrun.train.kernels.liger): a small Llama with Liger's kernels
+"""Liger Kernel on a GPU (meshrun.kernels.liger): a small Llama with Liger's kernels
 against the same weights without them, loss and gradients in bf16; then meshrun's Trainer
 names them in its first line and trains. Run by `bash bench/gpu_session.sh checks OUT`; prints
 one line per check and ALL OK, or stops at the first failure. Needs CUDA and liger-kernel."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from meshrun.train.kernels.liger import apply_liger, liger_available
+from meshrun.kernels.liger import apply_liger, liger_available
 
 if not torch.cuda.is_available() or not liger_available():
     raise SystemExit("liger_check: needs a GPU and liger-kernel")

@@ -37,20 +37,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def cmd_export(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     require_packages("export", EXPORT_PACKAGES, "torch")
-    from ..train import checkpoint
+    from ..training import snapshot
 
     fmt = ns.format if ns.format != "auto" else "safetensors" if ns.to.endswith(".safetensors") else "hf"
     # the target is checked before the snapshot is read: reading a large one takes minutes
     _check_export_kind(ns.to, fmt)
     path = ns.snapshot
-    if not os.path.isfile(os.path.join(path, checkpoint.MARKER)):
-        found = checkpoint.latest(path) if os.path.isdir(path) else None
+    if not os.path.isfile(os.path.join(path, snapshot.MARKER)):
+        found = snapshot.latest(path) if os.path.isdir(path) else None
         if found is None:
             raise bad_value("snapshot", path, "not a committed snapshot nor a directory of them")
         path = found
     _check_outside_run(ns.to, path)
     _check_export_empty(ns.to, fmt, ns.overwrite)
-    export = checkpoint.export_hf if fmt == "hf" else checkpoint.export_safetensors
+    export = snapshot.export_hf if fmt == "hf" else snapshot.export_safetensors
     n, moved = export(path, ns.to, overwrite=ns.overwrite)
     if moved:
         print(f"meshrun export: moved what was at {ns.to} aside to {moved}")
@@ -92,7 +92,7 @@ def _check_export_empty(to: str, fmt: str, overwrite: bool) -> None:
     """Without --overwrite, nothing is there to lose: an empty or new directory for hf, no
     regular file for safetensors (a FIFO or a device is written in place)."""
     from ..fsio import check_dir_target, check_file_target
-    from ..train.checkpoint.export import NONEMPTY_HINT
+    from ..training.snapshot.export import NONEMPTY_HINT
 
     if overwrite:
         return

@@ -8,6 +8,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..cluster.gpus import count_visible_gpus, detect_gpu_memory
+from ..config import TrainConfig
+from ..config.policy import Facts, Settings, resolve, settings
+from ..config.sections import STRATEGY_CHOICES
 from ..defaults import COMPILE_CHOICES, KERNELS, seq_len_for
 from ..errors import MeshrunError, bad_value
 from ..modelinfo.read import resolve_with_module
@@ -17,9 +20,6 @@ from ..plan import ClusterSpec, TrainSpec, check_inputs, make_plan
 from ..plan.advice import check_choice, named, verdict
 from ..plan.recommend import MAX_MICRO_TOKENS
 from ..plan.spec import INTER_NODE, INTRA_NODE, OPTIMIZERS
-from ..train.config import TrainConfig
-from ..train.policy import Facts, Settings, resolve, settings
-from ..train.sections import STRATEGY_CHOICES
 from ..units import parse_bytes
 from ..vocab import AC_MODES, FLOAT8_PRECISIONS, GPT_PRESETS, PRECISIONS
 from .options import add_option, int_option
@@ -155,9 +155,9 @@ def run_facts(cluster: ClusterSpec, precision: str, module: Any, builtin_gpt: bo
     hf = liger = False
     blocks = True
     if module is not None:
+        from ..kernels.liger import liger_knows
         from ..modelinfo.blocks import find_blocks
-        from ..train.kernels.liger import liger_knows
-        from ..train.models.hf import is_transformers_model
+        from ..training.models.hf import is_transformers_model
 
         hf, blocks = is_transformers_model(module), find_blocks(module) is not None
         liger = hf and liger_knows(module)
@@ -189,14 +189,14 @@ def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec, liger: bo
     if text in GPT_PRESETS and importlib.util.find_spec("torch") is not None:
         import torch
 
-        from ..train.models.gpt import gpt
+        from ..training.models.gpt import gpt
 
         own = kernels == "auto"
         with torch.device("meta"):
             module = gpt(text, seq_len=train.seq_len, head_loss=own, fused_mlp="auto" if own else False)
     if module is None:
         return model
-    from ..train.parallel.trace import with_trace
+    from ..plan.trace import with_trace
 
     modes = ("fp32",) if train.precision == "fp32" else ("autocast", "bf16")
     return with_trace(model, module, train.seq_len, modes, compiled=train.compile, liger=liger)

@@ -1,4 +1,4 @@
-"""`meshrun train`: its options, parsed into a TrainConfig, a topology and JobOptions for train/job.py."""
+"""`meshrun train`: its options, parsed into a TrainConfig, a topology and JobOptions for job/__init__.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from ..cluster.detect import resolve
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.net import free_port
+from ..config.sections import SECTIONS
 from ..defaults import GLOBAL_BATCH_TOKENS
-from ..train.api import job_from
-from ..train.job import JobOptions, require_trainer_packages, run
-from ..train.sections import SECTIONS
+from ..job import JobOptions, require_trainer_packages, run
+from ..job.api import job_from
 from ..vocab import STRATEGIES
 from .options import add_declared, add_option, add_topology_options
 
@@ -91,7 +91,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_option(p, "--config", metavar="FILE", help="YAML or TOML whose keys are these options (underscores or "
                "dashes), flat or in tables named by the sections below ([parallel] tp = 2); flags and "
                "MESHRUN_<NAME> variables override it")
-    for section in SECTIONS:  # every option of a section, from its declaration (train/sections.py)
+    for section in SECTIONS:  # every option of a section, from its declaration (config/sections.py)
         add_declared(p.add_argument_group(section.TITLE), section)
     g = p.add_argument_group("the job")
     add_option(g, "--no-resume", action="store_const", const="none", dest="resume", from_env=False,
@@ -102,8 +102,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
-    """Read every option as `meshrun.train(...)` reads its keywords (train/api.py: job_from),
-    then run the job (train/job.py)."""
+    """Read every option as `meshrun.train(...)` reads its keywords (job/api.py: job_from),
+    then run the job (job/__init__.py)."""
     require_trainer_packages()
     flags = {k: v for k, v in vars(ns).items() if v is not None}
     cfg, job, user = job_from(ns.config, env, flags, "flag")

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field, fields
 from ..errors import MeshrunError, bad_value
 from . import userplatforms
 from .net import host_problem
-from .platforms import generic, kubeflow, local, lsf, mpi, sagemaker, saturn, skypilot, slurm, torchelastic
+from .platforms import generic, kubeflow, local, lsf, mpi, sagemaker, saturn, skypilot, slurm, torchrun
 from .platforms.base import DEFAULT_MASTER_HINT, Platform
 from .topology import Topology
 
 PROBE_ORDER: tuple[Platform, ...] = (
-    torchelastic.Torchrun(), lsf.LSF(), mpi.MPI(), skypilot.SkyPilot(), saturn.Saturn(), kubeflow.Kubeflow(),
+    torchrun.Torchrun(), lsf.LSF(), mpi.MPI(), skypilot.SkyPilot(), saturn.Saturn(), kubeflow.Kubeflow(),
     sagemaker.SageMaker(), slurm.Slurm(), generic.Generic(), local.Local(),
 )
 PLATFORMS: dict[str, Platform] = {p.NAME: p for p in PROBE_ORDER}  # the built-in ones

@@ -37,14 +37,7 @@ from ..units import clock
 from . import FORMAT, INDEX
 from .lock import LOCK_NAME, PrepareLock
 from .sources import Source, documents
-from .store import (
-    SPLITS,
-    check_prepared,
-    shard_docs,
-    shard_name,
-    shard_tokens,
-    shards_problem,
-)
+from .store import SPLITS, check_prepared, shard_docs, shard_name, shard_tokens, shards_problem
 from .tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:

@@ -250,7 +250,7 @@ SCAN_TOKENS = 1 << 24  # tokens per block of the full scan of token ids
 
 # The largest corpus `meshrun train` reads whole before starting to check its ids: 2 Gi tokens
 # (4-8 GiB) take about 0.1 s a GiB from the page cache, the disk's read speed otherwise; past
-# that a sample is read and every training sample is checked as it is read (train/data.py).
+# that a sample is read and every training sample is checked as it is read (training/loader.py).
 FULL_CHECK_TOKENS = 2**31
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from ..train.runtime import Runtime
+    from ..training.runtime import Runtime
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); 2.6-2.12 have only the old.
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -133,7 +133,7 @@ def comm(opts: CommOptions, device: torch.device) -> Result:
 
 
 def matmul(opts: MatmulOptions, device: torch.device) -> Result:
-    from ..train.metrics import peak_flops
+    from ..training.metrics import peak_flops
 
     rows: list[Result] = []
     dtypes = ["bfloat16", "float32"] if device.type == "cuda" else ["float32"]
@@ -157,10 +157,10 @@ def matmul(opts: MatmulOptions, device: torch.device) -> Result:
 
 
 def train(opts: TrainOptions, rt: Runtime) -> Result:
-    from ..train.config import TrainConfig
-    from ..train.data import BatchStream, RandomTokens
-    from ..train.models import gpt
-    from ..train.trainer import Trainer
+    from ..config import TrainConfig
+    from ..training.loader import BatchStream, RandomTokens
+    from ..training.models import gpt
+    from ..training.trainer import Trainer
 
     cfg = TrainConfig(model_size=opts["model"], seq_len=opts["seq"], micro_batch=opts["micro"],
                       steps=opts["warmup"] + opts["steps"], log_every=10**9, lr=3e-4)
@@ -179,7 +179,7 @@ def train(opts: TrainOptions, rt: Runtime) -> Result:
         tokens += n
     _sync(rt.device)
     took = time.perf_counter() - start
-    from ..train.metrics import peak_flops
+    from ..training.metrics import peak_flops
 
     tps = tokens / took
     peak = peak_flops(rt.device)
@@ -190,7 +190,7 @@ def train(opts: TrainOptions, rt: Runtime) -> Result:
 
 
 def main() -> None:
-    from ..train.runtime import init_runtime, teardown
+    from ..training.runtime import init_runtime, teardown
 
     kind, opts = sys.argv[1], json.loads(sys.argv[2])  # the options of ``kind``
     rt = init_runtime()

@@ -16,7 +16,7 @@ in ``env()``; each rank finds it again with ``RunDir.from_env``. In it:
   ends the job at once.
 - ``result.json``: rank 0's last log record, for ``meshrun.train(...)``.
 
-Each rank's log goes to ``log_dir`` (train/ranklog.py): OUT/logs, or without --out a
+Each rank's log goes to ``log_dir`` (training/ranklog.py): OUT/logs, or without --out a
 directory inside the root.
 
 Torch-free and stdlib-only: the launcher reads it without importing torch, the ranks write

@@ -16,7 +16,7 @@ LOSS_CHUNK_TOKENS = 4096
 @dataclass(frozen=True)
 class Traced:
     """Bytes autograd keeps in one training step, traced on the meta device
-    (train/parallel/trace.py) in one precision ``mode`` (autocast: fp32 parameters under bf16
+    (plan/trace.py) in one precision ``mode`` (autocast: fp32 parameters under bf16
     autocast; bf16: bf16 parameters; fp32) at ``seq`` tokens, each as (at micro-batch 1, at 2).
     ``embed``: saved before the first block and between blocks; ``blocks``: by all blocks;
     ``block_max``: by the largest one; ``block_input``: one block's input (what activation
@@ -77,13 +77,13 @@ class ModelSpec:
     block_class: str | None = None  # the class FSDP wraps (accelerate's transformer_layer_cls_to_wrap)
     experts: int = 0  # mixture of experts: experts per block (their parameters are in params)
     top_k: int = 2
-    # meshrun's GPT casts its residual stream to the autocast dtype (train/models/gpt.py); other
+    # meshrun's GPT casts its residual stream to the autocast dtype (training/models/gpt.py); other
     # models under autocast keep it fp32 (type promotion from the fp32 embeddings).
     bf16_residual: bool = False
-    # meshrun's GPT with fused_loss: the loss taken chunk by chunk (train/models/losses.py)
+    # meshrun's GPT with fused_loss: the loss taken chunk by chunk (training/models/losses.py)
     fused_loss: bool = False
     # Rows of a learned position table that meshrun's GPT builds at the training sequence
-    # length (train/models/gpt.py), counted in params and outer_params; 0: none, or a table of
+    # length (training/models/gpt.py), counted in params and outer_params; 0: none, or a table of
     # fixed size (a Hugging Face config's n_positions). at_seq() resizes it.
     learned_positions: int = 0
     # What a block and the loss keep for backward, traced from the module itself for the
@@ -133,7 +133,7 @@ class ModelSpec:
 
 def gpt_spec(name: str, hidden: int, layers: int, heads: int, vocab: int = 50304, seq: int = 1024,
              max_seq: int | None = None, context: int | None = None) -> ModelSpec:
-    """meshrun's GPT (train/models/gpt.py): learned positions, biases, LayerNorm, GELU 4x, tied head."""
+    """meshrun's GPT (training/models/gpt.py): learned positions, biases, LayerNorm, GELU 4x, tied head."""
     block = 12 * hidden * hidden + 13 * hidden
     outer = vocab * hidden + seq * hidden + 2 * hidden
     return ModelSpec(name, layers * block + outer, layers, hidden, heads, heads, 4 * hidden, vocab,

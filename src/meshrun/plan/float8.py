@@ -1,6 +1,6 @@
 """What ``--precision fp8`` changes in a step's memory, from the model's shape (pure).
 
-meshrun train converts the linear layers torchao's rule picks (train/parallel/float8.py;
+meshrun train converts the linear layers torchao's rule picks (training/parallel/float8.py;
 docs/decisions.md#float8) and never the head or embeddings. This module applies the same rule
 to the shape's block matrices (attention's q, k, v, o and the MLP's two or three; a mixture of
 experts keeps its experts in bf16: they are not linear layers) so the planner counts:

@@ -8,7 +8,7 @@ FSDP2 with a MixedPrecisionPolicy) keeps fp32 parameters and fp32 gradients inst
 8 (Adam's moments), the same 16 bytes, sharded the same way by FSDP2.
 
 Activations and the loss spike are traced from the model itself when there is one to trace
-(train/parallel/trace.py: a Hugging Face config, a user's module, meshrun's GPT; the Traced
+(plan/trace.py: a Hugging Face config, a user's module, meshrun's GPT; the Traced
 terms of a ModelSpec; under torch.compile, what Inductor's partitioner keeps), with factors
 measured on GPUs for what is not traced (a loss compiled with the model, the GPU's extra under
 activation checkpointing, a compiled model's accumulated gradients). Otherwise (a published
@@ -148,7 +148,7 @@ def layer_activation_bytes(m: ModelSpec, precision: str, fp32_residual: bool = T
 
 
 def selective_layer_bytes(m: ModelSpec, precision: str, fp32_residual: bool = True) -> float:
-    """Bytes per token per layer under selective checkpointing (train/parallel/apply.py's
+    """Bytes per token per layer under selective checkpointing (training/parallel/apply.py's
     policy): the block's input (its norm is recomputed from it), the outputs of every matmul
     (q/k/v, attention-out, the MLP's up and gate, down) and of attention with its log-sum-exp;
     norms, activations, rotary embeddings and their products are recomputed."""

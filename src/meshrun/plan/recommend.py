@@ -191,7 +191,7 @@ def passed_over(cands: list[Candidate], pick: Candidate | None, t: TrainSpec, en
 
 def float8_layouts(t: TrainSpec, layouts: list[Strategy]) -> list[Strategy]:
     """The layouts meshrun train runs float8 on: its own engine, no tensor parallelism
-    (train/sections.py refuses the others)."""
+    (config/sections.py refuses the others)."""
     if not t.float8:
         return layouts
     return [s for s in layouts if s.engine is Engine.TORCH and s.tp == 1]

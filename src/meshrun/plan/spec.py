@@ -45,7 +45,7 @@ class TrainSpec:
     compile: bool = True  # meshrun train compiles on GPUs by default
     max_micro_batch: int | None = None  # when the planner picks the micro-batch: no larger than this
     # compiled in one graph under single/DDP (meshrun's GPT, a user's module); a Hugging Face
-    # model is compiled block by block, its forward and loss eager (train/parallel/apply.py)
+    # model is compiled block by block, its forward and loss eager (training/parallel/apply.py)
     whole_compile: bool = True
 
     @property

@@ -20,10 +20,10 @@ import os
 from typing import Any
 
 from ..cluster.topology import Topology
+from ..config import TrainConfig, resolve_seq_len
 from ..errors import MeshrunError, bad_value
+from ..training.factories import RANDOM_SAMPLES, TOY_SAMPLES, data_name, stdlib_train_bytes
 from ..vocab import FLOAT8_PRECISIONS, GPT_PRESETS, LLAMA_LIKE, STRATEGIES
-from .config import TrainConfig, resolve_seq_len
-from .factories import RANDOM_SAMPLES, TOY_SAMPLES, data_name, stdlib_train_bytes
 
 
 def check_layout(cfg: TrainConfig, topo: Topology, gpus: int | None) -> None:
@@ -109,7 +109,7 @@ def check_experts(cfg: TrainConfig, world: int, model: str) -> None:
     shared out (apply.Build.expert_parallel, expert.shard_experts, models/moe.MoE): a model
     on the meta device (a Hugging Face one), a model without experts, experts that do not
     split. A user's factory is left to the ranks: only the built model says what it holds."""
-    from .parallel.dims import make_dims
+    from ..training.parallel.dims import make_dims
 
     make_dims(world, ep=cfg.ep, source=f"--ep {cfg.ep} on {world} processes")
     if model == "hf":

@@ -80,7 +80,7 @@ class Block(nn.Module):
             return x + self.moe(self.ln2(x))
         # the op takes whole weights, not TP's shards or ZeRO-3's partitions
         if self.fused_mlp and (x.is_cuda or not self.mlp_cuda_only) and not _sharded(self.up.weight):
-            from ..kernels.fused_mlp import gelu_mlp
+            from ...kernels.fused_mlp import gelu_mlp
 
             return x + gelu_mlp(self.ln2(x), self.up, self.down)
         return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
@@ -92,7 +92,7 @@ def _mlp_way(cfg: GPTConfig) -> tuple[bool, bool]:
     if cfg.n_experts or how is False:
         return False, False
     if how == "auto":  # nvmath-python imported here only where it is installed
-        from ..kernels.fused_mlp import available
+        from ...kernels.fused_mlp import available
 
         return cfg.d_model % 8 == 0 and available(), True
     if how is True:
@@ -120,7 +120,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         if cfg.head_loss:  # registered before any compiled step traces the loss
-            from ..kernels.head_loss import register
+            from ...kernels.head_loss import register
 
             register()
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
@@ -177,7 +177,7 @@ class GPT(nn.Module):
             loss = linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight, targets.reshape(-1))
             return self._with_aux(loss)
         if targets is not None and self.cfg.head_loss and not documents and not _sharded(self.head.weight):
-            from ..kernels.head_loss import head_cross_entropy
+            from ...kernels.head_loss import head_cross_entropy
 
             return self._with_aux(head_cross_entropy(h.reshape(-1, h.shape[-1]), self.head.weight,
                                                      targets.reshape(-1)))
@@ -204,7 +204,7 @@ class GPT(nn.Module):
             return []
         out = []
         if self.cfg.head_loss and not self.cfg.fused_loss and pp == 1:
-            from ..kernels.head_loss import register
+            from ...kernels.head_loss import register
 
             if register().get("cuda"):
                 out.append("loss with its gradient in the forward (Triton)")

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..config import TrainConfig
 from ..errors import MeshrunError
 from ..units import fmt_bytes
-from .config import TrainConfig
-from .data import BatchStream, LoaderSpec, make_loader
+from .loader import BatchStream, LoaderSpec, make_loader
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset

@@ -35,7 +35,7 @@ def check_device(precision: str, device: torch.device, where: str) -> None:
     """Refuse, in one line, a device without float8 matmuls (compute capability below 8.9:
     anything before Ada and Hopper, and the CPU) or a missing torchao. The hint is bf16 on a GPU;
     on the CPU, where bf16 is refused too, what trains there. `meshrun train` refuses the CPU's
-    case before any rank starts, in the same words (train/prelaunch.py)."""
+    case before any rank starts, in the same words (job/prelaunch.py)."""
     hint = "--precision bf16"
     if device.type != "cuda":
         raise MeshrunError(f"{where}={precision!r}: float8 matmuls need a GPU of compute capability 8.9 or newer "

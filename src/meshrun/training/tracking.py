@@ -23,8 +23,8 @@ import types
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from ..config.outdir import RUN_ID_ENV
 from ..errors import MeshrunError
-from .outdir import RUN_ID_ENV
 
 IDS_FILE = "trackers.json"
 PROJECT = "meshrun"  # W&B project and MLflow experiment when WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME are unset

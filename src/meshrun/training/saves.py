@@ -1,14 +1,14 @@
 """The Trainer's snapshots: which one a run resumes from, the resume itself (weights, optimizer,
 data position, learning-rate schedule), and saving, synchronously or with one asynchronous save
-in flight. How a snapshot is written, committed and read is ``checkpoint``'s business; this is
-the glue between it and the Trainer's state (state.TrainState).
+in flight. How a snapshot is written, committed and read is the ``snapshot`` package's business;
+this is the glue between it and the Trainer's state (state.TrainState).
 
 ``Snapshots`` keeps what a save carries from one call to the next: the asynchronous save in
 flight and the gloo group its background writer coordinates over, so a save and a non-finite
 stop see the same pending save. A resume returns what it found (a TrainState and the
 scheduler placed at its step) for the Trainer to put in place.
 
-``checkpoint`` is imported where a snapshot is listed, read or written (with --out or
+``snapshot`` is imported where a snapshot is listed, read or written (with --out or
 --resume): it imports torch.distributed.checkpoint, which a run without snapshots does not
 load.
 """
@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ..config import TrainConfig
+from ..config.outdir import RUN_ID_ENV
 from ..errors import MeshrunError
-from .config import TrainConfig
-from .data import BatchStream
+from .loader import BatchStream
 from .metrics import ReadCost, read_cost_line
 from .optim import Schedule, build_scheduler, extend_schedule, lr_factor
-from .outdir import RUN_ID_ENV
 from .state import TrainState
 
 if TYPE_CHECKING:
-    from .checkpoint import PendingSave
     from .parallel.layouts import Layout
+    from .snapshot import PendingSave
 
 
 def checkpoint_root(cfg: TrainConfig) -> str | None:
@@ -46,18 +46,18 @@ def resume_path(cfg: TrainConfig, names: list[str] | None = None) -> str | None:
     root = checkpoint_root(cfg)
     if cfg.resume == "none" or (cfg.resume == "auto" and not root):
         return None
-    from . import checkpoint
+    from . import snapshot
 
     if cfg.resume != "auto":
-        if os.path.isfile(os.path.join(cfg.resume, checkpoint.MARKER)):
-            checkpoint.check_name(cfg.resume)
+        if os.path.isfile(os.path.join(cfg.resume, snapshot.MARKER)):
+            snapshot.check_name(cfg.resume)
             return cfg.resume
-        found = checkpoint.latest(cfg.resume) if os.path.isdir(cfg.resume) else None
+        found = snapshot.latest(cfg.resume) if os.path.isdir(cfg.resume) else None
         if found is None:
             raise MeshrunError(f"--resume={cfg.resume!r}: not a committed snapshot nor a directory of them "
                                "(hint: give OUT/checkpoints/step-N, or --resume none)")
         return found
-    return checkpoint.latest(root, names)
+    return snapshot.latest(root, names)
 
 
 def starting_point(cfg: TrainConfig, is_main: bool) -> tuple[str | None, list[str] | None]:
@@ -67,9 +67,9 @@ def starting_point(cfg: TrainConfig, is_main: bool) -> tuple[str | None, list[st
     root = checkpoint_root(cfg)
     names = None
     if root and (is_main or cfg.resume == "auto"):
-        from . import checkpoint
+        from . import snapshot
 
-        names = checkpoint.entries(root)
+        names = snapshot.entries(root)
     return resume_path(cfg, names), names
 
 
@@ -91,16 +91,16 @@ class Snapshots:
         dataset's sampler); iterable data skips its share instead (``TrainState.loader_skip``)."""
         root = checkpoint_root(cfg)
         if root and self.is_main:
-            from . import checkpoint
+            from . import snapshot
 
-            checkpoint.clear_partial(root, names)  # a save killed halfway
+            snapshot.clear_partial(root, names)  # a save killed halfway
         dist.barrier()
         if not path:  # a fresh start: the data from its beginning
             return state, None
-        from . import checkpoint
+        from . import snapshot
 
         cost = ReadCost()
-        position, saved_world = checkpoint.load(path, layout.model, layout.optimizer, layout.local_shards(),
+        position, saved_world = snapshot.load(path, layout.model, layout.optimizer, layout.local_shards(),
                                                 layout.ties())
         # Each rank's cost, for the line below: each reads its own shards (and hashes a
         # share of the files), so a rank far above the others shows a slow disk or a rank
@@ -142,10 +142,10 @@ class Snapshots:
             layout.check_finite(step)
         except MeshrunError:
             if self.pending is not None:
-                from . import checkpoint
+                from . import snapshot
 
                 pending, self.pending = self.pending, None
-                checkpoint.commit(pending)
+                snapshot.commit(pending)
             raise
 
     def save(self, cfg: TrainConfig, state: TrainState, data: BatchStream, layout: Layout, model_record: Any,
@@ -157,14 +157,14 @@ class Snapshots:
         root = checkpoint_root(cfg)
         if root is None:
             return None
-        from . import checkpoint
+        from . import snapshot
 
         if self.pending is not None:
             previous = self.pending
             apart = time.perf_counter() - previous.started  # training time between the two saves
-            checkpoint.commit(previous)
+            snapshot.commit(previous)
             self.pending = None
-            advice = checkpoint.slow_writer_advice(previous.wait_s, previous.written - previous.started, apart,
+            advice = snapshot.slow_writer_advice(previous.wait_s, previous.written - previous.started, apart,
                                                    cfg.save_every)
             if advice and self.is_main:
                 print(advice, flush=True)
@@ -173,11 +173,11 @@ class Snapshots:
             if self.async_group is None:  # the background writer coordinates over gloo
                 self.async_group = dist.new_group(backend="gloo")
             group = self.async_group
-        position = checkpoint.Position(state.step, data.epoch, data.samples, state.schedule)
-        pending = checkpoint.begin_save(root, position, layout.model, layout.optimizer, cfg.to_json(),
+        position = snapshot.Position(state.step, data.epoch, data.samples, state.schedule)
+        pending = snapshot.begin_save(root, position, layout.model, layout.optimizer, cfg.to_json(),
                                         cfg.keep_last, group, layout.local_shards(), model_record,
                                         run_id=os.environ.get(RUN_ID_ENV))
         if group is None:
-            return checkpoint.commit(pending)
+            return snapshot.commit(pending)
         self.pending = pending
         return pending.final

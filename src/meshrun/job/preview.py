@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..cluster.topology import Topology
-from .config import TrainConfig
-from .policy import Choice, Facts, resolve
+from ..config import TrainConfig
+from ..config.policy import Choice, Facts, resolve
 from .prelaunch import model_kind
 
 
@@ -31,11 +31,11 @@ def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None) -> Choice:
         return resolve(None, cfg, facts)
     import torch
 
+    from ..config import resolve_seq_len
+    from ..kernels.liger import liger_knows
     from ..modelinfo.read import context_of
-    from .config import resolve_seq_len
-    from .factories import build_model
-    from .kernels.liger import liger_knows
-    from .parallel.auto import decide
+    from ..training.factories import build_model
+    from ..training.parallel.auto import decide
 
     with torch.device("meta"):
         model = build_model(cfg)

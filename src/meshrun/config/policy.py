@@ -51,7 +51,7 @@ from ..vocab import (
     Engine,
     StrategyKind,
 )
-from .config import TrainConfig
+from . import TrainConfig
 
 # FSDP2 keeps the parameters gathered from forward to backward (fsdp-grad-op) when a bf16
 # copy of them takes under this share of the GPU: one all-gather per block per step less
@@ -205,7 +205,8 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
                         "use --nproc 1, or --strategy ddp/fsdp")
     ac = cfg.activation_checkpointing
     named = cfg.strategy if kind is not None else None
-    by = {"strategy_from": "user" if named else "rules", "micro_from": "rules" if cfg.micro_batch is None else "user"}
+    strategy_from = "user" if named else "rules"
+    micro_from = "rules" if cfg.micro_batch is None else "user"
     reasons = []
     if cfg.strategy == FSDP_POLICY:
         named, why = fsdp_flavour(_params(model, facts), gpu_mem)
@@ -219,13 +220,15 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
             else:
                 named, why = fsdp_flavour(_params(model, facts), gpu_mem)
                 reasons.append(f"{named}: {why}")
-        return Choice(STRATEGIES[named], ac, cfg.micro, cfg.global_batch, tuple(reasons), **by)
+        return Choice(STRATEGIES[named], ac, cfg.micro, cfg.global_batch, tuple(reasons),
+                      strategy_from=strategy_from, micro_from=micro_from)
     if gpu_mem is None or not facts.blocks or model is None:  # the CPU, or nothing the planner can read
         if named is None:
             named = ONE_PROCESS if world == 1 else REPLICATE
             reasons.append("one process" if world == 1 else "DDP: on the CPU memory is not the constraint"
                            if gpu_mem is None else "DDP: the model has no block list for the planner to read")
-        return Choice(STRATEGIES[named], ac, cfg.micro, cfg.global_batch, tuple(reasons), **by)
+        return Choice(STRATEGIES[named], ac, cfg.micro, cfg.global_batch, tuple(reasons),
+                      strategy_from=strategy_from, micro_from=micro_from)
     global_batch = s.global_batch
     if cfg.micro_batch is None and cfg.global_batch is None:
         reasons.append(f"global batch {global_batch} x {cfg.seq} tokens (about {GLOBAL_BATCH_TOKENS // 1024}K "
@@ -236,7 +239,8 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
                                      ac_open=named is None and "activation_checkpointing" not in cfg.sources)
     if pick is None or pick.batch is None:  # a strategy the planner does not plan (fsdp-no-shard)
         named = named or (ONE_PROCESS if world == 1 else REPLICATE)
-        return Choice(STRATEGIES[named], ac, cfg.micro, global_batch, tuple(reasons), **by)
+        return Choice(STRATEGIES[named], ac, cfg.micro, global_batch, tuple(reasons),
+                      strategy_from=strategy_from, micro_from=micro_from)
     peak = fmt_bytes(pick.memory.peak) if pick.memory else "?"
     if not pick.fits and named is None and cfg.micro_batch is None and "activation_checkpointing" not in cfg.sources:
         # Nothing left to the planner fits: refused here, not out of memory at the first step
@@ -256,16 +260,17 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
                           f"{fmt_bytes(usable)} (hint: --activation-checkpointing full, a smaller batch, more GPUs)")
     micro = cfg.micro_batch
     if named is None:
-        by["strategy_from"] = "planner"
+        strategy_from = "planner"
     if micro is None:
-        micro, by["micro_from"] = pick.batch.micro, "planner"
+        micro, micro_from = pick.batch.micro, "planner"
         reasons.append(f"micro-batch {micro} x {pick.batch.accum} accumulation (the largest that fits; "
                        "--micro-batch to set it)")
     if pick.strategy.ac and ac != "full":
         reasons.append("activation checkpointing on to fit (--activation-checkpointing none to refuse it)")
         ac = "full"
     return Choice(STRATEGIES[pick.strategy.name], ac, micro, global_batch, tuple(reasons),
-                  predicted_peak=pick.memory.peak if pick.memory else None, largest_micro=largest, **by)
+                  predicted_peak=pick.memory.peak if pick.memory else None, largest_micro=largest,
+                  strategy_from=strategy_from, micro_from=micro_from)
 
 
 def _params(model: ModelSpec | None, facts: Facts) -> int:

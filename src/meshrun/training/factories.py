@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..config import BUILTIN_DATA, TrainConfig
 from ..data.sources import STDLIB_VAL_FRACTION, data_kind, stdlib_files
 from ..errors import bad_value
 from ..modelinfo.factory import call_factory
-from .config import BUILTIN_DATA, TrainConfig
 
 # The built-in data's training samples, known without building it: `meshrun train` checks a
-# global batch against them before any rank starts (train/prelaunch.py)
+# global batch against them before any rank starts (job/prelaunch.py)
 RANDOM_SAMPLES = 1 << 20  # --data random
 TOY_SAMPLES = 2048  # --data toy
 
@@ -90,12 +90,12 @@ def vocab_size(model: Any) -> int | None:
 
 def build_data(cfg: TrainConfig, vocab: int | None) -> tuple[Any, Any]:
     """(train, validation); validation may be None."""
-    from .data import RandomTokens, ToyRegression, stdlib_splits
+    from .loader import RandomTokens, ToyRegression, stdlib_splits
 
     name = data_name(cfg)
     kind = None if name in BUILTIN_DATA else data_kind(name)
     if kind == "tokens":
-        from .data import corpus_splits
+        from .loader import corpus_splits
 
         return corpus_splits(name, cfg.seq, cfg.document_mask, cfg.data_dtype, vocab)
     if kind == "text":  # `meshrun train` tokenizes text into its cache before it starts the ranks

@@ -1,15 +1,15 @@
 """What a rank gets that the user left to meshrun, asked once, before anything is built: the
-run policy (train/policy.py, shared with `meshrun plan` and `meshrun train --dry-run`) given
+run policy (config/policy.py, shared with `meshrun plan` and `meshrun train --dry-run`) given
 what the live model and this rank's devices tell. Its reasons become the run's first line."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ...config import TrainConfig
+from ...config.policy import GATHERED_COPY_SHARE, Choice, Facts, compile_and_kernels, fsdp_flavour, resolve
 from ...modelinfo.blocks import find_blocks
 from ...modelinfo.read import from_module
-from ..config import TrainConfig
-from ..policy import GATHERED_COPY_SHARE, Choice, Facts, compile_and_kernels, fsdp_flavour, resolve
 
 __all__ = ["GATHERED_COPY_SHARE", "Choice", "compile_and_kernels", "decide", "fsdp_flavour"]
 
@@ -32,7 +32,7 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
     spec = from_module(model, type(model).__name__, "the model")
 
     def traced(compiled: bool, with_liger: bool) -> Any:
-        from .trace import with_trace  # (torch: imported when a GPU run plans)
+        from ...plan.trace import with_trace  # (torch: imported when a GPU run plans)
 
         # what the model keeps for backward, traced on the meta device
         return with_trace(spec, model, cfg.seq, ("autocast", "bf16") if bf16 else ("fp32",), cfg.blocks, compiled,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .metrics import mfu, peak_flops
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from ..config import TrainConfig
     from .parallel.auto import Choice
     from .parallel.layouts import Layout
     from .runtime import Runtime

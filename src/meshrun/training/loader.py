@@ -45,7 +45,7 @@ class TokenChunks(Dataset):
 
 
 def stdlib_splits(seq_len: int) -> tuple[TokenChunks, TokenChunks]:
-    """Byte-level train/validation splits (the last 5% of the corpus is held out)."""
+    """Byte-level training/validation splits (the last 5% of the corpus is held out)."""
     data = torch.frombuffer(bytearray(stdlib_corpus_bytes()), dtype=torch.uint8)
     cut = int(len(data) * (1 - STDLIB_VAL_FRACTION))
     return TokenChunks(data[:cut], seq_len), TokenChunks(data[cut:], seq_len)

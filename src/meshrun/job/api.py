@@ -1,13 +1,13 @@
 """`meshrun.train(...)`: the `meshrun train` job from Python (a script, a notebook).
 
 The options are the command's, spelled as Python names: every option of the config's
-sections (``model_size="gpt-tiny"``, ``steps=2``, ``out="runs/a"``, ...: train/sections.py),
+sections (``model_size="gpt-tiny"``, ``steps=2``, ``out="runs/a"``, ...: config/sections.py),
 the topology options (``nproc``/``nproc_per_node``, ``nnodes``, ``node_rank``,
 ``master_addr``, ...), the job options (``max_restarts``, ``overwrite``, ``rdzv_timeout``,
 ``finish_timeout``, ``dry_run``, ``json``, ``gpu_mem``) and ``config`` (a YAML or TOML file). As on the
 command line, a keyword wins over a MESHRUN_<NAME> variable of ``env``, and a variable over the
 file. The ranks run in processes of their
-own, as under the CLI, which calls the same train/job.py. A bad value raises MeshrunError with
+own, as under the CLI, which calls the same job/__init__.py. A bad value raises MeshrunError with
 the CLI's one-line message; a failed rank raises JobFailed (a MeshrunError) naming it.
 """
 
@@ -23,10 +23,10 @@ from ..cluster.detect import resolve
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.net import free_port
 from ..cluster.options import TOPOLOGY_OPTIONS, TopologyOptions, UserTopology, user_topology
+from ..config import TrainConfig, config_from, load_file, option_names
 from ..errors import PREEMPTED, MeshrunError, bad_value
 from ..options import anywhere
-from .config import TrainConfig, config_from, load_file, option_names
-from .job import JOB_OPTIONS, JobOptions, TrainResult, job_options, run
+from . import JOB_OPTIONS, JobOptions, TrainResult, job_options, run
 
 SOURCE = "meshrun.train"  # how a value given here is named in an error
 ALIASES = {"nproc": "nproc_per_node"}

@@ -22,7 +22,7 @@ same sizes and dtypes (Liger 0.8.5, ``liger_kernel/ops``):
   Qwen2.5 1.5B, Gemma-2 2B and a Mistral-7B block (bench/saved_activations.py, way liger);
 * cross-entropy on the model's own logits (where the fused loss does not apply: Granite): the
   logits, whose storage takes their gradient in place;
-* a Mixture-of-Experts model keeps its own experts (train/kernels/liger.py ``liger_options``).
+* a Mixture-of-Experts model keeps its own experts (kernels/liger.py ``liger_options``).
 
 A Liger function not listed makes the trace fail; the caller then traces the model unpatched,
 which keeps more (the planner is over, never under).
@@ -174,7 +174,7 @@ STAND_INS: dict[str, type[torch.autograd.Function]] = {
 @contextlib.contextmanager
 def liger_twin(model: nn.Module) -> Iterator[nn.Module]:
     """A twin of the Hugging Face ``model`` on the meta device with Liger's kernels applied as
-    meshrun applies them (train/kernels/liger.py), its Triton functions stood in for; what
+    meshrun applies them (kernels/liger.py), its Triton functions stood in for; what
     Liger changed in the architecture's module is put back when the block ends."""
     from ..kernels.liger import liger_options, quiet_registry
 
@@ -186,12 +186,13 @@ def liger_twin(model: nn.Module) -> Iterator[nn.Module]:
     functions = [getattr(ops, name) for name in STAND_INS if hasattr(ops, name)]
     # Liger's plain cross-entropy replaces torch.nn.functional's for the process: put back too
     with _restored(modeling), _restored(torch.nn.functional), _applies_swapped(functions):
-        config = copy.deepcopy(model.config)
+        hf: Any = model  # a transformers PreTrainedModel: its config, its class's _from_config
+        config = copy.deepcopy(hf.config)
         attention = getattr(config, "_attn_implementation", None)
         if attention is not None:  # as the model was built (transformers checks it again otherwise)
             config._attn_implementation = None
         with torch.device("meta"):
-            twin = type(model)._from_config(config)
+            twin = type(hf)._from_config(config)
         if attention is not None:
             twin.config._attn_implementation = attention
         twin.train(model.training)

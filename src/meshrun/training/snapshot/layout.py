@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...config.outdir import check_name
 from ...errors import MeshrunError
-from ..outdir import check_name
 
 FORMAT = 1
 MARKER = "COMMITTED.json"

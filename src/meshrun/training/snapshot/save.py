@@ -60,7 +60,7 @@ class PendingSave:
     wait_s: float = 0.0  # of which waiting for the background write to finish
     started: float = 0.0  # perf_counter() when begin_save started, and when its background write ended
     written: float = 0.0
-    run_id: str | None = None  # the run the snapshot belongs to (train/outdir.py), in state.json
+    run_id: str | None = None  # the run the snapshot belongs to (config/outdir.py), in state.json
 
 
 def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

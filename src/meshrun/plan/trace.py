@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...modelinfo.blocks import find_blocks
-from ...modelinfo.spec import ModelSpec, Traced
+from ..modelinfo.blocks import find_blocks
+from ..modelinfo.spec import ModelSpec, Traced
 from .trace_hooks import autocast_on
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -96,7 +96,7 @@ def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
         one, two = (_trace_once(model, blocks, mode, seq, micro, first if micro == 1 else None) for micro in (1, 2))
     except Exception:  # any model code that needs real values: the estimate stands
         return None
-    from .layouts import loss_mode
+    from ..modelinfo.loss import loss_mode
 
     largest, steepest = _largest_lines(one.pop("tail_made"), two.pop("tail_made"))
     pairs: dict[str, Any] = {k: (one[k], two[k]) for k in one if k != "first_block"}
@@ -140,7 +140,7 @@ def _trace_once(model: nn.Module, blocks: list[nn.Module], mode: str, seq: int, 
                 first: dict[str, Any] | None) -> dict[str, Any]:
     """The saved bytes by phase at ``micro`` sequences; the first block's inputs into ``first``
     (for _compiled_block_bytes) when given."""
-    from .layouts import loss_mode, model_loss
+    from ..modelinfo.loss import loss_mode, model_loss
 
     dtype = BF16 if mode == "bf16" else FP32
     states = _meta_states(model, dtype)
@@ -343,7 +343,7 @@ def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: Any = None, b
 
 
 class _HeadLoss(torch.autograd.Function):
-    """meshrun's Triton head loss (train/kernels/head_loss.py): h, the weight, the targets and
+    """meshrun's Triton head loss (kernels/head_loss.py): h, the weight, the targets and
     the bf16 logits (overwritten by their gradient in place) kept for backward."""
 
     @staticmethod

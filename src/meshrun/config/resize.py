@@ -10,7 +10,7 @@ import os
 
 from ..errors import MeshrunError
 from ..plan.batch import Batch
-from .config import TrainConfig
+from . import TrainConfig
 
 
 def keep_global_batch(cfg: TrainConfig, path: str | None, dp: int) -> tuple[TrainConfig, Batch | None]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.topology import Topology
+from ..config import TrainConfig, trackers
 from ..errors import JobFailed, MeshrunError, bad_value, require_packages
 from ..launch import direct
 from ..launch.build import build
@@ -32,11 +33,10 @@ from ..launch.rundir import RunDir
 from ..launch.torchrun import thread_env
 from ..options import check_all, option, option_fields, read, where
 from ..units import parse_bytes
-from . import prelaunch, trackers
-from .config import TrainConfig
+from . import prelaunch
 
 TRAINER_PACKAGES = ("torch", "numpy", "safetensors")
-WORKER = "meshrun.train.worker"  # the module each rank runs
+WORKER = "meshrun.training.worker"  # the module each rank runs
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,8 @@ def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainCo
     tokenizer named, else the Hugging Face model directory's), token files opened (a prepared
     corpus' structure checked) and every id checked against a prepared corpus' tokenizer and a
     Hugging Face model's vocabulary; the config pointed at the tokens."""
+    from ..config import BUILTIN_DATA
     from ..data.sources import data_kind
-    from .config import BUILTIN_DATA
 
     data = cfg.data if cfg.data and cfg.data not in BUILTIN_DATA else None
     kind = data_kind(data) if data is not None else None
@@ -166,7 +166,7 @@ def check(cfg: TrainConfig, topo: Topology, job: JobOptions, gpus: int | None = 
     """What can be known wrong before anything starts, refused in one line each (``gpus``:
     this node's visible GPUs, 0 for ranks on the CPU, None when not known)."""
     if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1:  # the split by the layout's rule (no torch imported)
-        from .parallel.dims import make_dims
+        from ..training.parallel.dims import make_dims
 
         world = topo.world_size
         make_dims(world, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, source=f"--tp {cfg.tp} --pp {cfg.pp} --cp {cfg.cp} on "
@@ -222,7 +222,7 @@ def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str
     # task (Slurm, mpirun), node 0's first process owns it.
     lock = None
     if cfg.out and topo.node_rank == 0 and (topo.local_rank or 0) == 0 and not job.dry_run:
-        from .runlock import OutputLock
+        from ..config.runlock import OutputLock
 
         lock = OutputLock(cfg.out, cfg.source("out"))
         lock.acquire()
@@ -231,7 +231,7 @@ def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str
             cfg = corpus_ready(cfg, env, count_visible_cpus())
         run_id = None
         if lock is not None:
-            from . import outdir
+            from ..config import outdir
 
             prepared = outdir.prepare(lock.out, cfg.resume, job.overwrite, cfg.source("resume"), cfg.steps)
             if prepared.note:
@@ -249,7 +249,7 @@ def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str
         # The ranks report to a directory of this run's own (launch/rundir.py; mkdtemp: a fresh
         # name, mode 0700), so no file another user planted, or an earlier run left behind, can
         # stand in for their reports; it is removed when the run ends, however it ends. Each
-        # rank's whole output goes to LOGS/rank-N.log (train/ranklog.py): OUT/logs, or without
+        # rank's whole output goes to LOGS/rank-N.log (training/ranklog.py): OUT/logs, or without
         # --out the run directory's own, kept only when the job fails (its line names it).
         root = tempfile.mkdtemp(prefix="meshrun-train-")
         run_dir = RunDir(root, os.path.join(cfg.out, "logs") if cfg.out else None)
@@ -280,7 +280,7 @@ def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Top
     waits = Waits(stall_s=cfg.collective_timeout, finish_s=job.finish_timeout)
     extra.update(thread_env(topo.nproc_per_node, env))  # torchrun's own choice, without its banner
     if run_id:
-        from .outdir import RUN_ID_ENV
+        from ..config.outdir import RUN_ID_ENV
 
         extra[RUN_ID_ENV] = run_id
 
@@ -310,7 +310,7 @@ def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Top
     if topo.node_rank == 0 and (topo.local_rank or 0) == 0:
         rdzv = rdzv_timeout_s(job.rdzv_timeout) if topo.nnodes > 1 or topo.local_rank is not None else None
         print(waits_line(rdzv, waits.stall_s, waits.finish_s), flush=True)
-    from .preempt import SIGNALS  # (signal numbers only: no torch import here)
+    from ..training.preempt import SIGNALS  # (signal numbers only: no torch import here)
 
     return run_with_restarts(command, env, job.max_restarts, job.rdzv_timeout, run_dir, SIGNALS, waits=waits,
                              last_snapshot=lambda: _last_snapshot(cfg.out))
@@ -319,7 +319,7 @@ def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Top
 def _newest_snapshot(out: str | None) -> str | None:
     if not out:
         return None
-    from .outdir import snapshots
+    from ..config.outdir import snapshots
 
     found = snapshots(os.path.join(out, "checkpoints"))
     return found[-1][1] if found else None

@@ -1,4 +1,4 @@
-"""The per-rank program that `meshrun train` launches: `python -m meshrun.train.worker`.
+"""The per-rank program that `meshrun train` launches: `python -m meshrun.training.worker`.
 
 It reads the validated TrainConfig from MESHRUN_TRAIN_CONFIG, and reports to the launching
 `meshrun train` through the run directory it names (launch/rundir.py: MESHRUN_RUN_DIR). A
@@ -142,8 +142,8 @@ def main() -> int:
     preempt.install()  # first: from here on a preemption signal stops the run at a step boundary
     signal.signal(signal.SIGINT, _on_sigint)
     quiet_library_notices()  # before torch and torchao are imported
+    from ..config import TrainConfig, resolve_seq_len
     from ..modelinfo.read import context_of
-    from .config import TrainConfig, resolve_seq_len
     from .factories import build_data, build_model, pretrained_weights, vocab_size
     from .runtime import init_runtime, teardown
     from .trainer import Trainer
@@ -165,7 +165,7 @@ def main() -> int:
         rt = init_runtime(cfg.collective_timeout)
         _mark_ready()
         if cfg.out:  # OUT stays locked while this process may write there (runlock.py)
-            from .runlock import share
+            from ..config.runlock import share
 
             # After the rendezvous: it needs rank 0, whose launcher holds OUT by now. (With one
             # process per task, Slurm's or mpirun's, other ranks may start before it locks.)

@@ -21,26 +21,26 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset
 
+from ..config import TrainConfig, resolve_seq_len, trackers, validate
+from ..config.resize import keep_global_batch, resized_line
 from ..defaults import val_micro
 from ..errors import MeshrunError
+from ..kernels.liger import liger_applies
 from ..modelinfo.hf import export_record
 from ..modelinfo.read import context_of
 from ..vocab import FLOAT8_PRECISIONS
-from . import preempt, report, snapshots, trackers
+from . import preempt, report, saves
 from .batchfit import Resized, fit_micro_batch, guarded_step
-from .config import TrainConfig, resolve_seq_len, validate
-from .data import BatchStream, LoaderSpec, make_loader
 from .factories import vocab_size
-from .kernels.liger import liger_applies
 from .loaded import eager
+from .loader import BatchStream, LoaderSpec, make_loader
 from .metrics import MetricsSink, flops_per_token
 from .optim import build_scheduler
 from .parallel.apply import parallelize
 from .parallel.auto import Choice, decide
 from .parallel.layouts import Batch
-from .resize import keep_global_batch, resized_line
 from .runtime import Runtime, init_runtime
-from .snapshots import Snapshots
+from .saves import Snapshots
 from .state import TrainState
 from .weights import Pretrained
 
@@ -78,7 +78,7 @@ class Trainer:
         self.vocab = vocab_size(model)
         dp = cfg.dp_size(rt.world_size)
         # the snapshot to start from, and the listing of OUT/checkpoints it was found in
-        resume_from, self.checkpoint_names = snapshots.starting_point(cfg, rt.is_main)
+        resume_from, self.checkpoint_names = saves.starting_point(cfg, rt.is_main)
         self.resume_from = resume_from
         cfg, resized = keep_global_batch(cfg, resume_from, dp)
         if resized is not None and resume_from is not None and cfg.micro_batch is not None:
@@ -284,9 +284,9 @@ class Trainer:
         finally:
             sink.close()
             if self.checkpoint_root:  # (snapshots, and so prunes, only with --out)
-                from . import checkpoint
+                from . import snapshot
 
-                checkpoint.wait_pruned()
+                snapshot.wait_pruned()
         return sink.records
 
     def _resize(self, resized: Resized) -> None:
@@ -296,10 +296,10 @@ class Trainer:
         self.layout.set_accum(resized.accum)
         self.val_loader = self.make_val_loader()
 
-    # ---- snapshots (snapshots.py) --------------------------------------------------------
+    # ---- snapshots (saves.py) -------------------------------------------------------------
     @property
     def checkpoint_root(self) -> str | None:
-        return snapshots.checkpoint_root(self.cfg)
+        return saves.checkpoint_root(self.cfg)
 
     def restore(self) -> BatchStream:
         """Load the snapshot to resume from, if any, put the state it holds in place, and

@@ -1,7 +1,7 @@
 """Document masks (``--document-mask``): in a sequence packed from several documents each
 token attends to the earlier tokens of its own document only. A document begins where its
 position id is 0; the data restarts position ids at every document and at each sample's
-first token (train/data.py).
+first token (training/loader.py).
 
 On a GPU the mask is FlexAttention's block mask: ``flex_attention`` skips the blocks no query
 sees and runs as one fused kernel, where SDPA given a dense (t x t) boolean mask leaves its

@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ...config import TrainConfig
 from ...errors import MeshrunError, bad_value
 from ...modelinfo.blocks import find_blocks
+from ...modelinfo.loss import loss_mode
 from ...vocab import Engine, StrategyKind
-from ..config import TrainConfig
 from ..models.hf import is_transformers_model
 from ..models.hooks import ExpertModule, KernelModel
 from ..optim import build_optimizer, create_state
@@ -36,7 +37,7 @@ from .auto import Choice
 from .dims import Meshes, ParallelDims, make_dims
 from .float8 import convert as convert_float8
 from .float8 import is_float8
-from .layouts import DataParallel, DeepSpeedZeRO, ExpertParallel, Layout, Pipelined, StepSettings, loss_mode
+from .layouts import DataParallel, DeepSpeedZeRO, ExpertParallel, Layout, Pipelined, StepSettings
 
 
 def same_initial_weights(model: nn.Module) -> None:
@@ -115,14 +116,14 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
     """Lay ``model`` out as ``choice`` says, on this rank's device; returns the layout, its
     optimizer built over the laid-out parameters. A model whose parameters are on the meta
     device is laid out first and filled after (``weights``: from those files, else a random
-    initialisation; train/weights.py), so that no rank holds more of it than its layout needs."""
+    initialisation; training/weights.py), so that no rank holds more of it than its layout needs."""
     kind = choice.kind
     found = find_blocks(model, cfg.blocks)
     blocks = found[1] if found else None
     zero3 = kind.engine is Engine.DEEPSPEED and kind.zero == 3  # its partitioned weights take the plain paths
     kernels = model.meshrun_kernels(rt.device, cfg.tp, cfg.pp) if isinstance(model, KernelModel) and not zero3 else []
     if choice.liger and not kernels:  # auto.decide plans ZeRO-3 without Liger, as it runs
-        from ..kernels.liger import apply_liger
+        from ...kernels.liger import apply_liger
 
         kernels = apply_liger(model)
     float8, after_update = None, None
