@@ -380,7 +380,7 @@ def test_expert_parallel_snapshot_keeps_every_ranks_experts(reference_moe, tmp_p
     replicated or sharded by FSDP2), resumed under EP=2, with the experts replicated, under
     EP=4, and under EP=2 x FSDP2 on 4 processes: steps 4-6 continue the reference training.
     (Saved as plain tensors, the experts would be taken by DCP for replicas, one rank's part
-    kept: checkpoint/parts.py wraps them.)"""
+    kept: snapshot/parts.py wraps them.)"""
     out = str(tmp_path / "run")
     meshrun.run(_train_steps, {"ep": 2, "micro_batch": 4, "n_experts": 4, "out": out, "save_every": 3, **saved_with},
                 nproc=2, timeout_s=300)

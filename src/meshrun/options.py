@@ -1,5 +1,5 @@
 """One declaration per option: a dataclass field made with ``option()``. Training options
-(config/sections.py), the job's (job/__init__.py), a launch's waits (launch/waits.py) and the
+(config/sections.py), the job's (job/__init__.py), a launch's waits (launch/options.py) and the
 topology's (cluster/options.py) are all declared so.
 
 From that field alone come the command-line flag (``--name-with-dashes`` and its help), the

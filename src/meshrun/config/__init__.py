@@ -2,7 +2,11 @@
 in sections.py), from a config file, MESHRUN_* variables and flags or keywords, with errors
 that name where each value came from.
 
-This module does not import torch: the CLI validates a config before launching anything.
+This module does not import torch: the CLI validates a config before launching anything. Nor
+does the package, which holds what the `meshrun train` process (meshrun.job) and its ranks
+(meshrun.training) must read alike: the options and their rules (sections.py), the run policy
+(policy.py), the trackers' settings (trackers.py), OUT's run id and history (outdir.py) and its
+lock (runlock.py), and a resume's batch on another data-parallel size (resize.py).
 """
 
 from __future__ import annotations

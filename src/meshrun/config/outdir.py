@@ -21,7 +21,7 @@ refused before anything starts, not met at the first write.
 
 The launching `meshrun train` of node rank 0 does this under the directory's lock
 (runlock.py); the workers get the run id in MESHRUN_OUT_RUN_ID. Torch-free: it reads only names
-and JSON. The snapshot names are checkpoint/layout.py's (that package imports torch).
+and JSON. The snapshot names are training/snapshot/layout.py's (that package imports torch).
 """
 
 from __future__ import annotations

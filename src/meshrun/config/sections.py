@@ -2,7 +2,7 @@
 optimizer, snapshots, metrics, runtime. Each is a small dataclass whose fields are the
 section's options, declared once with ``option()`` (options.py), and whose ``check`` holds
 the rules that tie its options to others. TrainConfig (at the end) is every section at once,
-so a rule reads ``cfg.tp`` wherever the option lives; config.py reads it from a config file,
+so a rule reads ``cfg.tp`` wherever the option lives; config/__init__.py reads it from a config file,
 MESHRUN_* variables and flags or keywords.
 
 Adding an option is adding a field to a section: the flag, its help, MESHRUN_<NAME>, the

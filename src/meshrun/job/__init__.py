@@ -4,7 +4,10 @@ arithmetic, a user's factories importable, a Hugging Face model buildable, the c
 tokenized and its ids in range), the output directory's lock and history, the launch with its
 restarts, and what the run leaves: rank 0's last metrics and the newest snapshot.
 
-Torch-free: the ranks import torch, this process does not.
+Torch-free: the ranks import torch, this process does not. The package is what runs in the
+`meshrun train` process: this module, the Python API (api.py), the checks that need the model's
+or the data's facts (prelaunch.py) and the dry run's preview of the ranks' decisions
+(preview.py). It starts the ranks (meshrun.training.worker) by name.
 """
 
 from __future__ import annotations
@@ -143,7 +146,7 @@ def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainCo
         vocab = getattr(hf.load_config(hf.locate(cfg.model, cfg.source("model")), cfg.source("model")),
                         "vocab_size", None)
     # Opened (its structure checked) and, up to FULL_CHECK_TOKENS, every id read here once; a
-    # larger corpus is sampled here and each sample is checked as the ranks read it (data.py)
+    # larger corpus is sampled here and each sample is checked as the ranks read it (training/loader.py)
     corpus = open_tokens(data, cfg.data_dtype, cfg.source("data"))  # (cfg.data)
     full = sum(len(split) for split in corpus.splits.values()) <= FULL_CHECK_TOKENS
     check_ids(corpus, vocab if isinstance(vocab, int) else None, cfg.source("data"), full=full)

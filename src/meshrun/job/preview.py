@@ -1,4 +1,4 @@
-"""What `meshrun train --dry-run` says the ranks will decide: the run policy (policy.py) asked
+"""What `meshrun train --dry-run` says the ranks will decide: the run policy (config/policy.py) asked
 as the ranks ask it, for the GPUs of this machine or of ``--gpu-mem``, else for processes on
 the CPU.
 

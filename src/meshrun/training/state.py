@@ -1,5 +1,5 @@
 """TrainState: where a run is and how each step reads its data. The Trainer holds one; a
-resume (snapshots.py) returns the one it found in the snapshot, the batch fit (batchfit.py)
+resume (saves.py) returns the one it found in the snapshot, the batch fit (batchfit.py)
 the micro-batch it settled on, and the Trainer puts them in place. A snapshot records the
 step, the schedule and the data position (``checkpoint.Position``, whose format on disk is
 its own); the micro-batch and accumulation are the config's, which the snapshot carries too.

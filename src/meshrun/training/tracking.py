@@ -8,7 +8,7 @@ A resume continues the same tracker run: each tracker's run id is kept in ``OUT/
 over it. Without an id of its own, the W&B run takes meshrun's run id (``OUT/run.json``),
 so a Slurm requeue that lost nothing else still lands in the same run.
 
-A tracker that fails to start ends the run with one line before step 1 (trackers.py has
+A tracker that fails to start ends the run with one line before step 1 (config/trackers.py has
 already checked the packages and servers); one that fails later is dropped with one line,
 and the run goes on: metrics.jsonl keeps every record.
 """

@@ -164,7 +164,7 @@ def main() -> int:
     try:
         rt = init_runtime(cfg.collective_timeout)
         _mark_ready()
-        if cfg.out:  # OUT stays locked while this process may write there (runlock.py)
+        if cfg.out:  # OUT stays locked while this process may write there (config/runlock.py)
             from ..config.runlock import share
 
             # After the rendezvous: it needs rank 0, whose launcher holds OUT by now. (With one
