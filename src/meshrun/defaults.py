@@ -29,7 +29,7 @@ FALLBACK_SEQ_LEN = 1024
 
 def compile_enabled(choice: str, cuda: bool) -> bool:
     """``auto`` compiles on GPUs, where a minute of compilation pays back within a few dozen
-    steps (GPT 124M, DDP on 4 x H200, torch 2.11: 28% MFU eager, 43% compiled), and stays
+    steps (a compiled step is much faster than an eager one), and stays
     eager on the CPU, where compiling takes longer than the short jobs it would speed up.
     docs/decisions.md#compile"""
     return choice == "on" or (choice == "auto" and cuda)
@@ -67,9 +67,8 @@ FINISH_TIMEOUT_S = 300  # a rank still running this long after another finished 
 
 # Validation runs the model in eval mode, where a Hugging Face model computes its whole logits
 # (Liger's fused loss, which never holds them, is for training only): 8 x 4096 tokens of a
-# 128,256-word vocabulary are 25 GiB in bf16 with their fp32 copy. Llama-3.2-1B shape, FSDP2
-# grad_op at micro-batch 8 on 2 x H200, torch 2.11: nvidia-smi's peak 97.0 GiB against 56.3 GiB
-# reserved while training; 61.7 GiB validating as below. Such a model is validated in
+# 128,256-word vocabulary are 25 GiB in bf16 with their fp32 copy: validation became the run's
+# peak, far above training's (docs/decisions.md#validation-logits). Such a model is validated in
 # micro-batches whose logits stay under this many bytes, reading as many samples as the run's
 # micro-batches would.
 EVAL_LOGITS_BYTES = 4 * 2**30

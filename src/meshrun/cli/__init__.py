@@ -36,8 +36,8 @@ from .options import Parser, fill_env_defaults, warn_unknown_env
 
 # Each command -> the module of this package that registers its parser. Only the module of the
 # command given is imported: `meshrun launch` starts on every node of a job, and importing every
-# command's module (the planner, the renderers, YAML) cost 0.06 s of CPU before the launcher
-# started (2-core box, Python 3.11: docs/decisions.md#the-launchers-supervision).
+# command's module (the planner, the renderers, YAML) would cost CPU on every node before the
+# launcher started (docs/decisions.md#the-launchers-supervision).
 COMMANDS = {"env": "env", "launch": "launch", "train": "train", "export": "export", "data": "data",
             "plan": "plan", "render": "render", "doctor": "doctor", "bench": "bench"}
 

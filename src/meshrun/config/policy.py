@@ -54,8 +54,8 @@ from ..vocab import (
 from . import TrainConfig
 
 # FSDP2 keeps the parameters gathered from forward to backward (fsdp-grad-op) when a bf16
-# copy of them takes under this share of the GPU: one all-gather per block per step less
-# (+5% at GPT 1.3B on 4 x H200, torch 2.11), at the cost of that copy. docs/decisions.md#fsdp-flavour
+# copy of them takes under this share of the GPU: one all-gather per block per step less, a
+# faster step than full sharding, at the cost of that copy. docs/decisions.md#fsdp2-flavour
 GATHERED_COPY_SHARE = 0.1
 
 # What Choice.kernels and Choice.compile_mode say (the dry run's and the plan's words)
@@ -150,11 +150,11 @@ def settings(cfg: TrainConfig, facts: Facts) -> Settings:
 def compile_and_kernels(cfg: TrainConfig, cuda: bool, liger: bool) -> tuple[bool, bool, list[str]]:
     """(compile, Liger's kernels, why) for a model Liger Kernel can patch here (``liger``) or
     not. Liger's kernels run eager: with them, compiling adds no speed and costs a minute or
-    more of start-up (Llama-3.2-1B, DDP, 2 x H200, torch 2.11: 61,510 tokens/s per GPU eager
-    with Liger, 49,468 compiled without), and Liger 0.8.5's RMSNorm kernel does not compile
-    under Inductor (a scalar argument made a constant, then ``.to()`` called on it), which
-    under DDP's graph split ended the run. So compiling and Liger never go together:
-    ``--compile on`` gets torch.compile's own fused kernels instead. docs/decisions.md#liger"""
+    more of start-up (eager with Liger is faster than compiled without it), and Liger 0.8.5's
+    RMSNorm kernel does not compile under Inductor (a scalar argument made a constant, then
+    ``.to()`` called on it), which under DDP's graph split ended the run. So compiling and Liger
+    never go together: ``--compile on`` gets torch.compile's own fused kernels instead.
+    docs/decisions.md#liger"""
     asked = compile_choice(cfg.compile, cfg.precision)
     compiled = compile_enabled(asked, cuda) or cfg.compile_tune
     if not liger or cfg.kernels != "auto":
@@ -244,7 +244,7 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
     peak = fmt_bytes(pick.memory.peak) if pick.memory else "?"
     if not pick.fits and named is None and cfg.micro_batch is None and "activation_checkpointing" not in cfg.sources:
         # Nothing left to the planner fits: refused here, not out of memory at the first step
-        # (Llama-3-8B and Mistral-7B on one H200: 140 and 126 GiB predicted, 138 GiB reached)
+        # (models predicted over the usable memory ran out of it: docs/decisions.md#oom-fallback)
         raise MeshrunError(
             f"the model ({_params(model, facts) / 1e9:.2f}B parameters) does not fit {world} GPU(s) of "
             f"{fmt_bytes(gpu_mem)}: "

@@ -305,8 +305,9 @@ class RuntimeOptions:
     compile: str = option("auto", "torch.compile (per block under FSDP2): auto (default: on GPUs, but not with "
                           "Liger's kernels), on (a Hugging Face model then gets torch.compile's kernels, not "
                           "Liger's), off; --compile alone: on", metavar="auto|on|off", nargs="?", const="on")
-    # Inductor's coordinate-descent tuning of its kernels (implies compile on): a step up to 2%
-    # faster for minutes more compiling (parallel/apply.py: compile_options)
+    # Inductor's coordinate-descent tuning of its kernels (implies compile on): a slightly faster
+    # step for minutes more compiling (parallel/apply.py: compile_options;
+    # docs/decisions.md#rejected-coordinate-descent-tuning)
     compile_tune: bool = option(False, "Inductor's coordinate-descent tuning of the compiled kernels: a step up to "
                                 "2% faster (H200: GPT 124M +1.0-1.9%, 1.3B +0.3-0.7%) for ~4 minutes more "
                                 "compiling; for runs of hours")

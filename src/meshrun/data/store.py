@@ -249,8 +249,9 @@ SCAN_TOKENS = 1 << 24  # tokens per block of the full scan of token ids
 
 
 # The largest corpus `meshrun train` reads whole before starting to check its ids: 2 Gi tokens
-# (4-8 GiB) take about 0.1 s a GiB from the page cache, the disk's read speed otherwise; past
-# that a sample is read and every training sample is checked as it is read (training/loader.py).
+# (4-8 GiB) read fast from the page cache, at the disk's read speed otherwise
+# (docs/decisions.md#token-ids); past that a sample is read and every training sample is checked
+# as it is read (training/loader.py).
 FULL_CHECK_TOKENS = 2**31
 
 
@@ -267,8 +268,8 @@ def check_ids(corpus: Corpus, vocab: int | None, where: str = "--data", full: bo
     """Every token id below the model's vocabulary ``vocab`` (None: unknown) and below a
     prepared corpus' own tokenizer's, or a one-line error naming the first that is not, by file
     and offset. ``full``: every token of every shard is read (a vectorised max per block of the
-    memory-mapped shards: about 0.1 s a GiB from the page cache, the disk's read speed
-    otherwise); else a sample of each shard."""
+    memory-mapped shards, at page-cache or disk speed: docs/decisions.md#token-ids); else a
+    sample of each shard."""
     if vocab is not None and corpus.tokenizer and corpus.vocab_size is not None and corpus.vocab_size > vocab:
         raise bad_value(where, corpus.path, f"its tokenizer ({corpus.tokenizer['name']}) has {corpus.vocab_size} "
                         f"tokens, more than the model's vocabulary of {vocab}",

@@ -70,7 +70,7 @@ def _time(fn: Callable[[], object], device: torch.device, warmup: int, min_time_
     (agreed on by all ranks so they run the same number of collectives). With ``burst``,
     also the mean of that many calls right after the warm-up: a GPU's first milliseconds run
     at boost clocks, so a short loop reads higher than a long one where power or heat caps
-    the clocks (8192^3 bf16 on 4 x H200, torch 2.11: 787 vs 665 TFLOP/s)."""
+    the clocks (docs/decisions.md#bench-clocks)."""
     for _ in range(warmup):
         fn()
     _sync(device)

@@ -182,8 +182,8 @@ def check_gpu_health(facts: Facts) -> list[Finding]:
                                "check power and temperature (nvidia-smi -q -d PERFORMANCE)"))
         limit, default = _watts(h.get("power_limit", "")), _watts(h.get("power_default", ""))
         if limit is not None and default is not None and limit < 0.95 * default:
-            # Training runs at the power limit on these cards (H200s held at 700 W ran GPT 1.3B's
-            # step at ~1,500 MHz, torch 2.11), so a lowered limit is a slower job.
+            # Training runs at the power limit on these cards, so a lowered limit is a slower
+            # job (docs/decisions.md#power-limit).
             out.append(Finding("gpu health", "warn", f"GPU {i}: power limit {limit:.0f} W, below its default "
                                f"{default:.0f} W", f"training is power-bound: raise it (nvidia-smi -pl {default:.0f}) "
                                "unless it was lowered on purpose"))

@@ -1,8 +1,8 @@
 """meshrun's GPT MLP with its GELU in cuBLASLt's matmul epilogues (``GPTConfig.fused_mlp``:
 by default "auto", on CUDA wherever nvmath-python is installed).
 
-Why: in the compiled GPT 124M step on an H200 (torch 2.11) the GELU's forward and backward and
-the up-projection's bias gradient are Inductor kernels that take ~7.6% of the step, all
+Why: in the compiled GPT 124M step the GELU's forward and backward and the up-projection's
+bias gradient are Inductor kernels that take a noticeable share of the step, all
 memory-bound passes over the (tokens, 4d) activations, which no Inductor setting can fuse into
 cuBLAS's matmuls. cuBLASLt can:
 
@@ -13,11 +13,10 @@ cuBLAS's matmuls. cuBLASLt can:
   derivative at the saved aux, so the (tokens, 4d) gradient is written once; the
   up-projection's bias gradient is a torch sum over it.
 
-Measured: the MLP's forward + backward 5.6% faster than Inductor's at 131072 x 768 tokens;
-beside the head loss +3.8% on a GPT 124M step on one H200, both together +6.1% at 124M and
-+2.6% at 1.3B on two (docs/decisions.md#gelu-epilogues; the epilogues that also sum the bias
-gradients ran as separate kernels and were no faster). torch exposes neither epilogue; NVIDIA's
-nvmath-python binds cuBLASLt's, and is imported only here, only when used.
+Measured: the MLP's forward + backward faster than Inductor's, and a faster GPT step at 124M
+and 1.3B, alone and beside the head loss (docs/decisions.md#gelu-epilogues; the epilogues that
+also sum the bias gradients ran as separate kernels and were no faster). torch exposes neither
+epilogue; NVIDIA's nvmath-python binds cuBLASLt's, and is imported only here, only when used.
 
 The matmuls and the epilogues run in opaque custom ops (``meshrun::gelu_mlp`` and
 ``meshrun::gelu_mlp_backward``), so torch.compile calls them from inside its graphs. The same
@@ -87,18 +86,18 @@ def _run(what: str, cublaslt: Any, plain: Any, *args: torch.Tensor) -> tuple[tor
 
 
 # One planned (and autotuned) nvmath Matmul per operand layout and epilogue, reused: the stateless
-# nvmath ``matmul`` plans, executes and frees a Matmul each call, ~1.2 ms of host time per call
-# (2.9 ms per MLP forward + backward at 256 tokens against 0.6 ms for plain torch, H200), and the
-# MLP was 27% slower than Inductor's at 131072 tokens. All layers of a model share the shapes:
-# two plans per model (forward, backward), planned at the first step
+# nvmath ``matmul`` plans, executes and frees a Matmul each call, milliseconds of host time per
+# MLP forward + backward where plain torch takes a fraction of one, and the MLP was slower than
+# Inductor's at large batches (docs/decisions.md#direct-cublaslt-calls). All layers of a model
+# share the shapes: two plans per model (forward, backward), planned at the first step
 _PLANS: dict[tuple, Any] = {}
 PLANNED: Counter[str] = Counter()  # plans made per epilogue
 AUTOTUNE_ITERATIONS = 5  # per candidate algorithm, once per plan (0: cuBLASLt's heuristic's first)
 # nvmath's ``Matmul.execute`` runs a plan only in the call that makes it; every later call runs
-# through _Direct, because execute costs ~0.5 ms of host time per call even planned (an event,
-# logging checks, its workspace's stream bookkeeping): the same bits, 0.4 ms less host time per
-# MLP forward + backward (H200, torch 2.11); it matters where the host bounds the step (small
-# batches). docs/decisions.md#direct-cublaslt-calls
+# through _Direct, because execute costs host time per call even planned (an event, logging
+# checks, its workspace's stream bookkeeping): the same bits, less host time per MLP forward +
+# backward; it matters where the host bounds the step (small batches).
+# docs/decisions.md#direct-cublaslt-calls
 EXECUTED: Counter[str] = Counter()  # calls per way: "direct" or "nvmath"
 
 

@@ -1,14 +1,14 @@
 """meshrun's GPT loss on CUDA: the head's matmul and the cross-entropy in one autograd
 function whose forward also writes the logits' gradient, over the logits, in one Triton kernel.
 
-Why: in the compiled GPT 124M step Inductor's two cross-entropy kernels took 8.3% of the step
-on an H200 (torch 2.11): the forward reads the 13.2-GB bf16 logits and writes an fp32 copy,
+Why: in the compiled GPT 124M step Inductor's two cross-entropy kernels take a sizeable share
+of the step: the forward reads the 13.2-GB bf16 logits and writes an fp32 copy,
 the backward reads it again. The loss is the last operation of the forward, so its gradient
 with respect to the logits, ``softmax(logits) - onehot(target)``, is known there: one kernel
 per row reads the logits, computes the row's log-sum-exp and loss, and writes that gradient
 over them (the logits cross memory once each way). The backward only scales the two small
-products by the incoming per-row gradient. Measured +2.9% tokens/s on a compiled GPT 124M step
-on one H200 for 0.5 GiB more peak memory (docs/decisions.md#head-loss).
+products by the incoming per-row gradient. Measured: a faster compiled GPT 124M step for a
+little more peak memory (docs/decisions.md#head-loss).
 
 Numerics: as ``F.cross_entropy(F.linear(h, weight).float(), targets)``: statistics and
 gradient in fp32, the gradient rounded once to the logits' dtype; rows whose target is
@@ -39,7 +39,8 @@ def register() -> dict[str, bool]:
     if not _USABLE:
         cuda, cpu = torch.cuda.is_available(), os.environ.get("TRITON_INTERPRET") == "1"
         try:
-            if cuda or cpu:  # (importing Triton where it cannot run cost a CPU run 0.5 s at start)
+            if cuda or cpu:  # (importing Triton where it cannot run slows a CPU run's start:
+                # docs/decisions.md#direct-ranks)
                 _register_ops()  # imports Triton
         except ImportError:
             cuda = cpu = False

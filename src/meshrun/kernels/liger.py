@@ -58,11 +58,10 @@ def liger_options(model: Any) -> dict[str, bool]:
     """The keyword arguments meshrun gives Liger's patch for ``model`` (the trainer and the
     planner's trace alike). A Mixture-of-Experts model keeps its own experts (``swiglu=False``):
     Liger 0.8.5's fused MoE kernel failed to compile for Qwen3-MoE's experts (128 of 768, 8 per
-    token; ``PassManager::run failed`` in its token aggregation after 100 s of trying, one H200,
-    torch 2.11), and ran 3 minutes before its first step on a Mixtral shape. Without it the
-    Qwen3-MoE shape trained at 31,144 tokens/s per GPU with meshrun's defaults. The cost, where
-    the kernel does compile: a Mixtral shape (8 experts of 3584, 2 per token) trained at 38,333
-    tokens/s without it against 51,781 with it. docs/decisions.md#liger"""
+    token; ``PassManager::run failed`` in its token aggregation), and ran minutes before its
+    first step on a Mixtral shape. Without it the Qwen3-MoE shape trains with meshrun's
+    defaults. The cost, where the kernel does compile: a Mixtral shape (8 experts of 3584, 2
+    per token) trains slower without it. docs/decisions.md#liger"""
     return {"swiglu": False} if mixture_of_experts(model) else {}
 
 

@@ -6,9 +6,9 @@ Worker mode (``build``): the platform already started one process per device (``
 script directly in it.
 
 A node's ranks (``build_node``): `meshrun train` on one node starts every rank itself.
-torchrun there would only add an interpreter (its import of torch, 2.8 s of a 1-step run's 25 s
-on a 2-core box, torch 2.13) and a second supervisor: meshrun's launcher already owns
-restarts, signals, the failure line and the bounded waits (docs/decisions.md#direct-ranks).
+torchrun there would only add an interpreter (its own import of torch, seconds of a short run)
+and a second supervisor: meshrun's launcher already owns restarts, signals, the failure line
+and the bounded waits (docs/decisions.md#direct-ranks).
 torchrun stays where its rendezvous is the contract: several nodes, and `meshrun launch`."""
 
 from __future__ import annotations

@@ -178,11 +178,10 @@ class Watchdog:
 
 def start_watchdog(token: str) -> Watchdog:
     """Start the watchdog of the job ``token`` (nothing where unsupported): a fork of this
-    process, so it costs no interpreter start (on a 2-core box with 8 hosts' meshrun starting
-    at once, a watchdog that started Python and imported this module cost about 0.1 s of CPU
-    each). It runs only the code below (no imports, no locks the other threads could hold)
-    and ends with os._exit. The pipe's write end stays here alone: its end means this
-    process ended."""
+    process, so it costs no interpreter start, which adds up where many hosts' meshrun start at
+    once on few cores (docs/decisions.md#the-launchers-supervision). It runs only the code below
+    (no imports, no locks the other threads could hold) and ends with os._exit. The pipe's write
+    end stays here alone: its end means this process ended."""
     if not supported():
         return Watchdog(None, None)
     read_fd, write_fd = os.pipe()

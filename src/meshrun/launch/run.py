@@ -339,8 +339,8 @@ IDLE_S = 0.5  # otherwise: how late an ``abort`` may be seen
 class _Waiter:
     """Sleeps until a launched process exits, a signal arrives, or the timeout passes: each
     process's pidfd becomes readable when it exits, and a wakeup pipe when a signal comes, so a
-    running job costs meshrun no CPU between wakes (waking every 0.05 s to poll cost 4 ms of
-    CPU a second on a 2-core box, torch 2.13: docs/decisions.md#the-launchers-supervision).
+    running job costs meshrun no CPU between wakes (waking every 0.05 s to poll costs CPU all
+    along: docs/decisions.md#the-launchers-supervision).
     Where pidfds are missing (not Linux 5.3+) it sleeps the short tick."""
 
     def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:

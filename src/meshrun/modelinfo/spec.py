@@ -97,8 +97,8 @@ class ModelSpec:
 
     def at_seq(self, seq: int) -> ModelSpec:
         """The model as meshrun's GPT builds it for ``seq`` tokens: at 512K tokens GPT 1.3B's
-        position table is 1.07B parameters, as many as the rest of the model (measured on
-        4 x H200, torch 2.11: leaving them out under-predicts FSDP2 x CP4 by 17-18%)."""
+        position table is 1.07B parameters, as many as the rest of the model (leaving them out
+        under-predicts long-sequence runs: docs/decisions.md#position-table)."""
         if not self.learned_positions or seq == self.learned_positions:
             return self
         extra = (seq - self.learned_positions) * self.hidden

@@ -201,13 +201,13 @@ def traced_activations(tr: Traced, m: ModelSpec, t: TrainSpec, s: Strategy, micr
                        mode: str) -> tuple[int, int]:
     """activations() from the traced bytes: all blocks' saved tensors; compiled (``mode``), what
     Inductor's partitioner keeps of them (traced, ``Traced.blocks_compiled``) times a measured
-    factor (1.16 under autocast, 1.07 with bf16 parameters: the GPU's bytes over the traced
-    partition's, at most, over six models on one H200, torch 2.11). The transient of one
-    block's backward: a quarter of what the largest block saves. Under full checkpointing:
+    factor (1.16 under autocast, 1.07 with bf16 parameters: the largest ratio of the GPU's
+    bytes to the traced partition's over the models measured). The transient of one block's
+    backward: a quarter of what the largest block saves. Under full checkpointing:
     each block's input, the largest block's recomputation, and a calibrated share (0.2) of what
     the blocks would save un-checkpointed: the measured checkpointed runs hold that much more
-    on the GPU than the trace (H200, torch 2.11), while on the CPU a real FSDP2 + checkpointed
-    step holds what the trace says within 3% (docs/decisions.md#traced-memory)."""
+    on the GPU than the trace, while on the CPU a real FSDP2 + checkpointed step holds what the
+    trace says (docs/decisions.md#traced-memory)."""
     cal = calibration()
     split = s.tp * s.cp  # sequence parallelism and context parallelism split the tokens
     gathered_kv = 2 * 2 * m.kv_dim * micro * t.seq_len if s.cp > 1 else 0
@@ -228,12 +228,9 @@ def accumulation_grads(t: TrainSpec, s: Strategy, micro: int, states: dict[str, 
     from the second micro-batch on, the earlier ones' gradients are kept while its forward
     saves its activations. Counted where the layout's gradients are not already persistent
     (one GPU), and for a whole model compiled in one graph, which under DDP holds one set
-    beyond its buckets. Measured on one H200 (torch 2.11): single-GPU runs accumulating 2-8
-    micro-batches peaked at the start of backward plus exactly the fp32 gradients (Llama-3.2 1B
-    with Liger's kernels at 32 x 2: 118.4 GiB allocated against 118.9 predicted; Qwen2.5 1.5B
-    16 x 4: 103.7 against 104.1; Gemma-2 2B 8 x 8: 95.0 against 95.8; a Mistral shape 16 x 4:
-    80.1 against 80.4); DDP on one rank, compiled, 4 x 4: Gemma-2 2B 92.0 against 91.2,
-    Mistral-shaped 8 layers 53.4 against 53.4 (docs/decisions.md#traced-memory)."""
+    beyond its buckets. Measured: single-GPU runs accumulating over micro-batches peaked at
+    the start of backward plus exactly the fp32 gradients, and whole models compiled under DDP
+    on one rank as counted here (docs/decisions.md#traced-memory)."""
     if t.global_batch is None or t.global_batch <= micro * s.dp:
         return 0
     one_gpu = s.engine is Engine.TORCH and s.shard == "none" and not persistent_grads(s)
@@ -319,8 +316,8 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
 
 def cast_copies(m: ModelSpec, t: TrainSpec, s: Strategy) -> float:
     """autocast's bf16 weight copies, saved by each matmul for its backward: alive from
-    forward until that matmul's backward, so gone by the end of backward (the measured 1.3B
-    single-GPU row with activation checkpointing, whose peak is there: H200, torch 2.11).
+    forward until that matmul's backward, so gone by the end of backward (as the measured
+    rows whose peak is there show: docs/decisions.md#autocast-copies).
     The input embedding lookup is not cast; a tied head is. A float8 layer keeps a float8
     copy instead (1 byte)."""
     if not autocast(t, s):
@@ -338,8 +335,8 @@ def persistent_grads(s: Strategy) -> bool:
     """DDP's gradient buckets (gradient_as_bucket_view), ZeRO-3's gradient partitions and
     Megatron's gradient buffers live through the whole step; single-device and FSDP2
     gradients are freed by ``zero_grad(set_to_none=True)`` and appear only during backward,
-    and so do ZeRO-1/2's reduce buckets and gradient partitions (measured on H200, torch 2.11,
-    DeepSpeed 0.19.8: those rows' peak is the start of backward with neither)."""
+    and so do ZeRO-1/2's reduce buckets and gradient partitions (those rows' measured peak is
+    the start of backward with neither: docs/decisions.md#deepspeed-gradients)."""
     if s.engine is Engine.DEEPSPEED:
         return s.shard == "params"
     return s.engine is not Engine.TORCH or s.kind.uses_ddp or (s.shard == "none" and s.dp > 1)
@@ -361,9 +358,8 @@ def side_stream_grads(s: Strategy, grads: float) -> float:
     """Reserved, not allocated, at a peak reached with the activations: FSDP2 reduce-scatters
     the gradients on its own stream, into blocks that stream's cache keeps once zero_grad frees
     them, and the caching allocator never lends one stream's free blocks to another. The sharded
-    fp32 gradients' bytes (measured: GPT 1.3B on 4 x H200, torch 2.11, 1.27 GiB on the
-    reduce-scatter stream against 1.21 GiB of gradient shards;
-    docs/decisions.md#reserved-over-allocated)."""
+    fp32 gradients' bytes (measured: about the shards' size cached on the reduce-scatter
+    stream; docs/decisions.md#reserved-over-allocated)."""
     return grads if s.engine is Engine.TORCH and s.shard in ("grads", "params") else 0.0
 
 
@@ -383,9 +379,8 @@ def spike_fragmentation(m: ModelSpec, t: TrainSpec, s: Strategy, spike: float) -
     in an order the cache cannot always reuse (a calibrated share of the traced spike; the
     estimated spike's fitted bytes per vocabulary entry already hold it). A model compiled
     whole in one graph with its loss (one GPU: no DDP cutting the graph) leaves far more of
-    them reserved than eager, by a share that varies with the model (one H200, torch 2.11:
-    GPT-2 at micro-batch 128, 25.1 GiB reserved beyond 82.7 allocated; Llama-3.2 1B at 16 x 4,
-    5.0 beyond 88.7): a fitted 0.33, over rather than under."""
+    them reserved than eager, by a share that varies with the model
+    (docs/decisions.md#traced-memory): a fitted 0.33, over rather than under."""
     tr = traced(m, t, s)
     if tr is None:
         return 0.0
@@ -402,10 +397,9 @@ def validation_growth(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> in
     fp32 copy and log-softmax's fp32 output are new segments wherever larger than every tensor
     training held: the cache serves a request only from a free block as large, and what
     training freed stays reserved. Where training holds logits of its own (no fused loss) they
-    fit in those. On one H200 (torch 2.11, Liger 0.8.5's fused loss, micro-batch 16-32)
-    nvidia-smi's peak rose 3.9-5.8 GiB over training's reserved bytes while validating
-    Llama-3.2 1B and Qwen2.5 1.5B, as this predicts; a Mixtral shape (vocabulary 32K, 3.5 GiB
-    expert tensors in training) rose none."""
+    fit in those. With Liger's fused loss nvidia-smi's peak rose over training's reserved
+    bytes while validating, as this predicts, and not where training held tensors larger than
+    the validation's (a Mixtral shape's experts; docs/decisions.md#traced-memory)."""
     tr = traced(m, t, s)
     if tr is None or not tr.eval_logits or s.pp > 1:
         return 0
@@ -424,8 +418,7 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
     states, cpu_per_gpu, notes = model_states(m, t, s)
     if s.engine is Engine.DEEPSPEED and s.shard == "params" and t.dtype == "bf16":
         # DeepSpeed's ZeRO-3 accumulates the gradient partitions in fp32, not the paper's
-        # 2 bytes (measured on H200, torch 2.11, DeepSpeed 0.19.8: the 1.3B ZeRO-3 rows sit
-        # 1.5 GB above a bf16 partition)
+        # 2 bytes, as its measured rows show (docs/decisions.md#deepspeed-gradients)
         states = dict(states, grads=int(4 * params_per_gpu(m, s) / s.shard_group))
     acts, transient = activations(m, t, s, micro)
     transient += float8.cast_bytes(m, t.precision, micro * t.seq_len / s.cp, s.tp)

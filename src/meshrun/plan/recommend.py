@@ -12,24 +12,23 @@ from .memory import Strategy, estimate
 from .spec import ClusterSpec, TrainSpec, validate_cluster, validate_train
 from .strategies import ENGINES, candidates, comm_bytes, model_parallel
 
-# FSDP2's compute efficiency for the step-time estimate: 50.6% in the layouts benchmark that
-# layout_efficiency is relative to (GPT 1.3B, 4 x H200, torch 2.11); meshrun's defaults reach
-# 50-61% at GPT 124M-1.3B. docs/decisions.md#assumed-mfu
+# FSDP2's compute efficiency for the step-time estimate: as measured in the layouts benchmark
+# that layout_efficiency is relative to, and about what meshrun's defaults reach.
+# docs/decisions.md#assumed-mfu
 ASSUMED_MFU = 0.50
 PCIE_BW = 25e9  # host <-> GPU bytes/s per GPU, for offload
 CPU_ADAM_BW = 10e9  # bytes of optimizer state per second a CPU Adam streams per GPU
-# torch's fused AdamW on an H200: 2.5 ms for GPT 124M, 26 ms for GPT 1.3B (profiled, torch 2.11;
-# docs/decisions.md#optimizer-time), once per optimizer step over the parameters this GPU
+# torch's fused AdamW's time per parameter, profiled at two model sizes
+# (docs/decisions.md#optimizer-time), once per optimizer step over the parameters this GPU
 # updates: what makes accumulation pay for DDP.
 OPTIMIZER_S_PER_PARAM = 2.0e-11
 
 
 def layout_efficiency(s: Strategy) -> float:
     """Measured throughput of a layout relative to FSDP2 on the same GPUs (calibration.json;
-    GPT 1.3B on 4 x H200, torch 2.11, docs/decisions.md#layout-efficiency): tensor
-    parallelism's smaller matmuls and blocking all-reduces, ZeRO-3's eager parameter fetches,
-    pipeline losses beyond the bubble. Measured at GPT 1.3B: a wider model loses less to TP;
-    unmeasured layouts count as 1."""
+    docs/decisions.md#layout-efficiency): tensor parallelism's smaller matmuls and blocking
+    all-reduces, ZeRO-3's eager parameter fetches, pipeline losses beyond the bubble. Measured
+    at GPT 1.3B: a wider model loses less to TP; unmeasured layouts count as 1."""
     from .memory import calibration
 
     eff = calibration().get("layout_efficiency", {})
@@ -118,9 +117,9 @@ def _evaluate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, limit: fl
 def _faster_twin(pick: Candidate | None, cands: list[Candidate]) -> Candidate | None:
     """DDP or FSDP2 grad_op, whichever the step-time estimate says is faster when both fit
     with the same batch: the guide leaves this choice to measurement, and the measurements
-    go both ways (GPT 1.3B on 4 x H200: FSDP2 2.3% faster without accumulation, its
-    optimizer step sharded; DDP 2.9% faster with 4-step accumulation, its one-graph model
-    running no FSDP hooks). The flowchart's order stands on a near-tie (within 1%)."""
+    go both ways (FSDP2 faster without accumulation, its optimizer step sharded; DDP faster
+    with 4-step accumulation, its one-graph model running no FSDP hooks;
+    docs/decisions.md#strategy). The flowchart's order stands on a near-tie (within 1%)."""
     if pick is None:
         return pick
     twin = fitting_twin(pick, cands)
@@ -130,9 +129,9 @@ def _faster_twin(pick: Candidate | None, cands: list[Candidate]) -> Candidate | 
 
 
 # Matmul efficiency grows with a micro-batch's tokens and saturates: modelled as T / (T + T0).
-# T0 fitted to two measurements on an H200 (torch 2.11): GPT 124M 64K -> 128K tokens gave +5%
-# (T0 = 6.7K), GPT 1.3B 16K -> 32K gave +8% (T0 = 2.8K). Past MAX_MICRO_TOKENS a bigger
-# micro-batch only costs memory. docs/decisions.md#micro-batch
+# T0 fitted to two measurements of a doubled micro-batch (GPT 124M and GPT 1.3B), rounded to a
+# value between the two fits. Past MAX_MICRO_TOKENS a bigger micro-batch only costs memory.
+# docs/decisions.md#micro-batch
 SATURATION_TOKENS = 4096
 MAX_MICRO_TOKENS = 128 * 1024
 
@@ -147,12 +146,11 @@ def seconds_per_token(c: Candidate, seq_len: int) -> float:
 def choose(cands: list[Candidate], t: TrainSpec) -> Candidate | None:
     """The pick among fitting candidates (in the flowchart's order): with the micro-batch the
     planner's to size (a global batch given, no micro-batch), the fastest per token, the
-    flowchart's order breaking near-ties (within 1%): a sharded strategy that fits twice
-    DDP's micro-batch is faster (GPT 1.3B on 4 x H200, torch 2.11: FSDP2 grad_op at
-    micro-batch 32 beat DDP at 16 by 10%), and one that needs activation checkpointing for a
-    bigger micro-batch pays a third more compute for it. With the micro-batch fixed, the first
-    that fits, DDP and FSDP2 grad_op swapped when the estimate says the other is faster
-    (``_faster_twin``). docs/decisions.md#strategy"""
+    flowchart's order breaking near-ties (within 1%): a sharded strategy that fits twice DDP's
+    micro-batch is faster (docs/decisions.md#micro-batch), and one that needs activation
+    checkpointing for a bigger micro-batch pays a third more compute for it. With the
+    micro-batch fixed, the first that fits, DDP and FSDP2 grad_op swapped when the estimate says
+    the other is faster (``_faster_twin``). docs/decisions.md#strategy"""
     fitting = [x for x in cands if x.fits]
     if not fitting:
         return None

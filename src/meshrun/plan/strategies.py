@@ -26,8 +26,8 @@ from .spec import ClusterSpec, TrainSpec
 # What each engine can run; meshrun train runs the torch ones.
 ENGINES: dict[str, tuple[Engine, ...]] = {"torch": (Engine.TORCH, Engine.MEGATRON), "deepspeed": (Engine.DEEPSPEED,),
                                           "any": tuple(Engine)}
-# Measured (GPT 1.3B on 4 x H200, torch 2.11, no accumulation; docs/decisions.md#strategy): from here FSDP2 keeping
-# parameters gathered beat DDP even when a replica fits, so it ranks first among torch
+# From here FSDP2 keeping parameters gathered beat DDP without accumulation even when a
+# replica fits (docs/decisions.md#strategy), so it ranks first among torch
 # strategies; when both fit, the step-time estimate has the last word (recommend._faster_twin).
 FSDP_FIRST_FROM_PARAMS = 1_000_000_000
 

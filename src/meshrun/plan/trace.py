@@ -29,9 +29,9 @@ partitioner keeps what their backward reads. Its saved bytes over the eager trac
 block scale all blocks (``Traced.blocks_compiled``).
 
 Bytes are linear in the micro-batch (``Traced.at``) except where a model chunks its loss,
-which the two traced sizes capture. Checked against nvidia-smi's peak on one and two H200s and
-against what one block keeps on one (torch 2.11): docs/benchmarks.md, "On models it was not
-fitted to".
+which the two traced sizes capture. Checked against nvidia-smi's peak and against what one
+block keeps on the GPU (docs/decisions.md#traced-memory; the runs: docs/benchmarks.md, "On
+models it was not fitted to").
 
 Everything here runs in one thread before training starts; the functions it stands in for
 (F.scaled_dot_product_attention, F.grouped_mm, meshrun's head loss, transformers' SDPA entry)

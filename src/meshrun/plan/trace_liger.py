@@ -17,9 +17,9 @@ same sizes and dtypes (Liger 0.8.5, ``liger_kernel/ops``):
   dtype: fp32 parameters give an fp32 gradient), plus, while it runs, one chunk of logits at the
   matmul's dtype (Liger's chunking: ``next_power_of_2(ceil(tokens / ceil(V / H)))`` rows) and,
   under autocast with fp32 parameters, two bf16 copies of the weight (autocast caches its copy
-  of the weight, not of the transposed view the logits' matmul takes). On one H200 (torch 2.11,
-  Liger 0.8.5) the forward's peak beyond the first block came within 1% of this on Llama-3.2 1B,
-  Qwen2.5 1.5B, Gemma-2 2B and a Mistral-7B block (bench/saved_activations.py, way liger);
+  of the weight, not of the transposed view the logits' matmul takes). The GPU's forward peak
+  beyond the first block matches this on the models measured (bench/saved_activations.py, way
+  liger; docs/decisions.md#traced-memory);
 * cross-entropy on the model's own logits (where the fused loss does not apply: Granite): the
   logits, whose storage takes their gradient in place;
 * a Mixture-of-Experts model keeps its own experts (kernels/liger.py ``liger_options``).

@@ -125,8 +125,8 @@ def can_run_out_of_memory(device: torch.device) -> bool:
     """Whether a micro-step on ``device`` can run out of memory in a way torch reports: a
     GPU's allocator raises OutOfMemoryError. On the CPU the host's memory runs out as a plain
     RuntimeError or the kernel's out-of-memory killer, which no try can catch, so there is
-    nothing to try: it cost a forward and backward, 1.7 s of a 1-step gpt-tiny run's 18 s on a
-    2-core box (torch 2.13)."""
+    nothing to try: it would cost a forward and backward at every start
+    (docs/decisions.md#oom-fallback)."""
     return device.type == "cuda"
 
 

@@ -1,11 +1,11 @@
 """What torch has loaded, asked without loading it.
 
-torch.compile's tracer (torch._dynamo) and DTensor are 1.3 s and 0.6 s of CPU to import (2-core
-box, torch 2.13), each as much as or more than a third of importing torch. A run that compiles
-nothing and shards nothing never needs them, yet torch's optimizers, ``set_stance`` and an
-``isinstance(t, DTensor)`` import them on first use. Before torch._dynamo is loaded nothing is
-being compiled, and before DTensor is loaded no tensor is one: the questions have their answer
-without the import (docs/decisions.md#no-compiler-import).
+torch.compile's tracer (torch._dynamo) and DTensor each cost as much CPU to import as a third of
+importing torch or more. A run that compiles nothing and shards nothing never needs them, yet
+torch's optimizers, ``set_stance`` and an ``isinstance(t, DTensor)`` import them on first use.
+Before torch._dynamo is loaded nothing is being compiled, and before DTensor is loaded no tensor
+is one: the questions have their answer without the import
+(docs/decisions.md#no-compiler-import).
 """
 
 from __future__ import annotations

@@ -64,9 +64,8 @@ class AdamW(torch.optim.AdamW):
     """torch's AdamW, less its import of torch.compile's tracer while nothing can compile.
 
     torch keeps its optimizers out of compiled graphs with wrappers that import torch._dynamo
-    when first called (``add_param_group``, ``zero_grad``, ``state_dict``,
-    ``load_state_dict``; ``step`` on every call, for two graph breaks). That import is 1.3 s
-    of CPU (2-core box, torch 2.13; the same wrappers in 2.7 and 2.15), as much as importing
+    when first called (``add_param_group``, ``zero_grad``, ``state_dict``, ``load_state_dict``;
+    ``step`` on every call, for two graph breaks). That import costs as much CPU as importing
     torch itself, paid by every run that does not compile, before its first step: without
     torch._dynamo loaded nothing is being compiled, and the wrapped functions do the same
     unwrapped. Once it is loaded (``--compile``, DDP's constructor), these are torch's own
@@ -186,11 +185,9 @@ def create_state(opt: torch.optim.Optimizer) -> None:
     step, into blocks the activations freed; the second step's activations then move into
     the loss's freed blocks. With cuBLAS's backward workspace (runtime.take_blas_workspaces)
     that cascade cost GPT 124M FSDP2 without checkpointing one more logits-sized segment
-    (1.5 GiB reserved at micro-batch 8, 6.1 at 32; 4 x H200, torch 2.11;
-    docs/decisions.md#optimizer-state). One
-    step with zero gradients and a zero learning rate creates the state and changes no
-    parameter (AdamW's decay multiplies by 1 - 0); the step counts go back to zero, so the
-    first real step is still step 1."""
+    (docs/decisions.md#optimizer-state). One step with zero gradients and a zero learning
+    rate creates the state and changes no parameter (AdamW's decay multiplies by 1 - 0); the
+    step counts go back to zero, so the first real step is still step 1."""
     if opt.state:
         return
     lrs = [g["lr"] for g in opt.param_groups]

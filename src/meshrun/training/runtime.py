@@ -68,10 +68,10 @@ def take_blas_workspaces(device: torch.device) -> None:
     stream and keeps it for good; the backward runs on autograd's own thread, so without
     this its workspace is taken at the first backward matmul, the head's, just after the
     loss freed its logits-sized blocks, and it pins one of them: the next steps then take
-    a new logits-sized segment (allocator traces, 4 x H200, torch 2.11;
-    docs/decisions.md#cublas-workspaces). A
-    small product and its backward, in fp32 and under bf16 autocast (cuBLASLt's path), take
-    the forward thread's and autograd's workspaces on the current stream."""
+    a new logits-sized segment (as recorded allocator traces show:
+    docs/decisions.md#cublas-workspaces). A small product and its backward, in fp32 and under
+    bf16 autocast (cuBLASLt's path), take the forward thread's and autograd's workspaces on
+    the current stream."""
     if device.type != "cuda":
         return
     w = torch.zeros(64, 64, device=device, requires_grad=True)

@@ -50,8 +50,8 @@ class TensorBoard:
 
     def __init__(self, out: str, params: Mapping[str, Any]) -> None:
         # torch's SummaryWriter asks tensorboard for its TF-like API on import; where
-        # TensorFlow is installed, tensorboard imports it (10.7 s of one core per run on a
-        # 2-core CPU host, TF 2.20), for local event files its own stub writes alike.
+        # TensorFlow is installed, tensorboard imports it (seconds of CPU per run:
+        # docs/decisions.md#tensorboard), for local event files its own stub writes alike.
         # tensorboard takes the stub when a module tensorboard.compat.notf exists: that
         # switch is set here unless TensorFlow is already loaded in this process.
         if "tensorflow" not in sys.modules:

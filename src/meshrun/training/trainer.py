@@ -190,8 +190,8 @@ class Trainer:
     def evaluate(self) -> float | None:
         """The mean validation loss over ``eval_batches`` micro-batches' samples per rank. A
         compiled model validates eager: compiling its eval graph at the validation micro-batch
-        took 84 s at the end of a 3B model's run (StarCoder2-3B's shape, one H200, torch 2.11),
-        where validating eager takes seconds."""
+        takes over a minute at the end of a 3B model's run, where validating eager takes
+        seconds (docs/decisions.md#liger)."""
         if self.val_loader is None:
             return None
         with eager():

@@ -135,9 +135,10 @@ def _is_ready() -> bool:
 
 def main() -> int:
     # No cyclic garbage collection while the rank imports its modules, then what they made
-    # frozen: the collector's passes over torch's objects cost 0.11 s of its import, and 0.2 s
-    # of torch._dynamo's that DDP, FSDP2 and tensor parallelism make later (2-core box, torch
-    # 2.13). Only modules and what they hold are frozen: no model or data exists yet.
+    # frozen: the collector's passes over torch's objects are a part of its import, and of
+    # torch._dynamo's that DDP, FSDP2 and tensor parallelism make later
+    # (docs/decisions.md#no-compiler-import). Only modules and what they hold are frozen: no
+    # model or data exists yet.
     gc.disable()
     preempt.install()  # first: from here on a preemption signal stops the run at a step boundary
     signal.signal(signal.SIGINT, _on_sigint)
@@ -202,9 +203,9 @@ def main() -> int:
 def exit_now(code: int) -> None:
     """End the rank as Python's exit would, but for its teardown of every module and object:
     other threads finished (as the interpreter waits for them), the exit handlers run (the
-    trackers', torch's), the streams flushed, then ``os._exit``. The teardown alone took 1.4 s
-    of every run's end with torch and Dynamo loaded (2-core box, torch 2.13), after the run's
-    files were all closed.
+    trackers', torch's), the streams flushed, then ``os._exit``. The teardown alone takes more
+    than a second of every run's end with torch and Dynamo loaded, after the run's files were
+    all closed (docs/decisions.md#direct-ranks).
 
     Threads end through ``threading._shutdown``, the interpreter's own first step of exit: it
     runs the threading exit hooks before it joins, and one of them tells idle thread-pool

@@ -1,16 +1,15 @@
 """Which fused attention kernel torch's scaled_dot_product_attention tries first.
 
-``auto`` keeps torch's own order. That order is not fixed: torch 2.11 on an H200 (cuDNN 9)
-runs cuDNN's fused attention first, as a profile shows (cuDNN's ``sdpa_sm90_flash`` kernels
-under ``auto``). Measured (1 x H200 each, torch 2.11, GPT 124M compiled, side by side on four
-cards; docs/decisions.md#attention-kernel): cuDNN first 546K tokens/s, flash first 517K,
-torch's order 532K, which was cuDNN too, so the two cuDNN runs differ by 2.7% from card to
-card and flash is 3-5% behind. Where torch prefers flash (older cuDNN, other cards), auto
+``auto`` keeps torch's own order. That order is not fixed: torch 2.11 on an H200 (cuDNN 9) runs
+cuDNN's fused attention first, as a profile shows (cuDNN's ``sdpa_sm90_flash`` kernels under
+``auto``). Measured side by side on GPT 124M, torch's order (cuDNN there) and cuDNN first differ
+by no more than the spread from card to card, and flash first is a few percent behind
+(docs/decisions.md#attention-kernel). Where torch prefers flash (older cuDNN, other cards), auto
 follows it rather than forcing a kernel torch has reasons to rank lower. A chosen kernel goes
-first; the others stay behind it as fallbacks for inputs it does not take, so no model
-loses its attention. (Compiled autograd fails on torch 2.11 with cuDNN first and with flash
-first alike: ``.item()`` on an int while tracing the backward, so the attention kernel is not
-the cause; docs/decisions.md#rejected-compiled-autograd.)
+first; the others stay behind it as fallbacks for inputs it does not take, so no model loses its
+attention. (Compiled autograd fails on torch 2.11 with cuDNN first and with flash first alike:
+``.item()`` on an int while tracing the backward, so the attention kernel is not the cause;
+docs/decisions.md#rejected-compiled-autograd.)
 """
 
 from __future__ import annotations

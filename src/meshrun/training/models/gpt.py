@@ -28,8 +28,8 @@ class GPTConfig:
     low_precision_residual: bool = True
     # The loss from the last hidden states in token chunks, the logits never held whole
     # (models/losses.py): for long sequences, where the logits are most of the memory. Off by
-    # default: compiled at 1024 tokens it measured 1.9% slower than F.cross_entropy over the
-    # whole logits, which Inductor fuses well (docs/decisions.md#chunked-loss).
+    # default: compiled at 1024 tokens it is slower than F.cross_entropy over the whole
+    # logits, which Inductor fuses well (docs/decisions.md#chunked-loss).
     fused_loss: bool = False
     # The head's matmul and the loss in one function whose forward writes the logits' gradient
     # over them (kernels/head_loss.py, one Triton kernel): on CUDA with Triton; elsewhere the
@@ -105,7 +105,8 @@ def _sharded(p: torch.Tensor) -> bool:
     DTensor, or a DeepSpeed ZeRO-3 parameter (``ds_id``), which only its own module's hooks
     gather. The fused MLP and the head loss use the weights without calling their Linear.
 
-    (Asked without importing DTensor, which cost a run's first forward 0.6 s: ``loaded``.)"""
+    (Asked without importing DTensor, which would cost a run's first forward its import:
+    ``loaded``, docs/decisions.md#no-compiler-import.)"""
     return is_dtensor(p) or hasattr(p, "ds_id")
 
 

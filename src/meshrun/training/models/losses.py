@@ -3,8 +3,8 @@
 The plain recipe, ``F.cross_entropy(head(x).float(), y)``, writes every token's logits in
 bf16, an fp32 copy and fp32 log-probabilities that autograd keeps for the backward: at GPT
 124M with 128 x 1024 tokens per micro-step that is 13 + 26 + 26 GB of HBM traffic and
-memory: Inductor's two cross-entropy kernels take 8.3% of the compiled step (one H200,
-torch 2.11; docs/decisions.md#head-loss).
+memory: Inductor's two cross-entropy kernels take a sizeable share of the compiled step
+(docs/decisions.md#head-loss).
 
 Because the loss is the last operation of the forward, its gradient with respect to the
 logits is known during the forward: ``softmax(logits) - onehot(target)``, over the number of
@@ -15,9 +15,9 @@ iteration. The backward only scales the two stored gradients by the incoming one
 matmul FLOPs as the plain recipe (one forward, two backward), but per token only the bf16
 logits and their bf16 gradient touch memory, and peak memory holds one chunk.
 
-Measured (1 x H200, torch 2.11; docs/decisions.md#chunked-loss): compiled at 1024 tokens it
-is no faster: GPT 124M runs 1.9% slower than the plain recipe, which Inductor already fuses,
-and holds more memory (the unrolled chunks). What it is for is the eager long-sequence case, where
+Compiled at 1024 tokens it is no faster: GPT 124M runs slower than the plain recipe, which
+Inductor already fuses, and holds more memory (the unrolled chunks;
+docs/decisions.md#chunked-loss). What it is for is the eager long-sequence case, where
 the whole logits would be most of the memory (``GPTConfig.fused_loss``, ``--fused-loss``).
 
 Numerics match the plain recipe under autocast: matmuls in the compute dtype with fp32

@@ -55,12 +55,12 @@ else:
     def __getattr__(name: str) -> Any:
         """``build``: ``_build`` kept out of compiled graphs (the mask is built once per
         forward, outside the compiled graphs of the blocks) by ``torch.compiler.disable``. The
-        decorator imports torch._dynamo (with DTensor and FSDP: 2.2 s of CPU on a 2-core box,
-        torch 2.13): applied at import, it made every import of meshrun's models and Trainer
-        pay that. It is applied once torch._dynamo is loaded, as it is before anything
-        compiles: a compiled caller reads ``masks.build`` while tracing and gets the decorated
-        function (cached from then on); before that nothing compiles, and the plain function
-        does the same."""
+        decorator imports torch._dynamo (with DTensor and FSDP, seconds of CPU:
+        docs/decisions.md#no-compiler-import): applied at import, it made every import of
+        meshrun's models and Trainer pay that. It is applied once torch._dynamo is loaded, as it
+        is before anything compiles: a compiled caller reads ``masks.build`` while tracing and
+        gets the decorated function (cached from then on); before that nothing compiles, and the
+        plain function does the same."""
         if name != "build":
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         if not compiler_loaded():

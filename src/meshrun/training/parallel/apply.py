@@ -90,11 +90,11 @@ def compile_options(tune: bool) -> dict[str, bool]:
     """``torch.compile(options=...)`` for ``--compile-tune``: Inductor's coordinate-descent
     search of its Triton kernels' block sizes; empty without it.
 
-    Measured (H200, torch 2.11): at GPT 124M +1.0-1.9% on one GPU and +1.0% on four; at 1.3B
-    +0.7% on one and +0.3% on four; for ~4 minutes more compiling (a minute from Inductor's
-    cache): not a default, a short run loses more than it gains. Max-autotune matmuls are left
-    out: cuBLAS beat every Triton template at these shapes, and they cost ~100 s more
-    compiling and a 12 GiB transient at the first step. docs/decisions.md#compile-tune"""
+    A step faster by about a percent or two, for minutes more compiling: not a default, a
+    short run loses more than it gains (docs/decisions.md#rejected-coordinate-descent-tuning).
+    Max-autotune matmuls are left out: cuBLAS beat every Triton template at these shapes, and
+    they cost more compiling and a large transient at the first step
+    (docs/decisions.md#rejected-max-autotune-matmuls)."""
     return {"coordinate_descent_tuning": True} if tune else {}
 
 
@@ -231,9 +231,8 @@ class Build:
     def _blocks_only(self) -> bool:
         """A Hugging Face model is compiled block by block on every layout, its own forward
         eager: under torch.compile (torch < 2.14) transformers builds the causal mask as a dense
-        tensor instead of passing ``is_causal``, which rules out flash attention. Measured on one
-        H200, torch 2.11, transformers 5.17: Llama-3.2-1B at seq 8192 compiled whole with float8
-        trained at 39,337 tokens/s, below bf16 eager's 48,639 (at seq 2048: 63,075, 1.30x)."""
+        tensor instead of passing ``is_causal``, which rules out flash attention: a long-sequence
+        float8 model compiled whole trained slower than bf16 eager (docs/decisions.md#compile)."""
         return is_transformers_model(self.model)
 
     def _compile(self, per_block: bool) -> None:

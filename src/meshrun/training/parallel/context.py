@@ -62,7 +62,7 @@ class ContextAttention:
     causal mask aligned to the lower right of that (c, a + c) block. torch's
     ``causal_lower_right`` lets SDPA run it with its fused kernels; a dense boolean mask over
     the whole sequence forces the masked kernel, which reads a (seq/cp) x seq mask per layer
-    and runs 3x slower per GPU than FSDP alone at 128K tokens (4 x H200, torch 2.11)."""
+    and runs several times slower per GPU than FSDP alone (docs/decisions.md#cp-causal-mask)."""
 
     def __init__(self, group: Any, cp: int, rank: int, seq_len: int, device: torch.device) -> None:
         self.group, self.cp = group, cp

@@ -11,8 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ...errors import bad_value
 from ..runtime import Runtime
 
-# Eager or across hosts. 100 MB against torch's 25 MB: +5.7% (GPT 124M, 4 x H200, torch 2.11;
-# docs/decisions.md#ddp-buckets)
+# Eager or across hosts. 100 MB is faster than torch's 25 MB (docs/decisions.md#ddp-buckets)
 DDP_BUCKET_MB = 100
 DDP_COMPILED_BUCKET_MB = 1000
 
@@ -24,9 +23,9 @@ def ddp_bucket_mb(requested: int | None, compiled: bool, rt: Runtime) -> int:
     Why: compiled, Dynamo cuts DDP's graph at every bucket boundary so that a bucket's
     all-reduce starts while the backward goes on; Inductor then cannot fuse across the cuts.
     On one host the all-reduce of what the larger buckets leave exposed costs less than the
-    cuts: +0.7% to +1.4% in five measurements (GPT 124M and 1.3B, 4 x H200, torch 2.11;
-    docs/decisions.md#ddp-buckets). Across hosts the network is 10-100x slower than NVLink and the
-    overlap is worth more than the fusion, and eager DDP has no graph to cut. Capped at
+    cuts, in every measurement at GPT 124M and 1.3B (docs/decisions.md#ddp-buckets). Across
+    hosts the network is 10-100x slower than NVLink and the overlap is worth more than the
+    fusion, and eager DDP has no graph to cut. Capped at
     1000 MB, the size measured: DDP allocates its buckets again at the second step, so a
     bucket is also a transient allocation."""
     if requested is not None:
@@ -57,8 +56,8 @@ def release_old_buckets(ddp: DDP) -> None:
     gradients became ready, and frees the first ones: segments the size of one bucket
     (100 MB), which the caching allocator keeps but cannot hand to any larger activation.
     Once, right after that rebuild and before the forward's activations, the free segments go
-    back to the driver. Measured (GPT 1.3B DDP, micro-batch 16, 2 x H200, torch 2.11): 0.6 GiB
-    less reserved at the peak (60.7 vs 61.3 GiB; docs/decisions.md#old-ddp-buckets)."""
+    back to the driver, and the reserved peak is lower by them
+    (docs/decisions.md#old-ddp-buckets)."""
     def after_rebuild(module: nn.Module, args: Any) -> None:
         if getattr(ddp, "_has_rebuilt_buckets", True):
             torch.cuda.empty_cache()

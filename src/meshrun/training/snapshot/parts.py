@@ -47,10 +47,9 @@ def float8_unwrapped(sd: dict[str, Any]) -> dict[str, Any]:
     tensors inside them (no copy: the same storage). FSDP2's float8 all-gather keeps each
     converted weight as such a wrapper (``WeightWithDynamicFloat8CastTensor``), and so is
     optimizer state made like it (``zeros_like``, as torch.distributed.checkpoint's
-    get_state_dict does before a load); torch.distributed.checkpoint cannot write them (on an
-    H200, torch 2.11, torchao 0.18: "unexpected pos 704 vs 598" from its file writer). The
-    tensors inside are the plain values, saved and loaded as a bf16 model's: a snapshot moves
-    between float8 and bf16 runs."""
+    get_state_dict does before a load); torch.distributed.checkpoint's file writer cannot write
+    them (docs/decisions.md#float8). The tensors inside are the plain values, saved and loaded
+    as a bf16 model's: a snapshot moves between float8 and bf16 runs."""
     from torch.distributed.tensor import DTensor
 
     def inner(v: Any) -> Any:

@@ -125,9 +125,9 @@ def _planner(state: dict[str, Any]) -> DefaultSavePlanner:
     those items over the ranks' files to balance the writes. With sharded weights (DTensors:
     FSDP, tensor or expert parallelism) what is alike is small (step counts, hyperparameters,
     buffers), but spread it made every rank read every file on resume, since a rank reads each
-    file it needs whole to check its hash (gpt-tiny, FSDP, 4 ranks, torch 2.13: 51-64 MB a rank
-    of a 51 MB snapshot); written by rank 0 it costs each rank 26-38 MB. Replicated weights
-    (DDP) stay spread: every rank reads all of them anyway, and the writes stay balanced."""
+    file it needs whole to check its hash; written by rank 0 it costs each rank about half as
+    much (docs/decisions.md#what-every-rank-holds-alike). Replicated weights (DDP) stay spread:
+    every rank reads all of them anyway, and the writes stay balanced."""
     from torch.distributed.tensor import DTensor
 
     sharded = any(isinstance(v, DTensor) for v in state["model"].values())

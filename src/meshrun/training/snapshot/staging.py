@@ -4,7 +4,7 @@ allocated at the first save (pinned on CUDA hosts) and reused by every later one
 Why not DCP's own staging: ``dcp.async_save`` (torch <= 2.8's default, and 2.9+'s without
 a stager) allocates fresh pageable memory for every save, which costs seconds per rank for
 a GPT 1.3B snapshot; torch 2.9+'s ``DefaultStager`` with pinned memory fails on FSDP2 state
-dicts in torch 2.11 (``KeyError: <class 'type'>`` in its deep copy). The buffers here are
+dicts in its deep copy (docs/decisions.md#staging). The buffers here are
 built and filled by the helpers DCP's own stagers use (``_create_cpu_state_dict``,
 ``_copy_state_dict``, present from torch 2.4 on): DTensors keep their mesh and placements,
 with CPU local tensors, so DCP plans the write exactly as for the live state.
