@@ -55,7 +55,7 @@ def corpus_vocab(cfg: TrainConfig) -> int | None:
         return None
     from ..data.store import open_tokens
 
-    size = open_tokens(cfg.data, cfg.data_dtype, cfg.source("data")).vocab_size
+    size = open_tokens(name, cfg.data_dtype, cfg.source("data")).vocab_size
     return None if size is None else -(-size // 64) * 64
 
 

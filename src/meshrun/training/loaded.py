@@ -34,7 +34,8 @@ def eager() -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
     import torch
 
-    return torch.compiler.set_stance("force_eager")
+    stance: contextlib.AbstractContextManager[Any] = torch.compiler.set_stance("force_eager")
+    return stance
 
 
 def plain_beside_dtensors() -> contextlib.AbstractContextManager[Any]:
