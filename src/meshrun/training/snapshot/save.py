@@ -35,10 +35,10 @@ from .layout import (
     snapshot_name,
     write_json,
 )
-from .load import METADATA, STATE, missing_files, unpickle_metadata
 from .parts import float8_unwrapped, shards_as_dtensors
 from .rng import rng_state
 from .staging import Stager
+from .verify import METADATA, STATE, missing_files, unpickle_metadata
 
 
 @dataclass
