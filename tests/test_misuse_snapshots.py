@@ -60,7 +60,7 @@ def _forge_marker(snap, *names):
 
 
 def _metadata(snap):
-    from meshrun.training.snapshot.verify import unpickle_metadata
+    from meshrun.training.snapshot.integrity import unpickle_metadata
 
     return unpickle_metadata((snap / ".metadata").read_bytes(), ".metadata")
 
@@ -111,7 +111,7 @@ def test_files_swapped_after_their_check_are_never_read(out, tmp_path, monkeypat
 
     from meshrun.training.snapshot import export, reader
 
-    verify = importlib.import_module("meshrun.training.snapshot.verify")  # (the package's `verify` is the function)
+    verify = importlib.import_module("meshrun.training.snapshot.integrity")
     snap = _snap(out)
     reference, _ = export.read_weights(str(snap))
     witness = tmp_path / "pwned"

@@ -1,7 +1,7 @@
 """A DeepSpeed engine's load of a snapshot's own files (its ``deepspeed/`` directory), safely:
 DeepSpeed's engine unpickles its files with ``weights_only=False``, so for one load it reads
 them through a stand-in for its checkpoint engine that reads each file once, compares its
-SHA-256 with the marker's (verify.py) and unpickles those bytes with ``weights_only=True`` and
+SHA-256 with the marker's (integrity.py) and unpickles those bytes with ``weights_only=True`` and
 an allow-list of the few DeepSpeed classes they hold; every other ``torch.load`` in the process
 is weights-only while the load lasts. ``check`` hashes all of a DeepSpeed snapshot's files
 before its engine loads them.
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ...errors import MeshrunError
+from .integrity import Snapshot, gist, read_verified
 from .layout import DS_DIR
-from .verify import Snapshot, gist, read_verified
 
 
 def _deepspeed_safe_globals() -> list[Any]:

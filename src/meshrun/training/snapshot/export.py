@@ -13,8 +13,8 @@ import torch
 
 from ...errors import MeshrunError
 from ...fsio import write_dir, write_file_with
+from .integrity import check, verify_unread
 from .reader import load_shards
-from .verify import check, verify_unread
 
 NONEMPTY_HINT = "give a new or empty directory, or --overwrite to move its files aside first"
 

@@ -1,5 +1,5 @@
 """Loading a snapshot into a model and its optimizer (``load``), collectively: every rank checks
-it (verify.py, a share of the hashes each), reads it through DCP's verified reader (reader.py)
+it (integrity.py, a share of the hashes each), reads it through DCP's verified reader (reader.py)
 or its DeepSpeed engine (deepspeed.py), hashes the files no rank read before any of the loaded
 state is used, keeps this run's optimizer implementation switches, restores the RNG state and
 returns the position to resume from. A failure on any rank stops every rank with the same line.
@@ -18,11 +18,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ...errors import MeshrunError
 from ..models.hooks import CheckpointingEngine
 from .deepspeed import load_deepspeed
+from .integrity import Snapshot, check, position, read_verified, rng_file, verify_unread
 from .layout import DS_DIR, Position
 from .parts import float8_unwrapped, shards_as_dtensors, shards_as_local
 from .reader import load_shards
 from .rng import set_rng_state
-from .verify import Snapshot, check, position, read_verified, rng_file, verify_unread
 
 _IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # optimizer switches a resume keeps
 

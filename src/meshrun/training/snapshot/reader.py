@@ -1,4 +1,4 @@
-"""DCP's reader over a snapshot ``check`` verified (verify.py): the metadata is the allow-listed
+"""DCP's reader over a snapshot ``check`` verified (integrity.py): the metadata is the allow-listed
 one unpickled from the verified bytes, each ``.distcp`` shard file is read once and hash-checked
 before DCP deserializes it, and tensors and non-tensor values are unpickled with
 ``weights_only=True`` (DCP's default planner unpickles values with ``weights_only=False``).
@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 
 from ...errors import MeshrunError
-from .verify import Snapshot, gist, read_verified
+from .integrity import Snapshot, gist, read_verified
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
