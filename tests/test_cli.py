@@ -128,7 +128,7 @@ def test_port_in_use_on_master_is_refused():
 
 def test_missing_launcher_program_is_named():
     from meshrun.errors import MeshrunError
-    from meshrun.launch.run import resolve_program
+    from meshrun.launch.spawn import resolve_program
 
     with pytest.raises(MeshrunError, match="program 'deepspeed-nope' not found"):
         resolve_program("deepspeed-nope")

@@ -319,9 +319,10 @@ FOREIGN_WRITES_ALLOWED: dict[str, tuple[set[str], str]] = {
     "meshrun.data.prepare": ({"exc.filename"}, "names the token file on the OSError it caught and raises again"),
     "meshrun.launch.node": ({"report.inner"}, "chains torchrun's failure report in front of the rendezvous "
                             "filter the job builds"),
-    "meshrun.training.snapshot.load": ({"metadata.storage_meta.load_id", "engine.checkpoint_engine"},
-                                      "DCP's metadata gets the load id FileSystemReader records; DeepSpeed's engine "
-                                      "reads through meshrun's verified reader for one load, put back after"),
+    "meshrun.training.snapshot.reader": ({"metadata.storage_meta.load_id"},
+                                        "DCP's metadata gets the load id FileSystemReader records"),
+    "meshrun.training.snapshot.deepspeed": ({"engine.checkpoint_engine"}, "DeepSpeed's engine reads through "
+                                           "meshrun's verified reader for one load, put back after"),
     "meshrun.training.models.gpt": ({"self.head.weight"}, "ties the model's output head to its token embedding"),
     "meshrun.training.parallel.tp": ({"block.qkv", "block.n_heads", "model.head.weight"}, "tensor parallelism "
                                   "splits meshrun GPT's attention over the ranks and ties the head to the sharded "

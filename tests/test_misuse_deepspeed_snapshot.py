@@ -125,7 +125,8 @@ def test_deepspeed_reading_around_its_checkpoint_engine_is_refused(out, tmp_path
     )
 
     from meshrun.errors import MeshrunError
-    from meshrun.training.snapshot.load import check, load_deepspeed
+    from meshrun.training.snapshot.deepspeed import load_deepspeed
+    from meshrun.training.snapshot.integrity import check
 
     witness = tmp_path / "pwned"
     planted = _plant(out / STEP2, "deepspeed/mp_rank_00_model_states.pt", witness)

@@ -60,7 +60,7 @@ def _forge_marker(snap, *names):
 
 
 def _metadata(snap):
-    from meshrun.training.snapshot.load import unpickle_metadata
+    from meshrun.training.snapshot.integrity import unpickle_metadata
 
     return unpickle_metadata((snap / ".metadata").read_bytes(), ".metadata")
 
@@ -109,13 +109,13 @@ def test_files_swapped_after_their_check_are_never_read(out, tmp_path, monkeypat
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from meshrun.training.snapshot import export
+    from meshrun.training.snapshot import export, reader
 
-    load = importlib.import_module("meshrun.training.snapshot.load")  # (the package's `load` is the function)
+    verify = importlib.import_module("meshrun.training.snapshot.integrity")
     snap = _snap(out)
     reference, _ = export.read_weights(str(snap))
     witness = tmp_path / "pwned"
-    read_verified = load.read_verified
+    read_verified = verify.read_verified
     swapped = []
 
     def read_then_swap(path, name, digests):
@@ -127,7 +127,8 @@ def test_files_swapped_after_their_check_are_never_read(out, tmp_path, monkeypat
         swapped.append(name)
         return data
 
-    monkeypatch.setattr(load, "read_verified", read_then_swap)
+    monkeypatch.setattr(verify, "read_verified", read_then_swap)  # .metadata and state.json, as checked
+    monkeypatch.setattr(reader, "read_verified", read_then_swap)  # each shard, as DCP reads it
     tensors, state = export.read_weights(str(snap))
     assert ".metadata" in swapped and any(n.endswith(".distcp") for n in swapped), swapped
     assert not witness.exists()

@@ -123,7 +123,8 @@ def test_a_signal_while_meshrun_starts_is_kept_and_stops_the_first_steps(tmp_pat
     """SIGUSR1 sent the moment meshrun can take it, before any worker exists (a time limit's
     warning that falls into the job's first second): meshrun keeps it, hands it to the
     workers once they handle it, and they stop after an early step with its snapshot."""
-    from meshrun.launch.run import catches, children
+    from meshrun.launch.liveness import children
+    from meshrun.launch.signals import catches
 
     out = str(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "meshrun", "train", *JOB, "--out", out], env=clean_env(),
@@ -145,7 +146,8 @@ def test_a_signal_while_meshrun_starts_is_kept_and_stops_the_first_steps(tmp_pat
 def test_the_worker_signals_reach_only_processes_that_handle_them(tmp_path):
     """meshrun sends a preemption signal to a worker once it has its handler: one that is
     still starting would die of it."""
-    from meshrun.launch.run import catches, children
+    from meshrun.launch.liveness import children
+    from meshrun.launch.signals import catches
 
     program = "import signal, time\nsignal.signal(signal.SIGUSR1, lambda *a: None)\nprint('ready', flush=True)\n" \
               "time.sleep(30)"

@@ -22,7 +22,7 @@ def dry_run_text(cmd: Command, as_json: bool, extra: Mapping[str, Any] | None = 
                  lines: Sequence[str] = ()) -> str:
     """The processes of ``cmd`` as shell lines (``lines`` first, as comments), or one JSON
     object that also holds ``extra``'s keys."""
-    from .run import resolve_program
+    from .spawn import resolve_program
 
     def exact(argv: tuple[str, ...]) -> list[str]:
         # Show the program meshrun would really start; fall back to its name if missing.

@@ -1,5 +1,5 @@
-"""Execute a Command: write its files, start its processes, forward signals, and return
-the job's exit code.
+"""Execute a Command: write its files, start its processes, forward signals (signals.py),
+relay their stderr (relay.py), and supervise them to the job's exit code.
 
 Each child starts in its own session so that signals reach it exactly once, through
 meshrun: a Ctrl-C or a scheduler's SIGTERM is forwarded to the child's whole process group,
@@ -13,22 +13,6 @@ workers, in sessions of their own) when meshrun dies by any signal, SIGKILL incl
 whatever is left when meshrun ends a job (the workers of a torchrun that died) is killed
 before meshrun returns or restarts it.
 
-SIGUSR1 and SIGUSR2 mean "checkpoint, or prepare to stop" (Slurm's ``--signal`` before the
-time limit), not "stop": they start no grace period. A launcher (torchrun, Accelerate,
-DeepSpeed) has no handler for them and would die of them, leaving its workers behind; a
-scheduler may signal every process of a job directly (Slurm's proctrack/linuxproc), a
-launcher included. So launchers start with both ignored; the workers inherit that until they
-install a handler of their own (a worker still starting does not die of one), and meshrun
-sends each to the launcher's children once they handle it, as below.
-
-`meshrun train` names its preemption signals (SIGTERM, SIGUSR1) ``to_workers``: those go to
-the training processes themselves, not to torchrun. torchrun starts each worker in a session
-of its own, so a signal to torchrun's group never reaches them; torchrun would die of SIGUSR1
-(its default action, leaving the workers behind) and answers SIGTERM by killing its workers
-30 s later, while a snapshot may take longer. So meshrun signals torchrun's children, each
-one alone: the worker stops after a step, writes its snapshot and exits, and torchrun sees it
-exit.
-
 Every wait on ranks is bounded (``Waits``, liveness.py): a rank of this node stopped (state T)
 for the collective timeout, or ranks still running the finish timeout after another finished,
 end the job with one line naming them; a stopping signal ends the job at once while a rank is
@@ -39,7 +23,6 @@ from __future__ import annotations
 
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -48,150 +31,21 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..errors import RANK_STOPPED, JobFailed, MeshrunError
+from ..errors import RANK_STOPPED, JobFailed
 from . import early, guard
 from .command import Command
-from .liveness import RankWatch, children
+from .liveness import RankWatch
 from .rdzvwatch import StderrFilter
+from .relay import relay_stderr
+from .signals import FORWARDED, STOPPING, WORKER_SIGNALS, WorkerSignals, signal_group
+from .spawn import is_launcher, resolved_argv
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # signals that end a job (the others warn it)
 INTERRUPT_GRACE_S = 10.0  # after Ctrl-C: how long the workers have to exit before they are killed
-WORKER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # ignored by launchers, sent to their workers
-INSTALL_HINT = {
-    "torchrun": "pip install torch",
-    "accelerate": "pip install 'meshrun[accelerate]'",
-    "deepspeed": "pip install 'meshrun[deepspeed]'",
-}
-
-
-def resolve_program(prog: str) -> str:
-    """Find a launcher next to this interpreter first (an un-activated venv), then on PATH."""
-    if prog == "python":
-        return sys.executable
-    beside = os.path.join(os.path.dirname(sys.executable), prog)
-    if os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which(prog)
-    if found is None:
-        raise MeshrunError(f"program {prog!r} not found beside {sys.executable} or on PATH "
-                           f"(hint: {INSTALL_HINT.get(prog, 'install it')})")
-    return found
-
-
-def resolved_argv(argv: tuple[str, ...]) -> list[str]:
-    return [resolve_program(argv[0]), *argv[1:]]
 
 
 def exit_code(returncode: int) -> int:
     """A child killed by signal N exits like a shell reports it: 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-LAUNCHERS = ("torchrun", "accelerate", "deepspeed")  # programs whose children are the workers
-
-
-def is_launcher(argv: list[str]) -> bool:
-    return os.path.basename(argv[0]) in LAUNCHERS
-
-
-def catches(pid: int, sig: int) -> bool:
-    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask in /proc)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except (OSError, ValueError):
-        pass
-    return False
-
-
-class WorkerSignals:
-    """Signals for the training processes alone: a launcher's children, or the process itself
-    when it is no launcher. Each worker gets each signal once, as soon as it has its handler:
-    torchrun's workers may not exist yet when the signal comes, and a worker still starting
-    would die of it. ``deliver()`` runs again at every tick of the supervision loop until the
-    job ends. A signal noted ``launchers_only`` goes to launchers' children alone (the caller
-    signals the process groups). Without /proc (not Linux) the signal goes to each process
-    group at once."""
-
-    def __init__(self, procs: list[subprocess.Popen[bytes]], argvs: list[list[str]]) -> None:
-        self.procs, self.argvs = procs, argvs
-        self.signals: list[tuple[int, bool]] = []  # (signal, launchers' children only)
-        self.sent: set[tuple[int, int]] = set()  # (pid, signal)
-
-    def note(self, sig: int, launchers_only: bool = False) -> None:
-        if not os.path.isdir("/proc"):
-            if not launchers_only:
-                for p in self.procs:
-                    _signal_group(p, sig)
-            return
-        if (sig, launchers_only) not in self.signals:
-            self.signals.append((sig, launchers_only))
-        self.deliver()
-
-    def deliver(self) -> None:
-        for p, argv in zip(self.procs, self.argvs):
-            if p.poll() is not None:
-                continue
-            launcher = is_launcher(argv)
-            pids = children(p.pid) if launcher else [p.pid]
-            for pid in pids:
-                for sig, launchers_only in self.signals:
-                    if launchers_only and not launcher:
-                        continue
-                    if (pid, sig) not in self.sent and catches(pid, sig):
-                        self.sent.add((pid, sig))
-                        try:
-                            os.kill(pid, sig)
-                        except (ProcessLookupError, PermissionError):
-                            pass
-
-
-def _relay_stderr(proc: subprocess.Popen[bytes], mute: Callable[[], bool] | None,
-                  watch: StderrFilter | None) -> threading.Thread:
-    """Copy a child's stderr to ours line by line, dropping lines once ``mute()`` holds, and
-    through ``watch`` (a RendezvousWatch) when given. select() with a timeout lets held
-    lines out even when the child goes quiet."""
-
-    def write(lines: list[bytes]) -> None:
-        for line in lines:
-            if mute is None or not mute():
-                sys.stderr.buffer.write(line)
-        sys.stderr.buffer.flush()
-
-    def pump() -> None:
-        if proc.stderr is None:  # not piped: nothing to relay
-            return
-        fd, buf = proc.stderr.fileno(), b""
-        while True:
-            ready, _, _ = select.select([fd], [], [], 0.5)
-            if watch is not None:
-                write(watch.stale())
-            if not ready:
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                line += b"\n"
-                write(watch.feed(line) if watch is not None else [line])
-        tail = [buf] if buf else []
-        write((watch.feed(buf) if watch is not None and buf else tail) + (watch.close() if watch is not None else []))
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    return thread
 
 
 @dataclass(frozen=True)
@@ -284,7 +138,7 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
         elif not stopping_since:
             stopping_since.append(time.monotonic())
         for p in procs:
-            _signal_group(p, signum)
+            signal_group(p, signum)
 
     token = guard.new_token()
     watchdog = guard.start_watchdog(token)  # before any process of the job exists
@@ -295,7 +149,7 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
             preexec = guard.child_preexec(WORKER_SIGNALS if is_launcher(argv) or p.rank is not None else ())
             procs.append(subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=preexec,
                                           stderr=subprocess.PIPE if (mute_stderr or watch) else None))
-        relays = [_relay_stderr(p, mute_stderr, watch) for p in procs] if (mute_stderr or watch) else []
+        relays = [relay_stderr(p, mute_stderr, watch) for p in procs] if (mute_stderr or watch) else []
         for sig in early.take():  # came while meshrun was starting: passed on now
             forward(sig, None)
         ranked = bool(cmd.processes) and all(p.rank is not None for p in cmd.processes)
@@ -318,7 +172,7 @@ def _end_job(procs: list[subprocess.Popen[bytes]], token: str, watchdog: guard.W
     snapshots next to a restarted job's); then let the watchdog go and the relays drain."""
     for p in procs:
         if p.poll() is None:
-            _signal_group(p, signal.SIGKILL)
+            signal_group(p, signal.SIGKILL)
             p.wait()
     left = guard.stop_job(token, settle_s=1.0)
     if left and not quiet:
@@ -404,7 +258,7 @@ def _ends_now(signum: int, ranks: RankWatch, waits: Waits, ending: _Ending) -> b
 def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         if p.poll() is None:
-            _signal_group(p, signal.SIGKILL)
+            signal_group(p, signal.SIGKILL)
             p.wait()
 
 
@@ -467,7 +321,7 @@ def _supervise_loop(procs: list[subprocess.Popen[bytes]], stopping_since: list[f
                 stopping_since.append(time.monotonic())
                 for p in procs:
                     if p.poll() is None:
-                        _signal_group(p, signal.SIGTERM)
+                        signal_group(p, signal.SIGTERM)
         if all(c is not None for c in codes):
             if first_failure is not None:
                 return first_failure
@@ -475,5 +329,5 @@ def _supervise_loop(procs: list[subprocess.Popen[bytes]], stopping_since: list[f
         if stopping_since and time.monotonic() - stopping_since[0] > grace_s:
             for p in procs:
                 if p.poll() is None:
-                    _signal_group(p, signal.SIGKILL)
+                    signal_group(p, signal.SIGKILL)
         waiter.wait(TICK_S if (workers.signals or stopping_since) else IDLE_S)

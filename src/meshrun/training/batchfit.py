@@ -33,31 +33,22 @@ import torch.distributed as dist
 from ..config import TrainConfig
 from ..errors import MeshrunError
 from ..units import fmt_bytes
+from . import run
 from .loader import BatchStream, LoaderSpec, make_loader
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
-    from .parallel.auto import Choice
-    from .parallel.layouts import Batch, Layout
-    from .runtime import Runtime
-    from .state import TrainState
+    from .parallel.layouts import Batch
 
 
-class Run(Protocol):
-    """What the batch fit reads of the run it fits (the Trainer, trainer.py)."""
+class Run(run.Run, Protocol):
+    """What the batch fit reads of the run it fits (the Trainer, trainer.py) besides what every
+    helper reads (run.py)."""
 
-    rt: Runtime
-    cfg: TrainConfig
-    choice: Choice
-    layout: Layout
-    state: TrainState
     micro_is_ours: bool  # the micro-batch is meshrun's to change (the user left it open)
     train_data: Dataset
     loader_spec: LoaderSpec
-
-    @property
-    def dp_size(self) -> int: ...
 
     @property
     def strategy(self) -> str: ...

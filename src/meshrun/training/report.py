@@ -5,37 +5,24 @@ each log line's metrics, and the run's config as a tracker's parameters. Where t
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from . import run
 from .metrics import mfu, peak_flops
 
-if TYPE_CHECKING:
-    from ..config import TrainConfig
-    from .parallel.auto import Choice
-    from .parallel.layouts import Layout
-    from .runtime import Runtime
-    from .state import TrainState
 
+class Run(run.Run, Protocol):
+    """What the report reads of the run (the Trainer, trainer.py) besides what every helper
+    reads (run.py)."""
 
-class Run(Protocol):
-    """What the report reads of the run (the Trainer, trainer.py)."""
-
-    rt: Runtime
-    cfg: TrainConfig
-    choice: Choice
-    layout: Layout
-    state: TrainState
     scheduler: Any
     n_params: int
     flops_per_token: float | None
     bf16: bool
     data_s: float  # host seconds spent reading batches since the last log line
-
-    @property
-    def dp_size(self) -> int: ...
 
 
 def describe(trainer: Run) -> str:

@@ -13,7 +13,8 @@ import torch
 
 from ...errors import MeshrunError
 from ...fsio import write_dir, write_file_with
-from .load import check, load_shards, verify_unread
+from .integrity import check, verify_unread
+from .reader import load_shards
 
 NONEMPTY_HINT = "give a new or empty directory, or --overwrite to move its files aside first"
 

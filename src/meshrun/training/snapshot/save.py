@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ...errors import MeshrunError
 from ..models.hooks import CheckpointingEngine
+from .integrity import METADATA, STATE, missing_files, unpickle_metadata
 from .layout import (
     DS_DIR,
     FORMAT,
@@ -35,7 +36,6 @@ from .layout import (
     snapshot_name,
     write_json,
 )
-from .load import METADATA, STATE, missing_files, unpickle_metadata
 from .parts import float8_unwrapped, shards_as_dtensors
 from .rng import rng_state
 from .staging import Stager
