@@ -205,6 +205,18 @@ CASES = [
     (["export", "snap", "--to", "{fix}", "--format", "safetensors"], {}, "--to="),
     (["export", "snap", "--to", "{fix}/afile/model.safetensors"], {}, "afile/model.safetensors"),
     (["export", "snap", "--to", "{fix}/afile"], {}, "afile"),
+    # paths as text: the same rule for every path a command names
+    (["export", "snap ", "--to", "out"], {}, "SNAPSHOT='snap ': starts or ends with a space"),
+    (["export", "snap", "--to", "out\n"], {}, "--to='out\\n': contains the control character"),
+    (["train", "--dry-run", "--config", " run.yaml"], {}, "--config=' run.yaml': starts or ends with a space"),
+    (["data", "prepare", "{fix}", "--tokenizer", "gpt2", "--out", "a\x7fb"], {}, "control character"),
+    (["plan", "--model", "gpt-124m", "--write", "w\tx"], {}, "--write='w\\tx': contains the control character"),
+    # bounds the runtime sets, checked before any process starts
+    (["train", "--dry-run", "--nproc", "5000"], {}, "--nproc=5000: more than 4 processes per core"),
+    (["train", "--dry-run", "--nproc", "2"], {"MESHRUN_SAVE_THREADS": "abc"}, "env MESHRUN_SAVE_THREADS='abc'"),
+    (["train", "--dry-run", "--nproc", "2"], {"MESHRUN_SAVE_THREADS": "0"}, "must be between 1 and 64"),
+    (["train", "--dry-run", "--steps", str(2**63)], {}, "must be at most 9223372036854775807 (a 64-bit integer)"),
+    (["train", "--dry-run", "--collective-timeout", str(10**15)], {}, "must be between 1 and 604800"),
 ]
 
 # The ones that ended in a traceback: also run as the real CLI, in a subprocess.

@@ -28,6 +28,8 @@ HOW_IT_RUNS = ("dry_run", "json")
 FIELDS: dict[str, tuple[type, Field]] = {f.name: (cls, f) for cls in SHOWN for f in option_fields(cls)
                                          if f.name not in HOW_IT_RUNS}
 PROBES = {"platform": ["local", "generic", "bogus"], "nnodes": ["1", "2", "0", "x", "1:2"]}
+# a path with a space at an end or a control character: refused from every source
+BAD_PATHS = [" lead", "trail ", "a\tb"]
 
 
 def probes(name: str) -> list[str]:
@@ -39,7 +41,7 @@ def probes(name: str) -> list[str]:
     if s.choices:
         return [s.choices[0], s.choices[-1], "bogus"]
     return {"int": ["-1", "0", "2", "abc", "1.5"], "float": ["-1", "0", "0.5", "nan", "abc"],
-            "bool": ["yes", "off", "maybe"]}.get(k, ["2", "nowhere-xyz"])
+            "bool": ["yes", "off", "maybe"]}.get(k, ["2", "nowhere-xyz", *(BAD_PATHS if s.path else [])])
 
 
 def _answer(code: int, out: str, err: str, name: str) -> tuple[str, object]:
@@ -86,7 +88,8 @@ def test_every_source_of_an_option_gets_the_same_answer(name, tmp_path, monkeypa
     bare = kind(f) == "bool" and f.default is False  # a bare flag: --deterministic
     for text in probes(name):
         config = tmp_path / "run.yaml"
-        config.write_text(f"{name}: {text}\n")  # as a user writes it
+        # as a user writes it (quoted where YAML would strip the spaces or read the tab)
+        config.write_text(f"{name}: {json.dumps(text) if text in BAD_PATHS else text}\n")
         # what the config file holds, and what a keyword passes: text for a text option
         native = text if kind(f) == "str" else yaml.load(text, Loader=_unique_key_loader(yaml))
         answers = {"keyword": _api(native, env, capsys, name)}
@@ -112,3 +115,98 @@ def test_an_option_for_flags_and_keywords_alone_is_no_variable_and_no_key(name, 
     config.write_text(yaml.safe_dump({name: True}))
     assert main(["train", "--config", str(config), "--dry-run"], env=env) == 2
     assert f"'{name}': is an option for the command line alone" in capsys.readouterr().err
+
+
+# Values a config file (YAML) or a keyword gives that are not text: each source gets the
+# same answer; (option, the file's YAML, the keyword's value, the answer).
+NATIVE = [
+    ("out", "null", None, ("accepted", None)),  # null: the default, as if not there
+    ("micro_batch", "null", None, ("accepted", None)),
+    ("out", "[runs, a]", ["runs", "a"], ("refused", "--out: expected a path, not list (hint: give the path as "
+                                          "text; quote it in YAML or TOML)")),
+    ("tokenizer", "1.5", 1.5, ("refused", "--tokenizer: expected a path, not float (hint: give the path as text; "
+                               "quote it in YAML or TOML)")),
+    ("text_field", "[a, b]", ["a", "b"], ("refused", "--text-field: expected text, not list (hint: quote it in "
+                                          "YAML or TOML)")),
+    ("text_field", "yes", True, ("refused", "--text-field: expected text, not bool (hint: quote it in YAML or "
+                                 "TOML)")),
+    ("log_with", "[none]", ["none"], ("accepted", "none")),  # a comma list takes a list
+    ("compile", "on", True, ("accepted", "on")),  # YAML reads on as true: an on/off option takes it
+    ("compile", "off", False, ("accepted", "off")),
+    ("seed", "true", True, ("refused", "--seed: expected int (hint: a whole number)")),
+    ("steps", "[1]", [1], ("refused", "--steps: expected int (hint: a whole number)")),
+    ("lr", "[0.1]", [0.1], ("refused", "--lr: expected float (hint: a number)")),
+    ("hosts", "[h0, h1]", ["h0", "h1"], ("accepted", ["h0", "h1"])),
+]
+
+
+@pytest.mark.parametrize("name,text,native,expected", NATIVE, ids=[f"{n}={t}" for n, t, _, _ in NATIVE])
+def test_a_value_that_is_not_text_gets_the_same_answer_from_a_file_and_a_keyword(name, text, native, expected,
+                                                                                 tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_")}
+    config = tmp_path / "run.yaml"
+    config.write_text(f"{name}: {text}\n")
+    extra = {"nnodes": "2", "node_rank": "0", "master_addr": "h0"} if name == "hosts" else {}
+    given = {**extra, name: native} if native is not None else extra
+    keyword = _api_with(given, env, capsys, name)
+    from_file = _cli(["--config", str(config), *[a for k, v in extra.items() for a in (flag(k), v)]], env, capsys, name)
+    assert keyword == from_file == expected
+
+
+def _api_with(given: dict, env: dict[str, str], capsys: pytest.CaptureFixture[str], name: str) -> tuple[str, object]:
+    base = {k: v for k, v in BASE.items() if k != name}
+    try:
+        meshrun.train(env=env, dry_run=True, json=True, **{**base, **given})
+    except meshrun.MeshrunError as exc:
+        capsys.readouterr()
+        return "refused", _without_source(str(exc))
+    return _answer(0, capsys.readouterr().out, "", name)
+
+
+def test_a_path_object_or_bytes_from_python_is_the_path(tmp_path, monkeypatch, capsys):
+    """``meshrun.train(out=Path(...))`` or bytes (a name as the file system spells it) is the
+    same run as the text; the dry run shows the same path."""
+    import pathlib
+
+    monkeypatch.chdir(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_")}
+    answers = {_api_with({"out": v}, env, capsys, "out") for v in ("runs/a", pathlib.Path("runs/a"), b"runs/a")}
+    assert len(answers) == 1 and next(iter(answers))[0] == "accepted", answers
+
+
+def test_the_api_reads_meshrun_config_as_the_cli_does(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.yaml"
+    config.write_text("steps: 7\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_")}, "MESHRUN_CONFIG": str(config)}
+    given = {k: v for k, v in BASE.items() if k != "steps"}
+    meshrun.train(env=env, dry_run=True, json=True, **given)
+    from_api = json.loads(json.loads(capsys.readouterr().out)["env"]["MESHRUN_TRAIN_CONFIG"])
+    assert main(["train", *[a for k, v in given.items() for a in (flag(k), v)], "--dry-run", "--json"], env=env) == 0
+    from_cli = json.loads(json.loads(capsys.readouterr().out)["env"]["MESHRUN_TRAIN_CONFIG"])
+    assert from_api["steps"] == from_cli["steps"] == 7
+    assert from_api["sources"]["steps"] == from_cli["sources"]["steps"] == f"config {config}"
+
+
+def test_the_api_from_a_thread_is_refused_in_one_line_before_anything_starts(tmp_path, monkeypatch):
+    """A job relays Ctrl-C and preemption signals to its ranks, which Python allows from the
+    main thread only: from another thread the call is refused before it reads or starts anything."""
+    import threading
+
+    monkeypatch.chdir(tmp_path)
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            meshrun.train(out=str(tmp_path / "run"), **{k: v for k, v in BASE.items()})
+        except BaseException as exc:  # (what the thread would otherwise print and drop)
+            raised.append(exc)
+
+    worker = threading.Thread(target=call, name="trainer")
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], meshrun.MeshrunError), raised
+    assert str(raised[0]).startswith("meshrun.train() was called from thread 'trainer': a job relays signals")
+    assert os.listdir(tmp_path) == []

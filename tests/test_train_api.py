@@ -22,11 +22,19 @@ def test_a_script_trains_with_meshrun_train_and_gets_what_the_cli_run_leaves(tmp
     script = tmp_path / "job.py"
     script.write_text("import json, meshrun\n"
                       f"r = meshrun.train(**{OPTIONS!r}, out={api_out!r})\n"
-                      "print('RESULT', json.dumps({'code': r.code, 'metrics': r.metrics, 'snapshot': r.snapshot}))\n")
-    res = subprocess.run([sys.executable, str(script)], env=clean_env(), capture_output=True, text=True, timeout=300)
+                      # the same call again: the run is done, and its result is the same
+                      f"again = meshrun.train(**{OPTIONS!r}, out={api_out!r})\n"
+                      "print('RESULT', json.dumps({'code': r.code, 'metrics': r.metrics, 'snapshot': r.snapshot,\n"
+                      "                            'again': [again.code, again.metrics, again.snapshot]}))\n")
+    # a misspelt variable is warned about as `meshrun train` warns about it
+    res = subprocess.run([sys.executable, str(script)], env=clean_env(MESHRUN_STEPPS="3"), capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert ("meshrun: warning: MESHRUN_STEPPS is not a variable of meshrun train; ignored (did you mean "
+            "MESHRUN_STEPS?)") in res.stderr.splitlines()
     result = json.loads(res.stdout.split("RESULT ", 1)[1])
     assert result["code"] == 0 and result["metrics"]["step"] == 2
+    assert result["again"] == [0, result["metrics"], result["snapshot"]]
     assert result["snapshot"] == os.path.join(api_out, "checkpoints", "step-00000002")
     assert os.path.isfile(os.path.join(result["snapshot"], "COMMITTED.json"))
     cli = meshrun("train", *FLAGS, "--out", cli_out, env=clean_env(), timeout=300)

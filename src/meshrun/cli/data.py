@@ -62,7 +62,10 @@ def cmd_prepare(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     from ..data.prepare import SHARD_TOKENS, PrepareSpec, prepare
     from ..data.sources import find_source
     from ..errors import bad_value
+    from ..paths import check_path_text
 
+    check_path_text(ns.input, "input")
+    check_path_text(ns.out, "--out")
     if ns.shard_tokens is not None and ns.shard_tokens < 1:
         raise bad_value("--shard-tokens", ns.shard_tokens, "must be at least 1")
     spec = PrepareSpec(source=find_source(ns.input, ns.text_field, "input"), tokenizer=ns.tokenizer, out=ns.out,

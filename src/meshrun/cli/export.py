@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 
 from ..errors import bad_value, require_packages
+from ..paths import check_path_text
 from .options import add_option
 
 EXPORT_PACKAGES = ("torch", "numpy", "safetensors")
@@ -36,6 +37,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_export(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
+    check_path_text(ns.snapshot, "SNAPSHOT")
+    check_path_text(ns.to, "--to")
     require_packages("export", EXPORT_PACKAGES, "torch")
     from ..training import snapshot
 

@@ -5,7 +5,6 @@ parsers for numeric option values."""
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -13,11 +12,21 @@ from typing import Any
 
 from ..cluster.detect import resolve
 from ..cluster.net import free_port
-from ..cluster.options import INTERNAL_VARIABLES, TopologyOptions, parse_int, user_topology
+from ..cluster.options import TopologyOptions, parse_int, user_topology
 from ..cluster.topology import Topology
 from ..errors import MeshrunError, bad_value
 from ..launch.options import WaitOptions
-from ..options import ENV_PREFIX, anywhere, argparse_keywords, check_all, env_var, flag, option_fields, read
+from ..options import (
+    ENV_PREFIX,
+    anywhere,
+    argparse_keywords,
+    check_all,
+    env_var,
+    flag,
+    option_fields,
+    read,
+    unknown_variables,
+)
 from ..vocab import yes_no
 
 
@@ -141,29 +150,11 @@ def option_variables(parser: argparse.ArgumentParser) -> set[str]:
     return names
 
 
-def nearest_variable(var: str, known: set[str]) -> str | None:
-    """The known variable ``var`` most likely meant: one it abbreviates (MESHRUN_NPROC for
-    MESHRUN_NPROC_PER_NODE), else the closest spelling of the name after the prefix (the
-    shared prefix would make every short name look close)."""
-    name = var[len(ENV_PREFIX):]
-    by_name = {k[len(ENV_PREFIX):]: k for k in known}
-    longer = sorted(n for n in by_name if n.startswith(name + "_"))
-    if longer:
-        return by_name[min(longer, key=len)]
-    close = difflib.get_close_matches(name, sorted(by_name), n=1)
-    return by_name[close[0]] if close else None
-
-
 def warn_unknown_env(env: Mapping[str, str], parser: argparse.ArgumentParser, command: str) -> None:
     """One warning line per MESHRUN_* variable that no option of ``command`` reads and that is
     not one of meshrun's own: a misspelled variable would otherwise be ignored without a word."""
-    known = option_variables(parser)
-    for var in sorted(env):
-        if not var.startswith(ENV_PREFIX) or var in known or var in INTERNAL_VARIABLES:
-            continue
-        near = nearest_variable(var, known)
-        hint = f"did you mean {near}?" if near else f"see 'meshrun {command} --help' for its options"
-        print(f"meshrun: warning: {var} is not a variable of meshrun {command}; ignored ({hint})", file=sys.stderr)
+    for line in unknown_variables(env, option_variables(parser), command):
+        print(line, file=sys.stderr)
 
 
 def add_topology_options(p: argparse.ArgumentParser) -> None:

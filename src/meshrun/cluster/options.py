@@ -10,19 +10,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import bad_value
-from ..options import ENV_PREFIX, check_all, flag, option, option_fields, read, where
+from ..options import ENV_PREFIX, INTERNAL_VARIABLES, check_all, flag, option, option_fields, read, where
 from .detect import PLATFORMS, Overrides
 
-# MESHRUN_* variables that are not options: set by meshrun for its workers, or read by its
-# internals and tests. A variable of this prefix that is neither one of these nor an option
-# of the command being run is warned about (cli/options.py: warn_unknown_env).
-INTERNAL_VARIABLES = (
-    "MESHRUN_TRAIN_CONFIG", "MESHRUN_RUN_DIR", "MESHRUN_LOG_DIR", "MESHRUN_CACHE",
-    "MESHRUN_SAVE_THREADS",
-    "MESHRUN_BENCH_OUT", "MESHRUN_LOCAL_RANK", "MESHRUN_PROCESS_ID", "MESHRUN_NUM_PROCESSES",
-    "MESHRUN_TEST_STRICT", "MESHRUN_SKYPILOT_PYTHON", "MESHRUN_JOB_TOKEN", "MESHRUN_OUT_RUN_ID",
-    "MESHRUN_PLATFORMS",  # the user's platforms, read by detection itself (userplatforms.py)
-)
 _PLATFORM_HELP = f"skip detection: one of {', '.join(PLATFORMS)}, or a platform of MESHRUN_PLATFORMS"
 
 
@@ -38,7 +28,7 @@ class TopologyOptions:
     master_addr: str | None = option(None, "node 0's address (rendezvous host)", metavar="HOST")
     master_port: int | None = option(None, "rendezvous port (default 29500)", metavar="PORT", minimum=1,
                                      maximum=65535)
-    hosts: str | None = option(None, "every node's address in node-rank order", metavar="H0,H1,..")
+    hosts: str | None = option(None, "every node's address in node-rank order", metavar="H0,H1,..", listed=True)
     run_id: str | None = option(None, "rendezvous id shared by the job's nodes", metavar="ID")
 
 

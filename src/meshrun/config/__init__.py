@@ -20,6 +20,7 @@ from typing import Any
 from ..defaults import seq_len_for
 from ..errors import MeshrunError, bad_value
 from ..options import check_all, flag, option_fields, read
+from ..paths import check_path_text
 from ..vocab import GPT_PRESETS
 from .sections import BUILTIN_DATA, EXAMPLES, STRATEGY_CHOICES, Section, TrainConfig, section_names
 
@@ -61,6 +62,7 @@ def load_file(path: str, others: tuple[str, ...] = (), flags_only: tuple[str, ..
     ``others``: the names of options outside the sections it may hold too, flat (the job's
     and the topology's: ``max_restarts: 2``, ``nproc_per_node: 4``); ``flags_only``: options a
     file may not set (refused with a line that says so)."""
+    check_path_text(path, "--config")
     if not os.path.isfile(path):
         raise bad_value("--config", path, "no such file")
     try:

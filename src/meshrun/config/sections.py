@@ -69,7 +69,7 @@ class ModelOptions:
     model: str | None = option(
         None, "a Hugging Face model directory (save_pretrained's: config.json, *.safetensors) or config.json (any "
         "causal LM transformers knows; local paths only, nothing is downloaded), or your nn.Module factory",
-        metavar="DIR|CONFIG|MODULE:FACTORY")
+        metavar="DIR|CONFIG|MODULE:FACTORY", path=True)
     init: str = option("auto", "a Hugging Face model's weights: auto (default: the directory's *.safetensors when it "
                        "has them, else a random initialisation), pretrained, random", choices=INITS)
     model_size: str = option("gpt-small", f"GPT preset: {', '.join(GPT_PRESETS)} (default {{default}})",
@@ -122,9 +122,10 @@ class DataOptions:
         None, "a corpus: a directory meshrun data prepare wrote, token files (nanoGPT's train.bin/val.bin, or a "
         "folder of .bin), or text (.txt, .jsonl, .parquet, a folder of them, a saved dataset: tokenized once into a "
         "cache); or stdlib (default for gpt), random (tokens), toy, or your Dataset factory (or (train, val))",
-        metavar="PATH|NAME|MODULE:FACTORY")
+        metavar="PATH|NAME|MODULE:FACTORY", path=True)
     tokenizer: str | None = option(None, "text data: a tokenizer directory, tokenizer.json or tiktoken encoding "
-                                   "(default: the Hugging Face model directory's)", metavar="DIR|FILE|NAME")
+                                   "(default: the Hugging Face model directory's)", metavar="DIR|FILE|NAME",
+                                   path=True)
     text_field: str = option("text", "text data: the field of .jsonl, .parquet and saved datasets (default "
                              "{default})", metavar="NAME")
     data_dtype: str = option("uint16", "flat token files: the token type (default {default}, nanoGPT's)",
@@ -257,7 +258,7 @@ class CheckpointOptions:
                              metavar="N", minimum=0)
     keep_last: int = option(3, "committed snapshots kept (default {default}; 0: all)", metavar="K", minimum=0)
     resume: str = option("auto", "auto (default): continue from the newest snapshot in OUT/checkpoints; none; or a "
-                         "snapshot", metavar="auto|none|PATH")
+                         "snapshot", metavar="auto|none|PATH", path=True)
     async_save: bool = option(False, "write snapshots in the background while training continues (one in flight)")
 
     @staticmethod
@@ -270,7 +271,7 @@ class MetricsOptions:
     TITLE: ClassVar[str] = "metrics"
 
     out: str | None = option(None, "write metrics.jsonl, TensorBoard events, loss.png (and snapshots) here",
-                             metavar="DIR")
+                             metavar="DIR", path=True)
     log_every: int = option(10, "steps between log lines (default {default})", metavar="N", minimum=1)
     eval_every: int = option(0, "steps between validations (default {default}: at the end)", metavar="N", minimum=0)
     eval_batches: int = option(8, "validation micro-batches per rank (default {default})", metavar="N", minimum=1)
@@ -278,7 +279,7 @@ class MetricsOptions:
                            "comma list of tensorboard (in OUT), wandb, mlflow; all (those installed); none (default "
                            "{default}, where installed). W&B and MLflow read their own WANDB_* and MLFLOW_* "
                            "variables; a resume continues the same tracker run (its id is kept in OUT)",
-                           metavar="LIST")
+                           metavar="LIST", listed=True)
 
     @staticmethod
     def check(cfg: TrainConfig) -> TrainConfig:
@@ -304,7 +305,8 @@ class RuntimeOptions:
     # auto: compiled on GPUs (defaults.compile_enabled); True/False and yes/no words are taken too
     compile: str = option("auto", "torch.compile (per block under FSDP2): auto (default: on GPUs, but not with "
                           "Liger's kernels), on (a Hugging Face model then gets torch.compile's kernels, not "
-                          "Liger's), off; --compile alone: on", metavar="auto|on|off", nargs="?", const="on")
+                          "Liger's), off; --compile alone: on", metavar="auto|on|off", nargs="?", const="on",
+                          on_off=True)
     # Inductor's coordinate-descent tuning of its kernels (implies compile on): a slightly faster
     # step for minutes more compiling (parallel/apply.py: compile_options;
     # docs/decisions.md#rejected-coordinate-descent-tuning)
@@ -314,7 +316,7 @@ class RuntimeOptions:
     deterministic: bool = option(False, "deterministic kernels: reruns and resumes reproduce the loss bit for bit")
     collective_timeout: int = option(300, "seconds a collective waits for a rank that does not answer (stopped, "
                                      "hung); then the job ends in one line naming that rank, its last snapshot "
-                                     "kept (default {default})", metavar="S", minimum=1)
+                                     "kept (default {default})", metavar="S", minimum=1, maximum=604800)
     # torch's generators take 64-bit seeds; the data order seeds each epoch with seed + epoch
     seed: int = option(0, "seed for weights and data order (default {default})", metavar="S", minimum=0,
                        maximum=2**63 - 1)

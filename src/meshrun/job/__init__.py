@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any
 from ..cluster.gpus import count_visible_gpus
 from ..cluster.topology import Topology
 from ..config import TrainConfig, trackers
+from ..config.variables import save_threads
 from ..errors import JobFailed, MeshrunError, bad_value, require_packages
 from ..launch import direct
 from ..launch.build import build
@@ -200,7 +202,28 @@ def check(cfg: TrainConfig, topo: Topology, job: JobOptions, gpus: int | None = 
                            "no --out (hint: add --out DIR, or drop --overwrite)")
     if cfg.collective_timeout < 1:
         raise bad_value(cfg.source("collective_timeout"), cfg.collective_timeout, "must be >= 1 second")
+    if topo.local_rank is None:  # (a platform that started this process as one rank chose the count itself)
+        processes_fit(topo, gpus, count_visible_cpus())
     prelaunch.check_layout(cfg, topo, gpus)  # what the ranks would refuse of this config, refused now
+
+
+# Ranks per core on the CPU: each is a Python interpreter with torch (about 300 MB) and its own
+# threads; four per core still trains (the suite runs 4 gloo ranks on 2 cores), far past that a
+# node runs out of memory or processes before the first step.
+CPU_RANKS_PER_CORE = 4
+
+
+def processes_fit(topo: Topology, gpus: int | None, cpus: int) -> None:
+    """This node's processes against what it has: a GPU each where there are GPUs (two ranks
+    on one GPU: NCCL refuses them), at most CPU_RANKS_PER_CORE per core on the CPU."""
+    n, given = topo.nproc_per_node, topo.sources.get("nproc_per_node", "default")
+    name = "--nproc" if given.startswith(("flag", "default")) else f"--nproc (from {given})"
+    if gpus and n > gpus:
+        raise bad_value(name, n, f"more processes than this node's {gpus} GPU(s): each rank takes one GPU",
+                        f"--nproc {gpus} or fewer")
+    if gpus == 0 and n > CPU_RANKS_PER_CORE * cpus:
+        raise bad_value(name, n, f"more than {CPU_RANKS_PER_CORE} processes per core on the CPU ({cpus} core(s) "
+                        f"here: at most {CPU_RANKS_PER_CORE * cpus})", f"--nproc {cpus}")
 
 
 def gpu_bytes(job: JobOptions) -> int | None:
@@ -218,6 +241,7 @@ def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str
                             "read their own", "add --dry-run, or drop it")
         gpus = topo.nproc_per_node  # (a GPU per process, as the dry run decides for)
     check(cfg, topo, job, gpus)
+    save_threads(env)  # a variable the ranks read at their first snapshot: checked now
     if topo.node_rank == 0 and not job.dry_run:  # (rank 0 logs: its node checks the trackers' servers)
         trackers.preflight(trackers.parse(cfg.log_with, cfg.source("log_with")), env)
     # Node rank 0 owns OUT for the run's whole life, restarts included (on shared storage
@@ -244,7 +268,7 @@ def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str
                 print(f"meshrun train: {lock.out} is already at step {prepared.done}"
                       + (f" of {cfg.steps}" if prepared.done == cfg.steps else f", past --steps {cfg.steps}")
                       + "; nothing to do (hint: pass a larger --steps to train on)", flush=True)
-                return TrainResult(0, {}, _newest_snapshot(cfg.out), cfg.out)
+                return TrainResult(0, last_metrics(lock.out), _newest_snapshot(cfg.out), cfg.out)
             lock.hold_snapshots()
             cfg, run_id = cfg.replace(resume=prepared.resume), prepared.run_id
         elif job.overwrite:  # the other nodes start afresh, as node 0 does
@@ -317,6 +341,31 @@ def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Top
 
     return run_with_restarts(command, env, job.max_restarts, job.rdzv_timeout, run_dir, SIGNALS, waits=waits,
                              last_snapshot=lambda: _last_snapshot(cfg.out))
+
+
+LAST_RECORD_BYTES = 1 << 20  # a log record is a line of a few hundred bytes: the file's end is read, not all of it
+
+
+def last_metrics(out: str) -> dict[str, Any]:
+    """The last record of OUT/metrics.jsonl (a finished run's last metrics), {} without one.
+    Only the file's last LAST_RECORD_BYTES are read: a long run's file is not loaded whole."""
+    path = os.path.join(out, "metrics.jsonl")
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return {}
+            f.seek(max(0, os.fstat(f.fileno()).st_size - LAST_RECORD_BYTES))
+            tail = f.read(LAST_RECORD_BYTES)
+    except OSError:
+        return {}
+    for line in reversed(tail.splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut at the window's start, or one a crash left half-written
+            continue
+        if isinstance(record, dict):
+            return record
+    return {}
 
 
 def _newest_snapshot(out: str | None) -> str | None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import difflib
 import os
 import signal
+import sys
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,11 +26,13 @@ from ..cluster.gpus import count_visible_gpus
 from ..cluster.net import free_port
 from ..cluster.options import TOPOLOGY_OPTIONS, TopologyOptions, UserTopology, user_topology
 from ..config import TrainConfig, config_from, load_file, option_names
+from ..config.sections import SECTIONS
 from ..errors import PREEMPTED, MeshrunError, bad_value
-from ..options import anywhere
+from ..options import anywhere, env_var, unknown_variables
 from . import JOB_OPTIONS, JobOptions, TrainResult, job_options, run
 
 SOURCE = "meshrun.train"  # how a value given here is named in an error
+CONFIG_VAR = "MESHRUN_CONFIG"  # --config's variable
 ALIASES = {"nproc": "nproc_per_node"}
 
 
@@ -45,11 +49,26 @@ def job_from(file: str | None, env: Mapping[str, str], given: Mapping[str, Any],
     return cfg, job, user_topology(given, env, given_source, file_values, file, fixed_nodes="meshrun train")
 
 
+def variables() -> set[str]:
+    """The MESHRUN_<NAME> variables a `meshrun train` job reads, the CLI's and this API's alike."""
+    names = (*anywhere(JobOptions), *anywhere(TopologyOptions), *(n for s in SECTIONS for n in anywhere(s)))
+    return {env_var(name) for name in names} | {CONFIG_VAR}
+
+
 def train(config: str | None = None, env: Mapping[str, str] | None = None, **options: Any) -> TrainResult:
     """Run a training job on this node and return its TrainResult (exit code, rank 0's last
     metrics, the newest snapshot). ``env``: the environment to read the platform from and to
     start the ranks with (default: this process's)."""
+    if threading.current_thread() is not threading.main_thread():
+        # the job relays Ctrl-C and preemption signals to its ranks: Python sets handlers in the main thread only
+        raise MeshrunError(f"{SOURCE}() was called from thread {threading.current_thread().name!r}: a job relays "
+                           "signals to its ranks, which Python allows from the main thread only (hint: call it "
+                           "from the main thread, e.g. in a subprocess: multiprocessing, or `meshrun train`)")
     env = dict(os.environ if env is None else env)
+    if config is None:  # as `meshrun train` reads it
+        config = env.get(CONFIG_VAR, "").strip() or None
+    for line in unknown_variables(env, variables(), "train"):
+        print(line, file=sys.stderr)
     known = (*option_names(), *TOPOLOGY_OPTIONS, *JOB_OPTIONS)
     values: dict[str, Any] = {}
     for name, value in options.items():

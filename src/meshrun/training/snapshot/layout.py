@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...config.outdir import check_name
+from ...config.variables import save_threads
 from ...errors import MeshrunError
 
 FORMAT = 1
@@ -127,9 +128,11 @@ def listing(path: str) -> list[str]:
 
 def io_threads() -> int:
     """Writer and hasher threads per rank: DCP writes one file per thread, and hashlib and
-    file I/O release the GIL, so a rank uses several cores. MESHRUN_SAVE_THREADS overrides."""
-    if os.environ.get("MESHRUN_SAVE_THREADS"):
-        return max(1, int(os.environ["MESHRUN_SAVE_THREADS"]))
+    file I/O release the GIL, so a rank uses several cores. MESHRUN_SAVE_THREADS overrides (the
+    job checked it before the ranks started)."""
+    given = save_threads(os.environ)
+    if given is not None:
+        return given
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, min(8, (os.cpu_count() or 1) // local))
 
