@@ -263,6 +263,13 @@ BAD = [
     (["render", "slurm", "--sbatch-arg", "--output=x.log", "--", "x.py"],
      "--sbatch-arg='--output=x.log': sets an option the script renders itself (hint: leave it to meshrun"),
     (["render", "slurm", "--sbatch-arg", "--wrap=a b", "--", "x.py"], "--sbatch-arg='--wrap=a b': is not one sbatch"),
+    # sbatch takes any unique prefix of a long option: an abbreviation sets the rendered option too
+    (["render", "slurm", "--sbatch-arg", "--gpus-per-n=1", "--", "x.py"],
+     "--sbatch-arg='--gpus-per-n=1': abbreviates --gpus-per-node, which the script renders itself (sbatch takes "
+     "any unique prefix of an option) (hint: use meshrun render's --gpus-per-node instead)"),
+    (["render", "slurm", "--sbatch-arg", "--ntasks-per-n=8", "--", "x.py"], "abbreviates --ntasks-per-node"),
+    (["render", "slurm", "--sbatch-arg", "--job-nam=x", "--", "x.py"], "abbreviates --job-name"),
+    (["render", "slurm", "--sbatch-arg", "--parti=x", "--", "x.py"], "abbreviates --partition"),
     (["render", "slurm", "--sbatch-arg", "exclusive", "--", "x.py"], "--sbatch-arg='exclusive': is not one sbatch"),
     (["render", "slurm", "--mem", "5GB", "--", "x.py"], "--mem='5GB': is not a Slurm memory size"),
     (["render", "slurm", "--account", "a b", "--", "x.py"], "--account='a b': is not an account (Slurm) or"),

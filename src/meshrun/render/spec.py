@@ -36,6 +36,9 @@ RENDERED_SBATCH = {"--job-name": "--name", "-J": "--name", "--nodes": "--nodes",
                    "--open-mode": "--requeue", "--requeue": "--requeue", "--signal": "--signal-before",
                    "--account": "--account", "-A": "--account", "--qos": "--qos", "-q": "--qos",
                    "--mem": "--mem", "--constraint": "--constraint", "-C": "--constraint"}
+# sbatch options of their own whose names begin a rendered option's (--gpus, --gpus-per-node):
+# getopt_long takes an exact name as that option, not as an abbreviation
+SBATCH_OWN_PREFIXES = frozenset({"--gpus"})
 _LSF_TIME = re.compile(r"([0-9]+:)?[0-9]+")  # bsub -W: [hours:]minutes
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
 _SLURM_TIME = re.compile(r"([0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}|UNLIMITED|INFINITE)")
@@ -189,6 +192,16 @@ def _check_slurm(spec: RenderSpec) -> None:
             raise bad_value("--sbatch-arg", arg, "is not one sbatch option (--name or --name=value, no blanks "
                             "or quotes)", "e.g. --sbatch-arg=--exclusive or --sbatch-arg=--mail-type=END")
         name = arg.split("=", 1)[0] if arg.startswith("--") else arg[:2]
+        abbreviated = sorted(r for r in RENDERED_SBATCH if r.startswith(name) and r != name) \
+            if name.startswith("--") and len(name) > 2 and name not in SBATCH_OWN_PREFIXES else []
+        if abbreviated and name not in RENDERED_SBATCH:
+            # sbatch reads options with getopt_long, which takes any unique prefix of a long option: a
+            # shortened name sets the rendered option all the same, and written after it, wins
+            own = [RENDERED_SBATCH[r] for r in abbreviated if RENDERED_SBATCH[r]]
+            raise bad_value("--sbatch-arg", arg, f"abbreviates {' or '.join(abbreviated)}, which the script renders "
+                            "itself (sbatch takes any unique prefix of an option)",
+                            f"use meshrun render's {own[0]} instead" if own else "leave it to meshrun: its launch "
+                            "depends on it")
         if name in RENDERED_SBATCH:
             own = RENDERED_SBATCH[name]
             raise bad_value("--sbatch-arg", arg, "sets an option the script renders itself",
