@@ -284,3 +284,28 @@ def test_resize_keeps_the_global_batch_or_refuses(tmp_path):
     assert "global batch 4 x 2 x 1 = 8" in res.stdout and f"resumed from {snap} at step 4" in res.stdout
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("name", ["logs/rank-0.log", "metrics.jsonl", "logs", "loss.png"])
+def test_a_link_out_of_out_is_refused_before_anything_starts(name, tmp_path, capsys):
+    """A name the run writes in OUT that links out of OUT (its log appended, its metrics
+    written, elsewhere): refused in one line before any rank starts, the target untouched."""
+    from meshrun.cli import main
+
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    (out / "logs").mkdir(parents=True)
+    target = elsewhere / ("dir" if name == "logs" else "file")
+    target.parent.mkdir()
+    if name == "logs":
+        (out / "logs").rmdir()
+        target.mkdir()
+    else:
+        target.write_text("mine\n")
+    (out / name).symlink_to(target)
+    code = main(["train", *TOY, "--steps", "1", "--out", str(out)], env=clean_env())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"{out / name} is a link to {target}, outside OUT, where the run writes" in err[0]
+    assert (target.read_text() == "mine\n") if name != "logs" else os.listdir(target) == []
+    left = sorted(n for n in os.listdir(out) if n != ".meshrun.lock")  # (the lock file stays, as after any run)
+    assert left == (["logs"] if name == "logs" else sorted({"logs", name.split("/")[0]}))

@@ -114,6 +114,8 @@ def check_kinds(out: str) -> None:
         path = os.path.join(out, name)
         if not os.path.lexists(path):
             continue
+        if name != CHECKPOINTS:  # (snapshots may live on another disk: the lock holds their real path)
+            _inside(out, path)
         try:
             mode = os.stat(path).st_mode
         except OSError as exc:  # a dangling symlink, a loop: nothing could be written through it
@@ -128,9 +130,23 @@ def check_kinds(out: str) -> None:
     logs = os.path.join(out, "logs")
     for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else ():  # each rank's log is appended to
         path = os.path.join(logs, name)
+        if name.endswith(".log"):
+            _inside(out, path)
         if name.endswith(".log") and os.path.exists(path) and not os.path.isfile(path):
             raise bad_value("--out", out, f"{path} is {_kind(os.stat(path).st_mode)}, where a rank writes its log",
                             "move it away, or give another --out")
+
+
+def _inside(out: str, path: str) -> None:
+    """``path``, a name a run writes in OUT, is not a link out of OUT: the run would append its
+    logs or metrics to (or replace) a file elsewhere. A link inside OUT is harmless."""
+    if not os.path.islink(path):
+        return
+    real, root = os.path.realpath(path), os.path.realpath(out)
+    if os.path.commonpath([real, root]) != root:
+        raise bad_value("--out", out, f"{path} is a link to {real}, outside OUT, where the run writes",
+                        "remove the link: meshrun writes nothing through a link out of OUT "
+                        "(OUT/checkpoints alone may be one)")
 
 
 def _kind(mode: int) -> str:

@@ -77,7 +77,9 @@ def redirect(log_dir: str, rank: int, world: int) -> str:
     """Send this rank's output to its log as the module says; returns the log's path."""
     os.makedirs(log_dir, exist_ok=True)
     path = log_path(log_dir, rank)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    # O_NOFOLLOW: a link planted after the job's check (config/outdir.py: check_kinds) fails here
+    # instead of taking this rank's output out of OUT
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
     log = os.fdopen(fd, "a", buffering=1, encoding="utf-8", errors="replace")
     log.write(f"==== meshrun train: rank {rank} of {world}, pid {os.getpid()}, "
               f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')} ====\n")
