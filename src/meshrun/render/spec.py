@@ -197,7 +197,7 @@ def _check_slurm(spec: RenderSpec) -> None:
         if abbreviated and name not in RENDERED_SBATCH:
             # sbatch reads options with getopt_long, which takes any unique prefix of a long option: a
             # shortened name sets the rendered option all the same, and written after it, wins
-            ours = [flag for r in abbreviated if (flag := RENDERED_SBATCH[r]) is not None]
+            ours = [mine for r in abbreviated if (mine := RENDERED_SBATCH[r]) is not None]
             raise bad_value("--sbatch-arg", arg, f"abbreviates {' or '.join(abbreviated)}, which the script renders "
                             "itself (sbatch takes any unique prefix of an option)",
                             f"use meshrun render's {ours[0]} instead" if ours else "leave it to meshrun: its launch "
