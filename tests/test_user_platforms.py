@@ -93,6 +93,8 @@ BAD = [
     ("userpkg.platforms:Nope", "module userpkg.platforms has no Nope"),
     ("userpkg.platforms:NotAPlatform", "NotAPlatform is not a subclass of Platform"),
     ("userpkg.platforms:Exploding", "its detect() raised RuntimeError: quota service unreachable second line"),
+    ("userpkg.platforms:Exiting", "its detect() called sys.exit(0)"),
+    ("userpkg.platforms:Interrupting", "its detect() raised KeyboardInterrupt"),
     ("userpkg.platforms", "is not module:Class"),
     ("userpkg.platforms:SlurmAgain", "its NAME 'slurm' is already the name of a built-in platform"),
 ]
@@ -106,6 +108,17 @@ def test_bad_registration_is_one_line_and_exit_2(value, problem):
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith(f"meshrun: error: env MESHRUN_PLATFORMS={value!r}: {problem}"), lines[0]
     assert "(hint: " in lines[0] and out.stdout == ""
+
+
+def test_what_a_platform_prints_leaves_json_output_whole():
+    """`meshrun env --json` and `meshrun train --dry-run --json` print one JSON document, whatever
+    a user platform prints while it detects (its lines go to stderr)."""
+    env = user_env(MESHRUN_PLATFORMS="userpkg.platforms:Chatty")
+    for args in (["env", "--json"], ["train", "--dry-run", "--json", "--nproc", "1"]):
+        out = meshrun(*args, env=env)
+        assert out.returncode == 0, out.stderr
+        json.loads(out.stdout)
+        assert "chatty: looking for my variables" in out.stderr
 
 
 def test_bad_registration_in_the_library_is_a_meshrun_error():

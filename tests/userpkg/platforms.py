@@ -1,6 +1,8 @@
 """User platforms for tests/test_user_platforms.py: registered through MESHRUN_PLATFORMS or an
 entry point of the group meshrun.platforms. Imports no torch (the CLI path stays torch-free)."""
 
+import sys
+
 from meshrun.cluster.envread import EnvReader
 from meshrun.cluster.platforms.base import Platform
 from meshrun.cluster.topology import Topology
@@ -48,6 +50,33 @@ class Exploding(Platform):
 
     def detect(self, env, gpus):
         raise RuntimeError("quota service unreachable\nsecond line")
+
+
+class Exiting(Platform):
+    NAME = "exiting"
+    MARKERS = "nothing it can read"
+
+    def detect(self, env, gpus):
+        sys.exit(0)
+
+
+class Interrupting(Platform):
+    NAME = "interrupting"
+    MARKERS = "nothing it can read"
+
+    def detect(self, env, gpus):
+        raise KeyboardInterrupt
+
+
+class Chatty(Platform):
+    """Prints as it detects: the output goes to stderr, so `--json` stays one JSON document."""
+
+    NAME = "chatty"
+    MARKERS = "nothing it can read"
+
+    def detect(self, env, gpus):
+        print("chatty: looking for my variables")
+        return None
 
 
 class SlurmAgain(Platform):

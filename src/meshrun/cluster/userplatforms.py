@@ -16,15 +16,19 @@ Each name must be new: a user platform named like a built-in one, or like anothe
 platform, is refused. A bad registration (a module that cannot be imported, no such class, a
 class that is not a Platform, a detect() that raises anything but MeshrunError or returns
 something else than a Topology or None) is a MeshrunError naming the value and where it came
-from, which the CLI prints as one line and exit code 2.
+from, which the CLI prints as one line and exit code 2. The user's code runs contained: what
+it raises, ``sys.exit()`` and KeyboardInterrupt included, becomes that line, and what it prints
+goes to stderr, so that ``--json`` output stays one JSON document.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import sys
 import traceback
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -35,6 +39,22 @@ from .topology import Topology
 VARIABLE = "MESHRUN_PLATFORMS"
 ENTRY_POINT_GROUP = "meshrun.platforms"
 FORM_HINT = "give module:Class, the class a subclass of meshrun.cluster.platforms.base.Platform"
+
+
+@contextlib.contextmanager
+def contained(error: Callable[[str], MeshrunError]) -> Iterator[None]:
+    """Run the user's code (an import, a constructor, detect()) so that whatever it raises,
+    sys.exit() and KeyboardInterrupt included, is ``error("raised ...")`` (a MeshrunError of
+    its own passes through), and what it prints goes to stderr."""
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            yield
+        except MeshrunError:
+            raise
+        except SystemExit as exc:
+            raise error(f"called sys.exit({exc.code!r})") from None
+        except BaseException as exc:  # KeyboardInterrupt and GeneratorExit too: the user's code, not a Ctrl-C of ours
+            raise error(f"raised {describe(exc)}") from None
 
 
 def describe(exc: BaseException) -> str:
@@ -60,13 +80,9 @@ class Registration:
 
     def detect(self, env: Mapping[str, str], gpus: int) -> Topology | None:
         """The platform's detect(), its own MeshrunErrors passed on, anything else made one line."""
-        try:
+        hint = f"fix {type(self.platform).__name__}.detect, or remove it from {self.source}"
+        with contained(lambda what: self.error(f"its detect() {what}", hint)):
             topo = self.platform.detect(env, gpus)
-        except MeshrunError:
-            raise
-        except Exception as exc:
-            raise self.error(f"its detect() raised {describe(exc)}",
-                             f"fix {type(self.platform).__name__}.detect, or remove it from {self.source}") from None
         if topo is not None and not isinstance(topo, Topology):
             raise self.error(f"its detect() returned a {type(topo).__name__}, not a Topology or None",
                              "return None when its variables are absent, else a meshrun.cluster.topology.Topology")
@@ -78,17 +94,16 @@ def load_class(value: str, source: str) -> type[Platform]:
     module_name, colon, attr = (part.strip() for part in value.partition(":"))
     if not colon or not module_name or not attr:
         raise bad_value(source, value, "is not module:Class", FORM_HINT)
-    try:
-        obj: object = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise bad_value(source, value, f"module {module_name} is not importable (no module named {exc.name})",
-                            "install its package, or put its directory on PYTHONPATH") from None
-        raise bad_value(source, value, f"importing module {module_name} raised {describe(exc)}",
-                        "fix the module, or install what it imports") from None
-    except Exception as exc:
-        raise bad_value(source, value, f"importing module {module_name} raised {describe(exc)}",
-                        "fix the module") from None
+    with contained(lambda what: bad_value(source, value, f"importing module {module_name} {what}", "fix the module")):
+        try:
+            obj: object = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+                raise bad_value(source, value, f"module {module_name} is not importable (no module named "
+                                f"{exc.name})", "install its package, or put its directory on PYTHONPATH") from None
+            raise bad_value(source, value, f"importing module {module_name} raised {describe(exc)}",
+                            "fix the module, or install what it imports") from None
+
     for name in attr.split("."):
         try:
             obj = getattr(obj, name)
@@ -106,11 +121,9 @@ def create(cls: type[Platform], value: str, source: str) -> Platform:
         if not isinstance(getattr(cls, member, None), str) or not getattr(cls, member).strip():
             raise bad_value(source, value, f"{cls.__name__}.{member} is not set to a text",
                             f"give the class a {member} string (see Platform's docstring)")
-    try:
+    with contained(lambda what: bad_value(source, value, f"{cls.__name__}() {what}", "a platform is created with "
+                                          "no arguments; implement detect(self, env, gpus)")):
         return cls()
-    except Exception as exc:
-        raise bad_value(source, value, f"{cls.__name__}() raised {describe(exc)}",
-                        "a platform is created with no arguments; implement detect(self, env, gpus)") from None
 
 
 @functools.lru_cache(maxsize=1)
