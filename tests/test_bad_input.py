@@ -356,3 +356,21 @@ def test_a_directory_nobody_may_write(argv, expected, request):
                          env=clean_env(), cwd=str(ro), timeout=120)
     _check(res.returncode, res.stdout, res.stderr, expected, ro)
     assert "not writable" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("redirect,code,stream,line", [
+    (">&-", 2, "stderr", "meshrun: error: its standard output stream is closed"),
+    ("2>&-", 2, "stdout", "meshrun: error: its standard error stream is closed"),
+    (">/dev/full", 1, "stderr", "meshrun: error: a write failed: No space left on device"),
+    ("2>/dev/full", 1, "stdout", "meshrun: error: a write failed: No space left on device"),
+])
+def test_a_closed_or_full_output_stream_is_one_line_on_the_other(redirect, code, stream, line):
+    """`meshrun ... >&-` or onto a full disk: one line on whichever stream works, no traceback;
+    exit 2 for a closed stream (nothing ran), 1 for a write that failed (what ran is not known)."""
+    args = "env --json" if "2>" not in redirect else "env --bogus"  # (the second writes its error to stderr)
+    res = subprocess.run(["sh", "-c", f'exec "$0" -m meshrun {args} {redirect}', sys.executable], env=clean_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == code, (res.stdout, res.stderr)
+    shown = (res.stdout if stream == "stdout" else res.stderr).strip().splitlines()
+    assert shown and shown[-1].startswith(line), (res.stdout, res.stderr)
+    assert "Traceback" not in res.stdout + res.stderr

@@ -24,11 +24,13 @@ over what the platform says.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
+from typing import TextIO
 
 from .. import __version__
 from ..errors import MeshrunError
@@ -112,6 +114,11 @@ def entry() -> None:
         # Past a file-size limit (ulimit -f) a write then fails with EFBIG, which meshrun reports
         # in one line, instead of the signal killing the process with a half-written file
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    closed = [name for name, stream in (("output", sys.stdout), ("error", sys.stderr)) if stream is None]
+    if closed:  # (`meshrun train >&-`: Python leaves sys.stdout None, and every print would fail)
+        _say(f"meshrun: error: its standard {' and '.join(closed)} stream is closed (hint: redirect it to a file, "
+             "or to /dev/null to discard it)")
+        sys.exit(2)
     try:
         code = main()
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
@@ -119,7 +126,50 @@ def entry() -> None:
         # The reader went away (`meshrun env --json | head -2`): what it wanted it got. As
         # Python's signal documentation advises, the rest of the output goes to devnull, so that
         # the flush at exit does not fail again, and the exit code is 1.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _discard_output()
+        sys.exit(1)
+    except OSError as exc:
+        if exc.errno not in FULL and not _output_fails():
+            raise
+        # a write failed for want of space (a full disk behind `> out.log`, /dev/full, a quota):
+        # one line on whichever stream still works, and exit code 1: what the command did is not known
+        _say(f"meshrun: error: a write failed: {exc.strerror or exc} (hint: free space on the disk its output "
+             "or files go to, or redirect its output elsewhere)")
+        _discard_output()  # (what stdout still buffers would fail again at exit)
         sys.exit(1)
     sys.exit(code)
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, over quota, past the file-size limit
+
+
+def _output_fails() -> bool:
+    """Whether stdout or stderr fails now: what a full disk refused stays buffered, and the
+    flush fails again."""
+    return _fails(sys.stdout) or _fails(sys.stderr)
+
+
+def _fails(stream: TextIO) -> bool:
+    try:
+        stream.flush()
+    except OSError:
+        return True
+    return False
+
+
+def _discard_output() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr, else on stdout when stderr is closed or fails."""
+    for stream in (sys.__stderr__, sys.__stdout__):
+        if stream is None:
+            continue
+        try:
+            stream.write(line + "\n")
+            stream.flush()
+            return
+        except (OSError, ValueError):
+            continue
