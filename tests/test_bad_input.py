@@ -374,3 +374,23 @@ def test_a_closed_or_full_output_stream_is_one_line_on_the_other(redirect, code,
     shown = (res.stdout if stream == "stdout" else res.stderr).strip().splitlines()
     assert shown and shown[-1].startswith(line), (res.stdout, res.stderr)
     assert "Traceback" not in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("command", ["prepare", "train", "train-file"])
+def test_a_fifo_in_a_corpus_is_refused_before_anything_reads_it(command, tmp_path, capsys):
+    """A FIFO among a corpus' files (or given as the corpus) would block the first read forever:
+    refused in one line naming it, before anything is read or written."""
+    from meshrun.cli import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text\n")
+    os.mkfifo(corpus / "b.txt")
+    argv = {"prepare": ["data", "prepare", str(corpus), "--tokenizer", "gpt2", "--out", str(tmp_path / "prep")],
+            "train": ["train", "--data", str(corpus), "--tokenizer", "gpt2", "--nproc", "1"],
+            "train-file": ["train", "--data", str(corpus / "b.txt"), "--tokenizer", "gpt2", "--nproc", "1"]}[command]
+    code = main(argv, clean_env())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"{corpus / 'b.txt'}': is a FIFO, not a regular file" in err[0]
+    assert sorted(os.listdir(tmp_path)) == ["corpus"]

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
-from ..data.sources import data_kind
+from ..data.sources import check_regular, data_kind
 from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS, KERNELS, compile_choice, compile_enabled
 from ..errors import MeshrunError, bad_value
 from ..modelinfo.hf import is_hf_path, locate
@@ -143,6 +143,8 @@ class DataOptions:
             if os.path.abspath(os.path.expanduser(cfg.data)) != cfg.data:
                 cfg = cfg.replace(data=os.path.abspath(os.path.expanduser(cfg.data)))
         elif cfg.data is not None and ":" not in cfg.data and cfg.data not in BUILTIN_DATA:
+            if os.path.exists(cfg.data):  # a FIFO, a socket, a device: named as what it is
+                check_regular(cfg.data, cfg.source("data"), "give a corpus file or a directory of them")
             raise bad_value(cfg.source("data"), cfg.data, "no such file or directory, and not module:factory",
                             f"a corpus path, module:factory, or one of {', '.join(BUILTIN_DATA)}")
         if cfg.document_mask and form not in ("tokens", "text"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,6 +62,17 @@ def _gone(path: str, exc: OSError) -> MeshrunError:
     return MeshrunError(f"{path}: cannot be read ({exc.strerror or exc}) (hint: check the file and its permissions)")
 
 
+def check_regular(path: str, where: str, hint: str = "give a regular file, or move it out of the corpus") -> None:
+    """``path`` (a name the user's corpus holds) is a regular file, through symlinks: a FIFO
+    would block the first read forever, a device read without end."""
+    mode = _stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = next((what for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                                             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                                             (stat.S_ISBLK, "a block device")) if test(mode)), "not a file")
+        raise bad_value(where, path, f"is {kind}, not a regular file", hint)
+
+
 def _stat(path: str) -> os.stat_result:
     try:
         return os.stat(path)
@@ -104,11 +116,14 @@ def find_source(path: str, text_field: str = "text", where: str = "--data") -> S
         raise bad_value(where, path, "no such file or directory")
     if is_saved_dataset(path):
         return Source((path,), True, text_field)
-    if os.path.isfile(path):
+    if not os.path.isdir(path):
+        check_regular(path, where, "give a corpus file or a directory of them")
         if not path.endswith(SUFFIXES):
             raise bad_value(where, path, "not a text corpus file", f"one of {', '.join(SUFFIXES)}, or a directory")
         return Source((path,), False, text_field)
     files = sorted(os.path.join(d, f) for d, dirs, fs in os.walk(path) for f in fs if f.endswith(SUFFIXES))
+    for name in files:  # all of them before any is read: one of them a FIFO would hang the read
+        check_regular(name, where)
     if not files:
         raise bad_value(where, path, f"a directory with no {', '.join(SUFFIXES)} file in it",
                         "point at the corpus' files or folder")

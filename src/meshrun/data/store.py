@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import bad_value
 from . import FORMAT, INDEX
+from .sources import check_regular
 
 DTYPES = ("uint16", "uint32")
 SPLITS = ("train", "val")
@@ -86,6 +87,7 @@ class Corpus:
 
 
 def _memmap(path: str, dtype: str, where: str) -> np.ndarray:
+    check_regular(path, where, "token files are regular files")
     size = os.path.getsize(path)
     item = np.dtype(dtype).itemsize
     if size % item:
