@@ -8,12 +8,13 @@ a directory of fixtures outside the working directory, which must stay empty."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
-from helpers import clean_env, meshrun, script
+from helpers import clean_env, meshrun, require, script
 
 from meshrun.cli import main
 
@@ -394,3 +395,21 @@ def test_a_fifo_in_a_corpus_is_refused_before_anything_reads_it(command, tmp_pat
     assert code == 2 and len(err) == 1, err
     assert f"{corpus / 'b.txt'}': is a FIFO, not a regular file" in err[0]
     assert sorted(os.listdir(tmp_path)) == ["corpus"]
+
+
+@pytest.mark.parametrize("size,value", [("num_hidden_layers", 10**6), ("hidden_size", 2**20), ("vocab_size", 2**30)])
+def test_a_model_config_past_any_real_size_is_refused_before_it_is_built(size, value, tmp_path, capsys):
+    """A config.json with a million layers kept transformers building for minutes: a size past
+    its bound is one line naming the bound, from `plan` and `train` alike."""
+    require("transformers")
+    from meshrun.cli import main
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
+              "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "vocab_size": 256, "max_position_embeddings": 128, size: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for argv in (["plan", "--model", str(tmp_path)], ["train", "--dry-run", "--model", str(tmp_path), "--data",
+                                                       "random", "--nproc", "1"]):
+        assert main(argv, clean_env()) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{size} is {value}, past meshrun's bound of" in err[0], err

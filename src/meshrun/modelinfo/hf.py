@@ -157,7 +157,25 @@ def load_config(model: HFModel, where: str = "--model") -> Any:
         raise bad_value(where, model.config_path, f"transformers cannot read it ({_first_line(exc)})",
                         "a config.json of an architecture this transformers knows") from None
     check_causal(config, model.config_path, where)
+    check_sizes(config, model.config_path, where)
     return config
+
+
+# Upper bounds on a config's sizes, each far past any published model's (Llama-3.1-405B: 126
+# layers of 16,384, a vocabulary of 128,256; Llama-4-Scout: a 10M-token context): a size past
+# one is a typo or a hostile file, refused before transformers spends minutes building it.
+SIZE_BOUNDS = {"num_hidden_layers": 4096, "hidden_size": 1 << 17, "intermediate_size": 1 << 20,
+               "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 1 << 14, "vocab_size": 1 << 24,
+               "max_position_embeddings": 1 << 24, "num_local_experts": 4096, "num_experts": 4096}
+
+
+def check_sizes(config: Any, path: str, where: str = "--model") -> None:
+    """Each of the config's sizes (SIZE_BOUNDS, read as transformers names them) is within its bound."""
+    for name, bound in SIZE_BOUNDS.items():
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > bound:
+            raise bad_value(where, path, f"{name} is {value}, past meshrun's bound of {bound:,} for it",
+                            "check the config: no published model comes near that size")
 
 
 def check_causal(config: Any, path: str, where: str = "--model") -> None:
