@@ -213,6 +213,8 @@ CASES = [
     (["data", "prepare", "{fix}", "--tokenizer", "gpt2", "--out", "a\x7fb"], {}, "control character"),
     (["plan", "--model", "gpt-124m", "--write", "w\tx"], {}, "--write='w\\tx': contains the control character"),
     # bounds the runtime sets, checked before any process starts
+    (["bench", "matmul", "--n", "10000000"], {}, "--n='10000000': three 10000000 x 10000000 matrices need"),
+    (["bench", "comm", "--sizes", "1KiB:64TiB"], {}, "64 TiB is more than a quarter of"),
     (["train", "--dry-run", "--nproc", "5000"], {}, "--nproc=5000: more than 4 processes per core"),
     (["train", "--dry-run", "--nproc", "2"], {"MESHRUN_SAVE_THREADS": "abc"}, "env MESHRUN_SAVE_THREADS='abc'"),
     (["train", "--dry-run", "--nproc", "2"], {"MESHRUN_SAVE_THREADS": "0"}, "must be between 1 and 64"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -75,6 +76,18 @@ def _sizes(text: str | None, gpu: bool) -> list[int]:
     return out
 
 
+def _memory(gpu: bool) -> int | None:
+    """One GPU's memory (None when it cannot be read), or this machine's."""
+    if gpu:
+        from ..cluster.gpus import detect_gpu_memory
+
+        return detect_gpu_memory()
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
 def options(ns: argparse.Namespace, gpu: bool) -> dict[str, Any]:
     def num(name: str, default: int) -> int:
         raw = getattr(ns, name)
@@ -95,9 +108,23 @@ def options(ns: argparse.Namespace, gpu: bool) -> dict[str, Any]:
         bad = [o for o in ops if o not in OPS]
         if bad:
             raise bad_value("--ops", ns.ops, f"unknown collective {bad[0]!r}", f"some of {', '.join(OPS)}")
-        return {**common, "ops": ops, "sizes": _sizes(ns.sizes, gpu)}
+        sizes = _sizes(ns.sizes, gpu)
+        memory = _memory(gpu)
+        # a collective holds its buffer and, gathering, one per rank: a quarter of a device's memory
+        if memory is not None and max(sizes) > memory // 4:
+            raise bad_value("--sizes", ns.sizes, f"{fmt_bytes(max(sizes))} is more than a quarter of "
+                            f"{'a GPU' if gpu else 'this machine'}'s {fmt_bytes(memory)}, which a collective of it "
+                            "needs at the least", f"at most {fmt_bytes(memory // 4)}")
+        return {**common, "ops": ops, "sizes": sizes}
     if ns.kind == "matmul":
-        return {**common, "n": num("n", 8192 if gpu else 1024)}
+        n = num("n", 8192 if gpu else 1024)
+        memory = _memory(gpu)
+        width = 2 if gpu else 4  # bf16 on GPUs, fp32 on the CPU: three n x n matrices
+        if memory is not None and 3 * n * n * width > memory:
+            most = math.isqrt(memory // (3 * width))
+            raise bad_value("--n", ns.n, f"three {n} x {n} matrices need {fmt_bytes(3 * n * n * width)}, more than "
+                            f"{'a GPU' if gpu else 'this machine'}'s {fmt_bytes(memory)}", f"--n {most} or less")
+        return {**common, "n": n}
     model = ns.model or ("gpt-124m" if gpu else "gpt-tiny")
     if model not in GPT_PRESETS:
         raise bad_value("--model", model, "not a GPT preset", f"one of {', '.join(GPT_PRESETS)}")
