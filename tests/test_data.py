@@ -201,8 +201,8 @@ def test_saved_datasets_and_parquet_are_corpora_too(tmp_path, corpus):
 
     texts = [d for d in corpus["docs"] if d][:15]
     saved = str(tmp_path / "saved")
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": texts}),
-                          "test": datasets.Dataset.from_dict({"body": ["x"]})}).save_to_disk(saved)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": texts, "n": list(range(15))}),
+                          "test": datasets.Dataset.from_dict({"body": ["x"], "n": [0]})}).save_to_disk(saved)
     pq.write_table(pa.table({"body": texts, "n": list(range(15))}), str(tmp_path / "docs.parquet"))
     tok = load_tokenizer(corpus["tok"])
     for source in (saved, str(tmp_path / "docs.parquet")):
@@ -212,6 +212,10 @@ def test_saved_datasets_and_parquet_are_corpora_too(tmp_path, corpus):
         assert res.returncode == 0, res.stderr[-2000:]
         _, docs = _documents(out)
         assert [tok.decode(d[:-1]) for d in docs["train"]] == texts and not docs["val"]
+        # a column of numbers is no text: one line, not a traceback from the tokenizer
+        res = run_cli("data", "prepare", source, "--tokenizer", corpus["tok"], "--out", out + "-n", "--text-field", "n")
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr[-2000:]
+        assert "the 'n' column holds int64, not text" in res.stderr
 
 
 def test_a_model_directorys_tokenizer_is_the_default_for_text(tmp_path, corpus):

@@ -210,3 +210,17 @@ def test_the_api_from_a_thread_is_refused_in_one_line_before_anything_starts(tmp
     assert len(raised) == 1 and isinstance(raised[0], meshrun.MeshrunError), raised
     assert str(raised[0]).startswith("meshrun.train() was called from thread 'trainer': a job relays signals")
     assert os.listdir(tmp_path) == []
+
+
+def test_the_api_takes_a_config_path_and_refuses_a_mapping(tmp_path, monkeypatch, capsys):
+    import pathlib
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("steps: 3\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_")}
+    given = {k: v for k, v in BASE.items() if k != "steps"}
+    meshrun.train(pathlib.Path("run.yaml"), env=env, dry_run=True, json=True, **given)
+    assert json.loads(json.loads(capsys.readouterr().out)["env"]["MESHRUN_TRAIN_CONFIG"])["steps"] == 3
+    with pytest.raises(meshrun.MeshrunError, match=r"^meshrun.train\(\) option config=\{'steps': 3\}: expected the "
+                       "path of a YAML or TOML file, not dict"):
+        meshrun.train(config={"steps": 3}, env=env, dry_run=True, **given)

@@ -203,6 +203,10 @@ def _parquet(path: str, field: str) -> Iterator[str]:
     if field not in pf.schema_arrow.names:
         raise MeshrunError(f"{path}: no {field!r} column (it has {', '.join(pf.schema_arrow.names[:8])}) "
                            "(hint: --text-field NAME)")
+    kind = pf.schema_arrow.field(field).type
+    if str(kind) not in ("string", "large_string", "string_view"):
+        raise MeshrunError(f"{path}: the {field!r} column holds {kind}, not text (hint: --text-field NAME of a "
+                           "text column)")
     for batch in pf.iter_batches(columns=[field], batch_size=1024):
         for text in batch.column(0).to_pylist():
             if text is not None:
@@ -222,6 +226,10 @@ def _dataset(path: str, field: str) -> Iterator[str]:
     if field not in ds.column_names:
         raise MeshrunError(f"{path}: no {field!r} column (it has {', '.join(ds.column_names[:8])}) "
                            "(hint: --text-field NAME)")
+    kind = getattr(ds.features.get(field), "dtype", None)
+    if kind not in ("string", "large_string"):
+        raise MeshrunError(f"{path}: the {field!r} column holds {kind or ds.features.get(field)}, not text "
+                           "(hint: --text-field NAME of a text column)")
     for batch in ds.iter(batch_size=1024):
         for text in batch[field]:
             if text is not None:

@@ -55,7 +55,8 @@ def variables() -> set[str]:
     return {env_var(name) for name in names} | {CONFIG_VAR}
 
 
-def train(config: str | None = None, env: Mapping[str, str] | None = None, **options: Any) -> TrainResult:
+def train(config: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+          **options: Any) -> TrainResult:
     """Run a training job on this node and return its TrainResult (exit code, rank 0's last
     metrics, the newest snapshot). ``env``: the environment to read the platform from and to
     start the ranks with (default: this process's)."""
@@ -67,6 +68,12 @@ def train(config: str | None = None, env: Mapping[str, str] | None = None, **opt
     env = dict(os.environ if env is None else env)
     if config is None:  # as `meshrun train` reads it
         config = env.get(CONFIG_VAR, "").strip() or None
+    elif isinstance(config, os.PathLike):
+        config = os.fspath(config)
+    if config is not None and not isinstance(config, str):
+        raise bad_value(f"{SOURCE}() option config", config, f"expected the path of a YAML or TOML file, not "
+                        f"{type(config).__name__}", "give the options themselves as keywords: "
+                        "meshrun.train(**options)")
     for line in unknown_variables(env, variables(), "train"):
         print(line, file=sys.stderr)
     known = (*option_names(), *TOPOLOGY_OPTIONS, *JOB_OPTIONS)
