@@ -264,3 +264,51 @@ def test_a_tracker_not_installed_is_one_line_with_its_extra(tmp_path):
     # the default (tensorboard) and "all" take what is installed, without a word
     listed = meshrun("train", "--model-size", "gpt-tiny", "--steps", "1", "--log-with", "all", "--dry-run", env=env)
     assert listed.returncode == 0, listed.stderr[-2000:]
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"mlflow": "run-1"}'])
+def test_a_damaged_trackers_json_is_refused_before_any_rank_starts(text, tmp_path, capsys):
+    """Read as empty, a damaged OUT/trackers.json would start a second tracker run and split the
+    run's curves: refused in one line that says to delete it."""
+    require("mlflow")
+    from meshrun.cli import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "trackers.json").write_text(text)
+    env = clean_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", HOME=str(tmp_path))
+    code = main(["train", "--model-size", "gpt-tiny", "--nproc", "1", "--steps", "1", "--out", str(out),
+                 "--log-with", "mlflow"], env)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"meshrun: error: {out / 'trackers.json'}: damaged, not the tracker run ids meshrun "
+                             "writes") and "(hint: delete it, and the resumed run starts new tracker runs" in err[0]
+    assert not (out / "logs").exists()
+
+
+def test_a_resume_whose_mlflow_run_left_the_store_says_what_to_do(tmp_path, monkeypatch):
+    """The store was wiped (or moved) since the run began: the resume says which run is missing
+    and that deleting OUT/trackers.json starts a new one."""
+    require("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from meshrun.errors import MeshrunError
+    from meshrun.training.tracking import start
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'first.db'}")
+    out = tmp_path / "run"
+    out.mkdir()
+    first = start(("mlflow",), str(out), {"lr": 1e-3}, env={})
+    first[0].close(finished=True)
+    run_id = json.loads((out / "trackers.json").read_text())["mlflow"]["run_id"]
+    assert MlflowClient().get_run(run_id).info.status == "FINISHED"
+    # the store wiped: a fresh one at the address trackers.json names (an sqlite file removed
+    # under MLflow's cached connection would not read as wiped)
+    wiped = f"sqlite:///{tmp_path / 'wiped.db'}"
+    (out / "trackers.json").write_text(json.dumps({"mlflow": {"run_id": run_id, "tracking_uri": wiped}}))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", wiped)
+    with pytest.raises(MeshrunError) as raised:
+        start(("mlflow",), str(out), {"lr": 1e-3}, env={})
+    line = str(raised.value)
+    assert f"--log-with mlflow: the run {run_id} that {out / 'trackers.json'} continues is not in the store" in line
+    assert f"(hint: {out / 'trackers.json'}: delete it, and the resumed run starts new tracker runs" in line

@@ -42,7 +42,7 @@ CHECKPOINTS = "checkpoints"
 SNAPSHOT_PREFIX = "step-"  # layout.PREFIX
 MARKER = "COMMITTED.json"  # layout.MARKER
 # What a run writes into OUT (metrics.py, trainer.py, this module): what --overwrite moves aside.
-# (trackers.json: tracking.IDS_FILE, the tracker runs a resume continues; wandb: W&B's files)
+# (trackers.json: trackers.IDS_FILE, the tracker runs a resume continues; wandb: W&B's files)
 RUN_FILES = (CHECKPOINTS, "metrics.jsonl", "loss.png", "tensorboard", "trackers.json", "wandb", RUN_FILE)
 METRICS = "metrics.jsonl"
 LOCK_NAME = ".meshrun.lock"  # runlock.LOCK_NAME

@@ -12,6 +12,7 @@ neither package, so the CLI checks a run before launching anything.
 from __future__ import annotations
 
 import importlib.util
+import json
 import netrc
 import os
 import socket
@@ -25,6 +26,32 @@ TRACKERS = {"tensorboard": ("tensorboard", "torch"), "wandb": ("wandb", "wandb")
 DEFAULT = "tensorboard"
 CONNECT_TIMEOUT_S = 5.0  # a server that does not answer in this long is reported, not waited on
 OFFLINE_WANDB = ("offline", "dryrun", "disabled")
+
+
+IDS_FILE = "trackers.json"  # in OUT: the tracker runs a resume continues, by tracker
+
+
+def saved_ids(out: str | None) -> dict[str, dict[str, str]]:
+    """OUT/trackers.json's run ids by tracker; {} without OUT or the file. A file that is not
+    what meshrun writes (a JSON object of objects) is refused: read as empty, it would start a
+    second tracker run and split the run's curves in two."""
+    if not out:
+        return {}
+    path = os.path.join(out, IDS_FILE)
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(1 << 20))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as exc:
+        raise MeshrunError(f"{path}: damaged, not the tracker run ids meshrun writes ({type(exc).__name__}) "
+                           f"(hint: {DELETE_IDS})") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise MeshrunError(f"{path}: damaged, not the tracker run ids meshrun writes (hint: {DELETE_IDS})")
+    return data
+
+
+DELETE_IDS = "delete it, and the resumed run starts new tracker runs; the earlier ones stay in their stores"
 
 
 def installed(name: str) -> bool:

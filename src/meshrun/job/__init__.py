@@ -244,6 +244,7 @@ def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str
     save_threads(env)  # a variable the ranks read at their first snapshot: checked now
     if topo.node_rank == 0 and not job.dry_run:  # (rank 0 logs: its node checks the trackers' servers)
         trackers.preflight(trackers.parse(cfg.log_with, cfg.source("log_with")), env)
+        trackers.saved_ids(cfg.out)  # the tracker runs a resume continues: a damaged file refused now
     # Node rank 0 owns OUT for the run's whole life, restarts included (on shared storage
     # every node names the same OUT; the other nodes leave it to node 0). With one process per
     # task (Slurm, mpirun), node 0's first process owns it.

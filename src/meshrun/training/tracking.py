@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ..config.outdir import RUN_ID_ENV
+from ..config.trackers import DELETE_IDS, IDS_FILE, saved_ids
 from ..errors import MeshrunError
 
-IDS_FILE = "trackers.json"
 PROJECT = "meshrun"  # W&B project and MLflow experiment when WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME are unset
 PARAM_CHARS = 6000  # MLflow's longest parameter value
 
@@ -120,7 +120,14 @@ class Mlflow:
         kept = saved(out).get(self.name, {})
         resume = env.get("MLFLOW_RUN_ID") or (kept.get("run_id") if kept.get("tracking_uri") == uri else None)
         if resume:
-            run = self.client.get_run(resume)
+            try:
+                run = self.client.get_run(resume)
+            except Exception as e:  # (MLflow's errors: a store wiped or moved since)
+                where = "MLFLOW_RUN_ID" if env.get("MLFLOW_RUN_ID") else f"{os.path.join(out or '', IDS_FILE)}"
+                raise MeshrunError(f"--log-with mlflow: the run {resume} that {where} continues is not in the store "
+                                   f"{uri} ({_first_line(e)}) (hint: "
+                                   + ("unset MLFLOW_RUN_ID" if env.get("MLFLOW_RUN_ID") else f"{where}: {DELETE_IDS}")
+                                   + ")") from None
             self.client.update_run(resume, status="RUNNING")
         else:
             experiment = env.get("MLFLOW_EXPERIMENT_NAME") or PROJECT
@@ -143,15 +150,9 @@ class Mlflow:
 
 
 def saved(out: str | None) -> dict[str, dict[str, str]]:
-    """OUT/trackers.json's ids, or {} (no OUT, no file, or not readable as one)."""
-    if not out:
-        return {}
-    try:
-        with open(os.path.join(out, IDS_FILE)) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
+    """OUT/trackers.json's ids, or {} (no OUT, no file); a damaged file is refused
+    (config/trackers.py: saved_ids, which the job checked before the ranks started)."""
+    return saved_ids(out)
 
 
 def _keep(out: str, ids: dict[str, dict[str, str]]) -> None:
@@ -177,6 +178,10 @@ def start(names: tuple[str, ...], out: str | None, params: Mapping[str, Any],
                     started.append(TensorBoard(out, params))
                 continue
             tracker: Wandb | Mlflow = (Wandb if name == "wandb" else Mlflow)(out, run_id, params, env)
+        except MeshrunError:  # its own line, which says what to do
+            for t in started:
+                t.close(finished=False)
+            raise
         except Exception as e:  # each package has its own errors; any of them means this tracker is unusable
             for t in started:
                 t.close(finished=False)
