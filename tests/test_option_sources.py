@@ -224,3 +224,13 @@ def test_the_api_takes_a_config_path_and_refuses_a_mapping(tmp_path, monkeypatch
     with pytest.raises(meshrun.MeshrunError, match=r"^meshrun.train\(\) option config=\{'steps': 3\}: expected the "
                        "path of a YAML or TOML file, not dict"):
         meshrun.train(config={"steps": 3}, env=env, dry_run=True, **given)
+
+
+def test_meshrun_dry_run_makes_the_api_dry_run_as_it_does_the_cli(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_")}, "MESHRUN_DRY_RUN": "1",
+           "MESHRUN_JSON": "1"}
+    result = meshrun.train(env=env, out=str(tmp_path / "run"), **BASE)
+    told = json.loads(capsys.readouterr().out)
+    assert result.code == 0 and told["job"]["dry_run"] is True and "MESHRUN_TRAIN_CONFIG" in told["env"]
+    assert os.listdir(tmp_path) == []  # nothing ran, nothing written
