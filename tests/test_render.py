@@ -283,6 +283,15 @@ BAD = [
     (["render", "kubernetes", "--image", "i", "--volume", "runs", "--", "x.py"], "--volume='runs': is not CLAIM:PATH"),
     (["render", "kubernetes", "--image", "i", "--volume", "Runs:/x", "--", "x.py"], "--volume='Runs:/x': is not"),
     (["render", "kubernetes", "--image", "i", "--volume", "runs:rel", "--", "x.py"], "--volume='runs:rel': is not"),
+    # what the API server would refuse at apply time, refused here
+    (["render", "kubernetes", "--image", "i", "--name", "9gpt", "--", "x.py"],
+     "--name='9gpt': starts with a digit: the job's Service takes its name"),
+    (["render", "kubernetes", "--image", "i", "--volume", "x:/dev//shm/", "--", "x.py"],
+     "--volume='x:/dev//shm/': mounts over /dev/shm, which meshrun mounts itself"),
+    (["render", "kubernetes", "--image", "i", "--volume", "x:/", "--", "x.py"], "mounts over the container root"),
+    (["render", "kubernetes", "--image", "i", "--as", "jobset", "--nodes", "1200", "--name", "a" * 52, "--", "x.py"],
+     f"--name='{'a' * 52}': makes the pod host name {'a' * 52}-node-0-1199 (64 characters at 1200 node(s)), over the "
+     "63 a DNS label takes (hint: a name of at most 51 characters)"),
     (["render", "slurm", "--volume", "runs:/x", "--", "x.py"], "--volume='runs:/x': is for Kubernetes specs"),
     (["render", "slurm", "--as", "jobset", "--", "x.py"], "--as='jobset': is for Kubernetes specs"),
     (["render", "lsf", "--time", "04:00:00", "--", "x.py"], "--time='04:00:00': is not an LSF run limit"),

@@ -3,6 +3,7 @@ one; ``meshrun.render.render`` dispatches to them."""
 
 from __future__ import annotations
 
+import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -16,6 +17,11 @@ TARGETS = ("slurm", "lsf", "skypilot", "kubernetes", "saturn", "hostfile")
 K8S_KINDS = ("job", "pytorchjob", "trainjob", "jobset")
 _CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a PersistentVolumeClaim's name (DNS-1123)
 SIGNAL_BEFORE_S = 120  # Slurm's warning before the time limit: a step and a snapshot fit in it
+SHM_MOUNT = "/dev/shm"  # the memory-backed volume meshrun mounts in every pod (kubernetes.py)
+# the longest pod host name of a job on N nodes, after its name, by kind (NAME-i for an Indexed
+# Job, NAME-node-0-i under a JobSet and a TrainJob, NAME-worker-i under a PyTorchJob)
+_HOST_SUFFIX = {"job": lambda n: f"-{n - 1}", "jobset": lambda n: f"-node-0-{n - 1}",
+                "trainjob": lambda n: f"-node-0-{n - 1}", "pytorchjob": lambda n: f"-worker-{max(0, n - 2)}"}
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,50}[a-z0-9])?$")  # room for the pod suffix NAME-i
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS-1123 label
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # no blanks, '%' (sbatch's patterns) or '/'
@@ -229,6 +235,17 @@ def _check_kubernetes(spec: RenderSpec) -> None:
         if not _CLAIM.fullmatch(claim) or not path.startswith("/") or ":" in path or any(c.isspace() for c in path):
             raise bad_value("--volume", spec.volume, "is not CLAIM:PATH (a PersistentVolumeClaim's name and an "
                             "absolute mount path)", "e.g. --volume runs-pvc:/shared")
+        mount = posixpath.normpath(path)
+        if mount == "/" or mount == SHM_MOUNT or mount.startswith(SHM_MOUNT + "/"):
+            over = "the container root" if mount == "/" else \
+                f"{SHM_MOUNT}, which meshrun mounts itself (shared memory for the loaders)"
+            raise bad_value("--volume", spec.volume, f"mounts over {over}",
+                            "mount the claim at a directory of its own, e.g. --volume runs-pvc:/shared")
+    host = spec.name + _HOST_SUFFIX[spec.kind](max(1, spec.nodes))
+    if len(host) > 63:  # a pod's host name is one DNS label
+        room = 63 - (len(host) - len(spec.name))
+        raise bad_value("--name", spec.name, f"makes the pod host name {host} ({len(host)} characters at {spec.nodes} "
+                        "node(s)), over the 63 a DNS label takes", f"a name of at most {room} characters")
     if not _DNS_LABEL.fullmatch(spec.runtime):
         raise bad_value("--runtime", spec.runtime, "is not a training runtime's name", "e.g. torch-distributed")
 
@@ -252,6 +269,9 @@ def validate(spec: RenderSpec) -> RenderSpec:
         if not _DNS_LABEL.fullmatch(spec.name):
             raise bad_value("--name", spec.name, "is not a Kubernetes name (DNS-1123 label: a-z, 0-9, '-')",
                             "e.g. llama-finetune")
+        if not spec.name[0].isalpha():  # the headless Service takes the name: a DNS-1035 label
+            raise bad_value("--name", spec.name, "starts with a digit: the job's Service takes its name, and a "
+                            "Service name starts with a letter (DNS-1035)", f"e.g. --name job-{spec.name}")
         if not spec.image:
             raise bad_value("--image", None, "Kubernetes runs containers: an image is required",
                             "e.g. --image ghcr.io/you/train:latest (with meshrun installed)")
