@@ -299,6 +299,13 @@ BAD = [
     (["render", "lsf", "--partition", "a,b", "--", "x.py"], "--partition='a,b': is not an LSF queue name"),
     (["render", "lsf", "--image", "img:1", "--", "x.py"], "--image='img:1': an LSF job runs on the nodes' own"),
     (["render", "lsf", "--requeue", "--", "x.py"], "--requeue=True: is for Slurm jobs, not lsf"),
+    # a time limit and the warning before it, checked against each other and against sbatch's bound
+    (["render", "slurm", "--requeue", "--time", "1", "--", "x.py"],
+     "--time='1': is 60 s, no longer than the 120 s before it that Slurm warns the job to snapshot"),
+    (["render", "slurm", "--requeue", "--time", "0-00:05:00", "--signal-before", "300", "--", "x.py"],
+     "--time='0-00:05:00': is 300 s, no longer than the 300 s"),
+    (["render", "slurm", "--requeue", "--signal-before", "70000", "--", "x.py"],
+     "--signal-before=70000: must be between 1 and 65535 seconds"),
     (["render", "skypilot", "--account", "a", "--", "x.py"], "--account='a': is a Slurm or LSF job option"),
 ]
 

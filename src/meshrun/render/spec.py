@@ -17,6 +17,7 @@ TARGETS = ("slurm", "lsf", "skypilot", "kubernetes", "saturn", "hostfile")
 K8S_KINDS = ("job", "pytorchjob", "trainjob", "jobset")
 _CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a PersistentVolumeClaim's name (DNS-1123)
 SIGNAL_BEFORE_S = 120  # Slurm's warning before the time limit: a step and a snapshot fit in it
+SLURM_MAX_SIGNAL_S = 65535  # sbatch --signal=SIG@TIME: TIME is at most this (sbatch(1))
 SHM_MOUNT = "/dev/shm"  # the memory-backed volume meshrun mounts in every pod (kubernetes.py)
 # the longest pod host name of a job on N nodes, after its name, by kind (NAME-i for an Indexed
 # Job, NAME-node-0-i under a JobSet and a TrainJob, NAME-worker-i under a PyTorchJob)
@@ -171,6 +172,23 @@ def _check_syntax(spec: RenderSpec) -> None:
                         "e.g. --gpus-per-node 8")
 
 
+def slurm_seconds(text: str) -> int | None:
+    """A Slurm time limit (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in seconds;
+    None for no limit (UNLIMITED, INFINITE)."""
+    if text in ("UNLIMITED", "INFINITE"):
+        return None
+    days, _, rest = text.rpartition("-") if "-" in text else ("", "", text)
+    parts = [int(p) for p in rest.split(":")]
+    if days:  # D-HH[:MM[:SS]]
+        h, m, sec = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    if len(parts) == 1:  # minutes
+        return parts[0] * 60
+    if len(parts) == 2:  # MM:SS
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]  # HH:MM:SS
+
+
 def _check_slurm(spec: RenderSpec) -> None:
     """The Slurm job options: Slurm's own syntax, for Slurm alone, and no #SBATCH line that
     repeats (or contradicts) one the script renders from its own flags."""
@@ -288,9 +306,16 @@ def validate(spec: RenderSpec) -> RenderSpec:
     if spec.signal_before is not None:
         if not spec.requeue:
             raise bad_value("--signal-before", spec.signal_before, "has no effect without --requeue", "add --requeue")
-        if spec.signal_before < 1:
-            raise bad_value("--signal-before", spec.signal_before, "must be a positive number of seconds",
+        if not 1 <= spec.signal_before <= SLURM_MAX_SIGNAL_S:
+            raise bad_value("--signal-before", spec.signal_before, f"must be between 1 and {SLURM_MAX_SIGNAL_S} "
+                            "seconds (sbatch's --signal takes no more)",
                             f"e.g. {SIGNAL_BEFORE_S}: time for a step and a snapshot before the time limit")
+    if spec.requeue and spec.time is not None and spec.target == "slurm":
+        limit, lead = slurm_seconds(spec.time), spec.signal_before or SIGNAL_BEFORE_S
+        if limit is not None and lead >= limit:
+            raise bad_value("--time", spec.time, f"is {limit} s, no longer than the {lead} s before it that Slurm "
+                            "warns the job to snapshot (--signal-before): the warning would come at the start",
+                            f"a --time of more than {lead} s, or a smaller --signal-before")
     if spec.max_restarts and spec.target != "slurm":
         raise bad_value("--max-restarts", spec.max_restarts, f"is for Slurm jobs, not {spec.target}",
                         "meshrun train --max-restarts N restarts the job on any platform")
