@@ -299,6 +299,13 @@ BAD = [
     (["render", "lsf", "--partition", "a,b", "--", "x.py"], "--partition='a,b': is not an LSF queue name"),
     (["render", "lsf", "--image", "img:1", "--", "x.py"], "--image='img:1': an LSF job runs on the nodes' own"),
     (["render", "lsf", "--requeue", "--", "x.py"], "--requeue=True: is for Slurm jobs, not lsf"),
+    # every option is used by the target, or refused: never dropped without a word
+    (["render", "kubernetes", "--image", "i", "--setup", "pip install x", "--", "x.py"],
+     "--setup='pip install x': is not used by kubernetes specs (only slurm, lsf, skypilot, saturn): it would be "
+     "dropped"),
+    (["render", "lsf", "--cpus-per-task", "4", "--", "x.py"], "--cpus-per-task=4: is not used by lsf specs"),
+    (["render", "lsf", "--namespace", "ml", "--", "x.py"], "--namespace='ml': is not used by lsf specs"),
+    (["render", "lsf", "--port", "1234", "--", "x.py"], "--port=1234: is not used by lsf specs"),
     # a time limit and the warning before it, checked against each other and against sbatch's bound
     (["render", "slurm", "--requeue", "--time", "1", "--", "x.py"],
      "--time='1': is 60 s, no longer than the 120 s before it that Slurm warns the job to snapshot"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import posixpath
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..errors import bad_value
 from ..vocab import FRAMEWORKS
@@ -324,4 +324,27 @@ def validate(spec: RenderSpec) -> RenderSpec:
     if spec.target == "hostfile" and not spec.hosts:
         raise bad_value("--hosts", "", "a hostfile needs the node addresses", "e.g. --hosts 10.0.0.1,10.0.0.2")
     _check_syntax(spec)
+    _check_used(spec)
     return spec
+
+
+# The options a target's spec uses, by the field that holds them: set for another target, one
+# would be dropped without a word (a --setup under Kubernetes, a --port under LSF)
+USED_BY = {"setup": ("--setup", ("slurm", "lsf", "skypilot", "saturn"),
+                     "put it in the image, or run it in the command: -- sh -c 'SETUP && meshrun ...'"),
+           "cpus_per_task": ("--cpus-per-task", ("slurm",), "drop it"),
+           "namespace": ("--namespace", ("kubernetes",), "drop it"),
+           "port": ("--port", ("kubernetes", "saturn"), "drop it: the platform gives the port there"),
+           "accelerator": ("--accelerator", ("skypilot",), "drop it: --gpus-per-node sets the GPUs"),
+           "partition": ("--partition", ("slurm", "lsf"), "drop it"),
+           "time": ("--time", ("slurm", "lsf"), "drop it")}
+
+
+def _check_used(spec: RenderSpec) -> None:
+    """Every option given is one the target's spec uses, or refused (USED_BY)."""
+    defaults = {f.name: f.default for f in fields(RenderSpec)}
+    for name, (flag, targets, hint) in USED_BY.items():
+        value = getattr(spec, name)
+        if value != defaults[name] and spec.target not in targets:
+            raise bad_value(flag, value, f"is not used by {spec.target} specs (only {', '.join(targets)}): it would "
+                            "be dropped", hint)
