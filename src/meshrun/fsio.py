@@ -64,6 +64,17 @@ class Written(NamedTuple):
 
 # ---- what is at a path ------------------------------------------------------------------
 
+def file_kind(mode: int) -> str:
+    """What a stat mode is, as an error line names it: "a regular file", "a directory", "a FIFO", ..."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "a special file"
+
+
 def _full(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 

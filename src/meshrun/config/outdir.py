@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import MeshrunError, bad_value
+from ..fsio import file_kind
 
 RUN_FILE = "run.json"
 RUN_ID_ENV = "MESHRUN_OUT_RUN_ID"  # (MESHRUN_RUN_ID is --run-id, the rendezvous id)
@@ -122,10 +123,10 @@ def check_kinds(out: str) -> None:
             raise bad_value("--out", out, f"{path} cannot be used ({exc.strerror})",
                             "remove it, or give another --out") from None
         if is_dir and not stat.S_ISDIR(mode):
-            raise bad_value("--out", out, f"{path} is {_kind(mode)}, where the run keeps a directory",
+            raise bad_value("--out", out, f"{path} is {file_kind(mode)}, where the run keeps a directory",
                             "move it away, or give another --out")
         if not is_dir and not stat.S_ISREG(mode):
-            raise bad_value("--out", out, f"{path} is {_kind(mode)}, where the run writes a regular file",
+            raise bad_value("--out", out, f"{path} is {file_kind(mode)}, where the run writes a regular file",
                             "move it away, or give another --out")
     logs = os.path.join(out, "logs")
     for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else ():  # each rank's log is appended to
@@ -133,7 +134,7 @@ def check_kinds(out: str) -> None:
         if name.endswith(".log"):
             _inside(out, path)
         if name.endswith(".log") and os.path.exists(path) and not os.path.isfile(path):
-            raise bad_value("--out", out, f"{path} is {_kind(os.stat(path).st_mode)}, where a rank writes its log",
+            raise bad_value("--out", out, f"{path} is {file_kind(os.stat(path).st_mode)}, where a rank writes its log",
                             "move it away, or give another --out")
 
 
@@ -147,14 +148,6 @@ def _inside(out: str, path: str) -> None:
         raise bad_value("--out", out, f"{path} is a link to {real}, outside OUT, where the run writes",
                         "remove the link: meshrun writes nothing through a link out of OUT "
                         "(OUT/checkpoints alone may be one)")
-
-
-def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return what
-    return "a regular file"
 
 
 def _json_field(path: str, key: str) -> str | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Literal
 
 from ..errors import MeshrunError, bad_value
+from ..fsio import file_kind
 from . import INDEX
 
 # The default corpus of `meshrun train` (--data stdlib), read as bytes: its last 5% is held out
@@ -67,10 +68,7 @@ def check_regular(path: str, where: str, hint: str = "give a regular file, or mo
     would block the first read forever, a device read without end."""
     mode = _stat(path).st_mode
     if not stat.S_ISREG(mode):
-        kind = next((what for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                                             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                                             (stat.S_ISBLK, "a block device")) if test(mode)), "not a file")
-        raise bad_value(where, path, f"is {kind}, not a regular file", hint)
+        raise bad_value(where, path, f"is {file_kind(mode)}, not a regular file", hint)
 
 
 def _stat(path: str) -> os.stat_result:

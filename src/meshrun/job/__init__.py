@@ -364,7 +364,7 @@ def last_metrics(out: str) -> dict[str, Any]:
             record = json.loads(line)
         except ValueError:  # a line cut at the window's start, or one a crash left half-written
             continue
-        if isinstance(record, dict):
+        if isinstance(record, dict) and isinstance(record.get("step"), int):  # (as metrics.read_records)
             return record
     return {}
 
