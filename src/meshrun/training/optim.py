@@ -68,7 +68,7 @@ class AdamW(torch.optim.AdamW):
     ``step`` on every call, for two graph breaks). That import costs as much CPU as importing
     torch itself, paid by every run that does not compile, before its first step: without
     torch._dynamo loaded nothing is being compiled, and the wrapped functions do the same
-    unwrapped. Once it is loaded (``--compile``, DDP's constructor), these are torch's own
+    unwrapped. Once it is loaded (``--compile``, FSDP2, tensor parallelism), these are torch's own
     methods again (docs/decisions.md#no-compiler-import)."""
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -314,7 +314,8 @@ class Build:
             from .ddp import apply_ddp, ddp_bucket_mb
 
             self._materialize()
-            ddp = apply_ddp(model, rt, ddp_bucket_mb(cfg.ddp_bucket_mb, self.compiled, rt), self.bf16_reduce)
+            ddp = apply_ddp(model, rt, ddp_bucket_mb(cfg.ddp_bucket_mb, self.compiled, rt), self.bf16_reduce,
+                            compiled=self.compiled)
             self.done.append(f"DDP, buckets of {ddp.bucket_bytes_cap // 2**20} MB")
             wrapped = ddp
             self._compile(per_block=self._blocks_only())  # after the wrap: the compiler sees DDP's buckets
