@@ -2,14 +2,26 @@
 
 Usage: sleeper.py PID_DIR [FAIL_RANK EXIT_CODE]
 Used to check that meshrun forwards signals, stops peers of a failed process, and returns
-the job's exit code.
+the job's exit code. With SLEEPER_HANDLE=1 it handles SIGINT, SIGTERM and SIGHUP first: it
+says so and exits 0.
 """
 import os
+import signal
 import sys
 import time
 
 pid_dir = sys.argv[1]
 rank = os.environ.get("MESHRUN_PROCESS_ID") or os.environ.get("RANK", "0")
+
+
+def handled(signum, _frame):
+    print(f"rank {rank} handled {signal.Signals(signum).name}", flush=True)
+    sys.exit(0)
+
+
+if os.environ.get("SLEEPER_HANDLE") == "1":
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handled)
 with open(os.path.join(pid_dir, f"pid.{rank}"), "w") as f:
     f.write(str(os.getpid()))
 if len(sys.argv) > 3 and rank == sys.argv[2]:

@@ -53,7 +53,8 @@ examples:
 Exit code: the job's (128+N if it died of signal N); 2 for bad input; 1 when ranks are still
 running --finish-timeout seconds (default 300) after another rank finished: they are named
 in one line and stopped.
-SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are forwarded to the job.
+SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are forwarded to the job; the first three go to
+the script's processes, not to torchrun: a script that handles one and exits 0 ends the job with 0.
 """
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -139,4 +140,4 @@ def cmd_launch(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         return 0
     check_ports(topo, cmd, spec)
     cmd = prepare_network(topo, cmd, env, waits.rdzv_timeout)
-    return run_job(cmd, env, topo, spec, waits=Waits(finish_s=waits.finish_timeout))
+    return run_job(cmd, env, topo, spec, waits=Waits(finish_s=waits.finish_timeout), stop_workers=True)

@@ -82,7 +82,8 @@ class _Ending:
 def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
             mute_stderr: Callable[[], bool] | None = None, watch: StderrFilter | None = None,
             to_workers: tuple[int, ...] = (), abort: Callable[[], bool] | None = None,
-            waits: Waits = NO_WAITS, exits: list[tuple[int, int]] | None = None) -> int:
+            waits: Waits = NO_WAITS, exits: list[tuple[int, int]] | None = None,
+            stop_workers: bool = False) -> int:
     """Run the command; returns the job's exit code.
 
     ``mute_stderr``: when given, the children's stderr is relayed through this process and
@@ -98,6 +99,10 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
     ``waits``: the bounds on waits for ranks (see Waits); a bound that passes ends the job
     with a JobFailed whose line names the ranks.
     ``exits``: when given, (process index, exit code) is appended for each process as it ends.
+    ``stop_workers``: a stopping signal (SIGINT, SIGTERM, SIGHUP) goes to a launcher's workers,
+    each one, whether it handles it or not, and not to the launcher: torchrun answers one with
+    its own SignalException, a traceback and exit 1 whatever its workers did. The job's code is
+    then the launcher's: 0 where the workers handled the signal and exited 0, else 128+N.
 
     Ranks meshrun started itself (``Process.rank``) are one job: the first that fails (any
     code but 0, PREEMPTED after its snapshot, and 130 after Ctrl-C) ends the others at once,
@@ -113,6 +118,7 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
     argvs = [resolved_argv(p.argv) for p in cmd.processes]  # fail before starting anything
     procs: list[subprocess.Popen[bytes]] = []
     stopping_since: list[float] = []
+    relayed: list[int] = []  # stopping signals sent to the workers (stop_workers)
 
     workers = WorkerSignals(procs, argvs)
     relays: list[threading.Thread] = []
@@ -132,6 +138,15 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
             return
         if signum in to_workers:
             workers.note(signum)
+            return
+        if stop_workers and signum in STOPPING:
+            relayed.append(signum)
+            workers.note(signum, launchers_only=True, stopping=True)
+            for p, argv in zip(procs, argvs):
+                if not is_launcher(argv):
+                    signal_group(p, signum)
+            if not stopping_since:
+                stopping_since.append(time.monotonic())
             return
         if signum in WORKER_SIGNALS:
             workers.note(signum, launchers_only=True)
@@ -157,6 +172,8 @@ def execute(cmd: Command, base_env: Mapping[str, str], grace_s: float = 15.0,
                           exits if exits is not None else [], ranked)
         if ending.line is not None:
             raise JobFailed(ending.line)
+        if relayed and code != 0 and not ending.kill_now and any(map(is_launcher, argvs)):
+            return 128 + relayed[0]  # the launcher's 1 says only that a worker failed
         return code
     finally:
         # a job stopped on ``abort``, or ended at once, leaves workers behind by design: no line for them

@@ -57,22 +57,24 @@ class WorkerSignals:
     torchrun's workers may not exist yet when the signal comes, and a worker still starting
     would die of it. ``deliver()`` runs again at every tick of the supervision loop until the
     job ends. A signal noted ``launchers_only`` goes to launchers' children alone (the caller
-    signals the process groups). Without /proc (not Linux) the signal goes to each process
-    group at once."""
+    signals the process groups). A ``stopping`` one goes to each worker whether it handles it
+    or not: it is meant to end the job, and its default action does. Without /proc (not
+    Linux) the signal goes to each process group at once."""
 
     def __init__(self, procs: list[subprocess.Popen[bytes]], argvs: list[list[str]]) -> None:
         self.procs, self.argvs = procs, argvs
-        self.signals: list[tuple[int, bool]] = []  # (signal, launchers' children only)
+        self.signals: list[tuple[int, bool, bool]] = []  # (signal, launchers' children only, stopping)
         self.sent: set[tuple[int, int]] = set()  # (pid, signal)
 
-    def note(self, sig: int, launchers_only: bool = False) -> None:
+    def note(self, sig: int, launchers_only: bool = False, stopping: bool = False) -> None:
         if not os.path.isdir("/proc"):
-            if not launchers_only:
-                for p in self.procs:
-                    signal_group(p, sig)
+            if not launchers_only or stopping:  # (a launcher's own group: its workers are not in it)
+                for p, argv in zip(self.procs, self.argvs):
+                    if not launchers_only or is_launcher(argv):
+                        signal_group(p, sig)
             return
-        if (sig, launchers_only) not in self.signals:
-            self.signals.append((sig, launchers_only))
+        if (sig, launchers_only, stopping) not in self.signals:
+            self.signals.append((sig, launchers_only, stopping))
         self.deliver()
 
     def deliver(self) -> None:
@@ -82,10 +84,10 @@ class WorkerSignals:
             launcher = is_launcher(argv)
             pids = children(p.pid) if launcher else [p.pid]
             for pid in pids:
-                for sig, launchers_only in self.signals:
+                for sig, launchers_only, stopping in self.signals:
                     if launchers_only and not launcher:
                         continue
-                    if (pid, sig) not in self.sent and catches(pid, sig):
+                    if (pid, sig) not in self.sent and (stopping or catches(pid, sig)):
                         self.sent.add((pid, sig))
                         try:
                             os.kill(pid, sig)
