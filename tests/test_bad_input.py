@@ -220,6 +220,17 @@ CASES = [
     (["train", "--dry-run", "--nproc", "2"], {"MESHRUN_SAVE_THREADS": "0"}, "must be between 1 and 64"),
     (["train", "--dry-run", "--steps", str(2**63)], {}, "must be at most 9223372036854775807 (a 64-bit integer)"),
     (["train", "--dry-run", "--collective-timeout", str(10**15)], {}, "must be between 1 and 604800"),
+    # a job's shape past any cluster or machine built, from a flag or the platform's variables
+    (["launch", "--dry-run", "--nproc", "5000", "x.py"], {}, "--nproc=5000: more than 4 processes per core"),
+    (["launch", "--dry-run", "--nnodes", "200000", "--node-rank", "0", "--master-addr", "h", "x.py"], {},
+     "flag --nnodes=200000: more than 100,000 nodes"),
+    (["train", "--dry-run"], {"NNODES": "10000000", "NODE_RANK": "1", "MASTER_ADDR": "h"},
+     "env NNODES=10000000: more than 100,000 nodes"),
+    (["env", "--nnodes", str(10**12), "--node-rank", "0", "--master-addr", "h"], {}, "more than 100,000 nodes"),
+    (["plan", *GPU80, "--nodes", "1000000"], {}, "--nnodes='1000000': must be at most 100,000"),
+    (["plan", *GPU80, "--gpus-per-node", "100000000"], {}, "--gpus-per-node='100000000': must be at most 64"),
+    (["render", "slurm", "--nodes", str(10**11), "--", "x"], {}, "--nodes=100000000000: must be in 1..100,000"),
+    (["render", "slurm", "--gpus-per-node", "1000", "--", "x"], {}, "--gpus-per-node=1000: must be in 0..64"),
 ]
 
 # The ones that ended in a traceback: also run as the real CLI, in a subprocess.

@@ -250,7 +250,7 @@ def test_an_out_on_no_volume_is_warned_about(tmp_path):
 
 BAD = [
     (["render", "borg", "--", "x.py"], "target='borg': unknown"),
-    (["render", "slurm", "--nodes", "0", "--", "x.py"], "--nodes=0: must be >= 1"),
+    (["render", "slurm", "--nodes", "0", "--", "x.py"], "--nodes=0: must be in 1..100,000"),
     (["render", "slurm"], "command='': nothing to run"),
     (["render", "kubernetes", "--", "x.py"], "--image is not given: Kubernetes runs containers"),
     (["render", "kubernetes", "--image", "i", "--name", "My_Job", "--", "x.py"],

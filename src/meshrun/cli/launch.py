@@ -7,7 +7,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from ..cluster.gpus import count_visible_gpus
+from ..cluster.detect import processes_fit
+from ..cluster.gpus import count_visible_cpus, count_visible_gpus
 from ..errors import bad_value
 from ..launch.build import build, per_framework
 from ..launch.command import LaunchSpec
@@ -127,6 +128,8 @@ def cmd_launch(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     gpus = count_visible_gpus(env)
     topo, elastic = topology_from_args(ns, env, gpus)
     topo = per_framework(topo, fw, gpus)
+    if topo.local_rank is None:  # (a platform that started this process as one rank chose the count itself)
+        processes_fit(topo, gpus, count_visible_cpus())
     waits = waits_from_args(ns, env)
     spec = launch_spec(ns, elastic, waits)
     cmd = build(topo, spec, env.get("CUDA_VISIBLE_DEVICES"))

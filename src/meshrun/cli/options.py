@@ -184,9 +184,10 @@ def topology_from_args(ns: argparse.Namespace, env: Mapping[str, str], gpus: int
     return topo, user.elastic
 
 
-def int_option(ns: argparse.Namespace, name: str, minimum: int = 0) -> int | None:
-    """An option given as text (or from MESHRUN_<NAME>) as an integer >= ``minimum``, or None
-    when unset; a bad value names where it came from."""
+def int_option(ns: argparse.Namespace, name: str, minimum: int = 0,
+               maximum: tuple[int, str] | None = None) -> int | None:
+    """An option given as text (or from MESHRUN_<NAME>) as an integer >= ``minimum`` (and at most
+    ``maximum``: the bound, and why), or None when unset; a bad value names where it came from."""
     raw = getattr(ns, name)
     if raw is None:
         return None
@@ -194,4 +195,6 @@ def int_option(ns: argparse.Namespace, name: str, minimum: int = 0) -> int | Non
     value = parse_int(str(raw), src)
     if value < minimum:
         raise bad_value(src, raw, f"must be >= {minimum}")
+    if maximum is not None and value > maximum[0]:
+        raise bad_value(src, raw, f"must be at most {maximum[0]:,} ({maximum[1]})")
     return value

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..cluster.gpus import count_visible_gpus, detect_gpu_memory
+from ..cluster.topology import MAX_GPUS_PER_NODE, MAX_NODES
 from ..config import TrainConfig
 from ..config.policy import Facts, Settings, resolve, settings
 from ..config.sections import STRATEGY_CHOICES
@@ -110,7 +111,7 @@ def _bandwidth(text: str, table: Mapping[str, float], where: str) -> float:
 def cluster_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> ClusterSpec:
     gpus_here = count_visible_gpus(env)
     sources = []
-    gpn = int_option(ns, "gpus_per_node", 1)
+    gpn = int_option(ns, "gpus_per_node", 1, (MAX_GPUS_PER_NODE, "more is past any machine built"))
     if gpn is None:
         gpn = gpus_here or 8
         sources.append(("gpus_per_node", "this machine" if gpus_here else "assumed: an 8-GPU node"))
@@ -124,7 +125,8 @@ def cluster_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> Cluster
         mem = found
         sources.append(("gpu_mem", "this machine's GPU 0"))
     cpu = parse_bytes(ns.cpu_mem, "--cpu-mem") if ns.cpu_mem is not None else None
-    return ClusterSpec(nodes=int_option(ns, "nnodes", 1) or 1, gpus_per_node=gpn, gpu_mem=mem, cpu_mem=cpu,
+    nodes = int_option(ns, "nnodes", 1, (MAX_NODES, "more is past any cluster built")) or 1
+    return ClusterSpec(nodes=nodes, gpus_per_node=gpn, gpu_mem=mem, cpu_mem=cpu,
                        intra_bw=_bandwidth(ns.intra, INTRA_NODE, "--intra"),
                        inter_bw=_bandwidth(ns.inter, INTER_NODE, "--inter"), sources=tuple(sources))
 

@@ -35,7 +35,7 @@ from . import userplatforms
 from .net import host_problem
 from .platforms import generic, kubeflow, local, lsf, mpi, sagemaker, saturn, skypilot, slurm, torchrun
 from .platforms.base import DEFAULT_MASTER_HINT, Platform
-from .topology import Topology
+from .topology import MAX_NODES, Topology
 
 PROBE_ORDER: tuple[Platform, ...] = (
     torchrun.Torchrun(), lsf.LSF(), mpi.MPI(), skypilot.SkyPilot(), saturn.Saturn(), kubeflow.Kubeflow(),
@@ -127,6 +127,9 @@ def validate(topo: Topology, gpus: int, platforms: Iterable[Platform] = PROBE_OR
     s = topo.source
     if topo.nnodes < 1:
         raise bad_value(s("nnodes"), topo.nnodes, "must be at least 1")
+    if topo.nnodes > MAX_NODES:
+        raise bad_value(s("nnodes"), topo.nnodes, f"more than {MAX_NODES:,} nodes, past any cluster built",
+                        "the number of machines in the job")
     if topo.nproc_per_node < 1:
         raise bad_value(s("nproc_per_node"), topo.nproc_per_node, "must be at least 1")
     if not 0 <= topo.node_rank < topo.nnodes:
@@ -212,3 +215,22 @@ def resolve(
         topo = topo.replace(master_port=free_port(topo.nproc_per_node),
                             sources={"master_port": "free port (single node)"})
     return validate(topo, gpus, [p for p, _ in order])
+
+
+# Ranks per core on the CPU: each is a Python interpreter with torch (about 300 MB) and its own
+# threads; four per core still trains (the suite runs 4 gloo ranks on 2 cores), far past that a
+# node runs out of memory or processes before the first step.
+CPU_RANKS_PER_CORE = 4
+
+
+def processes_fit(topo: Topology, gpus: int | None, cpus: int) -> None:
+    """This node's processes against what it has: a GPU each where there are GPUs (two ranks
+    on one GPU: NCCL refuses them), at most CPU_RANKS_PER_CORE per core on the CPU."""
+    n, given = topo.nproc_per_node, topo.sources.get("nproc_per_node", "default")
+    name = "--nproc" if given.startswith(("flag", "default")) else f"--nproc (from {given})"
+    if gpus and n > gpus:
+        raise bad_value(name, n, f"more processes than this node's {gpus} GPU(s): each rank takes one GPU",
+                        f"--nproc {gpus} or fewer")
+    if gpus == 0 and n > CPU_RANKS_PER_CORE * cpus:
+        raise bad_value(name, n, f"more than {CPU_RANKS_PER_CORE} processes per core on the CPU ({cpus} core(s) "
+                        f"here: at most {CPU_RANKS_PER_CORE * cpus})", f"--nproc {cpus}")

@@ -64,3 +64,12 @@ def detect_gpu_memory() -> int | None:
         except (OSError, subprocess.SubprocessError, ValueError):
             return None
     return None
+
+
+def count_visible_cpus() -> int:
+    """The cores this process may run on (its affinity mask, which a container or a scheduler
+    narrows), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+# A job's shape past any cluster or machine built is a typo: refused in one line before
+# anything is sized by it. The largest training clusters hold about 100,000 GPUs on 12,500 to
+# 25,000 nodes; a node holds 8 GPUs (16 in the largest HGX systems, 4 per host in an NVL72 rack).
+MAX_NODES = 100_000
+MAX_GPUS_PER_NODE = 64
+
 FIELDS = (
     "platform",
     "nnodes",

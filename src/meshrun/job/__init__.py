@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cluster.gpus import count_visible_gpus
+from ..cluster.detect import processes_fit
+from ..cluster.gpus import count_visible_cpus, count_visible_gpus
 from ..cluster.topology import Topology
 from ..config import TrainConfig, trackers
 from ..config.variables import save_threads
@@ -106,13 +107,6 @@ def waits_line(rdzv_s: int | None, stall_s: float | None, finish_s: float | None
     if finish_s is not None:
         parts.append(f"for ranks left running after another finished {finish_s:.0f} s (--finish-timeout)")
     return "meshrun train: waits at most " + ", ".join(parts)
-
-
-def count_visible_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainConfig:
@@ -205,25 +199,6 @@ def check(cfg: TrainConfig, topo: Topology, job: JobOptions, gpus: int | None = 
     if topo.local_rank is None:  # (a platform that started this process as one rank chose the count itself)
         processes_fit(topo, gpus, count_visible_cpus())
     prelaunch.check_layout(cfg, topo, gpus)  # what the ranks would refuse of this config, refused now
-
-
-# Ranks per core on the CPU: each is a Python interpreter with torch (about 300 MB) and its own
-# threads; four per core still trains (the suite runs 4 gloo ranks on 2 cores), far past that a
-# node runs out of memory or processes before the first step.
-CPU_RANKS_PER_CORE = 4
-
-
-def processes_fit(topo: Topology, gpus: int | None, cpus: int) -> None:
-    """This node's processes against what it has: a GPU each where there are GPUs (two ranks
-    on one GPU: NCCL refuses them), at most CPU_RANKS_PER_CORE per core on the CPU."""
-    n, given = topo.nproc_per_node, topo.sources.get("nproc_per_node", "default")
-    name = "--nproc" if given.startswith(("flag", "default")) else f"--nproc (from {given})"
-    if gpus and n > gpus:
-        raise bad_value(name, n, f"more processes than this node's {gpus} GPU(s): each rank takes one GPU",
-                        f"--nproc {gpus} or fewer")
-    if gpus == 0 and n > CPU_RANKS_PER_CORE * cpus:
-        raise bad_value(name, n, f"more than {CPU_RANKS_PER_CORE} processes per core on the CPU ({cpus} core(s) "
-                        f"here: at most {CPU_RANKS_PER_CORE * cpus})", f"--nproc {cpus}")
 
 
 def gpu_bytes(job: JobOptions) -> int | None:

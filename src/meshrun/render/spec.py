@@ -8,6 +8,7 @@ import re
 import shlex
 from dataclasses import dataclass, field, fields
 
+from ..cluster.topology import MAX_GPUS_PER_NODE, MAX_NODES
 from ..errors import bad_value
 from ..vocab import FRAMEWORKS
 
@@ -272,10 +273,11 @@ def validate(spec: RenderSpec) -> RenderSpec:
     if spec.target not in TARGETS:
         raise bad_value("target", spec.target, "unknown", f"one of {', '.join(TARGETS)}")
     _check_text(spec)
-    if spec.nodes < 1:
-        raise bad_value("--nodes", spec.nodes, "must be >= 1")
-    if spec.gpus_per_node < 0:
-        raise bad_value("--gpus-per-node", spec.gpus_per_node, "must be >= 0")
+    if not 1 <= spec.nodes <= MAX_NODES:
+        raise bad_value("--nodes", spec.nodes, f"must be in 1..{MAX_NODES:,} (more is past any cluster built)")
+    if not 0 <= spec.gpus_per_node <= MAX_GPUS_PER_NODE:
+        raise bad_value("--gpus-per-node", spec.gpus_per_node,
+                        f"must be in 0..{MAX_GPUS_PER_NODE} (more is past any machine built)")
     if spec.framework not in FRAMEWORKS:
         raise bad_value("--framework", spec.framework, "unknown", f"one of {', '.join(FRAMEWORKS)}")
     if not 1 <= spec.port <= 65535:
