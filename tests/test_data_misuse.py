@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import clean_env, require, with_faults
+from helpers import clean_env, meshrun_here, require, with_faults
 from helpers import meshrun as run_cli
 from test_data import train_tokenizer, write_corpus
 
@@ -252,7 +252,8 @@ def _no_bigger_than(limit: int):
 def test_a_full_disk_is_one_line_and_leaves_no_half_written_shard(tmp_path, made, how):
     """A write that fails for want of space (a 16 KiB tmpfs: ENOSPC; RLIMIT_FSIZE: EFBIG) ends
     the preparation in one line naming --out and "no space left", with no temporary file and
-    no index left; run again with room, it writes the corpus."""
+    no index left (the directory it made removed where no shard was complete); run again with
+    room, it writes the corpus."""
     out = tmp_path / "small"
     out.mkdir()
     preexec = None
@@ -269,7 +270,8 @@ def test_a_full_disk_is_one_line_and_leaves_no_half_written_shard(tmp_path, made
                              capture_output=True, text=True, timeout=60, preexec_fn=preexec, check=False)
         line = error_line(res)
         assert f"--out='{out / 'o'}'" in line and "no space left" in line, line
-        assert no_temporary_files(str(out / "o")) and not os.path.exists(out / "o" / "meshrun-data.json")
+        o = out / "o"  # new: removed where no shard was completed, else kept with its complete shards
+        assert not o.exists() or (no_temporary_files(str(o)) and not (o / "meshrun-data.json").exists())
     finally:
         if how == "full tmpfs":
             subprocess.run(["umount", str(out)], check=True)
@@ -322,3 +324,45 @@ def test_a_corpus_too_large_to_read_first_checks_each_sample_as_it_is_read(tmp_p
     with pytest.raises(MeshrunError, match="token id 70 at token 613 of the corpus is not below the model's "
                                            "vocabulary of 64"):
         checked[38]
+
+
+def _damaged_inputs(root) -> dict[str, str]:
+    """Saved datasets and parquet files cut or overwritten as a failed copy leaves them."""
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def saved(name: str, damage) -> str:
+        path = root / name
+        datasets.Dataset.from_dict({"text": [f"document {i}" for i in range(200)]}).save_to_disk(str(path))
+        damage(path)
+        return str(path)
+
+    def cut(path) -> None:
+        arrow = next(path.glob("*.arrow"))
+        arrow.write_bytes(arrow.read_bytes()[:-600])
+
+    table = pa.table({"text": [f"document {i}" for i in range(3000)]})
+    pq.write_table(table, str(root / "whole.parquet"))
+    whole = (root / "whole.parquet").read_bytes()
+    (root / "cut.parquet").write_bytes(whole[: len(whole) // 2])
+    (root / "zeroed.parquet").write_bytes(whole[:4] + bytes(len(whole) // 2) + whole[4 + len(whole) // 2:])
+    return {
+        "cut arrow file": saved("cut", cut),
+        "broken state.json": saved("state", lambda p: (p / "state.json").write_text("{broken")),
+        "dataset_info.json of another shape": saved("info", lambda p: (p / "dataset_info.json").write_text("[]")),
+        "cut parquet": str(root / "cut.parquet"),
+        "zeroed parquet": str(root / "zeroed.parquet"),
+    }
+
+
+def test_a_damaged_saved_dataset_or_parquet_file_is_named_as_the_input(tmp_path, made):
+    """A saved dataset or parquet file its library cannot read is one line naming that input,
+    whatever the library raised (never blamed on --out), and OUT, new, is not left behind."""
+    for what, path in _damaged_inputs(tmp_path).items():
+        out = tmp_path / f"out-{what.replace(' ', '-')}"
+        line = error_line(meshrun_here("data", "prepare", path, "--tokenizer", made["tok"], "--out", str(out),
+                                       "--workers", "1"))
+        kind = "parquet" if path.endswith(".parquet") else "a saved dataset"
+        assert line.startswith(f"meshrun: error: {path}: cannot read it as {kind}: "), (what, line)
+        assert "--out" not in line and not out.exists(), (what, list(out.iterdir()) if out.exists() else None)

@@ -298,8 +298,24 @@ def prepare(spec: PrepareSpec, log: bool = True, wait: bool = False) -> dict[str
         raise bad_value("--workers", spec.workers, "must be at least 1")
     tok = load_tokenizer(spec.tokenizer, eos_token=spec.eos_token)
     check_output_dir(spec.out, spec.out_name)
-    with PrepareLock(spec.out, spec.out_name, wait):
-        return _prepare_locked(spec, tok, log)
+    created = not os.path.lexists(spec.out)
+    try:
+        with PrepareLock(spec.out, spec.out_name, wait):
+            return _prepare_locked(spec, tok, log)
+    except BaseException:
+        if created:  # a preparation refused (an input it could not read) leaves no directory behind
+            _remove_if_empty(spec.out)
+        raise
+
+
+def _remove_if_empty(out: str) -> None:
+    """Remove OUT if it holds nothing but the lock (no shard was completed)."""
+    try:
+        if os.listdir(out) == [LOCK_NAME]:
+            os.remove(os.path.join(out, LOCK_NAME))
+            os.rmdir(out)
+    except OSError:
+        pass
 
 
 def _up_to_date(spec: PrepareSpec, identity: dict[str, Any]) -> dict[str, Any] | None:

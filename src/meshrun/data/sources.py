@@ -188,16 +188,27 @@ def _lines(f: BinaryIO, path: str) -> Iterator[bytes]:
         yield line
 
 
+def _unreadable(path: str, what: str, exc: Exception, hint: str) -> MeshrunError:
+    """The one line for an input its library could not read (a cut or damaged file): named as
+    the input it is, never as the output being written."""
+    why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return MeshrunError(f"{path}: cannot read it as {what}: {why} (hint: {hint})")
+
+
 def _parquet(path: str, field: str) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise MeshrunError(f"{path}: reading parquet needs pyarrow, not installed here "
                            "(hint: pip install 'meshrun[data]')") from None
+    import pyarrow as pa
+
     try:
         pf = pq.ParquetFile(path)
-    except OSError as exc:
+    except FileNotFoundError as exc:
         raise _gone(path, exc) from None
+    except (OSError, pa.ArrowException) as exc:
+        raise _unreadable(path, "parquet", exc, "write the file again") from None
     if field not in pf.schema_arrow.names:
         raise MeshrunError(f"{path}: no {field!r} column (it has {', '.join(pf.schema_arrow.names[:8])}) "
                            "(hint: --text-field NAME)")
@@ -205,7 +216,14 @@ def _parquet(path: str, field: str) -> Iterator[str]:
     if str(kind) not in ("string", "large_string", "string_view"):
         raise MeshrunError(f"{path}: the {field!r} column holds {kind}, not text (hint: --text-field NAME of a "
                            "text column)")
-    for batch in pf.iter_batches(columns=[field], batch_size=1024):
+    batches = pf.iter_batches(columns=[field], batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, pa.ArrowException) as exc:
+            raise _unreadable(path, "parquet", exc, "write the file again") from None
+        if batch is None:
+            return
         for text in batch.column(0).to_pylist():
             if text is not None:
                 yield text
@@ -217,7 +235,16 @@ def _dataset(path: str, field: str) -> Iterator[str]:
     except ImportError:
         raise MeshrunError(f"{path}: a saved dataset needs the datasets library, not installed here "
                            "(hint: pip install 'meshrun[data]')") from None
-    ds = datasets.load_from_disk(path)
+    def unreadable(exc: Exception) -> MeshrunError:
+        return _unreadable(path, "a saved dataset", exc, "save it again with save_to_disk")
+
+    # Whatever datasets raises while reading the user's directory means it cannot be read: a
+    # cut Arrow file (ArrowInvalid), damaged JSON (ValueError), JSON of another shape
+    # (AttributeError, KeyError, TypeError)
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as exc:
+        raise unreadable(exc) from None
     if isinstance(ds, datasets.DatasetDict):
         split = "train" if "train" in ds else sorted(ds)[0]
         ds = ds[split]
@@ -228,7 +255,14 @@ def _dataset(path: str, field: str) -> Iterator[str]:
     if kind not in ("string", "large_string"):
         raise MeshrunError(f"{path}: the {field!r} column holds {kind or ds.features.get(field)}, not text "
                            "(hint: --text-field NAME of a text column)")
-    for batch in ds.iter(batch_size=1024):
+    batches = iter(ds.iter(batch_size=1024))
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:
+            raise unreadable(exc) from None
+        if batch is None:
+            return
         for text in batch[field]:
             if text is not None:
                 yield text
