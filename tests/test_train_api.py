@@ -70,3 +70,27 @@ def test_a_bad_option_raises_the_clis_one_line_error_before_anything_starts(tmp_
         meshrun_pkg.train(**options, env=clean_env())
     assert str(err.value).startswith(message), str(err.value)
     assert "\n" not in str(err.value)
+
+
+IN_WORKER = """
+import json, os, meshrun
+r = meshrun.train(model_size="gpt-tiny", steps=1, data="random", seq_len=16, micro_batch=2)
+print("RESULT", os.environ["RANK"], json.dumps({"code": r.code, "step": r.metrics.get("step")}), flush=True)
+"""
+
+
+def test_meshrun_train_inside_torchruns_workers_trains_as_their_ranks(tmp_path):
+    """Called in each of torchrun's workers, meshrun.train() is one rank of torchrun's job: it
+    does not take the port torchrun's agent holds for its store as a port in use."""
+    require("torch")
+    script = tmp_path / "in_worker.py"
+    script.write_text(IN_WORKER)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script)], capture_output=True,
+                         text=True, timeout=240, env=clean_env(), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "already in use" not in out.stderr and "2 process(es)" in out.stdout + out.stderr, out.stderr[-3000:]
+    results = sorted(line.split(" ", 2)[1:] for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    # rank 0 reads the run's metrics (its log lines); every rank's call returns the job's code
+    assert [(rank, json.loads(r)) for rank, r in results] == [("0", {"code": 0, "step": 1}),
+                                                              ("1", {"code": 0, "step": None})]

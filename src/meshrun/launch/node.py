@@ -33,6 +33,8 @@ def check_ports(topo: Topology, cmd: Command, spec: LaunchSpec) -> None:
     otherwise fail late, after every other node has started and waited."""
     if "--standalone" in cmd.argv or not cmd.processes:
         return
+    if topo.platform == "torchrun":  # a torchrun worker: its agent holds the store on that port, by design
+        return
     ports: list[int] = []
     if spec.framework == "tensorflow":
         ports = [topo.master_port + lr for lr in range(topo.nproc_per_node)
