@@ -366,3 +366,38 @@ def test_a_damaged_saved_dataset_or_parquet_file_is_named_as_the_input(tmp_path,
         kind = "parquet" if path.endswith(".parquet") else "a saved dataset"
         assert line.startswith(f"meshrun: error: {path}: cannot read it as {kind}: "), (what, line)
         assert "--out" not in line and not out.exists(), (what, list(out.iterdir()) if out.exists() else None)
+
+
+def test_a_long_document_is_tokenized_in_pieces_to_the_same_tokens(tmp_path, made, monkeypatch):
+    """A document longer than PIECE_CHARS is tokenized in pieces cut before a space or line break
+    that follows a word: its tokens are those of the whole document, with pieces of 1 KiB or of
+    the default size alike, and each piece is at most that long."""
+    from meshrun.data import prepare as prep
+
+    words = (open(os.path.join(made["corpus"], name)).read() for name in sorted(os.listdir(made["corpus"])))
+    text = " ".join(w for w in words).replace("\n", "  \n ")[:40_000]
+    corpus = tmp_path / "long.txt"
+    corpus.write_text(text)
+    assert "".join(prep.pieces(text, 1024)) == text and max(map(len, prep.pieces(text, 1024))) <= 1024
+    outs = []
+    for size in (prep.PIECE_CHARS, 1024):
+        monkeypatch.setattr(prep, "PIECE_CHARS", size)
+        out = tmp_path / f"out-{size}"
+        res = meshrun_here("data", "prepare", str(corpus), "--tokenizer", made["tok"], "--out", str(out),
+                           "--workers", "1", "--val-fraction", "0")
+        assert res.returncode == 0, res.stderr
+        outs.append((out / "train-00000.tokens").read_bytes())
+    assert len(outs[0]) > 4000 and outs[0] == outs[1]
+
+
+def test_a_jsonl_line_past_the_bound_is_one_line_naming_it(tmp_path, made, monkeypatch):
+    """A JSON line is read whole, so its length is bounded (MAX_LINE_BYTES, 256 MiB): a longer
+    one is refused naming the file and line, before it is parsed."""
+    from meshrun.data import sources
+
+    monkeypatch.setattr(sources, "MAX_LINE_BYTES", 100)
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "short"}\n' + json.dumps({"text": "x" * 200}) + "\n")
+    line = error_line(meshrun_here("data", "prepare", str(path), "--tokenizer", made["tok"], "--out",
+                                   str(tmp_path / "o"), "--workers", "1"))
+    assert f"{path}:2: a line of more than 0 MiB" in line, line

@@ -22,6 +22,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -99,11 +100,45 @@ def _init_worker(spec: str, eos_token: str | None) -> None:
 _Encoded = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
+# The text a tokenizer is given at once: a longer document is tokenized in pieces of at most
+# this many characters, and its tokens joined. Each piece ends before a space or line break that
+# follows a word, where pre-tokenizers (byte-level BPE, tiktoken's) split anyway, so the joined
+# tokens are the whole document's. Tokenized whole, a 49 MB one-line document peaked at 9.7 GB
+# of memory (tokenizers' working state is about 200 bytes a character); in pieces, at 0.6 GB.
+PIECE_CHARS = 1 << 20
+_CUT = re.compile(r"\S(?=\s)")
+
+
+def pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
+    """``text`` cut into pieces of at most ``size`` characters; joined they are ``text``."""
+    out, start = [], 0
+    while len(text) - start > size:
+        end = start + size
+        window = text[max(start, end - 4096):end]  # (a cut is found in the last 4 KiB of text, or made anywhere)
+        ends = [m.end() for m in _CUT.finditer(window)]
+        cut = end - len(window) + ends[-1] if ends else end
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
+
+
+def _encode_documents(tok: Tokenizer, docs: list[str], kind: np.dtype[Any]) -> list[np.ndarray]:
+    """Each document's tokens, a long one tokenized in pieces (PIECE_CHARS)."""
+    if all(len(d) <= PIECE_CHARS for d in docs):
+        return [np.asarray(d, dtype=kind) for d in tok.encode_batch(docs)]
+    arrays = []
+    for d in docs:
+        parts = [np.asarray(ids, dtype=kind) for part in pieces(d) for ids in tok.encode_batch([part])]
+        arrays.append(np.concatenate(parts) if len(parts) > 1 else parts[0])
+    return arrays
+
+
 def _encode(tok: Tokenizer, first: int, docs: list[str], fraction: float, dtype: str) -> _Encoded:
     """Each split's tokens of a chunk (documents end to end, each with the end-of-document
     token) and its documents' lengths."""
     kind = np.dtype(dtype).newbyteorder("<")
-    arrays = [np.asarray(d, dtype=kind) for d in tok.encode_batch(docs)]
+    arrays = _encode_documents(tok, docs, kind)
     eos = np.array([tok.eos_id], dtype=kind)
     out: _Encoded = {}
     for split in SPLITS:

@@ -29,6 +29,8 @@ STDLIB_VAL_FRACTION = 0.05
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
 DataKind = Literal["tokens", "text"]  # what a --data path holds (data_kind)
+# A JSON line is parsed whole: its bytes, its text and the parsed record are in memory at once
+MAX_LINE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,10 @@ def _jsonl(path: str, field: str) -> Iterator[str]:
         raise _gone(path, exc) from None
     with f:
         for n, raw in enumerate(_lines(f, path), 1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise MeshrunError(f"{path}:{n}: a line of more than {MAX_LINE_BYTES >> 20} MiB, which meshrun "
+                                   "reads whole (hint: split the document over several lines, or give it as a "
+                                   "text file)")
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -180,7 +186,7 @@ def _lines(f: BinaryIO, path: str) -> Iterator[bytes]:
     """The lines of an open file; a read that fails is a one-line error naming it."""
     while True:
         try:
-            line = f.readline()
+            line = f.readline(MAX_LINE_BYTES + 1)
         except OSError as exc:
             raise _gone(path, exc) from None
         if not line:
