@@ -143,4 +143,8 @@ def cmd_launch(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         return 0
     check_ports(topo, cmd, spec)
     cmd = prepare_network(topo, cmd, env, waits.rdzv_timeout)
-    return run_job(cmd, env, topo, spec, waits=Waits(finish_s=waits.finish_timeout), stop_workers=True)
+    # torchrun and Accelerate answer a stopping signal with their own traceback whatever the
+    # script does: it goes to their workers (the native DeepSpeed launcher's children are ssh
+    # sessions to other nodes, which it stops itself)
+    stop_workers = cmd.argv[:1] in (("torchrun",), ("accelerate",))
+    return run_job(cmd, env, topo, spec, waits=Waits(finish_s=waits.finish_timeout), stop_workers=stop_workers)
