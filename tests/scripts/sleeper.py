@@ -15,7 +15,9 @@ rank = os.environ.get("MESHRUN_PROCESS_ID") or os.environ.get("RANK", "0")
 
 
 def handled(signum, _frame):
-    print(f"rank {rank} handled {signal.Signals(signum).name}", flush=True)
+    # One write of the whole line: both ranks share the pipe, and print's separate write of
+    # the newline lets the other rank's line land between the two.
+    os.write(1, f"rank {rank} handled {signal.Signals(signum).name}\n".encode())
     sys.exit(0)
 
 
