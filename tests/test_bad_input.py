@@ -258,6 +258,11 @@ FIXTURES = {
 
 @pytest.fixture
 def dirs(tmp_path, monkeypatch):
+    return make_dirs(tmp_path, monkeypatch)
+
+
+def make_dirs(tmp_path, monkeypatch):
+    """The fixtures' directory (its path for ``{fix}``) and an empty working directory, entered."""
     fix, cwd = tmp_path / "fix", tmp_path / "cwd"
     fix.mkdir()
     cwd.mkdir()
