@@ -10,9 +10,10 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
-from helpers import clean_env, meshrun, require
+from helpers import clean_env, meshrun, meshrun_here, require
 
 
 def records(path):
@@ -252,6 +253,37 @@ def test_a_tracker_that_fails_mid_run_is_dropped_and_the_others_go_on(capsys):
                                        "metrics.jsonl keeps every record\n")
 
 
+def test_a_long_message_from_a_tracker_is_cut_whole_never_mid_string(capsys):
+    """A client library's message longer than the line allows ends after a whole word, before any
+    quote or bracket it would leave open: a host is shown whole or not at all."""
+    from meshrun.errors import first_line
+    from meshrun.training import tracking
+
+    said = ("API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/create failed with exception "
+            "HTTPConnectionPool(host='127.0.0.1', port=5000): Max retries exceeded with url: /api/2.0/mlflow/runs/"
+            "create (Caused by ReadTimeoutError(\"HTTPConnectionPool(host='127.0.0.1', port=5000): Read timed out. "
+            "(read timeout=120)\"))\nsecond line")
+
+    class Failing:
+        name = "mlflow"
+
+        def log(self, metrics, step):
+            raise ConnectionError(said)
+
+    tracking.log([Failing()], {"step": 3, "loss": 1.0})
+    line = capsys.readouterr().err
+    assert line == ("meshrun train: mlflow stopped logging at step 3: API request to http://127.0.0.1:5000/api/2.0/"
+                    "mlflow/runs/create failed with exception HTTPConnectionPool(host='127.0.0.1', port=5000): Max "
+                    "retries exceeded with url: /api/2.0/mlflow/runs/create …; metrics.jsonl keeps every record\n")
+    for limit in range(20, 330, 7):
+        cut = first_line(said, limit)
+        if cut == said.splitlines()[0]:
+            continue
+        assert len(cut) <= limit + 2 and cut.endswith(" …"), (limit, cut)
+        assert cut.count("(") == cut.count(")") and cut.count("'") % 2 == 0 and '"' not in cut, (limit, cut)
+    assert first_line("it doesn't fit in twenty", 20) == "it doesn't fit in …"
+
+
 def test_a_tracker_not_installed_is_one_line_with_its_extra(tmp_path):
     # Python's own way to make a module absent: None in sys.modules (find_spec then finds nothing)
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
@@ -312,3 +344,50 @@ def test_a_resume_whose_mlflow_run_left_the_store_says_what_to_do(tmp_path, monk
     line = str(raised.value)
     assert f"--log-with mlflow: the run {run_id} that {out / 'trackers.json'} continues is not in the store" in line
     assert f"(hint: {out / 'trackers.json'}: delete it, and the resumed run starts new tracker runs" in line
+
+
+@pytest.mark.parametrize("reply", [None, b"not http at all\r\n\r\n"], ids=["silent", "not-http"])
+def test_a_server_that_accepts_and_never_answers_is_one_line_within_the_bound(tmp_path, reply):
+    """A listener that accepts the connection and then says nothing (or no HTTP) is found before
+    any rank starts, within trackers.CONNECT_TIMEOUT_S, and OUT is not created."""
+    require("mlflow")
+    import threading
+
+    from meshrun.config.trackers import CONNECT_TIMEOUT_S
+
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def answer():  # accepts each connection; says nothing, or a line that is not HTTP
+        server.settimeout(0.2)
+        held = []
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            held.append(conn)
+            if reply:
+                conn.sendall(reply)
+        for conn in held:
+            conn.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        start = time.monotonic()
+        out = meshrun_here("train", "--model-size", "gpt-tiny", "--steps", "1", "--log-with", "mlflow",
+                           "--out", str(tmp_path / "run"), env=clean_env(MLFLOW_TRACKING_URI=url, HOME=str(tmp_path)))
+        took = time.monotonic() - start
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        server.close()
+    problem = ("the server accepts connections but sends no answer within 5 s" if reply is None
+               else "the server does not answer in HTTP (BadStatusLine)")
+    assert (out.returncode, out.stderr.strip().splitlines()) == (2, [
+        f"meshrun: error: env MLFLOW_TRACKING_URI={url!r}: {problem} "
+        "(hint: start the tracking server, or unset it for a local store)"])
+    assert took < CONNECT_TIMEOUT_S + 3
+    assert not (tmp_path / "run").exists()

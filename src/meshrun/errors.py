@@ -57,6 +57,37 @@ def shown(value: object) -> str:
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "…"
 
 
+
+CLOSERS = {"(": ")", "[": "]", "{": "}"}
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """The first non-blank line of another library's message, for one of meshrun's lines: at most
+    ``limit`` characters, a longer one cut after a whole word and before any quote or bracket it
+    would leave open (a host name is shown whole or not at all), marked with "…"."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if len(line) <= limit:
+        return line
+    cut = line[:limit]
+    if not line[limit].isspace() and " " in cut:  # a word the limit splits goes whole
+        cut = cut[:cut.rindex(" ")]
+    opened: list[int] = []
+    quote: tuple[str, int] | None = None
+    for i, ch in enumerate(cut):
+        if quote is not None:
+            if ch == quote[0]:
+                quote = None
+        elif ch in "'\"" and (i == 0 or not cut[i - 1].isalnum()):  # (the ' of "don't" opens nothing)
+            quote = (ch, i)
+        elif ch in CLOSERS:
+            opened.append(i)
+        elif ch in CLOSERS.values() and opened and CLOSERS[cut[opened[-1]]] == ch:
+            opened.pop()
+    starts = opened + ([quote[1]] if quote else [])
+    if starts and min(starts) > 0:
+        cut = cut[:min(starts)]
+    return cut.rstrip(" ,:;=") + " …"
+
 # The exit code of a `meshrun train` run stopped by a preemption signal after writing its
 # snapshot: EX_TEMPFAIL of sysexits.h ("try again later"). Running the same command again
 # resumes; a job script requeues on it, and `--max-restarts` does not count it as a crash.

@@ -15,7 +15,6 @@ import importlib.util
 import json
 import netrc
 import os
-import socket
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
@@ -24,7 +23,7 @@ from ..errors import MeshrunError, bad_value
 # Each tracker: the module it needs and the extra that installs it.
 TRACKERS = {"tensorboard": ("tensorboard", "torch"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 DEFAULT = "tensorboard"
-CONNECT_TIMEOUT_S = 5.0  # a server that does not answer in this long is reported, not waited on
+CONNECT_TIMEOUT_S = 5.0  # a server whose answer takes longer is reported, not waited on
 OFFLINE_WANDB = ("offline", "dryrun", "disabled")
 
 
@@ -104,19 +103,57 @@ def preflight(names: tuple[str, ...], env: Mapping[str, str]) -> None:
 
 
 def _reachable(url: str, where: str, hint: str, env: Mapping[str, str]) -> None:
-    """A TCP connection to the URL's host and port opens within CONNECT_TIMEOUT_S (behind a
-    proxy the clients reach the server through it: not checked here)."""
+    """The server at ``url`` sends an HTTP answer (any status) within CONNECT_TIMEOUT_S in all:
+    a port that refuses, a host that drops the connection and a listener that accepts and never
+    replies are each one line here, not a client library's retries at the first step. Behind a
+    proxy the clients reach the server through it: not checked here."""
     if any(env.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")):
         return
     parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
     if not parts.hostname:
         raise bad_value(where, url, "names no host", hint)
     try:
-        with socket.create_connection((parts.hostname, port), timeout=CONNECT_TIMEOUT_S):
-            pass
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise bad_value(where, url, "names a port that is not a number in 0..65535", hint) from None
+    problem = _http_answer(parts.scheme, parts.hostname, port, parts.path or "/", CONNECT_TIMEOUT_S)
+    if problem:
+        raise bad_value(where, url, problem, hint)
+
+
+def _http_answer(scheme: str, host: str, port: int, path: str, seconds: float) -> str:
+    """What is wrong with the server's answer to one GET of ``path`` within ``seconds`` ("" when
+    it sent a status line). The certificate is not checked: whether the server answers is the
+    question here; the tracker's client checks it as it always does."""
+    import http.client
+    import ssl
+    import time
+
+    deadline = time.monotonic() + seconds
+    if scheme == "https":
+        unchecked = ssl.create_default_context()
+        unchecked.check_hostname, unchecked.verify_mode = False, ssl.CERT_NONE
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(host, port, timeout=seconds,
+                                                                       context=unchecked)
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=seconds)
+    try:
+        conn.connect()
+        if conn.sock is not None:  # connecting used part of the time: the answer gets the rest
+            conn.sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        conn.request("GET", path, headers={"User-Agent": "meshrun-preflight", "Connection": "close"})
+        conn.getresponse().close()
+        return ""
+    except TimeoutError:
+        connected = conn.sock is not None
+        return (f"the server accepts connections but sends no answer within {seconds:g} s" if connected
+                else f"the server does not answer within {seconds:g} s")
+    except http.client.HTTPException as e:
+        return f"the server does not answer in HTTP ({type(e).__name__})"
     except OSError as e:
-        raise bad_value(where, url, f"the server does not answer ({e.strerror or e})", hint) from None
+        return f"the server does not answer ({e.strerror or type(e).__name__})"
+    finally:
+        conn.close()
 
 
 def _netrc_has(host: str) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Literal
 
-from ..errors import MeshrunError, bad_value
+from ..errors import MeshrunError, bad_value, first_line
 from ..fsio import file_kind
 from . import INDEX
 
@@ -197,7 +197,7 @@ def _lines(f: BinaryIO, path: str) -> Iterator[bytes]:
 def _unreadable(path: str, what: str, exc: Exception, hint: str) -> MeshrunError:
     """The one line for an input its library could not read (a cut or damaged file): named as
     the input it is, never as the output being written."""
-    why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    why = first_line(str(exc), 200) or type(exc).__name__
     return MeshrunError(f"{path}: cannot read it as {what}: {why} (hint: {hint})")
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypedDict
 
-from ..errors import MeshrunError, bad_value
+from ..errors import MeshrunError, bad_value, first_line
 
 # End-of-document tokens by the names tokenizers give them, tried in this order when the
 # tokenizer's own config names none.
@@ -72,7 +72,7 @@ def _from_tokenizer_json(path: str, where: str, eos_token: str | None) -> Tokeni
     try:
         tok = HFTokenizer.from_file(path)
     except Exception as exc:  # the library's own words: an unreadable or foreign file
-        raise bad_value(where, path, f"not a tokenizers file ({str(exc).strip().splitlines()[0][:120]})",
+        raise bad_value(where, path, f"not a tokenizers file ({first_line(str(exc), 120)})",
                         "give a Hugging Face tokenizer directory or its tokenizer.json") from None
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import MeshrunError, bad_value
+from ..errors import MeshrunError, bad_value, first_line
 from ..quiet import quiet_library_notices
 
 CONFIG = "config.json"
@@ -251,8 +251,7 @@ def build_on_meta(config: Any, where: str = "--model", path: str = "") -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+    return f"{type(exc).__name__}: {first_line(str(exc), 160)}"
 
 
 def export_record(model: Any, source: str | None) -> dict[str, Any] | None:

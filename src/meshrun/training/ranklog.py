@@ -22,6 +22,8 @@ import time
 import warnings
 from typing import Any, TextIO
 
+from ..errors import first_line
+
 
 def log_path(log_dir: str, rank: int) -> str:
     return os.path.join(log_dir, f"rank-{rank}.log")
@@ -69,7 +71,7 @@ class _WarnOnce:
         if self.terminal is None or key in self.seen:
             return
         self.seen.add(key)
-        self.terminal.write(f"meshrun: warning (rank 0, shown once): {category.__name__}: {first[:300]}\n")
+        self.terminal.write(f"meshrun: warning (rank 0, shown once): {category.__name__}: {first_line(first)}\n")
         self.terminal.flush()
 
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from ..config.outdir import RUN_ID_ENV
 from ..config.trackers import DELETE_IDS, IDS_FILE, saved_ids
-from ..errors import MeshrunError
+from ..errors import MeshrunError, first_line
 
 PROJECT = "meshrun"  # W&B project and MLflow experiment when WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME are unset
 PARAM_CHARS = 6000  # MLflow's longest parameter value
@@ -217,5 +217,4 @@ def close(trackers: list[Tracker], finished: bool) -> None:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:300]
+    return first_line(str(e)) or type(e).__name__

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..errors import MeshrunError
+from ..errors import MeshrunError, first_line
 from ..modelinfo.hf import unreadable_weights
 
 # Names that wrappers put into parameter paths, which the checkpoint files do not have.
@@ -166,7 +166,7 @@ def load_pretrained(model: nn.Module, weights: Pretrained, log: bool = False,
             raise
         except Exception as exc:  # a truncated or corrupt file: safetensors' own words
             said = str(exc).strip()
-            raise unreadable_weights(path, f"{type(exc).__name__}: {said.splitlines()[0][:160] if said else ''}"
+            raise unreadable_weights(path, f"{type(exc).__name__}: {first_line(said, 160)}"
                                      ) from None
         if log and sys.stderr.isatty():
             print(f"\rmeshrun train: weights {i + 1}/{len(weights.files)} files", end="", file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ...config import TrainConfig
-from ...errors import MeshrunError, bad_value
+from ...errors import MeshrunError, bad_value, first_line
 from ...modelinfo.blocks import find_blocks
 from ...modelinfo.loss import loss_mode
 from ...vocab import Engine, StrategyKind
@@ -274,7 +274,7 @@ class Build:
             try:
                 use_flex_in_transformers(self.model)
             except (ValueError, ImportError) as exc:  # a family without it: transformers' dense mask
-                self.done.append(f"document masks dense ({(str(exc).splitlines() or [''])[0][:120]})")
+                self.done.append(f"document masks dense ({first_line(str(exc), 120)})")
                 return
         self.done.append("document masks in FlexAttention")
 
