@@ -52,7 +52,10 @@ def meshrun_here(*args: str, env: dict[str, str] | None = None) -> subprocess.Co
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args), env if env is not None else clean_env())
+        try:
+            code = main(list(args), env if env is not None else clean_env())
+        except SystemExit as exc:  # (argparse's --help and --version exit once printed)
+            code = exc.code if isinstance(exc.code, int) else 1
     return subprocess.CompletedProcess(["meshrun", *args], code, out.getvalue(), err.getvalue())
 
 

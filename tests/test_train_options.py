@@ -43,8 +43,8 @@ def test_a_field_added_to_a_section_is_a_flag_a_variable_a_config_key_and_a_keyw
     pkg = _package_with_a_new_option(tmp_path)
     env = clean_env(PYTHONPATH=pkg)
 
-    # --help: under its section, with its metavar and its help (the default filled in)
-    help_text = meshrun("train", "--help", env=env).stdout
+    # --help-all: under its section, with its metavar and its help (the default filled in)
+    help_text = meshrun("train", "--help-all", env=env).stdout
     schedule = " ".join(help_text.split("\nschedule:\n", 1)[1].split("\n\n", 1)[0].split())  # (unwrapped)
     assert "--probe-depth D" in schedule and "a probe option that exists only in this test (default 7)" in schedule
 
