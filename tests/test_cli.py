@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import clean_env, meshrun, meshrun_here, script
+from helpers import clean_env, meshrun, meshrun_here, script, started_by_shell
 from platform_envs import SATURN, SKYPILOT, SLURM
 
 TRAIN = script("torch_allreduce.py")
@@ -158,10 +158,16 @@ def test_meshrun_variables_act_as_flag_defaults_and_flags_win():
     assert src["nnodes"] == "env MESHRUN_NNODES"
 
 
-def test_dry_run_text_is_a_copyable_shell_line():
-    out = meshrun("launch", "--dry-run", "-f", "tensorflow", TRAIN)
-    lines = out.stdout.strip().splitlines()
-    assert len(lines) == 2 and all("TF_CONFIG=" in line for line in lines)
+@pytest.mark.parametrize("framework,count", [("tensorflow", 2), ("torch", 1)])
+def test_dry_run_text_is_the_shell_command_of_what_starts(framework, count, tmp_path):
+    """The processes (TensorFlow: one per device, meshrun starts each; torch: torchrun) as shell
+    text of lines of at most 100 columns, which bash runs into the processes the JSON lists."""
+    args = ["launch", "--dry-run", "-f", framework, "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port",
+            "29555"]
+    text, told = meshrun_here(*args, TRAIN).stdout, json.loads(meshrun_here(*args, "--json", TRAIN).stdout)
+    assert len(told["processes"]) == count and max(len(line) for line in text.splitlines()) <= 100, text
+    got, want = started_by_shell(text, told["processes"], tmp_path)
+    assert got == want and len(got) == count
 
 
 ERRORS = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping
 
 from ..cluster.detect import resolve
@@ -165,4 +166,7 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     flags = {k: v for k, v in vars(ns).items() if v is not None}
     cfg, job, user = job_from(ns.config, env, flags, "flag")
     topo = resolve(env, count_visible_gpus(env), user.platform, user.overrides, free_port=free_port)
-    return run(cfg, topo, job, env).code
+    result = run(cfg, topo, job, env)
+    if result.dry_run is not None:
+        print(json.dumps(result.dry_run.to_dict(), indent=2) if job.json else result.dry_run.text())
+    return result.code
