@@ -52,8 +52,45 @@ def meshrun_here(*args: str, env: dict[str, str] | None = None) -> subprocess.Co
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args), env if env is not None else clean_env())
+        try:
+            code = main(list(args), env if env is not None else clean_env())
+        except SystemExit as exc:  # (argparse's --help and --version exit once printed)
+            code = exc.code if isinstance(exc.code, int) else 1
     return subprocess.CompletedProcess(["meshrun", *args], code, out.getvalue(), err.getvalue())
+
+
+def started_by_shell(text: str, processes: list[dict], tmp_path) -> tuple[list[str], list[str]]:
+    """What the shell text of a dry run starts, against what its JSON says (``processes``: each
+    one's argv and env): the text run by bash with each program replaced by a probe that records
+    its arguments and variables. Both as sorted lists of canonical JSON (a JSON value compared
+    as what it parses to: the text lays it over lines)."""
+    import json
+    import shlex
+
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, os, sys, uuid\n"
+                     f"path = os.path.join({str(tmp_path)!r}, uuid.uuid4().hex + '.started')\n"
+                     "json.dump({'argv': sys.argv[1:], 'env': dict(os.environ)}, open(path, 'w'))\n")
+
+    def canon(value: str) -> object:
+        return json.loads(value) if value.startswith("{") else value
+
+    script = text
+    for program in {p["argv"][0] for p in processes}:
+        script = script.replace(shlex.quote(program) + " ", f"{shlex.quote(sys.executable)} {shlex.quote(str(probe))} ")
+    res = subprocess.run(["bash", "-c", script], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    started = []
+    for name in sorted(os.listdir(tmp_path)):
+        if name.endswith(".started"):
+            with open(tmp_path / name) as f:
+                started.append(json.load(f))
+    names = {k for p in processes for k in p["env"]}
+    got = sorted(json.dumps([s["argv"], {k: canon(v) for k, v in s["env"].items() if k in names}], sort_keys=True)
+                 for s in started)
+    want = sorted(json.dumps([p["argv"][1:], {k: canon(v) for k, v in p["env"].items()}], sort_keys=True)
+                  for p in processes)
+    return got, want
 
 
 def marked_pids(mark: str, tag: str) -> list[int]:

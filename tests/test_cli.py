@@ -1,12 +1,14 @@
 """The CLI as a user meets it: help, env, dry runs, and one-line errors with exit code 2."""
 
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
 
 import pytest
-from helpers import clean_env, meshrun, script
+from helpers import clean_env, meshrun, meshrun_here, script, started_by_shell
 from platform_envs import SATURN, SKYPILOT, SLURM
 
 TRAIN = script("torch_allreduce.py")
@@ -20,6 +22,82 @@ def test_help_teaches_with_examples():
     for words in ("examples:", "--num_processes=N*G (GLOBAL)", "--dry-run", "jax_initialize", "--nnodes 1:4"):
         assert words in launch.stdout
     assert "examples:" in meshrun("env", "--help").stdout
+
+
+def _commands(parser, path=()):
+    """Every command and subcommand of ``parser``, as the words that name it."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name)
+                yield from _commands(sub, (*path, name))
+
+
+def _all_commands():
+    from meshrun.cli import make_parser
+
+    return list(_commands(make_parser()))
+
+
+# reST and Markdown that would show as such in a terminal: ``literal``, `code`, :func:`x`,
+# **bold**, [text](link)
+MARKUP = re.compile(r"`|:[a-z]+:`|\*\*\w|\]\(")
+
+
+@pytest.mark.parametrize("words", [(), *_all_commands(), ("train", "--help-all")],
+                         ids=lambda words: " ".join(words) or "meshrun")
+def test_no_help_shows_markup(words, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    args = list(words) if "--help-all" in words else [*words, "--help"]
+    out = meshrun_here(*args)
+    assert out.returncode == 0 and out.stdout.startswith("usage: meshrun"), out.stderr
+    marked = [line for line in out.stdout.splitlines() if MARKUP.search(line)]
+    assert not marked, marked
+
+
+def test_top_help_names_every_command_platform_and_render_target(monkeypatch):
+    from meshrun.cli import COMMANDS
+    from meshrun.cluster.detect import PLATFORMS
+    from meshrun.render import TARGETS
+
+    monkeypatch.setenv("COLUMNS", "80")
+    text = meshrun_here("--help").stdout
+    for name in COMMANDS:
+        assert f"\n  meshrun {name} " in text, name
+    render = text.split("\n  meshrun render ", 1)[1].split("\n  meshrun doctor ", 1)[0]
+    assert set(TARGETS) <= set(re.findall(r"[\w-]+", render)), render
+    assert "LSF" in render
+    platforms = text.split("\nplatforms", 1)[1].split("\n\n", 1)[0]
+    assert set(PLATFORMS) <= set(re.findall(r"[\w-]+", platforms)), platforms
+    assert "COMMAND ..." in text.splitlines()[0]
+
+
+def test_train_help_lists_the_common_options_and_help_all_every_one(monkeypatch):
+    from meshrun.cli import command_parser, make_parser
+
+    monkeypatch.setenv("COLUMNS", "80")
+    short, full = meshrun_here("train", "--help"), meshrun_here("train", "--help-all")
+    assert short.returncode == full.returncode == 0
+    lines = short.stdout.splitlines()
+    listed = [line.split()[0] for line in lines if line.startswith("  --")]
+    assert 15 <= len(listed) <= 30 and len(lines) <= 60, short.stdout
+    assert "meshrun train --help-all" in short.stdout and "docs/guide.md" in short.stdout
+    # every option: in --help-all, and in the guide's reference of them
+    guide = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "guide.md")).read()
+    reference = guide.split("#### Every option of `meshrun train`", 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in reference.splitlines() if line.startswith("| `--")]
+    parser = command_parser(make_parser("train"), "train")
+    options = [a for a in parser._actions if a.option_strings and not {"-h", "--help-all"} & set(a.option_strings)]
+    assert len(options) > 50 and len(rows) == len(options)
+    for action in options:
+        first, *others = [name for name in action.option_strings if "_" not in name]
+        assert re.search(rf"(?m)^  {first}\b", full.stdout), first
+        assert any(re.match(rf"\| `{first}[ `]", row) for row in rows), first
+        for other in others:
+            assert f", {other}" in full.stdout and any(f"`{other}`" in row for row in rows), other
+    assert set(listed) <= {name for a in options for name in a.option_strings}
 
 
 def test_launch_imports_only_what_it_runs():
@@ -80,10 +158,16 @@ def test_meshrun_variables_act_as_flag_defaults_and_flags_win():
     assert src["nnodes"] == "env MESHRUN_NNODES"
 
 
-def test_dry_run_text_is_a_copyable_shell_line():
-    out = meshrun("launch", "--dry-run", "-f", "tensorflow", TRAIN)
-    lines = out.stdout.strip().splitlines()
-    assert len(lines) == 2 and all("TF_CONFIG=" in line for line in lines)
+@pytest.mark.parametrize("framework,count", [("tensorflow", 2), ("torch", 1)])
+def test_dry_run_text_is_the_shell_command_of_what_starts(framework, count, tmp_path):
+    """The processes (TensorFlow: one per device, meshrun starts each; torch: torchrun) as shell
+    text of lines of at most 100 columns, which bash runs into the processes the JSON lists."""
+    args = ["launch", "--dry-run", "-f", framework, "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port",
+            "29555"]
+    text, told = meshrun_here(*args, TRAIN).stdout, json.loads(meshrun_here(*args, "--json", TRAIN).stdout)
+    assert len(told["processes"]) == count and max(len(line) for line in text.splitlines()) <= 100, text
+    got, want = started_by_shell(text, told["processes"], tmp_path)
+    assert got == want and len(got) == count
 
 
 ERRORS = [

@@ -73,11 +73,11 @@ def _cli(args: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[str
 def _api(value: object, env: dict[str, str], capsys: pytest.CaptureFixture[str], name: str) -> tuple[str, object]:
     given = {k: v for k, v in BASE.items() if k != name}
     try:
-        meshrun.train(env=env, dry_run=True, json=True, **{**given, name: value})
+        result = meshrun.train(env=env, dry_run=True, **{**given, name: value})
     except meshrun.MeshrunError as exc:
         capsys.readouterr()
         return "refused", _without_source(str(exc))
-    return _answer(0, capsys.readouterr().out, "", name)
+    return _answer(0, json.dumps(result.dry_run.to_dict()), "", name)
 
 
 @pytest.mark.parametrize("name", sorted(FIELDS))
@@ -157,11 +157,11 @@ def test_a_value_that_is_not_text_gets_the_same_answer_from_a_file_and_a_keyword
 def _api_with(given: dict, env: dict[str, str], capsys: pytest.CaptureFixture[str], name: str) -> tuple[str, object]:
     base = {k: v for k, v in BASE.items() if k != name}
     try:
-        meshrun.train(env=env, dry_run=True, json=True, **{**base, **given})
+        result = meshrun.train(env=env, dry_run=True, **{**base, **given})
     except meshrun.MeshrunError as exc:
         capsys.readouterr()
         return "refused", _without_source(str(exc))
-    return _answer(0, capsys.readouterr().out, "", name)
+    return _answer(0, json.dumps(result.dry_run.to_dict()), "", name)
 
 
 def test_a_path_object_or_bytes_from_python_is_the_path(tmp_path, monkeypatch, capsys):
@@ -181,8 +181,8 @@ def test_the_api_reads_meshrun_config_as_the_cli_does(tmp_path, monkeypatch, cap
     config.write_text("steps: 7\n")
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_")}, "MESHRUN_CONFIG": str(config)}
     given = {k: v for k, v in BASE.items() if k != "steps"}
-    meshrun.train(env=env, dry_run=True, json=True, **given)
-    from_api = json.loads(json.loads(capsys.readouterr().out)["env"]["MESHRUN_TRAIN_CONFIG"])
+    from_api = json.loads(meshrun.train(env=env, dry_run=True, **given).dry_run.processes[0]["env"]
+                          ["MESHRUN_TRAIN_CONFIG"])
     assert main(["train", *[a for k, v in given.items() for a in (flag(k), v)], "--dry-run", "--json"], env=env) == 0
     from_cli = json.loads(json.loads(capsys.readouterr().out)["env"]["MESHRUN_TRAIN_CONFIG"])
     assert from_api["steps"] == from_cli["steps"] == 7
@@ -219,8 +219,7 @@ def test_the_api_takes_a_config_path_and_refuses_a_mapping(tmp_path, monkeypatch
     (tmp_path / "run.yaml").write_text("steps: 3\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_")}
     given = {k: v for k, v in BASE.items() if k != "steps"}
-    meshrun.train(pathlib.Path("run.yaml"), env=env, dry_run=True, json=True, **given)
-    assert json.loads(json.loads(capsys.readouterr().out)["env"]["MESHRUN_TRAIN_CONFIG"])["steps"] == 3
+    assert meshrun.train(pathlib.Path("run.yaml"), env=env, dry_run=True, **given).dry_run.config.steps == 3
     with pytest.raises(meshrun.MeshrunError, match=r"^meshrun.train\(\) option config=\{'steps': 3\}: expected the "
                        "path of a YAML or TOML file, not dict"):
         meshrun.train(config={"steps": 3}, env=env, dry_run=True, **given)
@@ -231,6 +230,7 @@ def test_meshrun_dry_run_makes_the_api_dry_run_as_it_does_the_cli(tmp_path, monk
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_")}, "MESHRUN_DRY_RUN": "1",
            "MESHRUN_JSON": "1"}
     result = meshrun.train(env=env, out=str(tmp_path / "run"), **BASE)
-    told = json.loads(capsys.readouterr().out)
+    assert capsys.readouterr().out == ""  # (the API prints nothing: the result holds the dry run)
+    told = result.dry_run.to_dict()
     assert result.code == 0 and told["job"]["dry_run"] is True and "MESHRUN_TRAIN_CONFIG" in told["env"]
     assert os.listdir(tmp_path) == []  # nothing ran, nothing written

@@ -7,13 +7,44 @@ import subprocess
 import sys
 
 import pytest
-from helpers import clean_env, meshrun, require
+from helpers import clean_env, meshrun, meshrun_here, require, started_by_shell
 
 import meshrun as meshrun_pkg
 
 OPTIONS = dict(model_size="gpt-tiny", steps=2, nproc=2, seq_len=32, micro_batch=2, eval_batches=1, data="random")
 FLAGS = ["--model-size", "gpt-tiny", "--steps", "2", "--nproc", "2", "--seq-len", "32", "--micro-batch", "2",
          "--eval-batches", "1", "--data", "random"]
+
+
+def test_a_dry_run_returns_the_job_it_would_start_and_prints_nothing(tmp_path, capsys):
+    """meshrun.train(dry_run=True): nothing starts and nothing is printed; the result's dry_run
+    holds the resolved config, the topology, the ranks' decisions and each process's command,
+    the same as `meshrun train --dry-run --json` says and as its text starts."""
+    result = meshrun_pkg.train(dry_run=True, nproc=3, steps=7, model_size="gpt-tiny", env=clean_env())
+    assert capsys.readouterr() == ("", "")
+    assert (result.code, result.metrics, result.snapshot) == (0, {}, None)
+    dry = result.dry_run
+    assert (dry.config.steps, dry.config.sources["steps"], dry.topology.nproc_per_node) == (7, "meshrun.train", 3)
+    assert (dry.decisions["strategy"], dry.decisions["decided_for"]) == ("ddp", "CPU processes")
+    assert dry.summary[:2] == ("decided for CPU processes:", "strategy: ddp (rules)")
+    assert len(dry.processes) == 3 and dry.argv[-3:] == ["-u", "-m", "meshrun.training.worker"]
+    assert sorted(p["env"]["RANK"] for p in dry.processes) == ["0", "1", "2"]
+    assert meshrun_pkg.TrainConfig.from_json(dry.processes[0]["env"]["MESHRUN_TRAIN_CONFIG"]) == dry.config
+    assert "strategy='ddp'" in repr(result) and len(repr(result)) < 300
+    # the CLI's JSON is this object's (but the port each picks, and --json itself)
+    cli = json.loads(meshrun_here("train", "--dry-run", "--json", "--nproc", "3", "--steps", "7", "--model-size",
+                                  "gpt-tiny").stdout)
+    told = json.loads(json.dumps(dry.to_dict()))
+    for d in (told, cli):
+        del d["topology"]["master_port"], d["job"]["json"]
+    assert {k: told[k] for k in ("job", "topology", *dry.decisions)} == \
+        {k: cli[k] for k in ("job", "topology", *dry.decisions)}
+    # its text: the decisions, then a shell command of lines of at most 100 columns that starts them
+    text = str(dry)
+    assert text.splitlines()[:2] == ["# decided for CPU processes:", "# strategy: ddp (rules)"]
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    got, want = started_by_shell(text, dry.processes, tmp_path)
+    assert got == want and len(got) == 3
 
 
 def test_a_script_trains_with_meshrun_train_and_gets_what_the_cli_run_leaves(tmp_path):

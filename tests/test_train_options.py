@@ -43,8 +43,8 @@ def test_a_field_added_to_a_section_is_a_flag_a_variable_a_config_key_and_a_keyw
     pkg = _package_with_a_new_option(tmp_path)
     env = clean_env(PYTHONPATH=pkg)
 
-    # --help: under its section, with its metavar and its help (the default filled in)
-    help_text = meshrun("train", "--help", env=env).stdout
+    # --help-all: under its section, with its metavar and its help (the default filled in)
+    help_text = meshrun("train", "--help-all", env=env).stdout
     schedule = " ".join(help_text.split("\nschedule:\n", 1)[1].split("\n\n", 1)[0].split())  # (unwrapped)
     assert "--probe-depth D" in schedule and "a probe option that exists only in this test (default 7)" in schedule
 
@@ -72,8 +72,8 @@ def test_a_field_added_to_a_section_is_a_flag_a_variable_a_config_key_and_a_keyw
         assert out.returncode == 0, out.stderr[-2000:]
         assert _config_of(out.stdout)["probe_depth"] == want
 
-    # meshrun.train(probe_depth=...), through the same job (a dry run prints its launch)
-    code = "import meshrun\nmeshrun.train(probe_depth=4, dry_run=True, json=True)\n"
+    # meshrun.train(probe_depth=...), through the same job (a dry run returns its launch)
+    code = "import json, meshrun\nprint(json.dumps(meshrun.train(probe_depth=4, dry_run=True).dry_run.to_dict()))\n"
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     cfg = _config_of(res.stdout)
@@ -124,7 +124,7 @@ def test_a_float_from_a_variable_is_converted_and_checked(value, said):
 def test_meshrun_train_reads_the_variables_under_its_keywords():
     """As on the command line: a keyword wins over MESHRUN_<NAME>, which wins over the default."""
     code = ("import json, meshrun\n"
-            "meshrun.train(steps=6, dry_run=True, json=True)\n")
+            "print(json.dumps(meshrun.train(steps=6, dry_run=True).dry_run.to_dict()))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=clean_env(MESHRUN_STEPS="9", MESHRUN_LOG_EVERY="3"))
     assert res.returncode == 0, res.stderr[-2000:]

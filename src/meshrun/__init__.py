@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Topology", "MeshrunError", "Trainer", "TrainConfig", "TrainResult", "detect", "run", "train",
+__all__ = ["Topology", "MeshrunError", "Trainer", "TrainConfig", "TrainResult", "DryRun", "detect", "run", "train",
            "tf_config", "jax_initialize", "__version__"]
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .integrations.tensorflow import tf_config
     from .job import TrainResult
     from .job.api import train
+    from .job.dryrun import DryRun
     from .training.trainer import Trainer
 
 _LAZY = {
@@ -34,6 +35,7 @@ _LAZY = {
     "Trainer": ("meshrun.training.trainer", "Trainer"),
     "TrainConfig": ("meshrun.config", "TrainConfig"),
     "TrainResult": ("meshrun.job", "TrainResult"),
+    "DryRun": ("meshrun.job.dryrun", "DryRun"),
     "train": ("meshrun.job.api", "train"),
 }
 

@@ -1,21 +1,31 @@
 """meshrun: take a training script from one GPU to many nodes, on any cluster.
 
+commands:
   meshrun env [--json]                 show the topology meshrun detects here, and why
   meshrun launch [options] script.py   start the script on this node for its framework
+                                       (torch, deepspeed, accelerate, jax, tensorflow)
   meshrun train [options]              train with meshrun's trainer (default: a small GPT
                                        on the Python standard library's source)
   meshrun data prepare IN --tokenizer T --out DIR
                                        tokenize a text corpus once into token shards
   meshrun plan [options]               per-GPU memory of each strategy, the one that fits,
                                        and its ds_config.json / accelerate / train configs
-  meshrun render TARGET -- COMMAND     a Slurm / SkyPilot / Kubernetes / Saturn Cloud job spec
-                                       (or a DeepSpeed hostfile) that runs COMMAND via meshrun
+  meshrun render TARGET -- COMMAND     a job spec whose nodes run COMMAND through meshrun;
+                                       TARGET: slurm (sbatch), lsf (IBM Spectrum LSF bsub),
+                                       skypilot, kubernetes, saturn (Saturn Cloud), or
+                                       hostfile (DeepSpeed's)
   meshrun doctor [--json]              check GPUs, versions, the master, interfaces, NCCL settings
   meshrun bench comm|matmul|train      collectives' bus bandwidth, matmul TFLOP/s, training MFU
   meshrun export SNAPSHOT --to DIR     a snapshot's weights as a Hugging Face model directory
                                        (or --to FILE.safetensors: one file)
 
-Run ``meshrun COMMAND --help`` for each command's manual. Every option accepts dashes or
+platforms, detected from their variables in this order (--platform NAME skips detection;
+MESHRUN_PLATFORMS adds your own):
+  torchrun (a worker torchrun started), lsf (IBM Spectrum LSF), mpi (mpirun), skypilot,
+  saturn (Saturn Cloud), kubeflow (Kubeflow, or Kubernetes pods), sagemaker, slurm,
+  generic (MASTER_ADDR, NNODES, NODE_RANK), local (this machine alone)
+
+Run 'meshrun COMMAND --help' for each command's manual. Every option accepts dashes or
 underscores (--master-port, --master_port) and can also be set through the environment as
 MESHRUN_<NAME> (MESHRUN_MASTER_PORT=29600); a flag wins over its variable, and either wins
 over what the platform says.
@@ -47,9 +57,13 @@ COMMANDS = {"env": "env", "launch": "launch", "train": "train", "export": "expor
 def make_parser(command: str | None = None) -> Parser:
     """The parser of ``command`` alone when it names one (others are then unknown to it), else
     of every command (for ``meshrun --help`` and a misspelt command's error)."""
-    parser = Parser(prog="meshrun", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="meshrun", usage="meshrun [-h] [--version] COMMAND ...", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"meshrun {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    # help=SUPPRESS: the description lists the commands with their synopses, and argparse's
+    # list of them would repeat it (prog: a command's usage starts "meshrun COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, help=argparse.SUPPRESS,
+                                prog="meshrun")
     modules = [COMMANDS[command]] if command in COMMANDS else list(dict.fromkeys(COMMANDS.values()))
     for name in modules:
         importlib.import_module(f"{__name__}.{name}").register(sub)

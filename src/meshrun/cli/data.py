@@ -11,7 +11,7 @@ from ..errors import require_packages
 from .options import add_option
 
 PREPARE_HELP = """\
-Tokenize a text corpus once, in parallel, into token shards that `meshrun train --data DIR`
+Tokenize a text corpus once, in parallel, into token shards that meshrun train --data DIR
 memory-maps: each document followed by the tokenizer's end-of-document token, a held-out
 validation split, and an index (meshrun-data.json: dtype, tokenizer name and hash, counts)
 written last. Interrupted and run again with the same inputs and settings, it resumes from

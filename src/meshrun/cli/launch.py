@@ -36,7 +36,7 @@ plain machine) and builds the launcher command the framework's own guide prescri
 
   torch       torchrun --nproc_per_node=G --nnodes=N --node_rank=R --master_addr=A ...
   deepspeed   the same torchrun line (+ --deepspeed --deepspeed_config FILE for the script),
-              or with --deepspeed-launcher native: `deepspeed --hostfile` on the head node only
+              or with --deepspeed-launcher native: deepspeed --hostfile on the head node only
   accelerate  accelerate launch --num_processes=N*G (GLOBAL) --num_machines=N ...
   jax         python script.py per process; call meshrun.jax_initialize() in the script
   tensorflow  python script.py per worker with TF_CONFIG; or call meshrun.tf_config()

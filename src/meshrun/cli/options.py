@@ -37,6 +37,57 @@ class Parser(argparse.ArgumentParser):
         raise MeshrunError(f"{message} (see '{self.prog} --help')")
 
 
+# A command's common options, as its short --help lists them: (group title, ((flag, one-line
+# summary), ...)) in order. The flag's metavar comes from the command's own option.
+ShortGroups = tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+
+
+@dataclass(frozen=True)
+class ShortHelp:
+    """What a command with many options prints for -h/--help: ``intro``, its common options
+    (``groups``), then ``outro`` (where the rest are: --help-all prints argparse's whole help)."""
+
+    intro: str
+    groups: ShortGroups
+    outro: str
+
+    def text(self, parser: argparse.ArgumentParser) -> str:
+        """The help text, formatted by argparse as ``parser``'s own (its prog, usage, width)."""
+        by_flag = {name: action for action in parser._actions for name in action.option_strings}
+        short = argparse.ArgumentParser(prog=parser.prog, usage=parser.usage, description=self.intro,
+                                        epilog=self.outro, add_help=False,
+                                        formatter_class=argparse.RawDescriptionHelpFormatter)
+        for title, options in self.groups:
+            group = short.add_argument_group(title)
+            for name, summary in options:
+                action = by_flag[name]  # (a KeyError here: a listed flag the command lacks)
+                if action.nargs == 0:
+                    group.add_argument(name, action="store_true", help=summary.replace("%", "%%"))
+                else:
+                    group.add_argument(name, nargs=action.nargs, metavar=action.metavar or action.dest.upper(),
+                                       help=summary.replace("%", "%%"))
+        return short.format_help()
+
+
+class _ShortHelpAction(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, short: ShortHelp, **kw: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kw)
+        self.short = short
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        parser._print_message(self.short.text(parser), sys.stdout)
+        parser.exit()
+
+
+def add_short_help(p: argparse.ArgumentParser, short: ShortHelp) -> None:
+    """-h/--help: ``short``'s text; --help-all: every option, grouped, and the whole
+    description (argparse's help). ``p`` is made with ``add_help=False``."""
+    p.add_argument("-h", "--help", action=_ShortHelpAction, short=short,
+                   help="the common options only (--help-all: all of them)")
+    p.add_argument("--help-all", action="help", help="every option, grouped, with the whole manual")
+
+
 @dataclass(frozen=True)
 class EnvDefault:
     """An option whose default may come from MESHRUN_<DEST> before its built-in default."""

@@ -17,7 +17,7 @@ from ..vocab import FRAMEWORKS
 from .options import add_option
 
 RENDER_HELP = """\
-Write a job spec for a platform; every node runs the command after `--` through meshrun,
+Write a job spec for a platform; every node runs the command after -- through meshrun,
 which detects its rank, the head node and the port from the platform's own variables.
 
   slurm       sbatch script: one task per node, srun, head node rendezvous
@@ -27,8 +27,8 @@ which detects its rank, the head node and the port from the platform's own varia
   saturn      Saturn Cloud Job settings: command and instance count
   hostfile    DeepSpeed hostfile from --hosts
 
-A command that does not start with `meshrun` is a script: it is run as
-`meshrun launch [-f FRAMEWORK] SCRIPT ARGS`.
+A command that does not start with meshrun is a script: it is run as
+meshrun launch [-f FRAMEWORK] SCRIPT ARGS.
 
 examples:
   meshrun render slurm --nodes 4 --gpus-per-node 8 -- meshrun train --model-size gpt-1.3b --out /shared/run1
@@ -44,8 +44,8 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("render", help="write a Slurm / SkyPilot / Kubernetes / Saturn Cloud job spec or a hostfile",
-                       description=RENDER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("render", help="write a Slurm / LSF / SkyPilot / Kubernetes / Saturn Cloud job spec or a "
+                       "hostfile", description=RENDER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="TARGET", help=f"one of {', '.join(TARGETS)}")
     g = p.add_argument_group("the job")
     add_option(g, "--nodes", "--nnodes", metavar="N", default="2", help="nodes (default 2; --nnodes is the same)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping
 
 from ..cluster.detect import resolve
@@ -13,7 +14,7 @@ from ..defaults import GLOBAL_BATCH_TOKENS
 from ..job import JobOptions, require_trainer_packages, run
 from ..job.api import job_from
 from ..vocab import STRATEGIES
-from .options import add_declared, add_option, add_topology_options
+from .options import ShortHelp, add_declared, add_option, add_short_help, add_topology_options
 
 _STRATEGY_LINES = "".join(f"  {name:<14s}  {kind.about}\n" for name, kind in STRATEGIES.items())
 
@@ -29,7 +30,7 @@ built on the meta device and filled after it is sharded: each rank reads only it
 the directory's safetensors files, or draws a random initialisation that is the same under
 every layout (--init). Its decoder layers are the blocks every strategy shards, checkpoints
 and compiles; on GPUs Liger Kernel's fused kernels run when it is installed (the liger extra).
-`meshrun export SNAPSHOT --to DIR` writes a trained one back as save_pretrained does.
+meshrun export SNAPSHOT --to DIR writes a trained one back as save_pretrained does.
 
 strategies (--strategy; the names meshrun plan uses):
   auto            (the default) on GPUs, the planner's pick among single, ddp and the FSDP2
@@ -85,9 +86,66 @@ examples:
 """
 
 
+# `meshrun train --help`: what a first run needs; --help-all has every option and TRAIN_HELP.
+SHORT_HELP = ShortHelp(
+    intro="""\
+Train with meshrun's PyTorch trainer on the topology meshrun detects (all GPUs here, or 2 CPU
+processes when there is none; on a cluster, run the same command on every node). With no
+options: a small GPT on this Python's standard library source, nothing to download.""",
+    groups=(  # (one line each at 80 columns: a summary of at most 54 characters)
+        ("model and data", (
+            ("--model", "a Hugging Face model directory, or your factory"),
+            ("--model-size", "GPT preset, gpt-tiny to gpt-1.3b (default gpt-small)"),
+            ("--data", "a corpus, text, random, or your Dataset factory"),
+            ("--seq-len", "tokens per sample (default: the model's context)"),
+        )),
+        ("how it is spread", (
+            ("--strategy", "auto (default), ddp, fsdp, zero1-3, ... (--help-all)"),
+            ("--tp", "tensor-parallel degree (--pp, --cp, --ep: --help-all)"),
+            ("--activation-checkpointing", "none, full, selective (default: when needed to fit)"),
+            ("--precision", "auto (default: bf16 on GPUs), bf16, fp32, fp8"),
+        )),
+        ("how long and how big", (
+            ("--steps", "optimizer steps (default 200)"),
+            ("--micro-batch", "per-process batch (default: the largest that fits)"),
+            ("--global-batch", f"samples per step, all ranks (GPUs: ~{GLOBAL_BATCH_TOKENS // 1024}K tokens)"),
+            ("--lr", "peak learning rate (default 0.001)"),
+        )),
+        ("output and restarts", (
+            ("--out", "metrics, loss.png and snapshots here; a rerun resumes"),
+            ("--resume", "auto (default), none, or a snapshot's path"),
+            ("--save-every", "a snapshot every N steps (default 100)"),
+            ("--log-with", "trackers: tensorboard (default), wandb, mlflow"),
+            ("--max-restarts", "restart a crashed job up to N times (needs --out)"),
+        )),
+        ("where (the platform says; these override it)", (
+            ("--nproc", "processes on this node (default: one per GPU)"),
+            ("--nnodes", "number of nodes"),
+            ("--master-addr", "node 0's address"),
+        )),
+        ("the command", (
+            ("--config", "a YAML or TOML file of these options"),
+            ("--dry-run", "show what would start and be decided (--json)"),
+        )),
+    ),
+    outro="""\
+examples:
+  meshrun train --steps 50 --out runs/a            # metrics.jsonl, TensorBoard, loss.png in runs/a
+  meshrun train --model ~/models/Llama-3.2-1B --data data/corpus --out runs/llama
+  meshrun train --nproc 2 --strategy fsdp --dry-run   # what it would start, and the choices made
+  meshrun train --config train.yaml --lr 3e-4      # flags override the file's keys
+
+Every option (all of them also MESHRUN_<NAME> variables, --config keys and meshrun.train()
+keywords), the strategies and the defaults meshrun chooses: meshrun train --help-all; and
+docs/guide.md, "meshrun train's options".""",
+)
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("train", help="train with meshrun's trainer (a small GPT on stdlib text by default)",
-                       description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       usage="%(prog)s [options]", add_help=False)
+    add_short_help(p, SHORT_HELP)
     add_option(p, "--config", metavar="FILE", help="YAML or TOML whose keys are these options (underscores or "
                "dashes), flat or in tables named by the sections below ([parallel] tp = 2); flags and "
                "MESHRUN_<NAME> variables override it")
@@ -108,4 +166,7 @@ def cmd_train(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     flags = {k: v for k, v in vars(ns).items() if v is not None}
     cfg, job, user = job_from(ns.config, env, flags, "flag")
     topo = resolve(env, count_visible_gpus(env), user.platform, user.overrides, free_port=free_port)
-    return run(cfg, topo, job, env).code
+    result = run(cfg, topo, job, env)
+    if result.dry_run is not None:
+        print(json.dumps(result.dry_run.to_dict(), indent=2) if job.json else result.dry_run.text())
+    return result.code

@@ -30,7 +30,6 @@ from ..errors import JobFailed, MeshrunError, bad_value, require_packages
 from ..launch import direct
 from ..launch.build import build
 from ..launch.command import Command, LaunchSpec
-from ..launch.dryrun import dry_run_text
 from ..launch.node import check_ports, rdzv_timeout_s
 from ..launch.options import WaitOptions
 from ..launch.restart import attempt_topology, run_with_restarts
@@ -40,6 +39,7 @@ from ..launch.torchrun import thread_env
 from ..options import check_all, option, option_fields, read, where
 from ..units import parse_bytes
 from . import prelaunch
+from .dryrun import DryRun
 
 TRAINER_PACKAGES = ("torch", "numpy", "safetensors")
 WORKER = "meshrun.training.worker"  # the module each rank runs
@@ -91,6 +91,7 @@ class TrainResult:
     metrics: dict[str, Any]  # rank 0's last log record (loss, val_loss, tokens_per_s, ...); {} on other nodes
     snapshot: str | None  # the newest committed snapshot under OUT/checkpoints
     out: str | None
+    dry_run: DryRun | None = None  # under dry_run: the job that would start, and its decisions (nothing ran)
 
 
 def require_trainer_packages() -> None:
@@ -207,7 +208,8 @@ def gpu_bytes(job: JobOptions) -> int | None:
 
 
 def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str]) -> TrainResult:
-    """Check, then run the job on this node (or print its command under ``job.dry_run``)."""
+    """Check, then run the job on this node (under ``job.dry_run``: start nothing, and return
+    what would start in the result's ``dry_run``)."""
     require_trainer_packages()
     gpus = count_visible_gpus(env)
     if gpu_bytes(job) is not None:
@@ -259,6 +261,8 @@ def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str
         keep = False
         try:
             code = _launch(job, env, cfg, topo, run_dir, run_id)
+            if isinstance(code, DryRun):
+                return TrainResult(0, {}, None, cfg.out, dry_run=code)
             return TrainResult(code, _last_record(run_dir), _newest_snapshot(cfg.out), cfg.out)
         except JobFailed:
             # without --out the ranks' logs live here: kept when a rank failed (its line names them)
@@ -276,9 +280,9 @@ def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str
 
 
 def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Topology, run_dir: RunDir,
-            run_id: str | None = None) -> int:
-    """Launch the workers (or print the command, under --dry-run) reporting to ``run_dir``;
-    ``run_id``: the run the snapshots belong to (node rank 0 knows it)."""
+            run_id: str | None = None) -> int | DryRun:
+    """Launch the workers reporting to ``run_dir`` (under --dry-run: what would start, started
+    not); ``run_id``: the run the snapshots belong to (node rank 0 knows it)."""
     extra = run_dir.env()
     waits = Waits(stall_s=cfg.collective_timeout, finish_s=job.finish_timeout)
     extra.update(thread_env(topo.nproc_per_node, env))  # torchrun's own choice, without its banner
@@ -302,13 +306,8 @@ def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Top
     if job.dry_run:
         from .preview import decided  # (torch-free on the CPU)
 
-        told = {"job": {name: getattr(job, name) for name in JOB_OPTIONS},
-                "topology": {"platform": topo.platform, "nnodes": topo.nnodes, "node_rank": topo.node_rank,
-                             "nproc_per_node": topo.nproc_per_node, "master_addr": topo.master_addr,
-                             "master_port": topo.master_port, "hosts": topo.hosts, "run_id": topo.run_id}}
         keys, lines = decided(cfg, topo, gpu_bytes(job), count_visible_gpus(env))
-        print(dry_run_text(cmd, job.json, {**told, **keys}, lines))
-        return 0
+        return DryRun(cfg, topo, {name: getattr(job, name) for name in JOB_OPTIONS}, keys, tuple(lines), cmd)
     check_ports(topo, cmd, spec)
     if topo.node_rank == 0 and (topo.local_rank or 0) == 0:
         rdzv = rdzv_timeout_s(job.rdzv_timeout) if topo.nnodes > 1 or topo.local_rank is not None else None

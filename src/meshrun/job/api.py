@@ -8,7 +8,10 @@ the topology options (``nproc``/``nproc_per_node``, ``nnodes``, ``node_rank``,
 command line, a keyword wins over a MESHRUN_<NAME> variable of ``env``, and a variable over the
 file. The ranks run in processes of their
 own, as under the CLI, which calls the same job/__init__.py. A bad value raises MeshrunError with
-the CLI's one-line message; a failed rank raises JobFailed (a MeshrunError) naming it.
+the CLI's one-line message; a failed rank raises JobFailed (a MeshrunError) naming it. Under
+``dry_run`` nothing starts and nothing is printed: the result's ``dry_run`` (a DryRun) holds the
+resolved config, the topology, what the ranks will decide and the processes' command lines;
+``print(result.dry_run)`` shows the text of `meshrun train --dry-run`.
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ def variables() -> set[str]:
 def train(config: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
           **options: Any) -> TrainResult:
     """Run a training job on this node and return its TrainResult (exit code, rank 0's last
-    metrics, the newest snapshot). ``env``: the environment to read the platform from and to
-    start the ranks with (default: this process's)."""
+    metrics, the newest snapshot; under ``dry_run=True``, the job that would start, in its
+    ``dry_run``, with nothing started or printed). ``env``: the environment to read the platform
+    from and to start the ranks with (default: this process's)."""
     if threading.current_thread() is not threading.main_thread():
         # the job relays Ctrl-C and preemption signals to its ranks: Python sets handlers in the main thread only
         raise MeshrunError(f"{SOURCE}() was called from thread {threading.current_thread().name!r}: a job relays "

@@ -23,6 +23,7 @@ from ..cluster.topology import Topology
 from ..errors import MeshrunError, bad_value
 from .command import Command, LaunchSpec
 from .rdzvwatch import StderrFilter
+from .torchrun import thread_env
 
 # NCCL's documented variables: set the socket interface, but never override what the user set.
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -180,6 +181,8 @@ def run_job(cmd: Command, env: Mapping[str, str], topo: Topology, spec: LaunchSp
     from .run import execute
 
     uses_torchrun = bool(cmd.processes) and cmd.processes[0].argv[0] == "torchrun"
+    if uses_torchrun:  # every command that starts torchrun passes here: none shows its banner
+        cmd = dataclasses.replace(cmd, env={**cmd.env, **thread_env(topo.nproc_per_node, {**env, **cmd.env})})
     rdzv = RendezvousWatch() if topo.nnodes > 1 and uses_torchrun else None
     inner: Any = rdzv
     if report is not None:  # torchrun's failure report held back, around the rendezvous filter
