@@ -337,15 +337,20 @@ SOURCES = {"README.txt": "a corpus of source files\n", "a.py": "def a():\n    re
 
 
 def _write_sources(root):
+    """SOURCES, and four compiled files (binary: the commonest extension, never suggested)."""
     for name, text in SOURCES.items():
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
+    (root / "__pycache__").mkdir()
+    for i in range(4):
+        (root / "__pycache__" / f"m{i}.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0" + bytes(range(256)))
 
 
 def test_a_directory_says_what_it_skipped_and_ext_reads_it(tmp_path, corpus):
     """A directory of mixed files: the line beside the summary counts the files not read by
-    extension, most first, and names the --ext that reads the commonest; with --ext (repeated,
+    extension, most first, and names the --ext that reads the commonest one of text (not the
+    binary .pyc); with --ext (repeated,
     with or without its dot) those files are documents too, each its tokens and the
     end-of-document token; the same choice as a comma list finds the corpus up to date, and a
     changed choice prepares it again."""
@@ -364,14 +369,15 @@ def test_a_directory_says_what_it_skipped_and_ext_reads_it(tmp_path, corpus):
     res = meshrun_here("data", "prepare", *common)
     assert res.returncode == 0, res.stderr
     assert res.stderr.splitlines()[-2].startswith(f"meshrun data: wrote {out} (")
-    assert res.stderr.splitlines()[-1] == ("meshrun data: skipped 6 files: .py 3, .c 1, .rst 1, no extension 1 "
-                                           "(hint: --ext .py reads .py files as text too, one document each)")
+    assert res.stderr.splitlines()[-1] == ("meshrun data: skipped 10 files: .pyc 4, .py 3, .c 1, .rst 1, "
+                                           "no extension 1 (hint: --ext .py reads .py files as text too, one "
+                                           "document each)")
     index = read_index(out)
     assert index["documents"] == 1 and index["splits"]["train"]["tokens"] == tokens("README.txt")
 
     res = meshrun_here("data", "prepare", *common, "--ext", "py", "--ext", ".c")
     assert res.returncode == 0 and f"meshrun data: wrote {out} (" in res.stderr, res.stderr
-    assert res.stderr.splitlines()[-1] == ("meshrun data: skipped 2 files: .rst 1, no extension 1 "
+    assert res.stderr.splitlines()[-1] == ("meshrun data: skipped 6 files: .pyc 4, .rst 1, no extension 1 "
                                            "(hint: --ext .rst reads .rst files as text too, one document each)")
     index = read_index(out)
     assert index["documents"] == 5 and index["identity"]["extensions"] == [".c", ".py"]
@@ -384,7 +390,8 @@ def test_a_directory_says_what_it_skipped_and_ext_reads_it(tmp_path, corpus):
 
 def test_the_skipped_line_names_the_commonest_extensions_and_sums_the_rest(tmp_path):
     """A directory's files not read, by extension: most first (alike counts by name), the six
-    commonest named and the rest summed."""
+    commonest named and the rest summed; of those six, the ones whose first file reads as text
+    are the hint's candidates (two FIFOs among them are looked at without being opened)."""
     from meshrun.data.sources import find_source, skipped_summary
 
     (tmp_path / "doc.txt").write_text("text\n")
@@ -392,11 +399,15 @@ def test_the_skipped_line_names_the_commonest_extensions_and_sums_the_rest(tmp_p
     for ext, n in counts.items():
         for i in range(n):
             (tmp_path / f"f{i}{ext}").write_text("x")
+    for i in range(2):
+        os.mkfifo(tmp_path / f"p{i}.fifo")
     source = find_source(str(tmp_path))
     assert source.paths == (str(tmp_path / "doc.txt"),)
-    assert source.skipped == ((".c", 5), (".f", 4), (".a", 3), (".b", 3), (".e", 2), (".d", 1), (".g", 1), (".h", 1))
-    assert skipped_summary(source.skipped) == ("20 files: .c 5, .f 4, .a 3, .b 3, .e 2, .d 1, "
-                                               "2 more of 2 other extensions")
+    assert source.skipped == ((".c", 5), (".f", 4), (".a", 3), (".b", 3), (".e", 2), (".fifo", 2), (".d", 1),
+                              (".g", 1), (".h", 1))
+    assert source.skipped_text == (".c", ".f", ".a", ".b", ".e")
+    assert skipped_summary(source.skipped) == ("22 files: .c 5, .f 4, .a 3, .b 3, .e 2, .fifo 2, "
+                                               "3 more of 3 other extensions")
 
 
 def test_text_given_to_train_is_cached_by_the_extensions_it_reads(tmp_path, corpus):

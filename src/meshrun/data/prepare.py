@@ -497,7 +497,7 @@ def _say(log: bool, line: str) -> None:
 def _say_skipped(source: Source, log: bool) -> None:
     """The line of the files a directory input held that were not read, by extension."""
     if source.skipped:
-        _say(log, f"skipped {skipped_summary(source.skipped)} (hint: {skipped_hint(source.skipped)})")
+        _say(log, f"skipped {skipped_summary(source.skipped)} (hint: {skipped_hint(source.skipped_text)})")
 
 
 def _train_tokenizer(spec: PrepareSpec, path: str, log: bool) -> Tokenizer:

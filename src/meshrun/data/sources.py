@@ -49,6 +49,7 @@ class Source:
     text_field: str
     extensions: tuple[str, ...] = ()  # read as text besides TEXT_SUFFIXES (--ext), sorted
     skipped: tuple[tuple[str, int], ...] = ()  # files of the directory not read: (extension, count), most first
+    skipped_text: tuple[str, ...] = ()  # those of the commonest extensions whose first file reads as text
 
     def fingerprint(self) -> list[list[str | int]]:
         """What a prepared corpus was made from: each input's path, size and modification time."""
@@ -161,11 +162,31 @@ def skipped_summary(skipped: tuple[tuple[str, int], ...]) -> str:
     return f"{total:,} file{'s' if total != 1 else ''}: {', '.join(parts)}"
 
 
-def skipped_hint(skipped: tuple[tuple[str, int], ...]) -> str:
-    """How to take the files skipped: --ext with the extension most found among them."""
-    real = [ext for ext, _ in skipped if ext != NO_EXTENSION]
-    return f"--ext {real[0]} reads {real[0]} files as text too, one document each" if real else \
-        "a file without an extension is never read: name it .txt"
+def skipped_hint(skipped_text: tuple[str, ...]) -> str:
+    """How to read skipped files: --ext with the commonest of their extensions whose files are
+    text (``Source.skipped_text``)."""
+    if skipped_text:
+        return f"--ext {skipped_text[0]} reads {skipped_text[0]} files as text too, one document each"
+    return "--ext EXT reads the files of an extension as text, one document each"
+
+
+def _reads_as_text(path: str) -> bool:
+    """Whether a regular file's first 4 KiB are UTF-8 text without NUL bytes (a character cut
+    at the end aside): a sample of a skipped extension, to name only text ones in a hint."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # (a FIFO would block the read)
+            return False
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.reason == "unexpected end of data"
+    return True
 
 
 def find_source(path: str, text_field: str = "text", where: str = "--data",
@@ -188,21 +209,25 @@ def find_source(path: str, text_field: str = "text", where: str = "--data",
         return Source((path,), False, text_field, extensions)
     files: list[str] = []
     others: Counter[str] = Counter()
-    for d, _, names in os.walk(path):
-        for name in names:
+    first: dict[str, str] = {}  # each skipped extension's first file, in sorted order
+    for d, dirs, names in os.walk(path):
+        dirs.sort()
+        for name in sorted(names):
             if name.endswith(suffixes):
                 files.append(os.path.join(d, name))
             else:
                 others[extension(name)] += 1
+                first.setdefault(extension(name), os.path.join(d, name))
     files.sort()
     skipped = tuple(sorted(others.items(), key=lambda kv: (-kv[1], kv[0])))
+    text = tuple(ext for ext, _ in skipped[:SKIPPED_SHOWN] if ext != NO_EXTENSION and _reads_as_text(first[ext]))
     for name in files:  # all of them before any is read: one of them a FIFO would hang the read
         check_regular(name, where)
     if not files:
         held = f" (it holds {skipped_summary(skipped)})" if skipped else ""
         raise bad_value(where, path, f"a directory with no {', '.join(suffixes)} file in it{held}",
-                        (skipped_hint(skipped) + ", or " if skipped else "") + "point at the corpus' files or folder")
-    return Source(tuple(files), False, text_field, extensions, skipped)
+                        (skipped_hint(text) + ", or " if skipped else "") + "point at the corpus' files or folder")
+    return Source(tuple(files), False, text_field, extensions, skipped, text)
 
 
 def _field(record: object, field: str, where: str) -> str:
