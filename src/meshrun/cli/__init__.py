@@ -6,6 +6,7 @@
                                        on the Python standard library's source)
   meshrun data prepare IN --tokenizer T --out DIR
                                        tokenize a text corpus once into token shards
+                                       (--train-tokenizer VOCAB: train one on it)
   meshrun plan [options]               per-GPU memory of each strategy, the one that fits,
                                        and its ds_config.json / accelerate / train configs
   meshrun render TARGET -- COMMAND     a Slurm / SkyPilot / Kubernetes / Saturn Cloud job spec
