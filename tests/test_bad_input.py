@@ -117,6 +117,11 @@ CASES = [
     (["train", "--dry-run", "--data-dtype", "int8"], {}, "'int8'"),
     (["train", "--dry-run", "--init", "random"], {}, "--init='random'"),
     (["train", "--dry-run", "--data", "/nonexistent/corpus"], {}, "/nonexistent/corpus"),
+    (["train", "--dry-run", "--data", "{fix}/doc.txt", "--ext", ""], {}, "--ext='': an empty extension"),
+    (["train", "--dry-run", "--data", "{fix}/doc.txt"], {"MESHRUN_EXT": "a\\b"},
+     "--ext (from env MESHRUN_EXT)='a\\\\b': 'a\\\\b' holds a path separator"),
+    (["train", "--dry-run", "--ext", "py"], {}, "--ext='py': chooses the files of a text corpus that are read"),
+    (["train", "--dry-run", "--data", "random", "--ext", "py"], {}, "--ext='py': chooses the files of a text corpus"),
     (["train", "--dry-run", "--example", "toy", "--fused-loss"], {}, "--fused-loss"),
     (["train", "--dry-run", "--sequence-parallel", "maybe"], {}, "'maybe'"),
     (["train", "--dry-run"], {"MESHRUN_EXAMPLE": "bogus"},
@@ -177,6 +182,38 @@ CASES = [
     (["data", "prepare", "x", "--tokenizer", "gpt2", "--out", "out", "--val-fraction", "x"], {}, "'x'"),
     (["data", "prepare", "x", "--tokenizer", "gpt2", "--out", "out", "--shard-tokens", "0"], {}, "--shard-tokens=0"),
     (["data", "bogus"], {}, "'bogus'"),
+    (["data", "prepare", "{fix}/doc.txt", "--out", "out"], {},
+     "--tokenizer is not given: the corpus needs a tokenizer"),
+    (["data", "prepare", "{fix}/doc.txt", "--tokenizer", "gpt2", "--out", "out", "--ext", ""], {},
+     "--ext='': an empty extension"),
+    (["data", "prepare", "{fix}/doc.txt", "--tokenizer", "gpt2", "--out", "out", "--ext", "py", "--ext", "."], {},
+     "--ext='py,.': an empty extension"),
+    (["data", "prepare", "{fix}/doc.txt", "--tokenizer", "gpt2", "--out", "out", "--ext", "src/py"], {},
+     "--ext='src/py': 'src/py' holds a path separator"),
+    (["data", "prepare", "{fix}/doc.txt", "--tokenizer", "gpt2", "--out", "out", "--ext", "*.py"], {},
+     "'*.py' is not a file extension"),
+    (["data", "prepare", "{fix}/doc.txt", "--tokenizer", "gpt2", "--out", "out", "--ext", "jsonl"], {},
+     "--ext='jsonl': .jsonl files are read by their format already"),
+    (["data", "prepare", "{fix}/doc.txt", "--tokenizer", "gpt2", "--out", "out"], {"MESHRUN_EXT": "py,"},
+     "--ext (from env MESHRUN_EXT)='py,': an empty extension"),
+    (["data", "prepare", "{fix}/doc.txt", "--train-tokenizer", "256", "--out", "out"], {},
+     "--train-tokenizer=256: must be between 257 and 65536"),
+    (["data", "prepare", "{fix}/doc.txt", "--train-tokenizer", "65537", "--out", "out"], {},
+     "--train-tokenizer=65537: must be between 257 and 65536"),
+    (["data", "prepare", "{fix}/doc.txt", "--train-tokenizer", "8k", "--out", "out"], {}, "'8k'"),
+    (["data", "prepare", "{fix}/doc.txt", "--train-tokenizer", "300", "--tokenizer", "gpt2", "--out", "out"], {},
+     "--train-tokenizer=300: trains a tokenizer, and --tokenizer names one (gpt2)"),
+    (["data", "prepare", "{fix}/doc.txt", "--train-tokenizer", "300", "--eos-token", "</s>", "--out", "out"], {},
+     "--eos-token='</s>': names the end-of-document token of a tokenizer given"),
+    (["data", "prepare", "{fix}/afile", "--tokenizer", "gpt2", "--out", "out"], {},
+     "not a text corpus file (hint: one of .txt, .md, .text, .jsonl, .parquet, or a directory)"),
+    (["data", "prepare", "{fix}/adir.safetensors", "--tokenizer", "gpt2", "--out", "out"], {},
+     "a directory with no .txt, .md, .text, .jsonl, .parquet file in it (hint: point at"),
+    (["data", "prepare", "{fix}/code", "--tokenizer", "gpt2", "--out", "out"], {},
+     "a directory with no .txt, .md, .text, .jsonl, .parquet file in it (it holds 3 files: .py 2, no extension 1) "
+     "(hint: --ext .py reads .py files as text too, one document each, or point at"),
+    (["data", "prepare", "{fix}/code/a.py", "--tokenizer", "gpt2", "--out", "out"], {},
+     "or a directory; --ext .py reads .py files as text)"),
     # render
     (["render", "bogus", "--", "meshrun", "train"], {}, "bogus"),
     (["render", "slurm", "--nodes", "1", "-o", "{fix}/adir.safetensors", "--", "echo"], {}, "adir.safetensors"),
@@ -253,6 +290,10 @@ FIXTURES = {
     "list.yaml": "- steps\n- 5\n",
     "broken.yaml": "steps: [5\n",
     "afile": "not a directory\n",
+    "doc.txt": "a document\n",
+    "code/a.py": "x = 1\n",
+    "code/b.py": "y = 2\n",
+    "code/Makefile": "all:\n",
 }
 
 
@@ -268,6 +309,7 @@ def make_dirs(tmp_path, monkeypatch):
     cwd.mkdir()
     (fix / "adir.safetensors").mkdir()
     for name, text in FIXTURES.items():
+        (fix / name).parent.mkdir(exist_ok=True)
         (fix / name).write_text(text)
     monkeypatch.chdir(cwd)
     return str(fix), cwd

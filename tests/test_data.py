@@ -1,7 +1,8 @@
-"""Training data from disk: a corpus made here, a tokenizer trained here by the `tokenizers`
-library, `meshrun data prepare` (round trip, counts, an interrupted run resumed), `meshrun
-train --data` on prepared shards, flat token files and text, packing with document masks,
-sampling that survives a restart on another world size, and bad input in one line each."""
+"""Training data from disk: a corpus made here, `meshrun data prepare` (round trip, counts, an
+interrupted run resumed, the tokenizer it trains on the corpus, the files it skips and the
+extensions --ext adds), `meshrun train --data` on prepared shards, flat token files and text,
+packing with document masks, sampling that survives a restart on another world size, and bad
+input in one line each."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import time
 
 import pytest
-from helpers import clean_env, require, with_faults
+from helpers import clean_env, meshrun_here, require, with_faults
 from helpers import meshrun as run_cli
 
 import meshrun
@@ -48,8 +49,8 @@ def write_corpus(root, n_files=12, seed=0, lines=(5, 40), n_records=20):
 
 
 def train_tokenizer(corpus_root, out, vocab=320):
-    """A byte-level BPE tokenizer trained on the corpus, with <|endoftext|>, saved as a
-    Hugging Face tokenizer directory (tokenizer.json)."""
+    """A byte-level BPE tokenizer trained on the corpus' .txt files by the `tokenizers` library
+    itself, with <|endoftext|>, saved as a Hugging Face tokenizer directory (tokenizer.json)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -66,15 +67,17 @@ def train_tokenizer(corpus_root, out, vocab=320):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
+    """The corpus prepared with a tokenizer of 320 tokens that `meshrun data prepare` trains on
+    it; the prepared directory, which holds that tokenizer.json, is the tokenizer directory the
+    other tests name."""
     require("tokenizers")
     root = tmp_path_factory.mktemp("data")
     docs = write_corpus(str(root / "corpus"))
-    tok = train_tokenizer(str(root / "corpus"), str(root / "tok"))
     out = str(root / "prepared")
-    res = run_cli("data", "prepare", str(root / "corpus"), "--tokenizer", tok, "--out", out, "--val-fraction", "0.2",
-                  "--workers", "2")
+    res = run_cli("data", "prepare", str(root / "corpus"), "--train-tokenizer", "320", "--out", out,
+                  "--val-fraction", "0.2", "--workers", "2")
     assert res.returncode == 0, res.stderr[-2000:]
-    return {"root": root, "docs": docs, "tok": tok, "prepared": out}
+    return {"root": root, "docs": docs, "tok": out, "prepared": out}
 
 
 def _documents(path):
@@ -117,12 +120,13 @@ def test_prepared_shards_decode_to_the_corpus(corpus):
 
 
 def test_an_interrupted_prepare_resumes_to_the_same_files(tmp_path, corpus):
-    """Killed (SIGKILL) after its first resumable point, run again: it says it resumes and
-    writes exactly the files an uninterrupted run writes; at the kill no index existed and
-    every complete shard on disk was one the progress file names."""
+    """Killed (SIGKILL) after its first resumable point, run again: it says it resumes (with
+    the tokenizer it trained before the kill, not a new one) and writes exactly the files an
+    uninterrupted run writes, tokenizer.json included; at the kill no index existed and every
+    complete shard on disk was one the progress file names."""
     root = str(tmp_path / "big")
     write_corpus(root, n_files=20, seed=1, n_records=3000)  # 12 chunks of 256 documents
-    args = [root, "--tokenizer", corpus["tok"], "--val-fraction", "0.1", "--workers", "1", "--shard-tokens", "5000"]
+    args = [root, "--train-tokenizer", "400", "--val-fraction", "0.1", "--workers", "1", "--shard-tokens", "5000"]
     whole = str(tmp_path / "whole")
     res = run_cli("data", "prepare", *args, "--out", whole)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -146,7 +150,7 @@ def test_an_interrupted_prepare_resumes_to_the_same_files(tmp_path, corpus):
     assert named and {n.rsplit(".", 1)[0] for n in os.listdir(cut) if n.endswith(".tokens")} == named
     res = run_cli("data", "prepare", *args, "--out", cut)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "resuming" in res.stderr
+    assert "resuming" in res.stderr and "training a byte-level BPE" not in res.stderr, res.stderr[-2000:]
     files = sorted(os.listdir(whole))
     assert files == sorted(os.listdir(cut)) and len([f for f in files if f.endswith(".tokens")]) > 4
     for name in files:
@@ -244,6 +248,187 @@ def test_a_tiktoken_encoding_not_in_the_cache_is_one_line(tmp_path, corpus):
     assert res.returncode == 2 and "Traceback" not in res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert "tiktoken's file for it is not in its cache and meshrun never downloads" in last
+
+
+def _tokenizer_file(path):
+    return os.path.join(path, "tokenizer.json")
+
+
+def test_a_trained_tokenizer_is_recorded_and_the_same_on_every_run(tmp_path, corpus):
+    """--train-tokenizer 320: OUT/tokenizer.json is the tokenizer the index names (its path and
+    hash), of the 320 tokens asked; trained again in this process with one worker it is the
+    same file, byte for byte, as the fixture's (another process, two workers), and so are the
+    shards."""
+    import hashlib
+
+    from tokenizers import Tokenizer
+
+    from meshrun.data.store import read_index
+
+    path = _tokenizer_file(corpus["prepared"])
+    with open(path, "rb") as f:
+        data = f.read()
+    recorded = read_index(corpus["prepared"])["tokenizer"]
+    assert recorded["name"] == path and recorded["sha256"] == hashlib.sha256(data).hexdigest()
+    assert recorded["vocab_size"] == Tokenizer.from_file(path).get_vocab_size() == 320
+    again = str(tmp_path / "again")
+    res = meshrun_here("data", "prepare", str(corpus["root"] / "corpus"), "--train-tokenizer", "320", "--out", again,
+                       "--val-fraction", "0.2", "--workers", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"meshrun data: trained a byte-level BPE of 320 tokens: {_tokenizer_file(again)}" in res.stderr
+    names = sorted(os.listdir(corpus["prepared"]))
+    assert names == sorted(os.listdir(again)) and "tokenizer.json" in names
+    for name in names:
+        if name != "meshrun-data.json":  # (it names its own directory)
+            with open(os.path.join(corpus["prepared"], name), "rb") as a, open(os.path.join(again, name), "rb") as b:
+                assert a.read() == b.read(), name
+
+
+def _repeated_pairs(path, docs):
+    """How many times each pair of adjacent tokens occurs inside the words of ``docs`` (the
+    pieces the tokenizer's pre-tokenizer cuts), as the tokenizer at ``path`` splits them: the
+    counts a BPE trainer merges by."""
+    from collections import Counter
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(path)
+    pairs = Counter()
+    for doc in docs:
+        for word, _ in tok.pre_tokenizer.pre_tokenize_str(doc):
+            ids = [t.id for t in tok.model.tokenize(word)]
+            pairs.update(zip(ids, ids[1:]))
+    return max(pairs.values())
+
+
+def test_a_trained_vocabulary_is_smaller_only_when_no_pair_repeats(tmp_path, corpus):
+    """Asked for more tokens than the corpus has repeated pairs for, training stops when no pair
+    of tokens occurs twice inside the corpus' words: the line says so, and the index records
+    the size reached. Of the 320 tokens asked, where it stopped at the size, pairs still repeat."""
+    from meshrun.data.store import read_index
+
+    out = str(tmp_path / "big-vocab")
+    res = meshrun_here("data", "prepare", str(corpus["root"] / "corpus"), "--train-tokenizer", "4000", "--out", out,
+                       "--workers", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    size = read_index(out)["tokenizer"]["vocab_size"]
+    assert 320 < size < 4000, size
+    assert (f"meshrun data: trained a byte-level BPE of {size:,} tokens (fewer than the 4,000 asked: no pair of tokens "
+            f"is left that the corpus holds at least 2 times): {_tokenizer_file(out)}") in res.stderr
+    assert _repeated_pairs(_tokenizer_file(out), corpus["docs"]) == 1
+    assert _repeated_pairs(_tokenizer_file(corpus["prepared"]), corpus["docs"]) >= 2
+
+
+def test_training_a_tokenizer_without_the_library_is_one_line(tmp_path, monkeypatch):
+    # Python's own way to make a module absent: None in sys.modules (find_spec then finds nothing)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    (tmp_path / "a.txt").write_text("some text\n")
+    res = meshrun_here("data", "prepare", str(tmp_path / "a.txt"), "--train-tokenizer", "300", "--out",
+                       str(tmp_path / "o"))
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "meshrun: error: --train-tokenizer=300: training a tokenizer needs the tokenizers library, not installed here "
+        "(hint: pip install 'meshrun[data]')"]
+    assert not (tmp_path / "o").exists()
+
+
+SOURCES = {"README.txt": "a corpus of source files\n", "a.py": "def a():\n    return 1\n",
+           "pkg/b.py": "import a\n\nprint(a.a() + 2)\n", "pkg/c.py": "class C:\n    x = 'naïve café'\n",
+           "lib.c": "int main(void) { return 0; }\n", "notes.rst": "Notes\n=====\n", "Makefile": "all:\n\ttrue\n"}
+
+
+def _write_sources(root):
+    """SOURCES, and four compiled files (binary: the commonest extension, never suggested)."""
+    for name, text in SOURCES.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    (root / "__pycache__").mkdir()
+    for i in range(4):
+        (root / "__pycache__" / f"m{i}.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0" + bytes(range(256)))
+
+
+def test_a_directory_says_what_it_skipped_and_ext_reads_it(tmp_path, corpus):
+    """A directory of mixed files: the line beside the summary counts the files not read by
+    extension, most first, and names the --ext that reads the commonest one of text (not the
+    binary .pyc); with --ext (repeated,
+    with or without its dot) those files are documents too, each its tokens and the
+    end-of-document token; the same choice as a comma list finds the corpus up to date, and a
+    changed choice prepares it again."""
+    from meshrun.data.store import read_index
+    from meshrun.data.tokenizer import load_tokenizer
+
+    _write_sources(tmp_path / "src")
+    tok = load_tokenizer(corpus["tok"])
+    out = str(tmp_path / "out")
+    common = [str(tmp_path / "src"), "--tokenizer", corpus["tok"], "--out", out, "--workers", "1",
+              "--val-fraction", "0"]
+
+    def tokens(*names):
+        return sum(len(ids) + 1 for ids in tok.encode_batch([SOURCES[n] for n in names]))
+
+    res = meshrun_here("data", "prepare", *common)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines()[-2].startswith(f"meshrun data: wrote {out} (")
+    assert res.stderr.splitlines()[-1] == ("meshrun data: skipped 10 files: .pyc 4, .py 3, .c 1, .rst 1, "
+                                           "no extension 1 (hint: --ext .py reads .py files as text too, one "
+                                           "document each)")
+    index = read_index(out)
+    assert index["documents"] == 1 and index["splits"]["train"]["tokens"] == tokens("README.txt")
+
+    res = meshrun_here("data", "prepare", *common, "--ext", "py", "--ext", ".c")
+    assert res.returncode == 0 and f"meshrun data: wrote {out} (" in res.stderr, res.stderr
+    assert res.stderr.splitlines()[-1] == ("meshrun data: skipped 6 files: .pyc 4, .rst 1, no extension 1 "
+                                           "(hint: --ext .rst reads .rst files as text too, one document each)")
+    index = read_index(out)
+    assert index["documents"] == 5 and index["identity"]["extensions"] == [".c", ".py"]
+    assert index["splits"]["train"]["tokens"] == tokens("README.txt", "a.py", "pkg/b.py", "pkg/c.py", "lib.c")
+    res = meshrun_here("data", "prepare", *common, "--ext", ".c, py")
+    assert res.returncode == 0 and f"meshrun data: {out} is up to date" in res.stderr, res.stderr
+    res = meshrun_here("data", "prepare", *common, "--ext", "py")
+    assert res.returncode == 0 and read_index(out)["documents"] == 4, res.stderr
+
+
+def test_the_skipped_line_names_the_commonest_extensions_and_sums_the_rest(tmp_path):
+    """A directory's files not read, by extension: most first (alike counts by name), the six
+    commonest named and the rest summed; of those six, the ones whose first file reads as text
+    are the hint's candidates (two FIFOs among them are looked at without being opened)."""
+    from meshrun.data.sources import find_source, skipped_summary
+
+    (tmp_path / "doc.txt").write_text("text\n")
+    counts = {".b": 3, ".a": 3, ".c": 5, ".d": 1, ".e": 2, ".f": 4, ".g": 1, ".h": 1}
+    for ext, n in counts.items():
+        for i in range(n):
+            (tmp_path / f"f{i}{ext}").write_text("x")
+    for i in range(2):
+        os.mkfifo(tmp_path / f"p{i}.fifo")
+    source = find_source(str(tmp_path))
+    assert source.paths == (str(tmp_path / "doc.txt"),)
+    assert source.skipped == ((".c", 5), (".f", 4), (".a", 3), (".b", 3), (".e", 2), (".fifo", 2), (".d", 1),
+                              (".g", 1), (".h", 1))
+    assert source.skipped_text == (".c", ".f", ".a", ".b", ".e")
+    assert skipped_summary(source.skipped) == ("22 files: .c 5, .f 4, .a 3, .b 3, .e 2, .fifo 2, "
+                                               "3 more of 3 other extensions")
+
+
+def test_text_given_to_train_is_cached_by_the_extensions_it_reads(tmp_path, corpus):
+    """`meshrun train --data DIR --ext .py` reads through the cache as `data prepare` does: the
+    .py files are documents, in a cache directory of their own (not the one without --ext),
+    found ready the next time; the config then points at the tokens, --ext spent."""
+    from meshrun.config import TrainConfig, validate
+    from meshrun.data.store import read_index
+    from meshrun.job import corpus_ready
+
+    _write_sources(tmp_path / "src")
+    env = {"MESHRUN_CACHE": str(tmp_path / "cache")}
+    plain = TrainConfig(data=str(tmp_path / "src"), tokenizer=corpus["tok"], model_size="gpt-tiny", seq_len=8)
+    with_py = validate(plain.replace(ext="py"))
+    first = corpus_ready(validate(plain), env, 1)
+    second = corpus_ready(with_py, env, 1)
+    assert first.data != second.data and second.ext is None
+    assert read_index(first.data)["documents"] == 1 and read_index(second.data)["documents"] == 4
+    assert corpus_ready(with_py, env, 1).data == second.data
+    assert sorted(os.listdir(tmp_path / "cache" / "tokens")) == sorted(
+        os.path.basename(c.data) for c in (first, second))
 
 
 # ---- packing with document masks ---------------------------------------------------------------

@@ -8,6 +8,7 @@ commands:
                                        on the Python standard library's source)
   meshrun data prepare IN --tokenizer T --out DIR
                                        tokenize a text corpus once into token shards
+                                       (--train-tokenizer VOCAB: train one on it)
   meshrun plan [options]               per-GPU memory of each strategy, the one that fits,
                                        and its ds_config.json / accelerate / train configs
   meshrun render TARGET -- COMMAND     a job spec whose nodes run COMMAND through meshrun;

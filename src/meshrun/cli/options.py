@@ -26,6 +26,7 @@ from ..options import (
     option_fields,
     read,
     unknown_variables,
+    where,
 )
 from ..vocab import yes_no
 
@@ -150,6 +151,17 @@ def read_declared(cls: type, ns: argparse.Namespace, env: Mapping[str, str]) -> 
     values, sources = read(cls, {}, None, env, {f.name: getattr(ns, f.name, None) for f in option_fields(cls)}, "flag")
     check_all(cls, values, sources)
     return values
+
+
+def read_one(cls: type, name: str, ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[Any, str]:
+    """One option that ``cls`` declares, for a command that takes it alone of them: its value
+    (the flag, over MESHRUN_<NAME>; None when unset), checked by its declaration, and where it
+    came from (for the errors of later checks)."""
+    var = env_var(name)
+    values, sources = read(cls, {}, None, {var: env[var]} if var in env else {}, {name: getattr(ns, name, None)},
+                           "flag")
+    check_all(cls, values, sources)
+    return values.get(name), where(name, sources.get(name, "flag"))
 
 
 def fill_env_defaults(ns: argparse.Namespace, env: Mapping[str, str],

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
-from ..data.sources import check_regular, data_kind
+from ..data.sources import check_regular, data_kind, text_extensions
 from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS, KERNELS, compile_choice, compile_enabled
 from ..errors import MeshrunError, bad_value
 from ..modelinfo.hf import is_hf_path, locate
@@ -128,6 +128,9 @@ class DataOptions:
                                    path=True)
     text_field: str = option("text", "text data: the field of .jsonl, .parquet and saved datasets (default "
                              "{default})", metavar="NAME")
+    ext: str | None = option(None, "text data: read files of this extension too, a document a file (e.g. .py; "
+                             "repeat it or give a comma list; .txt .md .text are read anyway)", metavar="EXT",
+                             listed=True, action="append")
     data_dtype: str = option("uint16", "flat token files: the token type (default {default}, nanoGPT's)",
                              choices=TOKEN_TYPES)
     document_mask: bool = option(False, "attend and predict within documents: position ids restart at each "
@@ -147,6 +150,11 @@ class DataOptions:
                 check_regular(cfg.data, cfg.source("data"), "give a corpus file or a directory of them")
             raise bad_value(cfg.source("data"), cfg.data, "no such file or directory, and not module:factory",
                             f"a corpus path, module:factory, or one of {', '.join(BUILTIN_DATA)}")
+        if cfg.ext is not None:
+            text_extensions(cfg.ext, cfg.source("ext"))
+            if form != "text":
+                raise bad_value(cfg.source("ext"), cfg.ext, "chooses the files of a text corpus that are read",
+                                "drop it, or give --data a directory of text files")
         if cfg.document_mask and form not in ("tokens", "text"):
             raise bad_value(cfg.source("document_mask"), True, "needs document boundaries: a corpus given by path",
                             "--data DIR prepared by meshrun data prepare, or text")

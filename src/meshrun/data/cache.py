@@ -1,7 +1,7 @@
 """Text given to ``meshrun train --data`` is tokenized once, into a cache directory keyed by
-the corpus (paths, sizes, modification times), the tokenizer's hash and the text field; a
-later run with the same inputs finds it ready; runs tokenizing the same corpus at once take
-turns (the first tokenizes, the others wait for it)."""
+the corpus (paths, sizes, modification times), the extensions read as text (--ext), the
+tokenizer's hash and the text field; a later run with the same inputs finds it ready; runs
+tokenizing the same corpus at once take turns (the first tokenizes, the others wait for it)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 
 from .prepare import PrepareSpec, prepare
-from .sources import find_source
+from .sources import Source, find_source
 from .tokenizer import load_tokenizer
 
 VAL_FRACTION = 0.01
@@ -25,14 +25,20 @@ def cache_root(env: Mapping[str, str]) -> str:
     return os.path.join(base, "meshrun")
 
 
+def cache_key(source: Source, tokenizer_sha256: str) -> str:
+    """The name of a text corpus' cache directory: the corpus' files and how they are read (the
+    extensions --ext added, the text field), the tokenizer and the validation fraction."""
+    return hashlib.sha256(json.dumps([source.fingerprint(), source.dataset, source.text_field, tokenizer_sha256,
+                                      VAL_FRACTION, list(source.extensions)]).encode()).hexdigest()[:20]
+
+
 def tokens_for_text(path: str, tokenizer: str, text_field: str, env: Mapping[str, str], workers: int,
-                    where: str = "--data") -> str:
-    """The prepared directory of the text corpus at ``path`` (made now if it is not ready)."""
-    source = find_source(path, text_field, where)
+                    where: str = "--data", extensions: tuple[str, ...] = ()) -> str:
+    """The prepared directory of the text corpus at ``path`` (made now if it is not ready);
+    ``extensions``: files read as text besides the default ones (--ext)."""
+    source = find_source(path, text_field, where, extensions)
     tok = load_tokenizer(tokenizer)
-    key = hashlib.sha256(json.dumps([source.fingerprint(), source.dataset, text_field, tok.sha256,
-                                     VAL_FRACTION]).encode()).hexdigest()[:20]
-    out = os.path.join(cache_root(env), "tokens", key)
+    out = os.path.join(cache_root(env), "tokens", cache_key(source, tok.sha256))
     # another run tokenizing the same corpus (another node on a shared cache): wait for it, then find it ready
     prepare(PrepareSpec(source=source, tokenizer=tokenizer, out=out, val_fraction=VAL_FRACTION, workers=workers,
                         out_name="cache directory"), wait=True)

@@ -11,6 +11,10 @@ order. After each full training shard both splits' open shards are closed and
 with the same inputs, tokenizer and settings resumes from it and writes the very files an
 uninterrupted run writes; with anything changed it starts clean. The index is written last.
 
+With no tokenizer given, one is trained on the corpus first (``bpe.py``) and written into the
+directory as ``tokenizer.json``, which the index names; a run resumed finds it there. The files
+of a directory input that were not read are counted by extension in a line beside the summary.
+
 One preparation per output directory at a time (``lock.py``). A write that fails (a full
 disk, a file-size limit) ends it in one line naming the directory, with its half-written
 (``.tmp``) files removed: what is left is complete shards, and no index."""
@@ -25,7 +29,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -35,9 +39,9 @@ import numpy as np
 from ..errors import MeshrunError, bad_value
 from ..paths import check_output_dir
 from ..units import clock
-from . import FORMAT, INDEX
+from . import FORMAT, INDEX, bpe
 from .lock import LOCK_NAME, PrepareLock
-from .sources import Source, documents
+from .sources import Source, documents, skipped_hint, skipped_summary
 from .store import SPLITS, check_prepared, shard_docs, shard_name, shard_tokens, shards_problem
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -53,13 +57,14 @@ SHARD_TOKENS = 1 << 27  # tokens per training shard (256 MiB in uint16)
 @dataclass(frozen=True)
 class PrepareSpec:
     source: Source
-    tokenizer: str
+    tokenizer: str | None  # the tokenizer to use (load_tokenizer's), or None with train_vocab
     out: str
     val_fraction: float = 0.01
     workers: int = 1
     eos_token: str | None = None
     shard_tokens: int = SHARD_TOKENS
     out_name: str = "--out"  # where ``out`` came from, for the one-line errors
+    train_vocab: int | None = None  # train a tokenizer of this vocabulary size on the corpus (bpe.py)
 
 
 def is_val(i: int, fraction: float) -> bool:
@@ -225,18 +230,21 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 
 
 def _ours(name: str) -> bool:
-    return name in (INDEX, PROGRESS, INDEX + ".tmp", PROGRESS + ".tmp", LOCK_NAME) or name.startswith(
-        tuple(f"{s}-" for s in SPLITS))
+    return name in (INDEX, PROGRESS, INDEX + ".tmp", PROGRESS + ".tmp", LOCK_NAME, bpe.FILE, bpe.FILE + ".tmp") \
+        or name.startswith(tuple(f"{s}-" for s in SPLITS))
 
 
-def _start_clean(out: str, where: str) -> None:
+def _start_clean(out: str, where: str, keep: str | None = None) -> None:
+    """Empty ``out`` of what an earlier preparation wrote (all but the lock, and ``keep``: the
+    tokenizer in use, when it is the one a preparation trained there)."""
     strangers = [n for n in os.listdir(out) if not _ours(n)]
     if strangers:
         raise bad_value(where, out, f"holds files meshrun did not write ({', '.join(sorted(strangers)[:3])})",
                         "an empty or new directory, or one meshrun data prepare wrote")
     for name in os.listdir(out):
-        if name != LOCK_NAME:  # (held by this run)
-            os.remove(os.path.join(out, name))
+        path = os.path.join(out, name)
+        if name != LOCK_NAME and not (keep is not None and os.path.realpath(path) == os.path.realpath(keep)):
+            os.remove(path)
 
 
 def _remove_temporary(out: str) -> None:
@@ -265,12 +273,14 @@ def _os_error(exc: OSError, spec: PrepareSpec) -> MeshrunError:
     return MeshrunError(f"{name}: {exc.strerror or exc} (hint: check the file and its permissions)")
 
 
-def _identity(spec: PrepareSpec, tok: Tokenizer) -> dict[str, Any]:
+def _identity(spec: PrepareSpec, tokenizer: Mapping[str, Any]) -> dict[str, Any]:
+    """What a preparation is made from: the inputs and how they are read, the tokenizer (its
+    record, or how it is trained) and the settings."""
     files = spec.source.fingerprint()
     return {"format": FORMAT, "files": len(files), "inputs": hashlib.sha256(json.dumps(files).encode()).hexdigest(),
             "paths": list(spec.source.paths[:4]), "dataset": spec.source.dataset,
-            "text_field": spec.source.text_field, "tokenizer": tok.record(), "val_fraction": spec.val_fraction,
-            "shard_tokens": spec.shard_tokens}
+            "extensions": list(spec.source.extensions), "text_field": spec.source.text_field,
+            "tokenizer": dict(tokenizer), "val_fraction": spec.val_fraction, "shard_tokens": spec.shard_tokens}
 
 
 class _Progress:
@@ -331,7 +341,7 @@ def prepare(spec: PrepareSpec, log: bool = True, wait: bool = False) -> dict[str
         raise bad_value("--val-fraction", spec.val_fraction, "must be in [0, 1)", "e.g. 0.01")
     if spec.workers < 1:
         raise bad_value("--workers", spec.workers, "must be at least 1")
-    tok = load_tokenizer(spec.tokenizer, eos_token=spec.eos_token)
+    tok = _given_tokenizer(spec)
     check_output_dir(spec.out, spec.out_name)
     created = not os.path.lexists(spec.out)
     try:
@@ -343,32 +353,77 @@ def prepare(spec: PrepareSpec, log: bool = True, wait: bool = False) -> dict[str
         raise
 
 
+def _given_tokenizer(spec: PrepareSpec) -> Tokenizer | None:
+    """The tokenizer ``spec`` names, loaded; None when it asks for one to be trained (its
+    vocabulary size checked). One line for neither or both."""
+    if spec.train_vocab is None:
+        if spec.tokenizer is None:
+            raise bad_value("--tokenizer", None, "the corpus needs a tokenizer",
+                            "--tokenizer DIR|FILE|NAME, or --train-tokenizer VOCAB to train a byte-level BPE on the "
+                            "corpus")
+        return load_tokenizer(spec.tokenizer, eos_token=spec.eos_token)
+    if spec.tokenizer is not None:
+        raise bad_value("--train-tokenizer", spec.train_vocab, f"trains a tokenizer, and --tokenizer names one "
+                        f"({spec.tokenizer})", "give one of them")
+    if spec.eos_token is not None:
+        raise bad_value("--eos-token", spec.eos_token, "names the end-of-document token of a tokenizer given; the "
+                        f"one --train-tokenizer trains ends documents with {bpe.EOS}", "drop --eos-token")
+    bpe.check_vocab(spec.train_vocab)
+    return None
+
+
 def _remove_if_empty(out: str) -> None:
-    """Remove OUT if it holds nothing but the lock (no shard was completed)."""
+    """Remove OUT if it holds nothing but the lock and a tokenizer trained there (no shard was completed)."""
     try:
-        if os.listdir(out) == [LOCK_NAME]:
-            os.remove(os.path.join(out, LOCK_NAME))
+        names = os.listdir(out)
+        if LOCK_NAME in names and set(names) <= {LOCK_NAME, bpe.FILE}:
+            for name in names:
+                os.remove(os.path.join(out, name))
             os.rmdir(out)
     except OSError:
         pass
 
 
-def _up_to_date(spec: PrepareSpec, identity: dict[str, Any]) -> dict[str, Any] | None:
-    """The index of a complete preparation of these very inputs and settings, if ``spec.out`` holds one."""
+def _file_sha256(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def _up_to_date(spec: PrepareSpec, identity: dict[str, Any], trained: str | None) -> dict[str, Any] | None:
+    """The index of a complete preparation of these very inputs and settings, if ``spec.out``
+    holds one (and the tokenizer it trained, ``trained``, is still the one its index records)."""
     if not os.path.isfile(os.path.join(spec.out, INDEX)):
         return None
     try:
         index = check_prepared(spec.out, spec.out_name)
     except MeshrunError:
         return None
-    return index if index.get("identity") == identity else None
+    if index.get("identity") != identity:
+        return None
+    if trained is not None and _file_sha256(trained) != index["tokenizer"].get("sha256"):
+        return None
+    return index
 
 
-def _saved_state(spec: PrepareSpec, tok: Tokenizer, identity: dict[str, Any]) -> dict[str, Any]:
-    """Where an interrupted preparation of the same inputs and settings stopped, else a clean start."""
+def _trained_before(path: str) -> Tokenizer | None:
+    """The tokenizer an interrupted preparation trained into its directory, if it is there and reads."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        return load_tokenizer(path)
+    except MeshrunError:
+        return None
+
+
+def _saved_state(spec: PrepareSpec, tok: Tokenizer | None, identity: dict[str, Any]) -> dict[str, Any]:
+    """Where an interrupted preparation of the same inputs and settings stopped (with ``tok``,
+    its tokenizer), else a clean start."""
     state: dict[str, Any] = {"identity": identity, "chunks": 0, "documents": 0, "splits": {s: [] for s in SPLITS}}
     progress_path = os.path.join(spec.out, PROGRESS)
-    if os.path.isfile(progress_path):
+    if tok is not None and os.path.isfile(progress_path):
         with open(progress_path) as f:
             try:
                 saved = json.load(f)
@@ -400,33 +455,72 @@ def _resumable(saved: object, identity: dict[str, Any], out: str, tok: Tokenizer
     return True
 
 
-def _prepare_locked(spec: PrepareSpec, tok: Tokenizer, log: bool) -> dict[str, Any]:
-    identity = _identity(spec, tok)
-    index = _up_to_date(spec, identity)
+def _prepare_locked(spec: PrepareSpec, given: Tokenizer | None, log: bool) -> dict[str, Any]:
+    """``given``: the tokenizer named, or None to train one into OUT/tokenizer.json."""
+    trained = os.path.join(spec.out, bpe.FILE)
+    if given is not None:
+        identity = _identity(spec, given.record())
+    else:
+        identity = _identity(spec, bpe.identity(spec.train_vocab or 0))
+    index = _up_to_date(spec, identity, trained if given is None else None)
     if index is not None:
-        if log:
-            print(f"meshrun data: {spec.out} is up to date ({_summary(index)})", file=sys.stderr, flush=True)
+        _say(log, f"{spec.out} is up to date ({_summary(index)})")
+        _say_skipped(spec.source, log)
         return index
+    tok = given if given is not None else _trained_before(trained)
     state = _saved_state(spec, tok, identity)
     if state["chunks"] == 0:
-        _start_clean(spec.out, spec.out_name)
-    elif log:
-        print(f"meshrun data: resuming {spec.out} after {state['documents']:,} documents", file=sys.stderr, flush=True)
+        _start_clean(spec.out, spec.out_name, keep=given.name if given is not None else None)
+    else:
+        _say(log, f"resuming {spec.out} after {state['documents']:,} documents")
     try:
-        _tokenize(spec, tok, state, log)
+        if tok is None or (given is None and state["chunks"] == 0):
+            tok = _train_tokenizer(spec, trained, log)
+        # (the workers load the tokenizer named, or the one trained)
+        _tokenize(spec, tok, spec.tokenizer or trained, state, log)
         index = _finish(spec, tok, state, log)
     except BaseException as exc:
         _remove_temporary(spec.out)
         if isinstance(exc, OSError):
             raise _os_error(exc, spec) from None
         raise
-    if log:
-        print(f"meshrun data: wrote {spec.out} ({_summary(index)})", file=sys.stderr, flush=True)
+    _say(log, f"wrote {spec.out} ({_summary(index)})")
+    _say_skipped(spec.source, log)
     return index
 
 
-def _tokenize(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: bool) -> None:
-    """Tokenize the chunks ``state`` has not done into complete shards, ``state`` kept up to date."""
+def _say(log: bool, line: str) -> None:
+    if log:
+        print(f"meshrun data: {line}", file=sys.stderr, flush=True)
+
+
+def _say_skipped(source: Source, log: bool) -> None:
+    """The line of the files a directory input held that were not read, by extension."""
+    if source.skipped:
+        _say(log, f"skipped {skipped_summary(source.skipped)} (hint: {skipped_hint(source.skipped_text)})")
+
+
+def _train_tokenizer(spec: PrepareSpec, path: str, log: bool) -> Tokenizer:
+    """Train a tokenizer on the corpus (bpe.py), write it to ``path`` and load it."""
+    vocab = spec.train_vocab or 0
+    _say(log, f"training a {bpe.KIND} tokenizer of {vocab:,} tokens on the corpus")
+    texts = (piece for text in documents(spec.source) for piece in pieces(text))
+    data = bpe.train(texts, vocab)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    tok = load_tokenizer(path, spec.out_name)
+    fewer = (f" (fewer than the {vocab:,} asked: no pair of tokens is left that the corpus holds at least "
+             f"{bpe.MIN_PAIR_COUNT} times)" if tok.vocab_size < vocab else "")
+    _say(log, f"trained a {bpe.KIND} of {tok.vocab_size:,} tokens{fewer}: {path}")
+    return tok
+
+
+def _tokenize(spec: PrepareSpec, tok: Tokenizer, tok_spec: str, state: dict[str, Any], log: bool) -> None:
+    """Tokenize the chunks ``state`` has not done into complete shards, ``state`` kept up to date
+    (the worker processes load the tokenizer from ``tok_spec``)."""
     progress_path = os.path.join(spec.out, PROGRESS)
     dtype = tok.dtype
     jobs = ((first, docs, size, spec.val_fraction, dtype) for n, (first, docs, size) in enumerate(_chunks(spec.source))
@@ -437,7 +531,7 @@ def _tokenize(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: boo
     pool = None
     try:
         if spec.workers > 1:
-            pool = mp.get_context("spawn").Pool(spec.workers, _init_worker, (spec.tokenizer, spec.eos_token))
+            pool = mp.get_context("spawn").Pool(spec.workers, _init_worker, (tok_spec, spec.eos_token))
             results: Iterator[tuple[_Encoded, int, int]] = pool.imap(_encode_in_worker, jobs)
         else:
             results = ((_encode(tok, j[0], j[1], j[3], j[4]), j[2], len(j[1])) for j in jobs)
@@ -478,10 +572,8 @@ def _no_validation(spec: PrepareSpec, state: dict[str, Any], log: bool) -> None:
     for suffix in (".tokens", ".docs"):
         os.replace(os.path.join(spec.out, entry["file"] + suffix), os.path.join(spec.out, name + suffix))
     state["splits"] = {"train": [{**entry, "file": name}], "val": []}
-    if log:
-        n = entry["documents"]
-        print(f"meshrun data: {n} document{'s' if n != 1 else ''}: no validation split (validation needs at least "
-              "2 documents)", file=sys.stderr, flush=True)
+    n = entry["documents"]
+    _say(log, f"{n} document{'s' if n != 1 else ''}: no validation split (validation needs at least 2 documents)")
 
 
 def _finish(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: bool) -> dict[str, Any]:
@@ -505,6 +597,7 @@ def _finish(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: bool)
 
 def _summary(index: dict[str, Any]) -> str:
     s = index["splits"]
-    return (f"{s['train']['tokens']:,} training tokens in {s['train']['documents']:,} documents, "
+    docs = s["train"]["documents"]
+    return (f"{s['train']['tokens']:,} training tokens in {docs:,} document{'s' if docs != 1 else ''}, "
             f"{s['val']['tokens']:,} validation tokens in {s['val']['documents']:,}, {index['dtype']}, "
             f"tokenizer {index['tokenizer']['name']}")

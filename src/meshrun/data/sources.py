@@ -1,12 +1,14 @@
 """The documents of a text corpus, in a fixed order (files sorted by path), so that a
 preparation interrupted and run again sees the same sequence:
 
-- ``.txt``/``.md``/``.text``: a file is one document;
+- ``.txt``/``.md``/``.text``, and files of the extensions ``--ext`` adds (``.py``): a file is
+  one document;
 - ``.jsonl``: a line is one document, its ``text`` field (or the one named);
 - ``.parquet``: a row is one document, its text column (pyarrow);
 - a directory written by ``datasets``' ``save_to_disk``: a row is one document (its ``train``
   split when it holds several);
-- a directory: every such file under it, recursively.
+- a directory: every such file under it, recursively; the others are counted by extension
+  (``Source.skipped``) for the line that says what was left out.
 
 Empty documents are skipped (they would be an end-of-document token alone)."""
 
@@ -16,6 +18,7 @@ import json
 import os
 import stat
 import sysconfig
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Literal
@@ -27,7 +30,11 @@ from . import INDEX
 # The default corpus of `meshrun train` (--data stdlib), read as bytes: its last 5% is held out
 STDLIB_VAL_FRACTION = 0.05
 TEXT_SUFFIXES = (".txt", ".md", ".text")
-SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
+FORMAT_SUFFIXES = (".jsonl", ".parquet")  # files read by their format, a document a line or row
+SUFFIXES = (*TEXT_SUFFIXES, *FORMAT_SUFFIXES)
+EXT_HINT = "an extension such as .py (or py); several as .py,.pyi or --ext repeated"
+NO_EXTENSION = "no extension"
+SKIPPED_SHOWN = 6  # extensions the skipped line names; the rest are summed
 DataKind = Literal["tokens", "text"]  # what a --data path holds (data_kind)
 # A JSON line is parsed whole: its bytes, its text and the parsed record are in memory at once
 MAX_LINE_BYTES = 256 << 20
@@ -40,6 +47,9 @@ class Source:
     paths: tuple[str, ...]
     dataset: bool  # a `datasets` save_to_disk directory
     text_field: str
+    extensions: tuple[str, ...] = ()  # read as text besides TEXT_SUFFIXES (--ext), sorted
+    skipped: tuple[tuple[str, int], ...] = ()  # files of the directory not read: (extension, count), most first
+    skipped_text: tuple[str, ...] = ()  # those of the commonest extensions whose first file reads as text
 
     def fingerprint(self) -> list[list[str | int]]:
         """What a prepared corpus was made from: each input's path, size and modification time."""
@@ -109,25 +119,115 @@ def is_saved_dataset(path: str) -> bool:
                                        for n in ("dataset_info.json", "dataset_dict.json", "state.json"))
 
 
-def find_source(path: str, text_field: str = "text", where: str = "--data") -> Source:
-    """The corpus at ``path``, or a one-line error naming what is wrong with it."""
+def text_extensions(value: str | None, where: str = "--ext") -> tuple[str, ...]:
+    """The extensions a comma list names (``py`` or ``.py``), each with its dot, sorted, without
+    the ones read as text already; one line naming ``value`` for an empty name, one with a
+    path separator, or one that is no file extension."""
+    if value is None:
+        return ()
+    found: set[str] = set()
+    for item in value.split(","):
+        name = item.strip()
+        ext = name if name.startswith(".") else "." + name
+        if ext == ".":
+            raise bad_value(where, value, "an empty extension", EXT_HINT)
+        if "/" in ext or "\\" in ext or os.sep in ext:
+            raise bad_value(where, value, f"{name!r} holds a path separator: an extension is how a file's name ends",
+                            EXT_HINT)
+        if ext.endswith(".") or ".." in ext or not all(c.isalnum() or c in "._+-" for c in ext):
+            raise bad_value(where, value, f"{name!r} is not a file extension (letters, digits, _ + - after a dot)",
+                            EXT_HINT)
+        if ext in FORMAT_SUFFIXES:
+            raise bad_value(where, value, f"{ext} files are read by their format already, a document a "
+                            f"{'line' if ext == '.jsonl' else 'row'}", "drop it: --ext adds files read whole as "
+                            "one document each")
+        if ext not in TEXT_SUFFIXES:
+            found.add(ext)
+    return tuple(sorted(found))
+
+
+def extension(name: str) -> str:
+    """How a file's name ends, as the skipped line counts it: ``.py``, or ``no extension``."""
+    return os.path.splitext(name)[1] or NO_EXTENSION
+
+
+def skipped_summary(skipped: tuple[tuple[str, int], ...]) -> str:
+    """``673 files: .py 668, .c 3, no extension 2``: the extensions most found first, at most
+    SKIPPED_SHOWN of them, the rest summed."""
+    total = sum(n for _, n in skipped)
+    parts = [f"{ext} {n:,}" for ext, n in skipped[:SKIPPED_SHOWN]]
+    rest = skipped[SKIPPED_SHOWN:]
+    if rest:
+        parts.append(f"{sum(n for _, n in rest):,} more of {len(rest)} other extension{'s' if len(rest) > 1 else ''}")
+    return f"{total:,} file{'s' if total != 1 else ''}: {', '.join(parts)}"
+
+
+def skipped_hint(skipped_text: tuple[str, ...]) -> str:
+    """How to read skipped files: --ext with the commonest of their extensions whose files are
+    text (``Source.skipped_text``)."""
+    if skipped_text:
+        return f"--ext {skipped_text[0]} reads {skipped_text[0]} files as text too, one document each"
+    return "--ext EXT reads the files of an extension as text, one document each"
+
+
+def _reads_as_text(path: str) -> bool:
+    """Whether a regular file's first 4 KiB are UTF-8 text without NUL bytes (a character cut
+    at the end aside): a sample of a skipped extension, to name only text ones in a hint."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # (a FIFO would block the read)
+            return False
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.reason == "unexpected end of data"
+    return True
+
+
+def find_source(path: str, text_field: str = "text", where: str = "--data",
+                extensions: tuple[str, ...] = ()) -> Source:
+    """The corpus at ``path``, or a one-line error naming what is wrong with it. ``extensions``
+    (``text_extensions``'s): files read as text besides TEXT_SUFFIXES."""
     path = os.path.expanduser(path)
     if not os.path.exists(path):
         raise bad_value(where, path, "no such file or directory")
     if is_saved_dataset(path):
-        return Source((path,), True, text_field)
+        return Source((path,), True, text_field, extensions)
+    suffixes = (*SUFFIXES, *extensions)
     if not os.path.isdir(path):
         check_regular(path, where, "give a corpus file or a directory of them")
-        if not path.endswith(SUFFIXES):
-            raise bad_value(where, path, "not a text corpus file", f"one of {', '.join(SUFFIXES)}, or a directory")
-        return Source((path,), False, text_field)
-    files = sorted(os.path.join(d, f) for d, dirs, fs in os.walk(path) for f in fs if f.endswith(SUFFIXES))
+        if not path.endswith(suffixes):
+            ext = extension(path)
+            hint = f"one of {', '.join(suffixes)}, or a directory"
+            raise bad_value(where, path, "not a text corpus file",
+                            hint + (f"; --ext {ext} reads {ext} files as text" if ext != NO_EXTENSION else ""))
+        return Source((path,), False, text_field, extensions)
+    files: list[str] = []
+    others: Counter[str] = Counter()
+    first: dict[str, str] = {}  # each skipped extension's first file, in sorted order
+    for d, dirs, names in os.walk(path):
+        dirs.sort()
+        for name in sorted(names):
+            if name.endswith(suffixes):
+                files.append(os.path.join(d, name))
+            else:
+                others[extension(name)] += 1
+                first.setdefault(extension(name), os.path.join(d, name))
+    files.sort()
+    skipped = tuple(sorted(others.items(), key=lambda kv: (-kv[1], kv[0])))
+    text = tuple(ext for ext, _ in skipped[:SKIPPED_SHOWN] if ext != NO_EXTENSION and _reads_as_text(first[ext]))
     for name in files:  # all of them before any is read: one of them a FIFO would hang the read
         check_regular(name, where)
     if not files:
-        raise bad_value(where, path, f"a directory with no {', '.join(SUFFIXES)} file in it",
-                        "point at the corpus' files or folder")
-    return Source(tuple(files), False, text_field)
+        held = f" (it holds {skipped_summary(skipped)})" if skipped else ""
+        raise bad_value(where, path, f"a directory with no {', '.join(suffixes)} file in it{held}",
+                        (skipped_hint(text) + ", or " if skipped else "") + "point at the corpus' files or folder")
+    return Source(tuple(files), False, text_field, extensions, skipped, text)
 
 
 def _field(record: object, field: str, where: str) -> str:

@@ -116,7 +116,7 @@ def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainCo
     corpus' structure checked) and every id checked against a prepared corpus' tokenizer and a
     Hugging Face model's vocabulary; the config pointed at the tokens."""
     from ..config import BUILTIN_DATA
-    from ..data.sources import data_kind
+    from ..data.sources import data_kind, text_extensions
 
     data = cfg.data if cfg.data and cfg.data not in BUILTIN_DATA else None
     kind = data_kind(data) if data is not None else None
@@ -131,9 +131,11 @@ def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainCo
         tokenizer = cfg.tokenizer or _model_tokenizer(cfg)
         if tokenizer is None:
             raise bad_value(cfg.source("data"), cfg.data, "text needs a tokenizer",
-                            "--tokenizer DIR|FILE|NAME, or --model a Hugging Face directory with tokenizer.json")
-        data = tokens_for_text(data, tokenizer, cfg.text_field, env, cpus, cfg.source("data"))
-        cfg = cfg.replace(data=data)
+                            "--tokenizer DIR|FILE|NAME, --model a Hugging Face directory with tokenizer.json, or "
+                            "meshrun data prepare --train-tokenizer VOCAB to train one on the corpus and prepare it")
+        data = tokens_for_text(data, tokenizer, cfg.text_field, env, cpus, cfg.source("data"),
+                               text_extensions(cfg.ext, cfg.source("ext")))
+        cfg = cfg.replace(data=data, ext=None)  # (the tokens: --ext chose the files they were read from)
     from ..data.store import FULL_CHECK_TOKENS, check_ids, open_tokens
 
     vocab = None
