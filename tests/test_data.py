@@ -388,6 +388,38 @@ def test_a_directory_says_what_it_skipped_and_ext_reads_it(tmp_path, corpus):
     assert res.returncode == 0 and read_index(out)["documents"] == 4, res.stderr
 
 
+def test_a_file_of_a_directory_that_is_not_utf8_is_left_out_and_said(tmp_path, corpus):
+    """A source tree holds a few files in older encodings (CPython's own tests do): in a
+    directory each is left out and named on a line of its own, in the index too, and the rest is
+    prepared; said again when the corpus is up to date. A file named alone stays an error."""
+    from meshrun.data.store import read_index
+    from meshrun.data.tokenizer import load_tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("def a():\n    return 1\n")
+    (src / "b.py").write_text("print('b')\n" * 3)
+    (src / "latin.py").write_bytes("# -*- coding: latin-1 -*-\nname = 'caf\u00e9'\n".encode("latin-1"))
+    out = str(tmp_path / "out")
+    args = [str(src), "--ext", ".py", "--tokenizer", corpus["tok"], "--out", out, "--workers", "1",
+            "--val-fraction", "0"]
+    left = (f"meshrun data: left out 1 file that is not UTF-8 text: {src / 'latin.py'} "
+            "(hint: convert it to train on it, e.g. with iconv -t utf-8)")
+    for said in ("wrote", "is up to date"):
+        res = meshrun_here("data", "prepare", *args)
+        assert res.returncode == 0, res.stderr
+        assert said in res.stderr.splitlines()[-2] and res.stderr.splitlines()[-1] == left, res.stderr
+    index = read_index(out)
+    tok = load_tokenizer(corpus["tok"])
+    expected = sum(len(ids) + 1 for ids in tok.encode_batch([(src / n).read_text() for n in ("a.py", "b.py")]))
+    assert index["documents"] == 2 and index["splits"]["train"]["tokens"] == expected
+    assert index["not_utf8"] == {"files": 1, "first": [str(src / "latin.py")]}
+    alone = meshrun_here("data", "prepare", str(src / "latin.py"), "--ext", ".py", "--tokenizer", corpus["tok"],
+                         "--out", str(tmp_path / "alone"))
+    assert alone.returncode == 2 and alone.stderr.strip() == (
+        f"meshrun: error: {src / 'latin.py'}: not UTF-8 text at byte 37 (hint: convert it, e.g. iconv -t utf-8)")
+
+
 def test_the_skipped_line_names_the_commonest_extensions_and_sums_the_rest(tmp_path):
     """A directory's files not read, by extension: most first (alike counts by name), the six
     commonest named and the rest summed; of those six, the ones whose first file reads as text

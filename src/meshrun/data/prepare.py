@@ -52,6 +52,7 @@ PROGRESS = "progress.json"
 CHUNK_DOCS = 256  # documents per unit of work
 CHUNK_CHARS = 4 << 20  # or this many characters, whichever comes first
 SHARD_TOKENS = 1 << 27  # tokens per training shard (256 MiB in uint16)
+NOT_UTF8_NAMED = 3  # of the files left out as not UTF-8, those the index and the line name
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,11 @@ def is_val(i: int, fraction: float) -> bool:
     return ((i + 1) * f.numerator + shift) // f.denominator > (i * f.numerator + shift) // f.denominator
 
 
-def _chunks(source: Source) -> Iterator[tuple[int, list[str], int]]:
-    """(index of the chunk's first document, its documents, their UTF-8 bytes)."""
+def _chunks(source: Source, not_utf8: list[str]) -> Iterator[tuple[int, list[str], int]]:
+    """(index of the chunk's first document, its documents, their UTF-8 bytes); the files left
+    out as not UTF-8 are added to ``not_utf8`` (sources.documents)."""
     first, docs, chars, size = 0, [], 0, 0
-    for text in documents(source):
+    for text in documents(source, not_utf8):
         docs.append(text)
         chars += len(text)
         if len(docs) >= CHUNK_DOCS or chars >= CHUNK_CHARS:
@@ -465,7 +467,7 @@ def _prepare_locked(spec: PrepareSpec, given: Tokenizer | None, log: bool) -> di
     index = _up_to_date(spec, identity, trained if given is None else None)
     if index is not None:
         _say(log, f"{spec.out} is up to date ({_summary(index)})")
-        _say_skipped(spec.source, log)
+        _say_skipped(spec.source, index, log)
         return index
     tok = given if given is not None else _trained_before(trained)
     state = _saved_state(spec, tok, identity)
@@ -477,15 +479,15 @@ def _prepare_locked(spec: PrepareSpec, given: Tokenizer | None, log: bool) -> di
         if tok is None or (given is None and state["chunks"] == 0):
             tok = _train_tokenizer(spec, trained, log)
         # (the workers load the tokenizer named, or the one trained)
-        _tokenize(spec, tok, spec.tokenizer or trained, state, log)
-        index = _finish(spec, tok, state, log)
+        not_utf8 = _tokenize(spec, tok, spec.tokenizer or trained, state, log)
+        index = _finish(spec, tok, state, log, not_utf8)
     except BaseException as exc:
         _remove_temporary(spec.out)
         if isinstance(exc, OSError):
             raise _os_error(exc, spec) from None
         raise
     _say(log, f"wrote {spec.out} ({_summary(index)})")
-    _say_skipped(spec.source, log)
+    _say_skipped(spec.source, index, log)
     return index
 
 
@@ -494,17 +496,27 @@ def _say(log: bool, line: str) -> None:
         print(f"meshrun data: {line}", file=sys.stderr, flush=True)
 
 
-def _say_skipped(source: Source, log: bool) -> None:
-    """The line of the files a directory input held that were not read, by extension."""
+def _say_skipped(source: Source, index: dict[str, Any], log: bool) -> None:
+    """The lines of the files a directory input held that were not read: by extension, and
+    those of the extensions read that are not UTF-8 (an index written before this count was
+    kept has none)."""
     if source.skipped:
         _say(log, f"skipped {skipped_summary(source.skipped)} (hint: {skipped_hint(source.skipped_text)})")
+    left = index.get("not_utf8") or {"files": 0, "first": []}
+    if left["files"]:
+        n = left["files"]
+        named = ", ".join(left["first"]) + (", ..." if n > len(left["first"]) else "")
+        files, are, them = ("file", "is", "it") if n == 1 else ("files", "are", "them")
+        _say(log, f"left out {n:,} {files} that {are} not UTF-8 text: {named} "
+                  f"(hint: convert {them} to train on {them}, e.g. with iconv -t utf-8)")
 
 
 def _train_tokenizer(spec: PrepareSpec, path: str, log: bool) -> Tokenizer:
     """Train a tokenizer on the corpus (bpe.py), write it to ``path`` and load it."""
     vocab = spec.train_vocab or 0
     _say(log, f"training a {bpe.KIND} tokenizer of {vocab:,} tokens on the corpus")
-    texts = (piece for text in documents(spec.source) for piece in pieces(text))
+    # (the files left out as not UTF-8 are said once, by _tokenize's pass)
+    texts = (piece for text in documents(spec.source, []) for piece in pieces(text))
     data = bpe.train(texts, vocab)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(data)
@@ -518,13 +530,15 @@ def _train_tokenizer(spec: PrepareSpec, path: str, log: bool) -> Tokenizer:
     return tok
 
 
-def _tokenize(spec: PrepareSpec, tok: Tokenizer, tok_spec: str, state: dict[str, Any], log: bool) -> None:
+def _tokenize(spec: PrepareSpec, tok: Tokenizer, tok_spec: str, state: dict[str, Any], log: bool) -> list[str]:
     """Tokenize the chunks ``state`` has not done into complete shards, ``state`` kept up to date
-    (the worker processes load the tokenizer from ``tok_spec``)."""
+    (the worker processes load the tokenizer from ``tok_spec``). Returns the files left out as
+    not UTF-8 (all of them: a resumed run reads the documents done before too, to skip them)."""
     progress_path = os.path.join(spec.out, PROGRESS)
     dtype = tok.dtype
-    jobs = ((first, docs, size, spec.val_fraction, dtype) for n, (first, docs, size) in enumerate(_chunks(spec.source))
-            if n >= state["chunks"])
+    not_utf8: list[str] = []
+    jobs = ((first, docs, size, spec.val_fraction, dtype)
+            for n, (first, docs, size) in enumerate(_chunks(spec.source, not_utf8)) if n >= state["chunks"])
     total = sum(size for _, size, _ in spec.source.inputs()) if not spec.source.dataset else None
     progress = _Progress(total, log)
     shards = {s: _Shard(spec.out, s, len(state["splits"][s])) for s in SPLITS}
@@ -552,6 +566,7 @@ def _tokenize(spec: PrepareSpec, tok: Tokenizer, tok_spec: str, state: dict[str,
             entry = shards[split].close()
             if entry:
                 state["splits"][split].append(entry)
+        return not_utf8
     except BaseException:
         for shard in shards.values():
             shard.discard()
@@ -576,13 +591,15 @@ def _no_validation(spec: PrepareSpec, state: dict[str, Any], log: bool) -> None:
     _say(log, f"{n} document{'s' if n != 1 else ''}: no validation split (validation needs at least 2 documents)")
 
 
-def _finish(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: bool) -> dict[str, Any]:
+def _finish(spec: PrepareSpec, tok: Tokenizer, state: dict[str, Any], log: bool,
+            not_utf8: list[str]) -> dict[str, Any]:
     """Write the index (last: it makes the directory a corpus) and drop the progress file."""
     if not state["splits"]["train"] and state["splits"]["val"]:
         _no_validation(spec, state, log)
     index: dict[str, Any] = {
         "format": FORMAT, "dtype": tok.dtype, "tokenizer": tok.record(), "identity": state["identity"],
         "documents": state["documents"],
+        "not_utf8": {"files": len(not_utf8), "first": not_utf8[:NOT_UTF8_NAMED]},
         "splits": {s: {"shards": state["splits"][s], "tokens": sum(e["tokens"] for e in state["splits"][s]),
                        "documents": sum(e["documents"] for e in state["splits"][s])} for s in SPLITS}}
     if not index["splits"]["train"]["tokens"]:

@@ -50,6 +50,7 @@ class Source:
     extensions: tuple[str, ...] = ()  # read as text besides TEXT_SUFFIXES (--ext), sorted
     skipped: tuple[tuple[str, int], ...] = ()  # files of the directory not read: (extension, count), most first
     skipped_text: tuple[str, ...] = ()  # those of the commonest extensions whose first file reads as text
+    directory: bool = False  # read from a directory: a file in it that is not UTF-8 is left out, and said
 
     def fingerprint(self) -> list[list[str | int]]:
         """What a prepared corpus was made from: each input's path, size and modification time."""
@@ -227,7 +228,7 @@ def find_source(path: str, text_field: str = "text", where: str = "--data",
         held = f" (it holds {skipped_summary(skipped)})" if skipped else ""
         raise bad_value(where, path, f"a directory with no {', '.join(suffixes)} file in it{held}",
                         (skipped_hint(text) + ", or " if skipped else "") + "point at the corpus' files or folder")
-    return Source(tuple(files), False, text_field, extensions, skipped, text)
+    return Source(tuple(files), False, text_field, extensions, skipped, text, directory=True)
 
 
 def _field(record: object, field: str, where: str) -> str:
@@ -242,6 +243,14 @@ def _field(record: object, field: str, where: str) -> str:
 
 
 def _read_text(path: str) -> str:
+    text = _decoded(path)
+    if isinstance(text, UnicodeDecodeError):
+        raise MeshrunError(f"{path}: not UTF-8 text at byte {text.start} (hint: convert it, e.g. iconv -t utf-8)")
+    return text
+
+
+def _decoded(path: str) -> str | UnicodeDecodeError:
+    """The file's text, or why it is not UTF-8."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -250,8 +259,7 @@ def _read_text(path: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise MeshrunError(f"{path}: not UTF-8 text at byte {exc.start} (hint: convert it, e.g. iconv -t utf-8)") \
-            from None
+        return exc
 
 
 def _jsonl(path: str, field: str) -> Iterator[str]:
@@ -374,8 +382,10 @@ def _dataset(path: str, field: str) -> Iterator[str]:
                 yield text
 
 
-def documents(source: Source) -> Iterator[str]:
-    """Every non-empty document of the corpus, in order."""
+def documents(source: Source, not_utf8: list[str]) -> Iterator[str]:
+    """Every non-empty document of the corpus, in order. A file of a directory that is not UTF-8
+    text (a source tree holds a few in older encodings: 4 of CPython 3.11's test files) is left
+    out and its path added to ``not_utf8``, for the caller to say; a file named alone is an error."""
     for path in source.paths:
         if source.dataset:
             texts: Iterator[str] = _dataset(path, source.text_field)
@@ -383,6 +393,12 @@ def documents(source: Source) -> Iterator[str]:
             texts = _jsonl(path, source.text_field)
         elif path.endswith(".parquet"):
             texts = _parquet(path, source.text_field)
+        elif source.directory:
+            text = _decoded(path)
+            if isinstance(text, UnicodeDecodeError):
+                not_utf8.append(path)
+                continue
+            texts = iter([text])
         else:
             texts = iter([_read_text(path)])
         for text in texts:
