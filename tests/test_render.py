@@ -34,6 +34,22 @@ def test_slurm_script_is_valid_bash_with_well_formed_sbatch_lines(tmp_path):
             "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00"} <= set(sbatch)
 
 
+@pytest.mark.parametrize("gpus", [8, 1, 0])
+def test_slurm_asks_for_no_cpus_unless_given(gpus):
+    """No CPU request of the script's own, whatever the GPUs (8 per GPU would be 64 on an 8-GPU
+    node, more than some have: such a job never starts); --cpus-per-task is written as given,
+    and the script's comment says which rule it followed."""
+    sbatch = [line for line in render(RenderSpec("slurm", TRAIN, gpus_per_node=gpus)).splitlines()
+              if line.startswith("#SBATCH")]
+    assert not [line for line in sbatch if line.startswith(("#SBATCH --cpus", "#SBATCH -c", "#SBATCH --mincpus"))]
+    text = render(RenderSpec("slurm", TRAIN, gpus_per_node=gpus))
+    assert "# CPUs: none asked for here" in text
+    given = render(RenderSpec("slurm", TRAIN, gpus_per_node=gpus, cpus_per_task=12))
+    assert [line for line in given.splitlines() if "cpus" in line and line.startswith("#SBATCH")] == \
+        ["#SBATCH --cpus-per-task=12"]
+    assert "# CPUs: the --cpus-per-task above" in given
+
+
 def test_slurm_job_options_render_as_sbatch_reads_them(tmp_path):
     """--account, --qos, --mem, --constraint and each --sbatch-arg become #SBATCH lines before
     the script's first command, the last as given (`--sbatch-arg --exclusive`, its value an

@@ -60,7 +60,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_option(g, "--accelerator", metavar="GPU", default="H100", help="SkyPilot accelerator name (default H100)")
     add_option(g, "--partition", metavar="P", help="Slurm partition (LSF: the queue, bsub -q)")
     add_option(g, "--time", metavar="HH:MM:SS", help="Slurm time limit (LSF: [hours:]minutes, bsub -W)")
-    add_option(g, "--cpus-per-task", metavar="C", help="Slurm CPUs per node task (default 8 per GPU)")
+    add_option(g, "--cpus-per-task", metavar="C",
+               help="Slurm CPUs per node task (sbatch --cpus-per-task); without it the script asks for none, and "
+                    "each node's task gets the partition's default (its DefCpuPerGPU, else one CPU; the whole node "
+                    "with --sbatch-arg=--exclusive)")
     add_option(g, "--requeue", action="store_true",
                help="Slurm: before the time limit, have Slurm send SIGUSR1 to meshrun on every node; meshrun "
                     "train then stops after a step all ranks agree on, writes a snapshot and exits with 75, and "

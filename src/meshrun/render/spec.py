@@ -75,7 +75,7 @@ class RenderSpec:
     # Slurm
     partition: str | None = None
     time: str | None = None
-    cpus_per_task: int | None = None
+    cpus_per_task: int | None = None  # None: no CPU request of the script's own (slurm.py)
     requeue: bool = False  # stop on SIGUSR1 before the time limit, snapshot, requeue the job
     signal_before: int | None = None  # seconds before the time limit; None: SIGNAL_BEFORE_S
     max_restarts: int = 0  # run a failed job step again, up to this many times
@@ -158,7 +158,7 @@ def _check_syntax(spec: RenderSpec) -> None:
     _check_slurm(spec)
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
         raise bad_value("--cpus-per-task", spec.cpus_per_task, "must be >= 1",
-                        "leave it out for the default of 8 per GPU")
+                        "leave it out to take the partition's default CPUs")
     if spec.namespace is not None and not _NAMESPACE.fullmatch(spec.namespace):
         raise bad_value("--namespace", spec.namespace,
                         "is not a Kubernetes namespace (DNS-1123 label: a-z, 0-9, '-')", "e.g. ml-team")
