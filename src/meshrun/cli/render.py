@@ -12,7 +12,7 @@ from ..fsio import write_file
 from ..paths import check_output_file
 from ..render import TARGETS, render
 from ..render.kubernetes import out_on_no_volume
-from ..render.spec import K8S_KINDS, SIGNAL_BEFORE_S, RenderSpec
+from ..render.spec import K8S_KINDS, LSF_LAUNCHERS, SIGNAL_BEFORE_S, RenderSpec
 from ..vocab import FRAMEWORKS
 from .options import add_option
 
@@ -21,7 +21,7 @@ Write a job spec for a platform; every node runs the command after `--` through 
 which detects its rank, the head node and the port from the platform's own variables.
 
   slurm       sbatch script: one task per node, srun, head node rendezvous
-  lsf         bsub script: one jsrun task per node (IBM Spectrum LSF)
+  lsf         bsub script: one task per node through blaunch, or --launcher jsrun | mpirun
   skypilot    task YAML: num_nodes, resources.accelerators, network_tier: best
   kubernetes  Indexed Job + headless Service, or --as pytorchjob | trainjob (Kubeflow) | jobset
   saturn      Saturn Cloud Job settings: command and instance count
@@ -34,7 +34,8 @@ examples:
   meshrun render slurm --nodes 4 --gpus-per-node 8 -- meshrun train --model-size gpt-1.3b --out /shared/run1
   meshrun render slurm --nodes 4 --time 04:00:00 --requeue -- meshrun train --out /shared/run1   # runs until done
   meshrun render slurm --account ml --qos high --mem 0 --sbatch-arg=--exclusive -- meshrun train --out /shared/r
-  meshrun render lsf --nodes 4 --gpus-per-node 6 --time 4:00 -o job.bsub -- meshrun train --out /gpfs/run1
+  meshrun render lsf --nodes 4 --gpus-per-node 8 --time 4:00 -o job.bsub -- meshrun train --out /gpfs/run1
+  meshrun render lsf --launcher jsrun --nodes 4 --gpus-per-node 6 -o job.bsub -- meshrun train --out /gpfs/r1
   meshrun render skypilot --nodes 2 --accelerator H100 -o task.yaml -- train.py --epochs 3
   meshrun render kubernetes --nodes 2 --image ghcr.io/me/train:1 --name gpt -- meshrun train --steps 500
   meshrun render kubernetes --as trainjob --image img:1 --volume runs:/shared -- meshrun train --out /shared/r1
@@ -44,7 +45,8 @@ examples:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("render", help="write a Slurm / SkyPilot / Kubernetes / Saturn Cloud job spec or a hostfile",
+    p = sub.add_parser("render", help="write a Slurm / LSF / SkyPilot / Kubernetes / Saturn Cloud job spec or a "
+                                      "hostfile",
                        description=RENDER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="TARGET", help=f"one of {', '.join(TARGETS)}")
     g = p.add_argument_group("the job")
@@ -94,6 +96,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_option(g, "--volume", metavar="CLAIM:PATH",
                help="Kubernetes: mount this PersistentVolumeClaim at PATH on every pod, for meshrun train --out "
                     "(a pod's own disk goes with the pod)")
+    add_option(g, "--launcher", metavar="NAME", default="blaunch",
+               help=f"LSF: what starts meshrun on each host, one of {', '.join(LSF_LAUNCHERS)}: blaunch on a plain "
+                    "LSF cluster (default), jsrun on an IBM CSM cluster (the job asks for whole nodes, -nnodes), "
+                    "Open MPI's mpirun")
     add_option(g, "--hosts", metavar="H0,H1,..", help="hostfile: node addresses in node-rank order")
     add_option(p, "--output", "-o", metavar="FILE", help="write here (default: standard output)")
     # nargs="*" rather than REMAINDER: options may sit anywhere before `--`, and everything
@@ -145,7 +151,7 @@ def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         namespace=ns.namespace, kind=_kind(ns), runtime=ns.runtime, volume=ns.volume, requeue=ns.requeue,
         signal_before=_seconds(ns, "signal_before"), max_restarts=_int(ns, "max_restarts", "--max-restarts") or 0,
         account=ns.account, qos=ns.qos, mem=ns.mem, constraint=ns.constraint,
-        sbatch_args=tuple(ns.sbatch_arg or ()),
+        sbatch_args=tuple(ns.sbatch_arg or ()), launcher=ns.launcher,
         # (an empty name between commas is kept, for validate() to refuse)
         hosts=tuple(h.strip() for h in ns.hosts.split(",")) if ns.hosts and ns.hosts.strip() else ())
     if ns.output:

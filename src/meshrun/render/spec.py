@@ -48,6 +48,9 @@ RENDERED_SBATCH = {"--job-name": "--name", "-J": "--name", "--nodes": "--nodes",
 # getopt_long takes an exact name as that option, not as an abbreviation
 SBATCH_OWN_PREFIXES = frozenset({"--gpus"})
 _LSF_TIME = re.compile(r"([0-9]+:)?[0-9]+")  # bsub -W: [hours:]minutes
+# how `render lsf` starts a node's meshrun (--launcher): blaunch on a plain LSF cluster (the
+# default), jsrun on an IBM CSM cluster (whose jobs ask for whole nodes), Open MPI's mpirun
+LSF_LAUNCHERS = ("blaunch", "jsrun", "mpirun")
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
 _SLURM_TIME = re.compile(r"([0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}|UNLIMITED|INFINITE)")
 _ACCELERATOR = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)(?::([1-9][0-9]*))?$")  # SkyPilot NAME or NAME:COUNT
@@ -89,6 +92,8 @@ class RenderSpec:
     kind: str = "job"  # job | pytorchjob | trainjob | jobset (K8S_KINDS)
     runtime: str = "torch-distributed"  # a TrainJob's ClusterTrainingRuntime
     volume: str | None = None  # CLAIM:PATH, a PersistentVolumeClaim mounted on every pod
+    # LSF
+    launcher: str = "blaunch"  # LSF_LAUNCHERS
     # hostfile
     hosts: tuple[str, ...] = field(default=())
 
@@ -117,7 +122,7 @@ def _check_text(spec: RenderSpec) -> None:
     """No control characters in anything that is written into the spec."""
     for flag, value in (("--name", spec.name), ("--image", spec.image), ("--accelerator", spec.accelerator),
                         ("--partition", spec.partition), ("--time", spec.time), ("--namespace", spec.namespace),
-                        ("--volume", spec.volume), ("--runtime", spec.runtime),
+                        ("--volume", spec.volume), ("--runtime", spec.runtime), ("--launcher", spec.launcher),
                         ("--account", spec.account), ("--qos", spec.qos), ("--mem", spec.mem),
                         ("--constraint", spec.constraint), *(("--sbatch-arg", a) for a in spec.sbatch_args)):
         _no_control(flag, value)
@@ -269,6 +274,13 @@ def _check_kubernetes(spec: RenderSpec) -> None:
         raise bad_value("--runtime", spec.runtime, "is not a training runtime's name", "e.g. torch-distributed")
 
 
+def _check_lsf(spec: RenderSpec) -> None:
+    if spec.launcher not in LSF_LAUNCHERS:
+        raise bad_value("--launcher", spec.launcher, "is not an LSF launcher meshrun renders",
+                        "blaunch (a plain LSF cluster), jsrun (IBM CSM, whose jobs ask for whole nodes) or mpirun "
+                        "(Open MPI's)")
+
+
 def validate(spec: RenderSpec) -> RenderSpec:
     if spec.target not in TARGETS:
         raise bad_value("target", spec.target, "unknown", f"one of {', '.join(TARGETS)}")
@@ -299,6 +311,7 @@ def validate(spec: RenderSpec) -> RenderSpec:
         raise bad_value("--image", None, "a Saturn Cloud job needs an image",
                         "e.g. --image saturncloud/saturn-python-pytorch:2024.08.01")
     _check_kubernetes(spec)
+    _check_lsf(spec)
     if spec.target == "lsf" and spec.image:
         raise bad_value("--image", spec.image, "an LSF job runs on the nodes' own software, in no container",
                         "drop it, or give --setup the command that makes meshrun available")
@@ -339,7 +352,8 @@ USED_BY = {"setup": ("--setup", ("slurm", "lsf", "skypilot", "saturn"),
            "port": ("--port", ("kubernetes", "saturn"), "drop it: the platform gives the port there"),
            "accelerator": ("--accelerator", ("skypilot",), "drop it: --gpus-per-node sets the GPUs"),
            "partition": ("--partition", ("slurm", "lsf"), "drop it"),
-           "time": ("--time", ("slurm", "lsf"), "drop it")}
+           "time": ("--time", ("slurm", "lsf"), "drop it"),
+           "launcher": ("--launcher", ("lsf",), "drop it")}
 
 
 def _check_used(spec: RenderSpec) -> None:
