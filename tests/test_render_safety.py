@@ -151,7 +151,7 @@ def test_every_node_runs_the_command_byte_for_byte(tmp_path, bin_dir, pwned, tar
             res = subprocess.run(["bash", str(script)], env=_env(bin_dir), capture_output=True, text=True, timeout=30)
             assert _argv(res) == expected
     elif target == "skypilot":
-        task = yaml.safe_load(render(RenderSpec("skypilot", command, **kw)))
+        task = yaml.safe_load(render(RenderSpec("skypilot", command, workdir=".", **kw)))
         assert _bash(task["run"], bin_dir) == expected
     elif target == "saturn":
         job = yaml.safe_load(render(RenderSpec("saturn", command, **kw)))
