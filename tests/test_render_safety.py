@@ -188,6 +188,7 @@ FIELDS = [  # (target, RenderSpec field, its option)
     ("slurm", "image", "--image"), ("skypilot", "accelerator", "--accelerator"), ("skypilot", "name", "--name"),
     ("kubernetes", "namespace", "--namespace"), ("kubernetes", "name", "--name"), ("kubernetes", "image", "--image"),
     ("saturn", "name", "--name"), ("saturn", "image", "--image"), ("slurm", "setup", "--setup"),
+    ("skypilot", "workdir", "--workdir"), ("skypilot", "volume", "--volume"), ("lsf", "launcher", "--launcher"),
 ]
 
 
