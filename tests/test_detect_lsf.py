@@ -189,6 +189,57 @@ def test_job_script_outside_a_job_step_is_refused(hosts, count):
     assert f"{count} compute host(s) of env LSB_MCPU_HOSTS" in msg and "jsrun -n <nodes> -r 1 -a 1" in msg
 
 
+# ---- LSF: blaunch tasks -------------------------------------------------------------------------
+
+# the job's slots -> each blaunch task's hosts: every host once, in order, the first included (a
+# plain LSF cluster has no launch node: the job script's host computes too)
+BLAUNCH_JOBS = [
+    ("h1 4 h2 4", ("h1", "h2")),
+    ("h1 1 h2 1 h3 1", ("h1", "h2", "h3")),  # span[ptile=1]: the first host's one slot is its node
+    ("h1 8", ("h1",)),
+    ("h2 2 h1 2 h2 2", ("h2", "h1")),
+]
+
+
+@pytest.mark.parametrize("mcpu,hosts", BLAUNCH_JOBS)
+def test_blaunch_task_n_is_node_n_minus_1_of_all_the_jobs_hosts(mcpu, hosts):
+    tops = [resolve({"LSB_JOBID": "321", "LSB_MCPU_HOSTS": mcpu, "LSF_PM_TASKID": str(task)}, 4)
+            for task in range(1, len(hosts) + 1)]
+    assert [t.node_rank for t in tops] == list(range(len(hosts)))
+    assert {(t.platform, t.nnodes, t.nproc_per_node, t.master_addr, t.hosts, t.master_port, t.local_rank)
+            for t in tops} == {("lsf", len(hosts), 4, hosts[0], hosts, 15321, None)}
+    assert tops[-1].source("node_rank") == "env LSF_PM_TASKID - 1"
+    assert tops[-1].source("hosts") == "env LSB_MCPU_HOSTS (each host once, the first included)"
+
+
+def test_a_blaunch_tasks_hosts_come_from_the_rankfile_first(tmp_path):
+    env = {"LSB_JOBID": "321", "LSB_DJOB_RANKFILE": rankfile(tmp_path, "a\na\nb\nb\n"),
+           "LSB_MCPU_HOSTS": "x 2 y 2", "LSF_PM_TASKID": "2"}
+    t = resolve(env, 2)
+    assert (t.hosts, t.node_rank, t.master_addr) == (("a", "b"), 1, "a")
+    assert t.source("nnodes") == "count of hosts of env LSB_DJOB_RANKFILE"
+
+
+@pytest.mark.parametrize("task,words", [
+    ("3", "env LSF_PM_TASKID=3: is past the 2 host(s) of env LSB_MCPU_HOSTS: blaunch started more than one task "
+          "per host (hint: start one task on each host: blaunch -u FILE"),
+    ("0", "env LSF_PM_TASKID='0': must be >= 1"),
+    ("x", "env LSF_PM_TASKID='x': not an integer"),
+])
+def test_a_bad_blaunch_task_number_is_one_line(task, words):
+    msg = one_line_error({"LSB_JOBID": "321", "LSB_MCPU_HOSTS": "h1 4 h2 4", "LSF_PM_TASKID": task})
+    assert msg.startswith(words), msg
+
+
+def test_jsrun_and_mpirun_variables_win_over_a_blaunch_task_number():
+    """jsrun's job steps and Open MPI's ranks (whose daemons LSF starts as tasks, so they inherit
+    LSF_PM_TASKID) are placed by jsrun and mpirun: their own variables say which node."""
+    assert resolve({**LSF_PER_GPU, "LSF_PM_TASKID": "1"}, 4).source("node_rank") == \
+        "env JSM_NAMESPACE_RANK // tasks per node"
+    no_jsm = {k: v for k, v in LSF_PER_GPU.items() if k not in JSM}
+    assert resolve({**no_jsm, **MPI_PER_NODE, "LSF_PM_TASKID": "1"}, 2).platform == "mpi"
+
+
 def test_job_array_elements_get_their_own_port_and_run_id():
     a = resolve({**LSF_PER_GPU, "LSB_JOBINDEX": "3"}, 4)
     b = resolve({**LSF_PER_GPU, "LSB_JOBINDEX": "4"}, 4)
@@ -404,12 +455,12 @@ done
 
 
 def test_the_rendered_bsub_script_runs_meshrun_as_lsf_detection_reads_it(tmp_path):
-    """`meshrun render lsf` -> the script, run as LSF would (its variables, a rankfile with the
+    """`meshrun render lsf --launcher jsrun` -> the script, run as LSF would (its variables, a rankfile with the
     launch node first, jsrun starting one task per node): each task's meshrun resolves the same
     nodes, its own node rank and the first compute host as master."""
     script = tmp_path / "job.bsub"
-    res = meshrun("render", "lsf", "--nodes", "3", "--gpus-per-node", "4", "--time", "30", "--partition", "batch",
-                  "--account", "proj1", "-o", str(script), "--", "meshrun", "env", "--json")
+    res = meshrun("render", "lsf", "--launcher", "jsrun", "--nodes", "3", "--gpus-per-node", "4", "--time", "30",
+                  "--partition", "batch", "--account", "proj1", "-o", str(script), "--", "meshrun", "env", "--json")
     assert res.returncode == 0, res.stderr
     text = script.read_text()
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 import yaml
-from helpers import meshrun, require, script
+from helpers import meshrun, meshrun_here, require, script
 
+from meshrun import __version__
 from meshrun.render import RenderSpec, render
 from meshrun.render.slurm import node_command
 
@@ -32,6 +34,22 @@ def test_slurm_script_is_valid_bash_with_well_formed_sbatch_lines(tmp_path):
     assert all(lines.index(line) < first_cmd for line in sbatch)  # sbatch stops reading at the first command
     assert {"#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
             "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00"} <= set(sbatch)
+
+
+@pytest.mark.parametrize("gpus", [8, 1, 0])
+def test_slurm_asks_for_no_cpus_unless_given(gpus):
+    """No CPU request of the script's own, whatever the GPUs (8 per GPU would be 64 on an 8-GPU
+    node, more than some have: such a job never starts); --cpus-per-task is written as given,
+    and the script's comment says which rule it followed."""
+    sbatch = [line for line in render(RenderSpec("slurm", TRAIN, gpus_per_node=gpus)).splitlines()
+              if line.startswith("#SBATCH")]
+    assert not [line for line in sbatch if line.startswith(("#SBATCH --cpus", "#SBATCH -c", "#SBATCH --mincpus"))]
+    text = render(RenderSpec("slurm", TRAIN, gpus_per_node=gpus))
+    assert "# CPUs: none asked for here" in text
+    given = render(RenderSpec("slurm", TRAIN, gpus_per_node=gpus, cpus_per_task=12))
+    assert [line for line in given.splitlines() if "cpus" in line and line.startswith("#SBATCH")] == \
+        ["#SBATCH --cpus-per-task=12"]
+    assert "# CPUs: the --cpus-per-task above" in given
 
 
 def test_slurm_job_options_render_as_sbatch_reads_them(tmp_path):
@@ -75,23 +93,85 @@ def _skypilot_python() -> str | None:
         return None
 
 
-def test_skypilot_yaml_matches_skypilot_task_schema():
-    text = render(RenderSpec("skypilot", ("train.py", "--epochs", "3"), nodes=2, gpus_per_node=8,
-                             framework="deepspeed", setup="pip install -e .", image="ghcr.io/me/img:1"))
-    task = yaml.safe_load(text)
-    assert task["num_nodes"] == 2 and task["resources"]["accelerators"] == "H100:8"
-    assert task["resources"]["network_tier"] == "best"
-    assert task["run"].strip() == "meshrun launch -f deepspeed train.py --epochs 3"
+def _skypilot_check(texts: list[str], cwd) -> list[str]:
+    """Each task YAML as SkyPilot reads it (tests/scripts/validate_skypilot.py), in ``cwd``,
+    where a relative workdir is looked for: VALID or INVALID: why, one line per task."""
     py = _skypilot_python()
     if py is None:
         if os.environ.get("MESHRUN_TEST_STRICT") == "1":
             pytest.fail("no SkyPilot to validate against (set MESHRUN_SKYPILOT_PYTHON) but MESHRUN_TEST_STRICT=1")
         pytest.skip("SkyPilot not installed")
-    out = subprocess.run([py, script("validate_skypilot.py")], input=text, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "VALID", out.stderr[-2000:]
-    bad = text.replace("num_nodes: 2", "num_nodes: two")
-    out = subprocess.run([py, script("validate_skypilot.py")], input=bad, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0  # the validator does reject a wrong task
+    out = subprocess.run([py, script("validate_skypilot.py")], input="---\n".join(texts), capture_output=True,
+                         text=True, timeout=120, cwd=cwd)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.splitlines()
+
+
+SKY_TRAIN = ("meshrun", "train", "--out", "/shared/run1", "--steps", "100")
+
+
+def test_skypilot_tasks_match_what_skypilot_reads(tmp_path):
+    """Each form of task, read by SkyPilot's own schema and Task (tasks of the wrong shape are
+    refused by the same check): meshrun train on a volume, uploading nothing; a script with
+    its --workdir; an image with its own setup; and by default setup installs this meshrun
+    with the framework's extras."""
+    (tmp_path / "src").mkdir()
+    specs = {
+        "volume": RenderSpec("skypilot", SKY_TRAIN, nodes=2, volume="runs:/shared"),
+        "workdir": RenderSpec("skypilot", ("train.py", "--epochs", "3"), nodes=2, framework="deepspeed",
+                              workdir="src"),
+        "image": RenderSpec("skypilot", ("train.py",), nodes=4, gpus_per_node=4, image="ghcr.io/me/img:1",
+                            setup="pip install -e .", workdir="src", accelerator="A100"),
+        "cpu": RenderSpec("skypilot", SKY_TRAIN, nodes=1, gpus_per_node=0, setup=""),
+    }
+    texts = {key: render(spec) for key, spec in specs.items()}
+    tasks = {key: yaml.safe_load(text) for key, text in texts.items()}
+    volume, workdir, image, cpu = tasks["volume"], tasks["workdir"], tasks["image"], tasks["cpu"]
+    assert volume["num_nodes"] == 2 and volume["resources"] == {"accelerators": "H100:8", "network_tier": "best"}
+    assert "workdir" not in volume and volume["volumes"] == {"/shared": "runs"}
+    assert volume["setup"] == f"pip install 'meshrun[torch]=={__version__}'\n"
+    assert volume["run"] == shlex.join(SKY_TRAIN) + "\n"
+    assert workdir["workdir"] == "src" and "volumes" not in workdir
+    assert workdir["setup"] == f"pip install 'meshrun[torch,deepspeed]=={__version__}'\n"
+    assert workdir["run"].strip() == "meshrun launch -f deepspeed train.py --epochs 3"
+    assert image["resources"]["image_id"] == "docker:ghcr.io/me/img:1" and image["setup"] == "pip install -e .\n"
+    assert "setup" not in yaml.safe_load(render(RenderSpec("skypilot", SKY_TRAIN, image="img:1")))  # it holds meshrun
+    assert "setup" not in cpu and "accelerators" not in cpu["resources"]
+    # the check has teeth: each of these is refused, for the reason given
+    bad = [("volume", "num_nodes: 2", "num_nodes: two", "'two' is not of type 'integer'"),
+           ("volume", "/shared: runs", "/shared: Runs_1", "Volume name must be a valid DNS-1123 subdomain"),
+           ("volume", "/shared: runs", "shared: runs", "File mount destination must be an absolute path"),
+           ("volume", "/shared: runs", "/shared/: runs", "Mount paths cannot end with a slash"),
+           ("workdir", "workdir: src", "workdir: missing", "Workdir must be a valid directory")]
+    broken = []
+    for key, old, new, _ in bad:
+        assert old in texts[key]
+        broken.append(texts[key].replace(old, new))
+    results = _skypilot_check([*texts.values(), *broken], tmp_path)
+    assert results[:len(texts)] == ["VALID"] * len(texts), results
+    for (*_, why), result in zip(bad, results[len(texts):], strict=True):
+        assert result.startswith("INVALID: " + why), (why, result)
+
+
+def test_skypilot_extras_are_meshrun_extras():
+    """Every framework's setup installs extras meshrun's package defines, so pip on the node
+    finds them (an unknown extra is a warning there, and the framework missing)."""
+    from importlib.metadata import metadata
+
+    from packaging.requirements import Requirement
+
+    from meshrun.render.skypilot import EXTRAS, default_setup
+    from meshrun.vocab import FRAMEWORKS
+
+    extras = set(metadata("meshrun").get_all("Provides-Extra") or ())
+    assert set(EXTRAS) == set(FRAMEWORKS)
+    for framework in FRAMEWORKS:
+        setup = default_setup(RenderSpec("skypilot", SKY_TRAIN, framework=framework))
+        assert setup is not None
+        pip, install, requirement = shlex.split(setup)
+        req = Requirement(requirement)
+        assert (pip, install, req.name, str(req.specifier)) == ("pip", "install", "meshrun", f"=={__version__}")
+        assert req.extras and req.extras <= extras, (framework, req.extras)
 
 
 def _roundtrip(api, doc: dict, model: str) -> None:
@@ -238,14 +318,24 @@ def test_a_trainjob_pod_resolves_from_what_trainers_torch_runtime_sets():
     assert topo.source("master_addr") == "env PET_MASTER_ADDR"
 
 
-def test_an_out_on_no_volume_is_warned_about(tmp_path):
-    args = ["render", "kubernetes", "--image", "img:1", "--as", "jobset"]
-    lost = meshrun(*args, "--", "meshrun", "train", "--out", "/runs/a")
-    assert lost.returncode == 0 and "warning: --out /runs/a is on no mounted volume" in lost.stderr
-    kept = meshrun(*args, "--volume", "runs:/runs", "--", "meshrun", "train", "--out", "/runs/a")
-    assert kept.returncode == 0 and kept.stderr == "", kept.stderr
-    elsewhere = meshrun(*args, "--volume", "runs:/runs", "--", "meshrun", "train", "--out=/runsx/a")
-    assert "warning: --out /runsx/a is on no mounted volume" in elsewhere.stderr
+@pytest.mark.parametrize("target,goes_with", [("kubernetes", "its pod"), ("skypilot", "its cluster's nodes")])
+def test_an_out_on_no_volume_is_warned_about(target, goes_with):
+    """Kubernetes and SkyPilot alike: an --out that is on no --volume (a relative one included:
+    it lies in the run's directory on the node's disk) is written where the node's disk goes."""
+    args = ["render", target, *(["--image", "img:1", "--as", "jobset"] if target == "kubernetes" else [])]
+    vol = ["--volume", "runs:/runs"]
+    for volume, out, shown in [([], ["--out", "/runs/a"], "/runs/a"), (vol, ["--out=/runsx/a"], "/runsx/a"),
+                               (vol, ["--out", "runs/a"], "runs/a"), (vol, ["--out", "/runs/../a"], "/runs/../a")]:
+        lost = meshrun_here(*args, *volume, "--", "meshrun", "train", *out)
+        assert lost.returncode == 0, lost.stderr
+        assert lost.stderr == (f"meshrun render: warning: --out {shown} is on no mounted volume: what the run writes "
+                               f"there goes with {goes_with} (hint: --volume "
+                               f"{'CLAIM' if target == 'kubernetes' else 'VOLUME'}:PATH with PATH above it)\n")
+    for out in ("/runs/a", "/runs", "/runs/./b/"):
+        kept = meshrun_here(*args, *vol, "--", "meshrun", "train", "--steps", "3", "--out", out)
+        assert kept.returncode == 0 and kept.stderr == "", kept.stderr
+    later = meshrun_here(*args, *vol, "--", "meshrun", "train", "--out", "/tmp/a", "--out", "/runs/b")
+    assert later.stderr == ""  # argparse takes the last --out
 
 
 BAD = [
@@ -292,7 +382,26 @@ BAD = [
     (["render", "kubernetes", "--image", "i", "--as", "jobset", "--nodes", "1200", "--name", "a" * 52, "--", "x.py"],
      f"--name='{'a' * 52}': makes the pod host name {'a' * 52}-node-0-1199 (64 characters at 1200 node(s)), over the "
      "63 a DNS label takes (hint: a name of at most 51 characters)"),
-    (["render", "slurm", "--volume", "runs:/x", "--", "x.py"], "--volume='runs:/x': is for Kubernetes specs"),
+    (["render", "slurm", "--volume", "runs:/x", "--", "x.py"],
+     "--volume='runs:/x': is for kubernetes and skypilot specs, not slurm (hint: drop it)"),
+    (["render", "lsf", "--volume", "runs:/x", "--", "x.py"], "--volume='runs:/x': is for kubernetes and skypilot"),
+    (["render", "skypilot", "--volume", "runs", "--", "meshrun", "train"],
+     "--volume='runs': is not VOLUME:PATH (a SkyPilot volume's name (sky volumes apply) and an absolute mount path)"),
+    (["render", "skypilot", "--volume", "Runs:/x", "--", "meshrun", "train"], "--volume='Runs:/x': is not VOLUME"),
+    (["render", "skypilot", "--volume", "runs:/shared/", "--", "meshrun", "train"],
+     "--volume='runs:/shared/': ends in '/', which SkyPilot refuses in a mount path (hint: --volume runs:/shared)"),
+    (["render", "skypilot", "--volume", "runs:/", "--", "meshrun", "train"],
+     "--volume='runs:/': mounts over the node's root directory"),
+    (["render", "skypilot", "--volume", "runs:/dev/shm", "--", "meshrun", "train"],
+     "--volume='runs:/dev/shm': mounts over /dev/shm, the nodes' shared memory"),
+    # a script SkyPilot's run would not find: nothing uploads it without --workdir
+    (["render", "skypilot", "--", "train.py", "--epochs", "3"],
+     "command='train.py': is a local script, and no --workdir brings it to the nodes (hint: --workdir DIR"),
+    (["render", "skypilot", "--workdir", " ", "--", "train.py"], "--workdir=' ': is empty"),
+    (["render", "slurm", "--workdir", "src", "--", "x.py"], "--workdir='src': is not used by slurm specs"),
+    (["render", "lsf", "--launcher", "srun", "--", "x.py"],
+     "--launcher='srun': is not an LSF launcher meshrun renders (hint: blaunch (a plain LSF cluster), jsrun"),
+    (["render", "slurm", "--launcher", "jsrun", "--", "x.py"], "--launcher='jsrun': is not used by slurm specs"),
     (["render", "slurm", "--as", "jobset", "--", "x.py"], "--as='jobset': is for Kubernetes specs"),
     (["render", "lsf", "--time", "04:00:00", "--", "x.py"], "--time='04:00:00': is not an LSF run limit"),
     (["render", "lsf", "--qos", "high", "--", "x.py"], "--qos='high': is a Slurm job option, not one for lsf"),

@@ -25,7 +25,7 @@ FAKE_MESHRUN = f"""#!{sys.executable}
 import json, sys
 print(json.dumps(sys.argv[1:]))
 """
-# srun: run the command after srun's own options, as each node would
+# srun, blaunch: run the command after the launcher's own options, as each node would
 FAKE_SRUN = f"""#!{sys.executable}
 import os, sys
 argv = sys.argv[1:]
@@ -48,7 +48,7 @@ def _args(pwned: str) -> list[str]:
 def bin_dir(tmp_path):
     d = tmp_path / "bin"
     d.mkdir()
-    for name, text in (("meshrun", FAKE_MESHRUN), ("srun", FAKE_SRUN)):
+    for name, text in (("meshrun", FAKE_MESHRUN), ("srun", FAKE_SRUN), ("blaunch", FAKE_SRUN)):
         (d / name).write_text(text)
         (d / name).chmod(0o755)
     return d
@@ -56,7 +56,7 @@ def bin_dir(tmp_path):
 
 def _env(bin_dir) -> dict[str, str]:
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": "/root-of-the-node", "SLURM_JOB_ID": "4242",
-            "NODE_RANK": "1"}
+            "NODE_RANK": "1", "LSB_JOBID": "4242", "LSB_MCPU_HOSTS": "h1 8 h2 8"}
 
 
 def _argv(res: subprocess.CompletedProcess) -> list[str]:
@@ -124,7 +124,8 @@ COMMANDS = [  # (command as given, the argv of meshrun it means)
 
 
 @pytest.mark.parametrize("target", ["slurm", "slurm-requeue", "slurm-restarts", "skypilot", "saturn",
-                                    "kubernetes", "pytorchjob", "trainjob", "jobset", "lsf"])
+                                    "kubernetes", "pytorchjob", "trainjob", "jobset", "lsf-blaunch", "lsf-jsrun",
+                                    "lsf-mpirun"])
 @pytest.mark.parametrize("form", [0, 1], ids=["meshrun", "script"])
 def test_every_node_runs_the_command_byte_for_byte(tmp_path, bin_dir, pwned, target, form):
     args = _args(pwned)
@@ -139,13 +140,18 @@ def test_every_node_runs_the_command_byte_for_byte(tmp_path, bin_dir, pwned, tar
         # the whole script, as the batch host runs it: srun starts the node command
         res = subprocess.run(["bash", str(script)], env=_env(bin_dir), capture_output=True, text=True, timeout=30)
         assert _argv(res) == expected
-    elif target == "lsf":
+    elif target.startswith("lsf"):
         from meshrun.render import lsf
 
-        text = render(RenderSpec("lsf", command, name="gpt"))
+        text = render(RenderSpec("lsf", command, name="gpt", launcher=target.split("-")[1]))
         assert _bash(lsf.node_command(text), bin_dir) == expected
+        if target == "lsf-blaunch":  # the whole script, as the first execution host runs it
+            script = tmp_path / "job.bsub"
+            script.write_text(text)
+            res = subprocess.run(["bash", str(script)], env=_env(bin_dir), capture_output=True, text=True, timeout=30)
+            assert _argv(res) == expected
     elif target == "skypilot":
-        task = yaml.safe_load(render(RenderSpec("skypilot", command, **kw)))
+        task = yaml.safe_load(render(RenderSpec("skypilot", command, workdir=".", **kw)))
         assert _bash(task["run"], bin_dir) == expected
     elif target == "saturn":
         job = yaml.safe_load(render(RenderSpec("saturn", command, **kw)))
@@ -182,6 +188,7 @@ FIELDS = [  # (target, RenderSpec field, its option)
     ("slurm", "image", "--image"), ("skypilot", "accelerator", "--accelerator"), ("skypilot", "name", "--name"),
     ("kubernetes", "namespace", "--namespace"), ("kubernetes", "name", "--name"), ("kubernetes", "image", "--image"),
     ("saturn", "name", "--name"), ("saturn", "image", "--image"), ("slurm", "setup", "--setup"),
+    ("skypilot", "workdir", "--workdir"), ("skypilot", "volume", "--volume"), ("lsf", "launcher", "--launcher"),
 ]
 
 

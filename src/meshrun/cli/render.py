@@ -11,8 +11,8 @@ from ..errors import bad_value
 from ..fsio import write_file
 from ..paths import check_output_file
 from ..render import TARGETS, render
-from ..render.kubernetes import out_on_no_volume
-from ..render.spec import K8S_KINDS, SIGNAL_BEFORE_S, RenderSpec
+from ..render.spec import K8S_KINDS, LSF_LAUNCHERS, SIGNAL_BEFORE_S, RenderSpec
+from ..render.volumes import lost_out_warning
 from ..vocab import FRAMEWORKS
 from .options import add_option
 
@@ -21,8 +21,8 @@ Write a job spec for a platform; every node runs the command after -- through me
 which detects its rank, the head node and the port from the platform's own variables.
 
   slurm       sbatch script: one task per node, srun, head node rendezvous
-  lsf         bsub script: one jsrun task per node (IBM Spectrum LSF)
-  skypilot    task YAML: num_nodes, resources.accelerators, network_tier: best
+  lsf         bsub script: one task per node through blaunch, or --launcher jsrun | mpirun
+  skypilot    task YAML: num_nodes, resources.accelerators, network_tier: best, meshrun installed by setup
   kubernetes  Indexed Job + headless Service, or --as pytorchjob | trainjob (Kubeflow) | jobset
   saturn      Saturn Cloud Job settings: command and instance count
   hostfile    DeepSpeed hostfile from --hosts
@@ -34,8 +34,10 @@ examples:
   meshrun render slurm --nodes 4 --gpus-per-node 8 -- meshrun train --model-size gpt-1.3b --out /shared/run1
   meshrun render slurm --nodes 4 --time 04:00:00 --requeue -- meshrun train --out /shared/run1   # runs until done
   meshrun render slurm --account ml --qos high --mem 0 --sbatch-arg=--exclusive -- meshrun train --out /shared/r
-  meshrun render lsf --nodes 4 --gpus-per-node 6 --time 4:00 -o job.bsub -- meshrun train --out /gpfs/run1
-  meshrun render skypilot --nodes 2 --accelerator H100 -o task.yaml -- train.py --epochs 3
+  meshrun render lsf --nodes 4 --gpus-per-node 8 --time 4:00 -o job.bsub -- meshrun train --out /gpfs/run1
+  meshrun render lsf --launcher jsrun --nodes 4 --gpus-per-node 6 -o job.bsub -- meshrun train --out /gpfs/r1
+  meshrun render skypilot --nodes 2 --volume runs:/shared -o task.yaml -- meshrun train --out /shared/run1
+  meshrun render skypilot --nodes 2 --workdir src -o task.yaml -- train.py --epochs 3
   meshrun render kubernetes --nodes 2 --image ghcr.io/me/train:1 --name gpt -- meshrun train --steps 500
   meshrun render kubernetes --as trainjob --image img:1 --volume runs:/shared -- meshrun train --out /shared/r1
   meshrun render saturn --nodes 2 --image saturncloud/saturn-python-pytorch:2024.08.01 -f deepspeed -- train.py
@@ -55,12 +57,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_option(g, "--name", metavar="NAME", default="meshrun-job", help="job name (default meshrun-job)")
     add_option(g, "--image", metavar="IMAGE", help="container image with meshrun installed")
     add_option(g, "--port", metavar="PORT", default="29500", help="rendezvous port where the spec sets one")
-    add_option(g, "--setup", metavar="CMD", help="shell command run before the job (pip install ...)")
+    add_option(g, "--setup", metavar="CMD",
+               help="shell command run before the job (pip install ...); SkyPilot runs it on every node, and "
+                    "without it installs this meshrun with the framework's extras unless --image is given "
+                    "(--setup '' installs nothing)")
     g = p.add_argument_group("platform options")
     add_option(g, "--accelerator", metavar="GPU", default="H100", help="SkyPilot accelerator name (default H100)")
     add_option(g, "--partition", metavar="P", help="Slurm partition (LSF: the queue, bsub -q)")
     add_option(g, "--time", metavar="HH:MM:SS", help="Slurm time limit (LSF: [hours:]minutes, bsub -W)")
-    add_option(g, "--cpus-per-task", metavar="C", help="Slurm CPUs per node task (default 8 per GPU)")
+    add_option(g, "--cpus-per-task", metavar="C",
+               help="Slurm CPUs per node task (sbatch --cpus-per-task); without it the script asks for none, and "
+                    "each node's task gets the partition's default (its DefCpuPerGPU, else one CPU; the whole node "
+                    "with --sbatch-arg=--exclusive)")
     add_option(g, "--requeue", action="store_true",
                help="Slurm: before the time limit, have Slurm send SIGUSR1 to meshrun on every node; meshrun "
                     "train then stops after a step all ranks agree on, writes a snapshot and exits with 75, and "
@@ -88,9 +96,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_option(g, "--pytorchjob", action="store_true", help="Kubernetes: the same as --as pytorchjob")
     add_option(g, "--runtime", metavar="NAME", default="torch-distributed",
                help="Kubernetes --as trainjob: the ClusterTrainingRuntime to run on (default torch-distributed)")
-    add_option(g, "--volume", metavar="CLAIM:PATH",
-               help="Kubernetes: mount this PersistentVolumeClaim at PATH on every pod, for meshrun train --out "
-                    "(a pod's own disk goes with the pod)")
+    add_option(g, "--volume", metavar="NAME:PATH",
+               help="Kubernetes: mount the PersistentVolumeClaim NAME at PATH on every pod; SkyPilot: the volume "
+                    "NAME (sky volumes apply) on every node; for meshrun train --out, as a node's own disk goes "
+                    "with it")
+    add_option(g, "--workdir", metavar="DIR",
+               help="SkyPilot: upload this local directory to ~/sky_workdir, where run starts (without what its "
+                    ".skyignore, else its .gitignore, lists); without it nothing local is uploaded")
+    add_option(g, "--launcher", metavar="NAME", default="blaunch",
+               help=f"LSF: what starts meshrun on each host, one of {', '.join(LSF_LAUNCHERS)}: blaunch on a plain "
+                    "LSF cluster (default), jsrun on an IBM CSM cluster (the job asks for whole nodes, -nnodes), "
+                    "Open MPI's mpirun")
     add_option(g, "--hosts", metavar="H0,H1,..", help="hostfile: node addresses in node-rank order")
     add_option(p, "--output", "-o", metavar="FILE", help="write here (default: standard output)")
     # nargs="*" rather than REMAINDER: options may sit anywhere before `--`, and everything
@@ -142,16 +158,15 @@ def cmd_render(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         namespace=ns.namespace, kind=_kind(ns), runtime=ns.runtime, volume=ns.volume, requeue=ns.requeue,
         signal_before=_seconds(ns, "signal_before"), max_restarts=_int(ns, "max_restarts", "--max-restarts") or 0,
         account=ns.account, qos=ns.qos, mem=ns.mem, constraint=ns.constraint,
-        sbatch_args=tuple(ns.sbatch_arg or ()),
+        sbatch_args=tuple(ns.sbatch_arg or ()), launcher=ns.launcher, workdir=ns.workdir,
         # (an empty name between commas is kept, for validate() to refuse)
         hosts=tuple(h.strip() for h in ns.hosts.split(",")) if ns.hosts and ns.hosts.strip() else ())
     if ns.output:
         check_output_file(ns.output, "-o")
     text = render(spec)
-    lost = out_on_no_volume(spec) if spec.target == "kubernetes" else None
+    lost = lost_out_warning(spec.target, spec.volume, spec.node_command())
     if lost is not None:
-        print(f"meshrun render: warning: --out {lost} is on no mounted volume: what the run writes there goes "
-              "with its pod (hint: --volume CLAIM:PATH with PATH above it)", file=sys.stderr)
+        print(f"meshrun render: warning: {lost}", file=sys.stderr)
     if ns.output:
         write_file(ns.output, text, source="-o", mode=0o755 if spec.target in ("slurm", "lsf") else 0o644)
         print(f"wrote {ns.output}", file=sys.stderr)

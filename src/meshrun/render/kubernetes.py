@@ -11,7 +11,7 @@ TrainJob: the operator sets PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE and th
 address (MASTER_ADDR under v1, PET_MASTER_ADDR under Trainer v2's torch runtime), which meshrun's
 kubeflow platform reads. Either way the container's command is meshrun's argv itself (exec form,
 no shell). ``--volume CLAIM:PATH`` mounts a PersistentVolumeClaim on every pod, where a run's
-``--out`` outlives the pod.
+``--out`` outlives the pod (volumes.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from .spec import RenderSpec, volume_parts
+from .spec import RenderSpec
+from .volumes import volume_parts
 
 INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
@@ -137,20 +138,6 @@ def pytorchjob(spec: RenderSpec) -> list[dict[str, Any]]:
 
 
 KINDS = {"job": indexed_job, "pytorchjob": pytorchjob, "trainjob": trainjob, "jobset": jobset}
-
-
-def out_on_no_volume(spec: RenderSpec) -> str | None:
-    """The node command's ``--out DIR`` where it is on no mounted volume (so lost with the pod),
-    else None."""
-    argv = spec.node_command()
-    out = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--out"), None)
-    out = out or next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), None)
-    if out is None:
-        return None
-    mount = volume_parts(spec.volume)[1].rstrip("/") if spec.volume else None
-    if mount is not None and (out == mount or out.startswith(mount + "/")):
-        return None
-    return out
 
 
 def render(spec: RenderSpec) -> str:

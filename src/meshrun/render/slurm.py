@@ -17,6 +17,11 @@ and the requeued job runs the same command, which resumes from the snapshot.
 srun's status is the step's: with requeue it lets every node end on its own, for up to
 REQUEUE_WAIT_S after the first (``--wait``), rather than kill the others as one exits 75.
 
+CPUs: ``--cpus-per-task`` only where the user gives it. A fixed number per GPU asks more
+cores than some GPU nodes have (8 per GPU is 64 on an 8-GPU node), and such a job never
+starts; without a request Slurm gives the partition's default (DefCpuPerGPU, else one CPU per
+task, or the whole node under exclusive allocation), which the rendered comment says.
+
 With ``max_restarts`` N: a step that fails (a node lost, a process killed; srun's
 ``--kill-on-bad-exit``, or ``--wait`` with requeue, ends the other nodes' part) is run again,
 up to N times, in the same allocation; meshrun train resumes from its newest committed
@@ -32,6 +37,14 @@ from ..errors import PREEMPTED
 from .spec import SIGNAL_BEFORE_S, RenderSpec
 
 REQUEUE_WAIT_S = 30  # how long srun lets the other nodes end after one has (requeue scripts)
+# The rule for CPUs, in the script's words: it asks for the CPUs --cpus-per-task gives, or none
+# of its own, so that it schedules on any node the GPUs fit on
+CPU_NOTE = {
+    False: ["# CPUs: none asked for here, so each node's task gets the partition's default: DefCpuPerGPU",
+            "# per GPU, the whole node where nodes are exclusive, else one CPU. For more, render with",
+            "# --cpus-per-task C or --sbatch-arg=--exclusive."],
+    True: ["# CPUs: the --cpus-per-task above, as meshrun render was given it."],
+}
 
 
 def render(spec: RenderSpec) -> str:
@@ -41,8 +54,8 @@ def render(spec: RenderSpec) -> str:
              "#SBATCH --ntasks-per-node=1"]
     if spec.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
-    cpus = spec.cpus_per_task if spec.cpus_per_task is not None else max(4, 8 * max(1, spec.gpus_per_node))
-    lines.append(f"#SBATCH --cpus-per-task={cpus}")
+    if spec.cpus_per_task is not None:
+        lines.append(f"#SBATCH --cpus-per-task={spec.cpus_per_task}")
     if spec.partition:
         lines.append(f"#SBATCH --partition={spec.partition}")
     if spec.time:
@@ -61,6 +74,7 @@ def render(spec: RenderSpec) -> str:
         "",
         "# Rendered by `meshrun render slurm`. Each node's meshrun finds its rank, the head node",
         "# and the port from Slurm's variables; `meshrun env` on a node shows what it resolved.",
+        *CPU_NOTE[spec.cpus_per_task is not None],
         "set -euo pipefail",
     ]
     if spec.setup:

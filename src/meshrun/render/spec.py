@@ -3,7 +3,6 @@ one; ``meshrun.render.render`` dispatches to them."""
 
 from __future__ import annotations
 
-import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field, fields
@@ -11,15 +10,14 @@ from dataclasses import dataclass, field, fields
 from ..cluster.topology import MAX_GPUS_PER_NODE, MAX_NODES
 from ..errors import bad_value
 from ..vocab import FRAMEWORKS
+from .volumes import check_volume
 
 TARGETS = ("slurm", "lsf", "skypilot", "kubernetes", "saturn", "hostfile")
 # what `render kubernetes --as` writes: an Indexed Job and a headless Service, a Kubeflow
 # PyTorchJob (Training Operator v1), a Kubeflow Trainer v2 TrainJob, or a JobSet
 K8S_KINDS = ("job", "pytorchjob", "trainjob", "jobset")
-_CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a PersistentVolumeClaim's name (DNS-1123)
 SIGNAL_BEFORE_S = 120  # Slurm's warning before the time limit: a step and a snapshot fit in it
 SLURM_MAX_SIGNAL_S = 65535  # sbatch --signal=SIG@TIME: TIME is at most this (sbatch(1))
-SHM_MOUNT = "/dev/shm"  # the memory-backed volume meshrun mounts in every pod (kubernetes.py)
 # the longest pod host name of a job on N nodes, after its name, by kind (NAME-i for an Indexed
 # Job, NAME-node-0-i under a JobSet and a TrainJob, NAME-worker-i under a PyTorchJob)
 _HOST_SUFFIX = {"job": lambda n: f"-{n - 1}", "jobset": lambda n: f"-node-0-{n - 1}",
@@ -48,6 +46,9 @@ RENDERED_SBATCH = {"--job-name": "--name", "-J": "--name", "--nodes": "--nodes",
 # getopt_long takes an exact name as that option, not as an abbreviation
 SBATCH_OWN_PREFIXES = frozenset({"--gpus"})
 _LSF_TIME = re.compile(r"([0-9]+:)?[0-9]+")  # bsub -W: [hours:]minutes
+# how `render lsf` starts a node's meshrun (--launcher): blaunch on a plain LSF cluster (the
+# default), jsrun on an IBM CSM cluster (whose jobs ask for whole nodes), Open MPI's mpirun
+LSF_LAUNCHERS = ("blaunch", "jsrun", "mpirun")
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
 _SLURM_TIME = re.compile(r"([0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}|UNLIMITED|INFINITE)")
 _ACCELERATOR = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]*)(?::([1-9][0-9]*))?$")  # SkyPilot NAME or NAME:COUNT
@@ -75,7 +76,7 @@ class RenderSpec:
     # Slurm
     partition: str | None = None
     time: str | None = None
-    cpus_per_task: int | None = None
+    cpus_per_task: int | None = None  # None: no CPU request of the script's own (slurm.py)
     requeue: bool = False  # stop on SIGUSR1 before the time limit, snapshot, requeue the job
     signal_before: int | None = None  # seconds before the time limit; None: SIGNAL_BEFORE_S
     max_restarts: int = 0  # run a failed job step again, up to this many times
@@ -88,7 +89,11 @@ class RenderSpec:
     namespace: str | None = None
     kind: str = "job"  # job | pytorchjob | trainjob | jobset (K8S_KINDS)
     runtime: str = "torch-distributed"  # a TrainJob's ClusterTrainingRuntime
-    volume: str | None = None  # CLAIM:PATH, a PersistentVolumeClaim mounted on every pod
+    volume: str | None = None  # NAME:PATH, a persistent volume mounted on every node (Kubernetes, SkyPilot)
+    # LSF
+    launcher: str = "blaunch"  # LSF_LAUNCHERS
+    # SkyPilot
+    workdir: str | None = None  # a local directory SkyPilot uploads to ~/sky_workdir; None: none
     # hostfile
     hosts: tuple[str, ...] = field(default=())
 
@@ -117,7 +122,8 @@ def _check_text(spec: RenderSpec) -> None:
     """No control characters in anything that is written into the spec."""
     for flag, value in (("--name", spec.name), ("--image", spec.image), ("--accelerator", spec.accelerator),
                         ("--partition", spec.partition), ("--time", spec.time), ("--namespace", spec.namespace),
-                        ("--volume", spec.volume), ("--runtime", spec.runtime),
+                        ("--volume", spec.volume), ("--runtime", spec.runtime), ("--workdir", spec.workdir),
+                        ("--launcher", spec.launcher),
                         ("--account", spec.account), ("--qos", spec.qos), ("--mem", spec.mem),
                         ("--constraint", spec.constraint), *(("--sbatch-arg", a) for a in spec.sbatch_args)):
         _no_control(flag, value)
@@ -158,7 +164,7 @@ def _check_syntax(spec: RenderSpec) -> None:
     _check_slurm(spec)
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
         raise bad_value("--cpus-per-task", spec.cpus_per_task, "must be >= 1",
-                        "leave it out for the default of 8 per GPU")
+                        "leave it out to take the partition's default CPUs")
     if spec.namespace is not None and not _NAMESPACE.fullmatch(spec.namespace):
         raise bad_value("--namespace", spec.namespace,
                         "is not a Kubernetes namespace (DNS-1123 label: a-z, 0-9, '-')", "e.g. ml-team")
@@ -234,32 +240,14 @@ def _check_slurm(spec: RenderSpec) -> None:
                             "depends on it")
 
 
-def volume_parts(volume: str) -> tuple[str, str]:
-    """--volume CLAIM:PATH as (claim, mount path)."""
-    claim, _, path = volume.partition(":")
-    return claim, path
-
-
 def _check_kubernetes(spec: RenderSpec) -> None:
     if spec.kind not in K8S_KINDS:
         raise bad_value("--as", spec.kind, "is not a Kubernetes kind meshrun renders", f"one of {', '.join(K8S_KINDS)}")
     if spec.target != "kubernetes":
-        for flag, value, unset in (("--as", spec.kind, "job"), ("--volume", spec.volume, None),
-                                   ("--runtime", spec.runtime, "torch-distributed")):
+        for flag, value, unset in (("--as", spec.kind, "job"), ("--runtime", spec.runtime, "torch-distributed")):
             if value != unset:
                 raise bad_value(flag, value, f"is for Kubernetes specs, not {spec.target}", "drop it")
         return
-    if spec.volume is not None:
-        claim, path = volume_parts(spec.volume)
-        if not _CLAIM.fullmatch(claim) or not path.startswith("/") or ":" in path or any(c.isspace() for c in path):
-            raise bad_value("--volume", spec.volume, "is not CLAIM:PATH (a PersistentVolumeClaim's name and an "
-                            "absolute mount path)", "e.g. --volume runs-pvc:/shared")
-        mount = posixpath.normpath(path)
-        if mount == "/" or mount == SHM_MOUNT or mount.startswith(SHM_MOUNT + "/"):
-            over = "the container root" if mount == "/" else \
-                f"{SHM_MOUNT}, which meshrun mounts itself (shared memory for the loaders)"
-            raise bad_value("--volume", spec.volume, f"mounts over {over}",
-                            "mount the claim at a directory of its own, e.g. --volume runs-pvc:/shared")
     host = spec.name + _HOST_SUFFIX[spec.kind](max(1, spec.nodes))
     if len(host) > 63:  # a pod's host name is one DNS label
         room = 63 - (len(host) - len(spec.name))
@@ -267,6 +255,35 @@ def _check_kubernetes(spec: RenderSpec) -> None:
                         "node(s)), over the 63 a DNS label takes", f"a name of at most {room} characters")
     if not _DNS_LABEL.fullmatch(spec.runtime):
         raise bad_value("--runtime", spec.runtime, "is not a training runtime's name", "e.g. torch-distributed")
+
+
+def _check_lsf(spec: RenderSpec) -> None:
+    if spec.launcher not in LSF_LAUNCHERS:
+        raise bad_value("--launcher", spec.launcher, "is not an LSF launcher meshrun renders",
+                        "blaunch (a plain LSF cluster), jsrun (IBM CSM, whose jobs ask for whole nodes) or mpirun "
+                        "(Open MPI's)")
+
+
+def script_path(spec: RenderSpec) -> str | None:
+    """The script of a script command (``train.py ARGS`` run as ``meshrun launch train.py``),
+    else None: a ``meshrun`` command, or one that starts with an option of meshrun launch's
+    (``-m pkg.train``), names no file."""
+    first = spec.command[0] if spec.command else ""
+    return None if first == "meshrun" or first.startswith("-") or not first else first
+
+
+def _check_skypilot(spec: RenderSpec) -> None:
+    """SkyPilot's ``run`` starts in ~/sky_workdir, the upload of --workdir, or in the home
+    directory without one, where no local file is: a script named by a relative path needs
+    the directory it is in uploaded."""
+    if spec.workdir is not None and not spec.workdir.strip():
+        raise bad_value("--workdir", spec.workdir, "is empty", "the local directory to upload, e.g. --workdir src")
+    script = script_path(spec)
+    if spec.target == "skypilot" and spec.workdir is None and script is not None \
+            and not script.startswith(("/", "~")):
+        raise bad_value("command", script, "is a local script, and no --workdir brings it to the nodes",
+                        "--workdir DIR, the directory it is in, which SkyPilot uploads to ~/sky_workdir where run "
+                        "starts; or the script's absolute path on the nodes")
 
 
 def validate(spec: RenderSpec) -> RenderSpec:
@@ -299,6 +316,8 @@ def validate(spec: RenderSpec) -> RenderSpec:
         raise bad_value("--image", None, "a Saturn Cloud job needs an image",
                         "e.g. --image saturncloud/saturn-python-pytorch:2024.08.01")
     _check_kubernetes(spec)
+    check_volume(spec.target, spec.volume)
+    _check_lsf(spec)
     if spec.target == "lsf" and spec.image:
         raise bad_value("--image", spec.image, "an LSF job runs on the nodes' own software, in no container",
                         "drop it, or give --setup the command that makes meshrun available")
@@ -327,6 +346,7 @@ def validate(spec: RenderSpec) -> RenderSpec:
         raise bad_value("--hosts", "", "a hostfile needs the node addresses", "e.g. --hosts 10.0.0.1,10.0.0.2")
     _check_syntax(spec)
     _check_used(spec)
+    _check_skypilot(spec)
     return spec
 
 
@@ -339,7 +359,9 @@ USED_BY = {"setup": ("--setup", ("slurm", "lsf", "skypilot", "saturn"),
            "port": ("--port", ("kubernetes", "saturn"), "drop it: the platform gives the port there"),
            "accelerator": ("--accelerator", ("skypilot",), "drop it: --gpus-per-node sets the GPUs"),
            "partition": ("--partition", ("slurm", "lsf"), "drop it"),
-           "time": ("--time", ("slurm", "lsf"), "drop it")}
+           "time": ("--time", ("slurm", "lsf"), "drop it"),
+           "launcher": ("--launcher", ("lsf",), "drop it"),
+           "workdir": ("--workdir", ("skypilot",), "drop it")}
 
 
 def _check_used(spec: RenderSpec) -> None:

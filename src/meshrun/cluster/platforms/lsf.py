@@ -1,4 +1,4 @@
-"""IBM Spectrum LSF jobs, whose processes jsrun (LSF's Job Step Manager) starts.
+"""IBM Spectrum LSF jobs, whose processes jsrun (LSF's Job Step Manager) or blaunch starts.
 
 LSF sets LSB_JOBID in every job. The job's hosts come from LSB_DJOB_RANKFILE, a file with one
 host name per line and one line per slot (a host appears once for each slot it gives the job),
@@ -19,8 +19,16 @@ rank is rank % tasks per node; another placement is refused, as it would give tw
 one torch rank. Tasks per node is JSM_NAMESPACE_LOCAL_SIZE, else the task count over the
 host count.
 
-Without JSM_* variables this process is not in a job step: it is the job script itself. A
-job whose one compute host is the batch host (``bsub -n 8 meshrun train``) is that one node;
+blaunch (LSF's own task launcher, on any LSF cluster) gives each task it starts LSF_PM_TASKID,
+its number from 1 in the order of the hosts blaunch was given (Open MPI's LSF launch relies on
+this order too). A plain LSF cluster has no launch node: the job script runs on the first
+execution host, which computes too. So a blaunch task (LSF_PM_TASKID set, no JSM_* or Open
+MPI variables) is node LSF_PM_TASKID - 1 of the job's hosts, each once, in order, none dropped
+(``all_hosts``), which is the list ``meshrun render lsf`` gives ``blaunch -u``; a task number
+past them (blaunch with no host list, one task per slot) is refused.
+
+Without JSM_* variables or LSF_PM_TASKID this process is not in a job step: it is the job
+script itself. A job whose one compute host is the batch host (``bsub -n 8 meshrun train``) is that one node;
 otherwise the process runs on the launch node, or on one of several nodes with nothing that
 says which, and is refused. mpirun inside an LSF job (OMPI_COMM_WORLD_* without JSM_*) is left
 to the ``mpi`` platform: mpirun placed that process.
@@ -45,8 +53,11 @@ MARKERS = "LSB_JOBID"  # what detect() looks for
 NAME = "lsf"
 JSM_VARS = ("JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK", "JSM_NAMESPACE_LOCAL_SIZE")
 MAX_RANKFILE_BYTES = 64 << 20  # far above any job's slot list; bounds a path that names no rankfile
-JSRUN_HINT = ("start meshrun on every compute node in a job step: jsrun -n <nodes> -r 1 -a 1 meshrun ..., "
-              "or mpirun -npernode 1 -x MASTER_ADDR=<first compute host> meshrun ...")
+JSRUN_HINT = ("start meshrun on every compute node: blaunch -u <file of the hosts, each once> meshrun ..., "
+              "jsrun -n <nodes> -r 1 -a 1 meshrun ... (IBM CSM), or mpirun --map-by ppr:1:node "
+              "-x MASTER_ADDR=<first compute host> meshrun ...; meshrun render lsf writes the job script")
+BLAUNCH_HINT = ("start one task on each host: blaunch -u FILE with the job's hosts, each once, in LSF's order "
+                "(meshrun render lsf writes it)")
 
 
 def port_from_job_id(job_id: int, index: int = 0) -> int:
@@ -114,8 +125,13 @@ def compute_hosts(slots: list[tuple[str, int]]) -> tuple[str, ...]:
     return hosts or (first,)
 
 
-def job_hosts(r: EnvReader) -> tuple[tuple[str, ...], str, str]:
-    """(compute hosts, the variable they came from, the launch node)."""
+def all_hosts(slots: list[tuple[str, int]]) -> tuple[str, ...]:
+    """The job's hosts, each once, in order, the first included: a blaunch task's node list."""
+    return tuple(dict.fromkeys(host for host, _ in slots))
+
+
+def job_slots(r: EnvReader) -> tuple[list[tuple[str, int]], str]:
+    """The job's (host, slots) pairs and the variable they came from."""
     if r.has("LSB_DJOB_RANKFILE"):
         var = "LSB_DJOB_RANKFILE"
         slots = slots_of(read_rankfile(r.env["LSB_DJOB_RANKFILE"].strip()))
@@ -125,7 +141,29 @@ def job_hosts(r: EnvReader) -> tuple[tuple[str, ...], str, str]:
     else:
         raise bad_value("env LSB_DJOB_RANKFILE", "", "is unset, and LSB_MCPU_HOSTS too: the job's hosts are unknown",
                         "LSF sets both in a job; run meshrun inside the job, or unset LSB_JOBID")
+    return slots, var
+
+
+def job_hosts(r: EnvReader) -> tuple[tuple[str, ...], str, str]:
+    """(compute hosts, the variable they came from, the launch node)."""
+    slots, var = job_slots(r)
     return compute_hosts(slots), var, slots[0][0]
+
+
+def blaunch_task(r: EnvReader, gpus: int, job_id: int, index: int) -> Topology:
+    """A task blaunch started: node LSF_PM_TASKID - 1 of all the job's hosts."""
+    slots, var = job_slots(r)
+    hosts = all_hosts(slots)
+    task = r.need_int("LSF_PM_TASKID", minimum=1)
+    if task > len(hosts):
+        raise bad_value("env LSF_PM_TASKID", task, f"is past the {len(hosts)} host(s) of env {var}: blaunch started "
+                        "more than one task per host", BLAUNCH_HINT)
+    r.note("hosts", f"env {var} (each host once, the first included)")
+    r.note("nnodes", f"count of hosts of env {var}")
+    r.note("node_rank", "env LSF_PM_TASKID - 1")
+    nproc, src = per_node_default(gpus)
+    r.note("nproc_per_node", src)
+    return _topology(r, hosts, var, task - 1, nproc, None, job_id, index)
 
 
 def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
@@ -137,6 +175,8 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
         return None  # mpirun inside the job placed this process: the mpi platform reads it
     job_id = r.need_int("LSB_JOBID", "run_id")
     index = r.opt_int("LSB_JOBINDEX") or 0
+    if not in_step and r.has("LSF_PM_TASKID"):
+        return blaunch_task(r, gpus, job_id, index)
     hosts, var, launch_node = job_hosts(r)
     r.note("hosts", f"env {var} (its first slot, the launch node, dropped)")
     local_rank = None
@@ -196,6 +236,13 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
             r.note("node_rank", "env JSM_NAMESPACE_RANK // tasks per node")
             r.note("nproc_per_node", local_src)
             r.note("local_rank", "env JSM_NAMESPACE_LOCAL_RANK")
+    return _topology(r, hosts, var, node_rank, nproc, local_rank, job_id, index, nnodes)
+
+
+def _topology(r: EnvReader, hosts: tuple[str, ...], var: str, node_rank: int, nproc: int, local_rank: int | None,
+              job_id: int, index: int, nnodes: int | None = None) -> Topology:
+    """The Topology of a node of ``hosts``: the master is the first unless MASTER_ADDR is set,
+    the port derived from the job id unless MASTER_PORT is."""
     master = r.opt_str("MASTER_ADDR", "master_addr")
     if master is None:
         master = hosts[0]
@@ -207,7 +254,7 @@ def detect(env: Mapping[str, str], gpus: int) -> Topology | None:
         r.note("run_id", "env LSB_JOBID, LSB_JOBINDEX")
     return Topology(
         platform=NAME,
-        nnodes=nnodes,
+        nnodes=len(hosts) if nnodes is None else nnodes,
         node_rank=node_rank,
         nproc_per_node=nproc,
         master_addr=master,
