@@ -19,9 +19,9 @@ import os
 import stat
 import sysconfig
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
 from ..errors import MeshrunError, bad_value, first_line
 from ..fsio import file_kind
@@ -330,17 +330,13 @@ def _parquet(path: str, field: str) -> Iterator[str]:
     if str(kind) not in ("string", "large_string", "string_view"):
         raise MeshrunError(f"{path}: the {field!r} column holds {kind}, not text (hint: --text-field NAME of a "
                            "text column)")
-    batches = pf.iter_batches(columns=[field], batch_size=1024)
-    while True:
-        try:
-            batch = next(batches, None)
-        except (OSError, pa.ArrowException) as exc:
-            raise _unreadable(path, "parquet", exc, "write the file again") from None
-        if batch is None:
-            return
-        for text in batch.column(0).to_pylist():
-            if text is not None:
-                yield text
+    def unreadable(exc: Exception) -> MeshrunError:
+        if isinstance(exc, (OSError, pa.ArrowException)):
+            return _unreadable(path, "parquet", exc, "write the file again")
+        raise exc
+
+    for batch in _batches(pf.iter_batches(columns=[field], batch_size=1024), unreadable):
+        yield from batch.column(0).to_pylist()
 
 
 def _dataset(path: str, field: str) -> Iterator[str]:
@@ -369,7 +365,14 @@ def _dataset(path: str, field: str) -> Iterator[str]:
     if kind not in ("string", "large_string"):
         raise MeshrunError(f"{path}: the {field!r} column holds {kind or ds.features.get(field)}, not text "
                            "(hint: --text-field NAME of a text column)")
-    batches = iter(ds.iter(batch_size=1024))
+    for batch in _batches(iter(ds.iter(batch_size=1024)), unreadable):
+        yield from batch[field]
+
+
+def _batches(batches: Iterator[Any], unreadable: Callable[[Exception], MeshrunError]) -> Iterator[Any]:
+    """Each batch a reader gives; what it raises while reading is ``unreadable``'s one line
+    (which may raise the exception again, for one that is not the file's fault). The texts of a
+    batch that are None (a null cell) are left to the caller's ``documents``, which skips them."""
     while True:
         try:
             batch = next(batches, None)
@@ -377,9 +380,7 @@ def _dataset(path: str, field: str) -> Iterator[str]:
             raise unreadable(exc) from None
         if batch is None:
             return
-        for text in batch[field]:
-            if text is not None:
-                yield text
+        yield batch
 
 
 def documents(source: Source, not_utf8: list[str]) -> Iterator[str]:
