@@ -71,7 +71,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cli_train import parse_line
+from cli_train import parse_lines, peak_reserved_gib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(REPO, "src")
@@ -156,6 +156,12 @@ class Job:
 
 # ---- what the runs print ----------------------------------------------------------------------
 
+# The strategy line and the batch of today's first lines (training/report.py) ...
+_STRATEGY = re.compile(r"meshrun train: strategy (?P<desc>.*), on (?P<procs>\d+) (?:GPUs?|CPU process(?:es)?)"
+                       r"(?: of \d+ nodes)?, in \S+$")
+_BATCH = re.compile(r"meshrun train: .*each a global batch of .*\(micro-batch (?P<micro>\d+) x (?P<accum>\d+) "
+                    r"accumulation steps? x (?P<dp>\d+) data-parallel ranks?\)")
+# ... and the one first line of earlier versions, the GPU runs recorded before them
 _FIRST = re.compile(r"meshrun train: strategy (?P<desc>.*?), (?P<procs>\d+) process\(es\), .*?"
                     r"global batch (?P<micro>\d+) x (?P<accum>\d+) x (?P<dp>\d+)")
 # "planner: ddp predicted 45.2 GiB per GPU of 126 GiB usable", or when nothing fits
@@ -211,13 +217,15 @@ def parse_meshrun(lines: list[str]) -> dict[str, Any]:
                 break
             reasons.append(line.strip())
         out.update(first_line=first, reasons=reasons)
-        m = _FIRST.match(first)
-        if m:
+        m = _FIRST.match(first) or _STRATEGY.match(first)
+        batch = m if m is not None and "micro" in m.groupdict() else next(
+            (b for b in map(_BATCH.match, lines) if b), None)
+        if m and batch:
             parts = split_top(m.group("desc"))
             strategy = re.match(r"[\w.+-]+", m.group("desc"))
             ac = _AC.search(m.group("desc"))
-            out.update(strategy=strategy.group(0) if strategy else "?", micro=int(m.group("micro")),
-                       accum=int(m.group("accum")), dp=int(m.group("dp")),
+            out.update(strategy=strategy.group(0) if strategy else "?", micro=int(batch.group("micro")),
+                       accum=int(batch.group("accum")), dp=int(batch.group("dp")),
                        compiled=any(_COMPILED.search(p) for p in parts),
                        ac=ac.group(1) if ac else None,
                        kernels=[short_kernel(p) for p in parts if any(w in p for w in _KERNEL_WORDS)])
@@ -231,7 +239,7 @@ def parse_meshrun(lines: list[str]) -> dict[str, Any]:
     refits = [line for line in lines if line.startswith(_REFIT)]
     if refits:
         out["refits"] = refits
-    rows = [r for r in map(parse_line, lines) if r]
+    rows = parse_lines(lines)
     out["metrics_lines"] = len(rows)
     timed = rows[1:]  # the first line's interval includes compilation
     if timed:
@@ -242,9 +250,9 @@ def parse_meshrun(lines: list[str]) -> dict[str, Any]:
         out["steps_timed"] = [int(r.get("step", 0)) for r in timed]
         out["all_tokens_per_s_per_gpu"] = [round(r["tokens_per_s_per_gpu"]) for r in rows
                                            if "tokens_per_s_per_gpu" in r]
-    reserved = [r["peak_reserved_gib"] for r in rows if "peak_reserved_gib" in r]
-    if reserved:
-        out["peak_reserved_gib"] = max(reserved)
+    reserved = peak_reserved_gib(lines, rows)
+    if reserved is not None:
+        out["peak_reserved_gib"] = reserved
     return out
 
 

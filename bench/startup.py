@@ -2,10 +2,12 @@
 after the last, against the cost of importing torch, measured in one call on one machine.
 
 For each process count it runs ``meshrun train --model-size gpt-tiny --steps 1 --nproc N
---data random`` (no --out, as a first try is run) and reads the step's and validation's own
-seconds from its log line; what is left of the wall time is the start-up and shut-down
-overhead, given as a ratio to ``python -c "import torch, torch.distributed"`` timed in the same
-call (median of ``--runs``, runs alternated so drift hits both). It also times gpt-tiny's
+--data random`` (no --out, as a first try is run) as ``meshrun.train(...)`` in a process of its
+own, which prints the run's last record (the same job: the CLI and the function share
+meshrun/job), and reads the step's and validation's own seconds from it (the log line rounds
+them); what is left of the wall time is the start-up and shut-down overhead, given as a ratio
+to ``python -c "import torch, torch.distributed"`` timed in the same call (median of
+``--runs``, runs alternated so drift hits both). It also times gpt-tiny's
 forward pass at the run's micro-batch (8 x 256 tokens, no gradient) in a process of its own,
 with the threads a rank has (all cores for one process; one each for several, as torchrun and
 meshrun set OMP_NUM_THREADS), and compares validation's 8 micro-batches with 8 of those.
@@ -18,13 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 
-TRAIN = ["--model-size", "gpt-tiny", "--steps", "1", "--data", "random"]
+TRAIN = {"model_size": "gpt-tiny", "steps": 1, "data": "random"}
+# meshrun train TRAIN --nproc N, printing its last record (the step's and validation's seconds in full)
+JOB = """
+import json, sys
+import meshrun
+print("RECORD " + json.dumps(meshrun.train(**json.loads(sys.argv[1])).metrics))
+"""
 FORWARD = """
 import time, torch
 from meshrun.config import TrainConfig
@@ -51,10 +58,13 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
 
 
 def seconds(stdout: str, key: str) -> float:
-    m = re.search(rf"\b{key} ([\d.]+)", stdout)
-    if m is None:
-        raise SystemExit(f"no {key} in the run's output:\n{stdout[-2000:]}")
-    return float(m.group(1))
+    """A figure of the record the job printed."""
+    for line in stdout.splitlines():
+        if line.startswith("RECORD "):
+            value = json.loads(line[len("RECORD "):]).get(key)
+            if isinstance(value, (int, float)):
+                return float(value)
+    raise SystemExit(f"no {key} in the run's record:\n{stdout[-2000:]}")
 
 
 def _threads(nproc: int) -> tuple[tuple[str, str], ...]:
@@ -73,7 +83,7 @@ def main() -> None:
     for _ in range(args.runs):
         imports.append(timed([sys.executable, "-c", "import torch, torch.distributed"], env)[0])
         for nproc, rows in runs.items():
-            wall, stdout = timed([sys.executable, "-m", "meshrun", "train", *TRAIN, "--nproc", str(nproc)], env)
+            wall, stdout = timed([sys.executable, "-c", JOB, json.dumps({**TRAIN, "nproc": nproc})], env)
             rows.append((wall, seconds(stdout, "step_time_s"), seconds(stdout, "val_time_s")))
     forwards = {threads: float(timed([sys.executable, "-c", FORWARD], {**env, **dict(threads)})[1].strip())
                 for threads in map(_threads, {min(n, 2) for n in runs})}

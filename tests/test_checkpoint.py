@@ -27,6 +27,12 @@ def losses(out_dir):
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
+def steps_logged(out_dir):
+    """The step of every record in metrics.jsonl, in the file's order."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
 def worker_pids(out_dir):
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -89,8 +95,9 @@ def test_sigkill_a_rank_restarts_and_resumes_bit_for_bit(tmp_path, uninterrupted
     assert res.returncode == 0, res.stderr[-3000:]
     assert "restart 1 of 1" in res.stderr
     assert "resumed from" in res.stdout and "at step 12" in res.stdout
+    # one record a step: the killed start's steps after 12 (it logged 15 at least) were trained and logged again
+    assert steps_logged(out) == list(range(1, 61))
     after = losses(out)
-    assert sorted(after) == list(range(1, 61))
     for step in range(13, 61):
         assert after[step] == uninterrupted[step], step  # bit for bit: the same float
 
@@ -109,6 +116,7 @@ def test_sigkill_during_a_save_falls_back_to_the_previous_snapshot(tmp_path, uni
     watcher.join(timeout=1)
     assert killed and res.returncode == 0, res.stderr[-3000:]
     assert "at step 6" in res.stdout  # step 12's half-written snapshot was ignored
+    assert steps_logged(out) == list(range(1, 19))  # steps 7-12 once, though the killed start logged them
     assert sorted(os.listdir(ckpt)) == ["step-00000006", "step-00000012", "step-00000018"]
 
 
@@ -535,8 +543,9 @@ def test_each_rank_reads_its_own_shards_and_rank_0s_on_resume(tmp_path):
     size_mb = sum(f.stat().st_size for f in snap.iterdir()) / 2**20
     again = run_cli("train", *args, "--steps", "3")
     assert again.returncode == 0, again.stderr[-3000:]
-    found = re.search(r"read in [0-9.]+-[0-9.]+ s a rank \([0-9.]+-[0-9.]+ s of CPU, ([0-9.]+)-([0-9.]+) MB\)",
-                      again.stdout)
+    # (each range one figure where the 4 ranks print alike)
+    found = re.search(r"read in [0-9.]+(?:-[0-9.]+)? s a rank \([0-9.]+(?:-[0-9.]+)? s of CPU, "
+                      r"([0-9.]+)(?:-([0-9.]+))? MB\)", again.stdout)
     assert found, again.stdout[-2000:]
-    least, most = float(found.group(1)), float(found.group(2))
+    least, most = float(found.group(1)), float(found.group(2) or found.group(1))
     assert 0.2 * size_mb < least <= most < 0.85 * size_mb, (least, most, size_mb)

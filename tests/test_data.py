@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,11 +183,23 @@ def test_train_reads_prepared_flat_and_text_data(tmp_path, corpus):
     # the epoch tests' above, and the killed-and-resumed run's below)
     common = ["--model-size", "gpt-tiny", "--seq-len", "32", "--micro-batch", "4", "--steps", "3", "--log-every", "3",
               "--nproc", "1"]
-    for data in ([corpus["prepared"]], [str(flat / "train.bin")],
-                 [str(corpus["root"] / "corpus"), "--tokenizer", corpus["tok"]]):
+    tok, root, cache = map(re.escape, (corpus["tok"], str(corpus["root"]), str(tmp_path / "cache")))
+    # each run's first lines name its data: where it comes from, its tokens, the tokenizer and its vocabulary
+    said = r"[\d.]+K? tokens for training, [\d.]+K? for validation; "
+    for data, line in (
+            ([corpus["prepared"]], rf"{root}/prepared \(prepared from 13 files in {root}/corpus\): {said}"
+                                   rf"tokenizer {tok}\S* \(vocabulary 3\d\d\); document masking off"),
+            ([str(flat / "train.bin")], rf"{re.escape(str(flat))}/train.bin \(token files\): 20K tokens for training, "
+                                        r"2K for validation; no tokenizer recorded \(vocabulary 50,304\); "
+                                        "document masking off"),
+            ([str(corpus["root"] / "corpus"), "--tokenizer", corpus["tok"]],
+             rf"{root}/corpus \(13 text files, tokenized into {cache}/tokens/[0-9a-f]{{20}}\): {said}"
+             rf"tokenizer {tok}\S* \(vocabulary 3\d\d\); document masking off")):
         res = run_cli("train", "--data", *data, *common, env=env, timeout=300)
         assert res.returncode == 0, (data, res.stderr[-2000:])
-        assert "val_loss" in res.stdout, res.stdout[-1000:]
+        assert "val loss" in res.stdout, res.stdout[-1000:]
+        first = [text for text in res.stdout.splitlines() if text.startswith("meshrun train: data ")]
+        assert len(first) == 1 and re.fullmatch(f"meshrun train: data {line}", first[0]), first
     assert "meshrun data: wrote" in res.stderr
     res = run_cli("train", "--data", str(corpus["root"] / "corpus"), "--tokenizer", corpus["tok"], *common, env=env,
                   timeout=300)
@@ -238,7 +251,7 @@ def test_a_model_directorys_tokenizer_is_the_default_for_text(tmp_path, corpus):
                   "--micro-batch", "2", "--steps", "2", "--log-every", "2",
                   env=clean_env(MESHRUN_CACHE=str(tmp_path / "cache")), timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert f"tokenizer {model}/tokenizer.json" in res.stderr and "val_loss" in res.stdout
+    assert f"tokenizer {model}/tokenizer.json" in res.stderr and "val loss" in res.stdout
 
 
 def test_a_tiktoken_encoding_not_in_the_cache_is_one_line(tmp_path, corpus):

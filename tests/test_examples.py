@@ -40,7 +40,7 @@ def test_trainer_in_a_user_script_runs_three_ways(how):
         argv = [sys.executable, "-m", "meshrun", "launch", script]
     out = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    world = "1 process(es)" if how == "python" else "2 process(es)"
+    world = "on 1 CPU process," if how == "python" else "on 2 CPU processes,"
     assert world in out.stdout
     final = [line for line in out.stdout.splitlines() if line.startswith("final loss")]
     assert len(final) == 1  # only rank 0 reports

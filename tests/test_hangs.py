@@ -124,7 +124,8 @@ def test_a_stopped_rank_ends_the_job_in_one_line_naming_it_and_the_snapshot_stay
         assert proc.wait(timeout=60) == 1, _output(tmp_path)[-3000:]
         assert time.monotonic() - started < 40
         text = _output(tmp_path)
-        assert "for a rank that stops answering 15 s (--collective-timeout)" in text.splitlines()[0], text[:500]
+        assert "a rank that stops answering for 15 s ends the job (--collective-timeout)" in text.splitlines()[0], \
+            text[:500]
         errors = _errors(text)
         assert len(errors) == 1 and errors[0].startswith(f"meshrun: error: rank 1 stopped answering: its process "
                                                          f"(pid {pid}) is stopped"), text[-3000:]

@@ -239,6 +239,9 @@ def test_save_pretrained_train_export_from_pretrained_round_trip(tmp_path):
                   "--out", str(out), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "pretrained weights read" in res.stdout
+    # the first lines name the model: its directory, family, and where its weights come from
+    assert (f"meshrun train: model llama-saved (a Hugging Face llama model in {path}, its pretrained weights), "
+            in res.stdout), res.stdout[:2000]
     res = run_cli("export", str(out / "checkpoints"), "--to", str(target))
     assert res.returncode == 0, res.stderr[-2000:]
     assert {"config.json", "generation_config.json", "tokenizer_config.json"} <= set(os.listdir(target))

@@ -106,7 +106,8 @@ def test_a_micro_batch_meshrun_chose_that_runs_out_of_memory_is_halved_and_train
         "instead (global batch 16 unchanged, so the loss curve is the same)",
         "meshrun train: out of GPU memory at micro-batch 4 in a first micro-step; micro-batch 2 x 4 accumulation "
         "instead (global batch 16 unchanged, so the loss curve is the same)"], said
-    assert "global batch 2 x 4 x 2 = 16" in halved.stdout
+    assert "global batch of 16 samples (micro-batch 2 x 4 accumulation steps x 2 data-parallel ranks)" \
+        in halved.stdout
     started_small = meshrun("train", *common, "--micro-batch", "2", "--global-batch", "16",
                             "--out", str(tmp_path / "b"), env=env, timeout=240)
     assert started_small.returncode == 0, started_small.stderr

@@ -271,7 +271,8 @@ def test_resize_keeps_the_global_batch_or_refuses(tmp_path):
     two = ["--example", "toy", "--log-every", "1", "--eval-batches", "1", "--micro-batch", "4"]
     res = run_cli("train", *two, "--nproc", "2", "--steps", "4", "--save-every", "4", "--out", out)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "global batch 4 x 1 x 2 = 8" in res.stdout, res.stdout
+    assert "global batch of 8 samples (micro-batch 4 x 1 accumulation step x 2 data-parallel ranks)" in res.stdout, \
+        res.stdout
     snap = snapshot_dirs(out)[-1]
     # Micro-batch 3 on one rank cannot make 8: refused, with sizes that fit.
     line = one_line_error(run_cli("train", *two[:-1], "3", "--nproc", "1", "--steps", "8", "--out", out))
@@ -281,7 +282,8 @@ def test_resize_keeps_the_global_batch_or_refuses(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert ("resuming on 1 data-parallel rank(s) instead of 2: micro-batch 4 x gradient accumulation 2 (was 4 x 1) "
             "keeps the snapshot's global batch of 8 samples") in res.stdout, res.stdout
-    assert "global batch 4 x 2 x 1 = 8" in res.stdout and f"resumed from {snap} at step 4" in res.stdout
+    assert "steps 5-6 of 6, each a global batch of 8 samples (micro-batch 4 x 2 accumulation steps x 1 " \
+        "data-parallel rank)" in res.stdout and f"resumed from {snap} at step 4" in res.stdout
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5, 6]
 

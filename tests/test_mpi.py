@@ -149,7 +149,7 @@ def test_training_equals_one_node_bit_for_bit(cluster, one_node_losses, mode, tm
     code, stdout, err = mpirun(cluster, placement, meshrun_argv("train", *own, *TRAIN, "--out", out),
                                rank_env(), timeout=400)
     assert code == 0, err[-4000:]
-    assert "4 process(es)" in stdout + err
+    assert "on 4 CPU processes" in stdout + err
     assert losses(out) == one_node_losses
 
 

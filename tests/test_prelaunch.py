@@ -129,7 +129,7 @@ def test_refused_before_launch(args, said, tmp_path, capsys):
     code = main(argv, clean_env(**CPU))
     took = time.monotonic() - start
     captured = capsys.readouterr()
-    assert "waits at most" not in captured.out  # no launch line: nothing started
+    assert "--collective-timeout" not in captured.out  # no launch line: nothing started
     _refused(code, captured.err, said, took, out)
 
 

@@ -45,18 +45,29 @@ def wandb_records(path):
 
 def wandb_history(out):
     """Every history row of every offline W&B run file under OUT, and the run ids of the files."""
+    rows, ids, _ = wandb_run_files(out)
+    return rows, ids
+
+
+def wandb_run_files(out):
+    """The history rows, run ids and config (as the run's records set it, in order) of every
+    offline W&B run file under OUT."""
     from wandb.proto import wandb_internal_pb2
 
-    rows, ids = [], set()
+    rows, ids, config = [], set(), {}
     for path in sorted(glob.glob(os.path.join(out, "wandb", "offline-run-*", "run-*.wandb"))):
         ids.add(os.path.basename(path)[len("run-"):-len(".wandb")])
         for data in wandb_records(path):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(data)
-            if record.WhichOneof("record_type") == "history":
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                              for item in record.history.item})
-    return rows, ids
+            elif kind in ("run", "config"):
+                items = record.run.config.update if kind == "run" else record.config.update
+                config.update({item.key: json.loads(item.value_json) for item in items if item.key != "_wandb"})
+    return rows, ids, config
 
 
 def closed_port() -> int:
@@ -83,6 +94,9 @@ def test_wandb_and_mlflow_get_every_metric_of_a_run_and_its_resume_as_one_run(tm
     assert first.returncode == 0, first.stderr[-3000:]
     ids = json.loads((out / "trackers.json").read_text())
     run_id = json.loads((out / "run.json").read_text())["run_id"]
+    # an offline W&B run: the closing line says how to upload it, with its directory
+    [offline] = glob.glob(str(out / "wandb" / f"offline-run-*-{run_id}"))
+    assert f"wandb run {run_id} (offline: wandb sync {offline})" in first.stdout.splitlines()[-1]
     assert ids["wandb"] == {"id": run_id, "project": "meshrun-test"}
     assert ids["mlflow"]["tracking_uri"] == store
     # the resume: the same OUT, more steps (as a requeued job script runs it again)
@@ -90,15 +104,24 @@ def test_wandb_and_mlflow_get_every_metric_of_a_run_and_its_resume_as_one_run(tm
     assert second.returncode == 0, second.stderr[-3000:]
     assert json.loads((out / "trackers.json").read_text()) == ids
     closing = second.stdout.splitlines()[-1]
-    assert f"wandb run {run_id}" in closing and f"mlflow run {ids['mlflow']['run_id']}" in closing, closing
+    assert f"mlflow run {ids['mlflow']['run_id']}" in closing, closing
+    # each start wrote a directory of its own: the command uploads both
+    assert f"wandb run {run_id} (offline: wandb sync {out}/wandb/offline-run-*-{run_id})" in closing, closing
 
     logged = {r["step"]: numeric(r) for r in records(out / "metrics.jsonl")}
     assert sorted(logged) == [1, 2, 3, 4]
     assert {"loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "val_loss", "epoch"} <= set(logged[4])
 
     # W&B: each start wrote an offline run file under the same run id (wandb sync joins them)
-    rows, wandb_ids = wandb_history(out)
+    rows, wandb_ids, config = wandb_run_files(out)
     assert wandb_ids == {run_id}
+    # the configuration that ran, not the options as typed (those that differ under given.)
+    assert {k: config[k] for k in ("model", "data", "strategy", "warmup", "precision", "seq_len", "micro_batch",
+                                   "global_batch", "tokenizer", "vocab_size", "world_size")} == {
+        "model": "gpt-tiny", "data": "stdlib", "strategy": "single", "warmup": 0, "precision": "fp32", "seq_len": 256,
+        "micro_batch": 8, "global_batch": 8, "tokenizer": "bytes", "vocab_size": 256, "world_size": 1}
+    assert config["given.strategy"] == "auto" and config["given.data"] is None and config["given.warmup"] is None
+    assert "given.steps" not in config and "model_size" not in config and "sources" not in config
     by_step = {row["step"]: row for row in rows}
     assert sorted(by_step) == [1, 2, 3, 4]
     for step, metrics in logged.items():
@@ -115,7 +138,10 @@ def test_wandb_and_mlflow_get_every_metric_of_a_run_and_its_resume_as_one_run(tm
     run = runs[0]
     assert run.info.status == "FINISHED"
     assert run.data.tags["meshrun.run_id"] == run_id
-    assert run.data.params["model_size"] == "gpt-tiny" and run.data.params["world_size"] == "1"
+    params = run.data.params
+    assert (params["model"], params["data"], params["strategy"], params["warmup"], params["world_size"]) == \
+        ("gpt-tiny", "stdlib", "single", "0", "1")
+    assert params["given.strategy"] == "auto" and params["train_tokens"] == str(config["train_tokens"])
     assert run.data.params["steps"] == "2"  # (MLflow keeps a parameter's first value)
     for key in logged[4]:
         history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}

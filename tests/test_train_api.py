@@ -120,7 +120,7 @@ def test_meshrun_train_inside_torchruns_workers_trains_as_their_ranks(tmp_path):
     out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script)], capture_output=True,
                          text=True, timeout=240, env=clean_env(), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "already in use" not in out.stderr and "2 process(es)" in out.stdout + out.stderr, out.stderr[-3000:]
+    assert "already in use" not in out.stderr and "on 2 CPU processes" in out.stdout + out.stderr, out.stderr[-3000:]
     results = sorted(line.split(" ", 2)[1:] for line in out.stdout.splitlines() if line.startswith("RESULT"))
     # rank 0 reads the run's metrics (its log lines); every rank's call returns the job's code
     assert [(rank, json.loads(r)) for rank, r in results] == [("0", {"code": 0, "step": 1}),

@@ -25,7 +25,17 @@ def test_default_job_short_form_loss_falls(tmp_path):
                   env=clean_env(PYTHONWARNINGS="always::ResourceWarning"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ResourceWarning" not in out.stderr, out.stderr[-3000:]
-    assert "strategy ddp" in out.stdout and "2 process(es)" in out.stdout
+    # the first lines say what trains on what, and what was resolved, as sentences
+    said = [line for line in out.stdout.splitlines() if line.startswith("meshrun train: ")]
+    assert said[0] == ("meshrun train: a rank that stops answering for 300 s ends the job (--collective-timeout); "
+                       "ranks still running 300 s after another finished are stopped (--finish-timeout)")
+    assert said[1] == "meshrun train: model gpt-small (meshrun's GPT preset: 4 layers of width 256), 3.29M parameters"
+    assert re.fullmatch(r"meshrun train: data the Python standard library's source \(the \.py files under \S+\): "
+                        r"[\d.]+M tokens for training, [\d.]+M for validation; one token per byte \(vocabulary 256\); "
+                        r"document masking off", said[2]), said[2]
+    assert said[3] == ("meshrun train: 12 steps, each a global batch of 16 sequences of 256 tokens (micro-batch 8 x 1 "
+                       "accumulation step x 2 data-parallel ranks); lr 0.001 after 1 warmup step, cosine to 1e-4")
+    assert said[4] == "meshrun train: strategy ddp: DDP, buckets of 100 MB, on 2 CPU processes, in fp32"
     rows = records(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [4, 8, 12]
     for key in ("step", "loss", "tokens_per_s", "mfu", "peak_mem_bytes"):
@@ -35,12 +45,16 @@ def test_default_job_short_form_loss_falls(tmp_path):
     assert rows[-1]["val_loss"] is not None and rows[-1]["val_loss"] < 4.0
     assert (tmp_path / "loss.png").stat().st_size > 1000
     # a person reads where the run is, how long it has taken and has left, and where it wrote
+    # each step line fits 100 columns; the full record is metrics.jsonl's
     lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split(" | ")[0] for line in lines] == ["step 4/12", "step 8/12", "step 12/12"]
-    assert all(re.search(r" \| elapsed \d+:\d\d \| left \d+:\d\d$", line) for line in lines[:-1]), lines
-    assert "left" not in lines[-1] and "per_gpu" not in out.stdout  # 2 CPU processes are no GPUs
+    figures = r"loss [\d.]+ \| lr [\d.e-]+ \| [\d,]+ tok/s \| [\d.]+ (s|ms)/step \| elapsed \d+:\d\d"
+    assert all(re.fullmatch(rf"step {s}/12 \| {figures} \| left \d+:\d\d", line)
+               for s, line in zip((4, 8), lines[:-1])), lines
+    assert re.fullmatch(r"step 12/12 \| loss [\d.]+ \| val loss [\d.]+ \| lr 1e-4 \| [\d,]+ tok/s \| "
+                        r"[\d.]+ (s|ms)/step \| elapsed \d+:\d\d", lines[-1]), lines[-1]
+    assert all(len(line) <= 100 for line in lines) and "mfu" not in out.stdout  # 2 CPU processes are no GPUs
     closing = out.stdout.splitlines()[-1]
-    assert re.fullmatch(rf"meshrun train: finished step 12/12 in \d+:\d\d \(loss [\d.]+, val_loss [\d.]+\); "
+    assert re.fullmatch(rf"meshrun train: finished step 12/12 in \d+:\d\d \(loss [\d.]+, val loss [\d.]+\); "
                         rf"in {re.escape(str(tmp_path))}: metrics.jsonl, loss.png(, tensorboard)?, "
                         r"snapshot checkpoints/step-00000012", closing), closing
 
@@ -63,7 +77,11 @@ def test_user_model_and_data_factories(tmp_path):
                   "--steps", "30", "--lr", "0.01", "--log-every", "10", "--global-batch", "64",
                   "--micro-batch", "16", "--out", str(tmp_path), env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "global batch 16 x 2 x 2 = 64" in out.stdout
+    assert "meshrun train: model userpkg.factories:mlp (your Sequential), " in out.stdout
+    assert ("meshrun train: data userpkg.factories:regression (your TensorDataset): 1,024 samples for training, "
+            "128 for validation\n") in out.stdout
+    assert ("meshrun train: 30 steps, each a global batch of 64 samples (micro-batch 16 x 2 accumulation steps x 2 "
+            "data-parallel ranks)") in out.stdout
     rows = records(tmp_path / "metrics.jsonl")
     assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["val_loss"] is not None
 

@@ -461,6 +461,41 @@ def test_the_defaults_matrix_reads_meshruns_first_lines_as_the_gpu_runs_printed_
         "step": 10, "loss": 4.7, "tokens_per_s_per_gpu": 577066, "mfu": 0.502, "peak_reserved_gib": 56.3}
 
 
+def test_the_defaults_matrix_reads_todays_first_lines_step_lines_and_closing_line():
+    """The same figures as meshrun words them now (training/report.py, stepline.py, the
+    closing line of metrics.MetricsSink): the strategy line, the batch in the steps line,
+    tokens/s over the strategy line's GPUs, peak memory from the closing line."""
+    from helpers import bench_module
+
+    from meshrun.training.metrics import MetricsSink
+    from meshrun.training.report import steps_line, strategy_line
+    from meshrun.training.stepline import step_line
+
+    cli = bench_module("cli_train")
+    matrix = bench_module("defaults_matrix")
+    records = [{"step": step, "loss": loss, "lr": 3e-4, "tokens_per_s": 2 * per_gpu, "mfu": mfu, "step_time_s": 1.0,
+                "peak_reserved_bytes": 56.3 * 2**30}
+               for step, loss, per_gpu, mfu in ((1, 12.1, 60000, 0.548), (2, 12.0, 64405, 0.588),
+                                                (3, 11.9, 64500, 0.589))]
+    sink = MetricsSink(None, 200, enabled=True)
+    sink.records = records
+    layout = ("fsdp-grad-op: initialised -> FSDP2 grad_op over 2 ranks, Liger kernels for llama (RMSNorm, SwiGLU, "
+              "rotary, fused linear cross-entropy)")
+    lines = [f"meshrun train: {steps_line(0, 200, 8, 8, 2, 4096, 3e-4, 20, 0.1)}",
+             f"meshrun train: {strategy_line(layout, 2, 2, True, 'bf16')}",
+             "  planner: fsdp-grad-op predicted 121 GiB per GPU of 126 GiB usable",
+             *(step_line(r, 200, 10.0 * r["step"], 100.0) for r in records), sink.finished(None)]
+    llama = matrix.parse_meshrun(lines)
+    assert (llama["strategy"], llama["micro"], llama["accum"], llama["dp"], llama["compiled"]) == \
+        ("fsdp-grad-op", 8, 8, 2, False)
+    assert llama["kernels"] == ["Liger"] and llama["planner_predicted_gib"] == 121.0
+    assert llama["tokens_per_s_per_gpu"] == 64452 and llama["mfu"] == 0.5885 and llama["peak_reserved_gib"] == 56.3
+    cpu = {**records[-1], "step": 200, "val_loss": 12.2, "mfu": None, "step_time_s": 0.0593}  # (the last: none left)
+    assert cli.parse_line(step_line(cpu, 200, 5.0, None)) == {
+        "step": 200, "loss": 11.9, "val_loss": 12.2, "lr": 3e-4, "tokens_per_s": 129000, "step_time_s": 0.0593}
+    assert cli.gpus_of(lines) == 2 and cli.gpus_of([strategy_line("ddp", 2, 2, False, "fp32")]) is None
+
+
 def test_a_users_modules_offer_the_hooks_by_their_methods_alone():
     """The trainer's hooks are declared protocols (models/hooks.py): a user's module that has
     the methods is treated as meshrun's own, without inheriting from anything of meshrun's."""

@@ -1,4 +1,5 @@
-"""Byte sizes as users write them (80GiB, 80GB, 1.5TiB) and as tables show them."""
+"""Byte sizes as users write them (80GiB, 80GB, 1.5TiB) and as tables show them; counts,
+durations, clock times and ranges as meshrun's lines show them."""
 
 from __future__ import annotations
 
@@ -59,3 +60,12 @@ def clock(seconds: float) -> str:
     whole = int(round(seconds))
     hours, rest = divmod(whole, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def span(values: list[float], fmt: str = ".2f", unit: str = "") -> str:
+    """The smallest and largest of ``values`` as a range, ``0.25-0.31 s``; one figure when the
+    two print alike (``0.28 s``, not ``0.28-0.28 s``). ``fmt`` is a format spec (``.2f``,
+    ``,.0f``), ``unit`` follows after a space."""
+    lo, hi = format(min(values), fmt), format(max(values), fmt)
+    figure = lo if lo == hi else f"{lo}-{hi}"
+    return f"{figure} {unit}" if unit else figure

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from ..errors import MeshrunError, bad_value
 from ..fsio import file_kind
+from ..units import span
 
 RUN_FILE = "run.json"
 RUN_ID_ENV = "MESHRUN_OUT_RUN_ID"  # (MESHRUN_RUN_ID is --run-id, the rendezvous id)
@@ -227,7 +228,7 @@ def roll_back(out: str, snapshot: str, step: int) -> str | None:
     for _, path in newer:
         _rename(path, os.path.join(target, CHECKPOINTS, os.path.basename(path)), "--resume")
     moved = _split_metrics(os.path.join(out, METRICS), os.path.join(target, METRICS), step)
-    steps = f"step {newer[0][0]}" if len(newer) == 1 else f"steps {newer[0][0]}-{newer[-1][0]}"
+    steps = ("step " if len(newer) == 1 else "steps ") + span([s for s, _ in newer], "d")
     return (f"meshrun train: resuming step {step} rolls {out} back: the newer snapshot(s) ({steps}) and {moved} "
             f"metrics record(s) after step {step} moved to {target}")
 

@@ -89,7 +89,7 @@ class Choice:
     activation_checkpointing: str  # none | full | selective (vocab.AC_MODES)
     micro_batch: int
     global_batch: int | None  # None: micro-batch x data-parallel ranks
-    reasons: tuple[str, ...] = ()  # what was chosen and why, for the run's first line
+    reasons: tuple[str, ...] = ()  # what was chosen and why, for the run's strategy line
     compile: bool = False  # torch.compile the model (per block under FSDP2)
     liger: bool = False  # Liger Kernel's kernels patched into a Hugging Face model
     predicted_peak: int | None = None  # the planner's peak bytes per GPU for this choice

@@ -99,15 +99,15 @@ def require_trainer_packages() -> None:
 
 
 def waits_line(rdzv_s: int | None, stall_s: float | None, finish_s: float | None) -> str:
-    """The run's line of its bounded waits: how long it waits for the other nodes
-    (``rdzv_s``, None when a single node starts every rank itself), for a collective, and
-    for ranks still running after another finished."""
-    parts = [f"for the other nodes {rdzv_s} s (--rdzv-timeout)"] if rdzv_s is not None else []
+    """The run's line of its bounded waits, as sentences: how long the other nodes have to
+    join (``rdzv_s``, None when a single node starts every rank itself), how long a rank may
+    stop answering, and how long ranks may run on after another finished."""
+    parts = [f"the other nodes have {rdzv_s} s to join (--rdzv-timeout)"] if rdzv_s is not None else []
     if stall_s is not None:
-        parts.append(f"for a rank that stops answering {stall_s:.0f} s (--collective-timeout)")
+        parts.append(f"a rank that stops answering for {stall_s:.0f} s ends the job (--collective-timeout)")
     if finish_s is not None:
-        parts.append(f"for ranks left running after another finished {finish_s:.0f} s (--finish-timeout)")
-    return "meshrun train: waits at most " + ", ".join(parts)
+        parts.append(f"ranks still running {finish_s:.0f} s after another finished are stopped (--finish-timeout)")
+    return "meshrun train: " + "; ".join(parts)
 
 
 def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainConfig:

@@ -76,7 +76,7 @@ class _LigersCacheName(logging.Filter):
 
 def apply_liger(model: Any) -> list[str]:
     """Patch ``model`` (``liger_applies``) with Liger's kernels; what was applied, for the
-    run's first line."""
+    run's strategy line."""
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
     generic = logging.getLogger("transformers.utils.generic")

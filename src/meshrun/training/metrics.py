@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
+from ..config.outdir import METRICS
 from ..errors import MeshrunError
-from ..units import clock
+from ..units import clock, fmt_bytes, span
 from . import tracking
 from .models.hooks import FlopsModel
+from .stepline import loss_text, step_line
 
 # Dense bf16 tensor-core peak per GPU, FLOP/s (vendor datasheets; sparsity excluded).
 PEAK_BF16 = (
@@ -101,27 +103,31 @@ def _rchar() -> int | None:
 
 def read_cost_line(costs: list[tuple[float, float, int | None]]) -> str:
     """The ranks' costs as one phrase: the fastest and slowest rank's wall seconds, then their
-    CPU seconds and megabytes read (on a host whose cores the ranks share, wall time grows
-    with the rank count while each rank's CPU time and bytes are its own work)."""
-    walls, cpus = [c[0] for c in costs], [c[1] for c in costs]
-    reads = [c[2] for c in costs if c[2] is not None]
-    line = f"{min(walls):.2f}-{max(walls):.2f} s a rank ({min(cpus):.2f}-{max(cpus):.2f} s of CPU"
+    CPU seconds and megabytes read, each range one figure where all ranks print alike (on a
+    host whose cores the ranks share, wall time grows with the rank count while each rank's
+    CPU time and bytes are its own work)."""
+    reads = [c[2] / 2**20 for c in costs if c[2] is not None]
+    line = f"{span([c[0] for c in costs], '.2f', 's')} a rank ({span([c[1] for c in costs], '.2f', 's')} of CPU"
     if len(reads) == len(costs):
-        line += f", {min(reads) / 2**20:.1f}-{max(reads) / 2**20:.1f} MB"
+        line += f", {span(reads, '.1f', 'MB')}"
     return line + ")"
 
 
 class MetricsSink:
-    """Rank 0's outputs. Every record goes to stdout as one line and to metrics.jsonl."""
+    """Rank 0's outputs. Every record goes to metrics.jsonl whole and to stdout as its step
+    line (stepline.py); a resumed run's metrics.jsonl first loses the records an interrupted
+    start logged after the step it resumes from (``keep_through``), so each step has one."""
 
     def __init__(self, out: str | None, total_steps: int, enabled: bool, done: int = 0,
-                 trackers: tuple[str, ...] = (), params: dict[str, Any] | None = None) -> None:
+                 trackers: tuple[str, ...] = (), params: dict[str, Any] | None = None, rate: str = "tok/s") -> None:
+        """``rate``: the step line's throughput unit (``samples/s`` for inputs that are no tokens)."""
         self.enabled = enabled
+        self.rate = rate
         self.out = out
         self.records: list[dict[str, Any]] = []
         self.jsonl = None
         self.trackers: list[tracking.Tracker] = []
-        self.tracked = trackers
+        self.tracked: dict[str, str] = {}  # each tracker's words for the closing line
         self.progress = None
         self.start = time.monotonic()
         self.total = total_steps
@@ -131,17 +137,19 @@ class MetricsSink:
             return
         if out:
             os.makedirs(out, exist_ok=True)
-            path = os.path.join(out, "metrics.jsonl")
+            path = os.path.join(out, METRICS)
             if os.path.exists(path) and not os.path.isfile(path):  # a FIFO would hang the run here
                 raise MeshrunError(f"--out={out!r}: {path} is not a regular file, where the run appends its "
                                    "metrics (hint: move it away, or give another --out)")
+            keep_through(path, done)
             self.jsonl = open(path, "a", buffering=1)
         try:
-            self.trackers = tracking.start(trackers, out, params or {})
+            self.trackers = tracking.start(trackers, out, params or {}, done=done)
         except MeshrunError:
             if self.jsonl:
                 self.jsonl.close()
             raise
+        self.tracked = {t.name: words for t in self.trackers if (words := t.closing())}
         self.start = time.monotonic()  # (the trackers' start-up is no training time)
         if sys.stderr.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -158,35 +166,41 @@ class MetricsSink:
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
         tracking.log(self.trackers, record)
-        line = " | ".join([f"step {record['step']}/{self.total}",
-                           *(_fmt(k, v) for k, v in record.items() if v is not None and k != "step"),
-                           *self.timing(record["step"])])
+        elapsed, left = self.timing(record["step"])
+        line = step_line(record, self.total, elapsed, left, rate=self.rate)
         if self.progress:
-            self.progress.update(self.task, completed=record["step"], info=_fmt("loss", record.get("loss")))
+            loss = record.get("loss")
+            self.progress.update(self.task, completed=record["step"],
+                                 info="" if loss is None else f"loss {loss_text(loss)}")
             self.progress.console.print(line)
         else:
             print(line, flush=True)
 
-    def timing(self, step: int) -> list[str]:
-        """How long this run has trained, and how long the steps left take at its pace so far."""
+    def timing(self, step: int) -> tuple[float, float | None]:
+        """How long this run has trained, and how long the steps left take at its pace so far
+        (None at the last step, or before a step of this run)."""
         elapsed = time.monotonic() - self.start
-        parts = [f"elapsed {clock(elapsed)}"]
         if step > self.done and step < self.total:
-            parts.append(f"left {clock(elapsed / (step - self.done) * (self.total - step))}")
-        return parts
+            return elapsed, elapsed / (step - self.done) * (self.total - step)
+        return elapsed, None
 
     def finished(self, snapshot: str | None) -> str:
-        """The run's closing line: where it ended, its last losses, and what it wrote where."""
+        """The run's closing line: where it ended, its last losses (and on a GPU rank 0's peak
+        memory), and what it wrote where, the trackers' runs included."""
         last = self.records[-1] if self.records else {}
-        losses = ", ".join(_fmt(k, last[k]) for k in ("loss", "val_loss") if last.get(k) is not None)
+        said = [f"{name} {loss_text(last[key])}" for key, name in (("loss", "loss"), ("val_loss", "val loss"))
+                if last.get(key) is not None]
+        if last.get("peak_reserved_bytes"):
+            said.append(f"peak GPU memory {fmt_bytes(last['peak_reserved_bytes'])} on rank 0")
         head = (f"meshrun train: finished step {last.get('step', self.total)}/{self.total} in "
-                f"{clock(time.monotonic() - self.start)}" + (f" ({losses})" if losses else ""))
+                f"{clock(time.monotonic() - self.start)}" + (f" ({', '.join(said)})" if said else ""))
+        trackers = list(self.tracked.values())
         if not self.out:
-            return head + "; nothing written (give --out DIR to keep metrics, the loss plot and snapshots)"
-        wrote = ["metrics.jsonl"]
+            return (head + "; nothing written (give --out DIR to keep metrics, the loss plot and snapshots)"
+                    + (f"; logged to {', '.join(trackers)}" if trackers else ""))
+        wrote = [METRICS]
         wrote += [name for name in ("loss.png", "tensorboard") if os.path.exists(os.path.join(self.out, name))]
-        wrote += [f"{name} run {run.get('id') or run.get('run_id')}"
-                  for name, run in tracking.saved(self.out).items() if name in self.tracked]
+        wrote += trackers
         if snapshot:
             wrote.append(f"snapshot {os.path.relpath(snapshot, self.out)}")
         return head + f"; in {self.out}: " + ", ".join(wrote)
@@ -203,8 +217,42 @@ class MetricsSink:
             self.jsonl.close()
         tracking.close(self.trackers, finished)
         if self.out and self.records:  # the whole run's curve, earlier attempts' steps included
-            plot_losses(read_records(os.path.join(self.out, "metrics.jsonl")) or self.records,
+            plot_losses(read_records(os.path.join(self.out, METRICS)) or self.records,
                         os.path.join(self.out, "loss.png"))
+
+
+def keep_through(path: str, step: int) -> int:
+    """Make the metrics file at ``path`` hold one record for each step up to ``step`` and none
+    after: a run resuming from its snapshot of ``step`` trains the later steps again, so the
+    records an interrupted start logged of them go (as do a line a kill cut short and a
+    step's earlier record where an older meshrun logged it twice). Written to a temporary
+    file and renamed over the old one: a kill leaves the old file or the new, never a mix;
+    a file already so is not rewritten. Returns the number of lines left out."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return 0
+    by_step: dict[int, bytes] = {}
+    lines = data.splitlines()
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            by_step[record["step"]] = line  # (a step logged twice: its later record)
+    kept = b"".join(by_step[k] + b"\n" for k in sorted(by_step))
+    if kept == data:
+        return 0
+    target = os.path.realpath(path)
+    tmp = f"{target}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    return len(lines) - len(by_step)
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
@@ -223,20 +271,6 @@ def read_records(path: str) -> list[dict[str, Any]]:
     except OSError:
         return []
     return [by_step[k] for k in sorted(by_step)]
-
-
-def _fmt(key: str, value: Any) -> str:
-    if value is None:
-        return f"{key} -"
-    if key in ("tokens_per_s", "tokens_per_s_per_gpu"):
-        return f"{key} {value:,.0f}"
-    if key == "mfu":
-        return f"mfu {100 * value:.1f}%"
-    if key in ("peak_mem_bytes", "peak_reserved_bytes"):
-        return f"{key[:-6]} {value / 2**30:.2f} GiB"
-    if isinstance(value, float):
-        return f"{key} {value:.4g}"
-    return f"{key} {value}"
 
 
 def plot_losses(records: list[dict[str, Any]], path: str) -> bool:

@@ -1,7 +1,8 @@
 """The experiment trackers of one run, on the rank that holds the loss: TensorBoard events in
-OUT, a Weights & Biases run, an MLflow run. Each is one small class with the same three
-calls: start (the run's config as its parameters), ``log`` (a record's numbers at its step)
-and ``close``.
+OUT, a Weights & Biases run, an MLflow run. Each is one small class with the same calls:
+start (the run's resolved config as its parameters), ``log`` (a record's numbers at its
+step), ``close``, and ``closing`` (what the run's closing line says of it: the run's id, and
+for W&B offline the `wandb sync` command that uploads it).
 
 A resume continues the same tracker run: each tracker's run id is kept in ``OUT/trackers.json``
 (written when the run starts), and the user's own ``WANDB_RUN_ID`` / ``MLFLOW_RUN_ID`` win
@@ -15,8 +16,10 @@ and the run goes on: metrics.jsonl keeps every record.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shlex
 import sys
 import time
 import types
@@ -38,6 +41,9 @@ class Tracker(Protocol):
 
     def close(self, finished: bool) -> None: ...
 
+    def closing(self) -> str | None:
+        """What the run's closing line says of this tracker's run (None: nothing)."""
+
 
 def numbers(record: Mapping[str, Any]) -> dict[str, float]:
     """What a tracker logs of a record: its numeric values but the step (None: not measured here)."""
@@ -48,7 +54,9 @@ def numbers(record: Mapping[str, Any]) -> dict[str, float]:
 class TensorBoard:
     name = "tensorboard"
 
-    def __init__(self, out: str, params: Mapping[str, Any]) -> None:
+    def __init__(self, out: str, params: Mapping[str, Any], done: int = 0) -> None:
+        """``done``: the step the run resumes from; the events an interrupted start logged after
+        it are hidden (SummaryWriter's purge_step), as metrics.jsonl drops its records."""
         # torch's SummaryWriter asks tensorboard for its TF-like API on import; where
         # TensorFlow is installed, tensorboard imports it (seconds of CPU per run:
         # docs/decisions.md#tensorboard), for local event files its own stub writes alike.
@@ -58,7 +66,7 @@ class TensorBoard:
             sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+        self.writer = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=done + 1)
         self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in params.items()))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -67,6 +75,9 @@ class TensorBoard:
 
     def close(self, finished: bool) -> None:
         self.writer.close()
+
+    def closing(self) -> str | None:
+        return None  # (the closing line names OUT/tensorboard among the files)
 
 
 class Wandb:
@@ -91,12 +102,18 @@ class Wandb:
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         self.ids = {"id": self.run.id, "project": project}
+        # offline: the directory this start writes, which `wandb sync` uploads
+        self.offline_dir = getattr(self.run.settings, "sync_dir", None) if self.run.offline else None
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.run.log({"step": step, **metrics})
 
     def close(self, finished: bool) -> None:
         self.run.finish(exit_code=0 if finished else 1)
+
+    def closing(self) -> str | None:
+        return f"wandb run {self.run.id}" + (f" ({sync_command(self.offline_dir, self.run.id)})"
+                                             if self.offline_dir else "")
 
 
 class Mlflow:
@@ -148,6 +165,19 @@ class Mlflow:
     def close(self, finished: bool) -> None:
         self.client.set_terminated(self.run_id, "FINISHED" if finished else "FAILED")
 
+    def closing(self) -> str | None:
+        return f"mlflow run {self.run_id}"
+
+
+def sync_command(offline_dir: str, run_id: str) -> str:
+    """How to upload an offline W&B run: `wandb sync` of its directory, or, where earlier
+    starts of the same run (a resume) left theirs beside it, of all of them by a pattern."""
+    parent = os.path.dirname(os.path.normpath(offline_dir))
+    starts = glob.glob(os.path.join(glob.escape(parent), f"offline-run-*-{glob.escape(run_id)}"))
+    if len(starts) > 1:
+        return f"offline: wandb sync {shlex.quote(parent)}/offline-run-*-{shlex.quote(run_id)}"
+    return f"offline: wandb sync {shlex.quote(offline_dir)}"
+
 
 def saved(out: str | None) -> dict[str, dict[str, str]]:
     """OUT/trackers.json's ids, or {} (no OUT, no file); a damaged file is refused
@@ -164,9 +194,9 @@ def _keep(out: str, ids: dict[str, dict[str, str]]) -> None:
 
 
 def start(names: tuple[str, ...], out: str | None, params: Mapping[str, Any],
-          env: Mapping[str, str] | None = None) -> list[Tracker]:
+          env: Mapping[str, str] | None = None, done: int = 0) -> list[Tracker]:
     """Start the named trackers (in that order) and keep their run ids in OUT; one that cannot
-    start is a MeshrunError naming it and why."""
+    start is a MeshrunError naming it and why. ``done``: the step the run resumes from."""
     env = os.environ if env is None else env
     run_id = env.get(RUN_ID_ENV)
     started: list[Tracker] = []
@@ -175,7 +205,7 @@ def start(names: tuple[str, ...], out: str | None, params: Mapping[str, Any],
         try:
             if name == "tensorboard":
                 if out:
-                    started.append(TensorBoard(out, params))
+                    started.append(TensorBoard(out, params, done))
                 continue
             tracker: Wandb | Mlflow = (Wandb if name == "wandb" else Mlflow)(out, run_id, params, env)
         except MeshrunError:  # its own line, which says what to do

@@ -30,6 +30,8 @@ from ..modelinfo.hf import export_record
 from ..modelinfo.read import context_of
 from ..vocab import FLOAT8_PRECISIONS
 from . import preempt, report, saves
+from .about import DataFacts, ModelFacts, given_model
+from .about import data_facts as about_data
 from .batchfit import Resized, fit_micro_batch, guarded_step
 from .factories import vocab_size
 from .loaded import eager
@@ -52,10 +54,15 @@ FINITE_CHECK_EVERY = 50
 class Trainer:
     def __init__(self, model: torch.nn.Module, train_data: Dataset, val_data: Dataset | None = None,
                  config: TrainConfig | None = None, runtime: Runtime | None = None,
-                 weights: Pretrained | None = None) -> None:
+                 weights: Pretrained | None = None, model_facts: ModelFacts | None = None,
+                 data_facts: DataFacts | None = None) -> None:
         """``model`` may have its parameters on the meta device (a Hugging Face model built from
-        its config): it is then filled once laid out, from ``weights`` or a random initialisation."""
+        its config): it is then filled once laid out, from ``weights`` or a random initialisation.
+        ``model_facts``/``data_facts``: what the model and data are, for the first lines and the
+        trackers (about.py; `meshrun train`'s ranks know it from the config that built them),
+        else what the objects themselves tell."""
         cfg = validate(config or TrainConfig())
+        self.given = cfg  # as given: the trackers get what differs from the resolved config too
         if runtime is None:
             from .runtime import teardown_at_exit
 
@@ -76,6 +83,8 @@ class Trainer:
         self.model_record = export_record(model, cfg.model)  # for `meshrun export --format hf`
         self.n_params = sum(p.numel() for p in model.parameters())
         self.vocab = vocab_size(model)
+        self.model_facts = model_facts or given_model(model)
+        self.data_facts = data_facts or about_data(train_data, val_data, self.vocab)
         dp = cfg.dp_size(rt.world_size)
         # the snapshot to start from, and the listing of OUT/checkpoints it was found in
         resume_from, self.checkpoint_names = saves.starting_point(cfg, rt.is_main)
@@ -216,7 +225,8 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------
     def describe(self) -> str:
-        """The run's first line: what runs, and what was chosen for the user and why (report.py)."""
+        """The run's first lines: the model, the data, the steps and batch, the strategy, and
+        what was chosen for the user and why (report.py)."""
         return report.describe(self)
 
     def fit(self) -> list[dict[str, Any]]:
@@ -238,7 +248,8 @@ class Trainer:
             self._resize(resized)
         sink = MetricsSink(cfg.out, cfg.steps, enabled=rt.is_main, done=self.step,
                            trackers=trackers.parse(cfg.log_with, cfg.source("log_with")),
-                           params=report.params(self) if rt.is_main else None)
+                           params=report.params(self) if rt.is_main else None,
+                           rate="tok/s" if self.data_facts.tokens else "samples/s")
         if rt.is_main:
             print(self.describe(), flush=True)
         loss_sum = torch.zeros((), device=rt.device)

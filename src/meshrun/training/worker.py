@@ -145,6 +145,7 @@ def main() -> int:
     quiet_library_notices()  # before torch and torchao are imported
     from ..config import TrainConfig, resolve_seq_len
     from ..modelinfo.read import context_of
+    from .about import data_facts, model_facts
     from .factories import build_data, build_model, pretrained_weights, vocab_size
     from .runtime import init_runtime, teardown
     from .trainer import Trainer
@@ -174,7 +175,10 @@ def main() -> int:
         model = build_model(cfg)
         cfg = resolve_seq_len(cfg, context_of(model))  # (a user's model states its own context)
         train, val = build_data(cfg, vocab_size(model))
-        _trainer = Trainer(model, train, val, cfg, rt, weights=pretrained_weights(cfg))
+        weights = pretrained_weights(cfg)
+        _trainer = Trainer(model, train, val, cfg, rt, weights=weights,
+                           model_facts=model_facts(cfg, model, pretrained=weights is not None),
+                           data_facts=data_facts(train, val, vocab_size(model), cfg))
         records = _trainer.fit()
         preempt.settle()  # done: its last snapshot is committed
         if records and run_dir is not None:  # rank 0's last record, for meshrun.train(...)

@@ -198,7 +198,7 @@ class GPT(nn.Module):
         return self._with_aux(loss)
 
     def meshrun_kernels(self, device: torch.device, tp: int = 1, pp: int = 1) -> list[str]:
-        """meshrun's own kernels this model runs on ``device`` (the trainer's first line says so):
+        """meshrun's own kernels this model runs on ``device`` (the trainer's strategy line says so):
         none of them on tensor-parallel shards, and no loss of its own under pipelining (the
         schedule takes the loss)."""
         if device.type != "cuda" or tp > 1:

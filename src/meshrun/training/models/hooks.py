@@ -3,7 +3,7 @@ provide the same methods and attributes and get the same treatment as meshrun's 
 trainer asks ``isinstance(x, Protocol)`` of these, never ``hasattr`` of a name.
 
 - ``KernelModel.meshrun_kernels(device, tp, pp)``: the names of the model's own kernels that
-  run under this layout (the trainer's first line lists them). A model without it gets Liger
+  run under this layout (the trainer's strategy line lists them). A model without it gets Liger
   Kernel's patches where they apply.
 - ``ExpertModule.shard_experts(group)``: a mixture-of-experts module keeps only its share of
   the experts of ``group``'s ranks (``--ep``); ``stats_group`` is where its load-balancing

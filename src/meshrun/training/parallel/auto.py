@@ -1,6 +1,6 @@
 """What a rank gets that the user left to meshrun, asked once, before anything is built: the
 run policy (config/policy.py, shared with `meshrun plan` and `meshrun train --dry-run`) given
-what the live model and this rank's devices tell. Its reasons become the run's first line."""
+what the live model and this rank's devices tell. Its reasons are printed under the run's strategy line."""
 
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def layer_rule(model: nn.Module, precision: str) -> Callable[[nn.Module, str], b
 
 def convert(model: nn.Module, precision: str, fsdp: bool) -> tuple[str, Callable[[nn.Module], None] | None]:
     """Swap the chosen linear layers for torchao's Float8Linear, in place (parameter names and
-    snapshots stay those of the bf16 model). Returns what was done, for the run's first line,
+    snapshots stay those of the bf16 model). Returns what was done, for the run's strategy line,
     and what to call after each optimizer step (the float8 all-gather's scales), if anything."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
