@@ -176,6 +176,9 @@ CASES = [
     (["plan", *GPU80, "--strategy", "bogus"], {}, "--strategy='bogus'"),
     (["plan", *GPU80, "--write", "{fix}/afile"], {}, "afile"),
     (["plan", *GPU80], {"MESHRUN_PRECISION": "fp7"}, "MESHRUN_PRECISION='fp7'"),
+    (["plan", "--gpu", "a10g"], {}, "--gpu='a10g'"),
+    (["plan"], {"MESHRUN_GPU": "b300"}, "MESHRUN_GPU='b300'"),
+    (["plan", "--gpu", "a100", "--precision", "fp8"], {}, "--precision='fp8'"),
     # data prepare
     (["data", "prepare", "/nonexistent/corpus", "--tokenizer", "gpt2", "--out", "out"], {}, "/nonexistent/corpus"),
     (["data", "prepare", "x", "--tokenizer", "gpt2", "--out", "out", "--workers", "x"], {}, "'x'"),

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..cluster.gpus import count_visible_gpus, detect_gpu_memory
+from ..cluster.gpus import count_visible_gpus, detect_gpu_memory, detect_gpu_name
 from ..cluster.topology import MAX_GPUS_PER_NODE, MAX_NODES
 from ..config import TrainConfig
 from ..config.policy import Facts, Settings, resolve, settings
@@ -19,8 +19,9 @@ from ..modelinfo.spec import PRESETS, ModelSpec
 from ..paths import check_output_dir
 from ..plan import ClusterSpec, TrainSpec, check_inputs, make_plan
 from ..plan.advice import check_choice, named, verdict
-from ..plan.recommend import MAX_MICRO_TOKENS
+from ..plan.cards import CARDS, Card, card_of_device
 from ..plan.spec import INTER_NODE, INTRA_NODE, OPTIMIZERS
+from ..plan.steptime import MAX_MICRO_TOKENS
 from ..units import parse_bytes
 from ..vocab import AC_MODES, FLOAT8_PRECISIONS, GPT_PRESETS, PRECISIONS
 from .options import add_option, int_option
@@ -28,8 +29,8 @@ from .options import add_option, int_option
 PLAN_HELP = f"""\
 Plan a training run before it wastes a cluster: the per-GPU memory of every strategy
 (parameters, gradients, optimizer state, activations, the loss's logits spike, buffers,
-CUDA context), whether it fits, the communication per step and an estimated step time;
-then the recommendation of the usual flowchart, with its reasons:
+CUDA context), whether it fits, the communication per step and an estimated step time at
+the card's peak; the recommendation first, with the rule it was picked by and its reasons:
 
   does a replica fit?           -> DDP (or gradient accumulation on one GPU)
   with optimizer + grads sharded -> ZeRO-2 / FSDP grad_op
@@ -40,16 +41,17 @@ Models: a preset ({', '.join(PRESETS)}), a HuggingFace config.json (or its folde
 downloaded), or module:factory for any nn.Module (built on the meta device: no memory used).
 
 examples:
-  meshrun plan --model llama-7b --gpus-per-node 8 --gpu-mem 80GiB
+  meshrun plan --model llama-7b --gpus-per-node 8 --gpu h100
+  meshrun plan --model llama3-8b --gpus-per-node 8 --gpu l4 --precision fp8
   meshrun plan --model gpt-1.3b --gpu-mem 80GiB --gpus-per-node 4 --global-batch 256 --write plans/
   meshrun plan --model ./llama/config.json --nnodes 4 --gpus-per-node 8 --gpu-mem 80GiB --inter ib
   meshrun plan --model llama-70b --gpus-per-node 8 --gpu-mem 80GiB --framework deepspeed --json
   meshrun plan --model llama-13b --gpu-mem 40GiB --strategy zero3-offload   # check a choice
   meshrun plan --explain                                   # the formulas, with this plan's numbers
 
-The GPU's memory and count are read from this machine when it has GPUs; elsewhere give
---gpu-mem. Memory predictions are calibrated against measured runs
-(docs/decisions.md#planner-constants).
+The GPU's model, memory and count are read from this machine when it has GPUs; elsewhere give
+--gpu (its peak and memory) or --gpu-mem (an H100/H200 SXM's peak is then assumed, and said).
+Memory predictions are calibrated against measured runs (docs/decisions.md#planner-constants).
 """
 
 
@@ -62,7 +64,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g = p.add_argument_group("cluster")
     add_option(g, "--nnodes", "--nodes", metavar="N", help="nodes (default 1; --nodes is the same)")
     add_option(g, "--gpus-per-node", metavar="G", help="GPUs per node (default: this machine's, else 8)")
-    add_option(g, "--gpu-mem", metavar="SIZE", help="memory per GPU, e.g. 80GiB (default: this machine's GPU)")
+    add_option(g, "--gpu", metavar="NAME", help=f"the GPU model, for its peak TFLOP/s and memory: {', '.join(CARDS)} "
+               "(default: this machine's GPU; with --gpu-mem alone, an H100/H200 SXM's peaks are assumed, and said)")
+    add_option(g, "--gpu-mem", metavar="SIZE", help="memory per GPU, e.g. 80GiB (default: --gpu's, else this "
+               "machine's GPU)")
     add_option(g, "--cpu-mem", metavar="SIZE", help="CPU memory per node, for offload (e.g. 1TiB)")
     add_option(g, "--intra", metavar="nvlink|pcie|GB/s", default="nvlink",
                help="GPU-to-GPU within a node (default nvlink)")
@@ -115,20 +120,41 @@ def cluster_from_args(ns: argparse.Namespace, env: Mapping[str, str]) -> Cluster
     if gpn is None:
         gpn = gpus_here or 8
         sources.append(("gpus_per_node", "this machine" if gpus_here else "assumed: an 8-GPU node"))
+    card = gpu_option(ns)
     if ns.gpu_mem is not None:
         mem = parse_bytes(ns.gpu_mem, "--gpu-mem")
+    elif card is not None:
+        mem = card.memory
+        sources.append(("gpu_mem", f"the {card.title}'s datasheet"))
     else:
         found = detect_gpu_memory() if gpus_here else None
         if found is None:
             raise bad_value("--gpu-mem", None, "no GPU on this machine to read it from",
-                            "give the memory of the GPUs you plan for, e.g. --gpu-mem 80GiB")
+                            "give the GPUs you plan for, e.g. --gpu h100 or --gpu-mem 80GiB")
         mem = found
         sources.append(("gpu_mem", "this machine's GPU 0"))
+        name = detect_gpu_name()  # the card too: the plan is for this machine's GPUs
+        card = card_of_device(name) if name else None
+        if name:
+            sources.append(("gpu", f"this machine's {name}" + ("" if card else ", not a card meshrun knows")))
     cpu = parse_bytes(ns.cpu_mem, "--cpu-mem") if ns.cpu_mem is not None else None
     nodes = int_option(ns, "nnodes", 1, (MAX_NODES, "more is past any cluster built")) or 1
     return ClusterSpec(nodes=nodes, gpus_per_node=gpn, gpu_mem=mem, cpu_mem=cpu,
                        intra_bw=_bandwidth(ns.intra, INTRA_NODE, "--intra"),
-                       inter_bw=_bandwidth(ns.inter, INTER_NODE, "--inter"), sources=tuple(sources))
+                       inter_bw=_bandwidth(ns.inter, INTER_NODE, "--inter"), card=card, sources=tuple(sources))
+
+
+def gpu_option(ns: argparse.Namespace) -> Card | None:
+    """The card --gpu names (None when not given); a name not in plan/cards.py is refused."""
+    if ns.gpu is None:
+        return None
+    card = CARDS.get(ns.gpu.strip().lower())
+    if card is None:
+        where = getattr(ns, "_env_sources", {}).get("gpu", "--gpu")
+        raise bad_value(where, ns.gpu, "not a GPU meshrun plan knows",
+                        f"one of {', '.join(CARDS)}; for another card give --gpu-mem alone: step~ then assumes "
+                        "an H100/H200 SXM's peaks")
+    return card
 
 
 def run_config(ns: argparse.Namespace, context: int | None) -> TrainConfig:
@@ -164,7 +190,8 @@ def run_facts(cluster: ClusterSpec, precision: str, module: Any, builtin_gpt: bo
         hf, blocks = is_transformers_model(module), find_blocks(module) is not None
         liger = hf and liger_knows(module)
     return Facts(world=cluster.world, local_world=cluster.gpus_per_node, dp=cluster.world, gpu_mem=cluster.gpu_mem,
-                 bf16=precision != "fp32", liger=liger, hf=hf, blocks=blocks, own_kernels=builtin_gpt)
+                 bf16=precision != "fp32", liger=liger, hf=hf, blocks=blocks, own_kernels=builtin_gpt,
+                 card=cluster.card)
 
 
 def train_spec(ns: argparse.Namespace, cfg: TrainConfig, s: Settings, hf: bool) -> TrainSpec:

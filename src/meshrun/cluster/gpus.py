@@ -66,6 +66,26 @@ def detect_gpu_memory() -> int | None:
     return None
 
 
+def detect_gpu_name() -> str | None:
+    """The first GPU's name as CUDA reports it ("NVIDIA H100 80GB HBM3"): from torch when it is
+    installed and sees a GPU, else from nvidia-smi; None on a machine without GPUs."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return str(torch.cuda.get_device_name(0))
+    except ImportError:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20).stdout.splitlines()
+            return out[0].strip() or None if out else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return None
+
+
 def count_visible_cpus() -> int:
     """The cores this process may run on (its affinity mask, which a container or a scheduler
     narrows), else the machine's."""

@@ -36,7 +36,9 @@ from ..errors import MeshrunError, bad_value
 from ..modelinfo.spec import ModelSpec
 from ..plan import ClusterSpec, TrainSpec, make_plan
 from ..plan.candidate import Candidate
-from ..plan.recommend import MAX_MICRO_TOKENS, choose
+from ..plan.cards import Card
+from ..plan.recommend import choose
+from ..plan.steptime import MAX_MICRO_TOKENS
 from ..units import fmt_bytes
 from ..vocab import (
     AUTO_CANDIDATES,
@@ -81,6 +83,7 @@ class Facts:
     blocks: bool = True  # the planner can read the model's block list
     own_kernels: bool = False  # meshrun's GPT, whose own GPU kernels --kernels auto runs
     params: int | None = None  # the live model's parameters, counted (None: the ModelSpec's)
+    card: Card | None = None  # the GPU model, whose peaks the step-time estimate uses (None: not known)
 
 
 @dataclass(frozen=True)
@@ -291,7 +294,7 @@ def _planned(spec: ModelSpec, cfg: TrainConfig, facts: Facts, global_batch: int 
     ``ac_open`` the planner may turn on checkpointing."""
     gpu_mem = facts.gpu_mem or 0
     cluster = ClusterSpec(nodes=max(1, facts.world // max(1, facts.local_world)),
-                          gpus_per_node=max(1, facts.local_world), gpu_mem=gpu_mem)
+                          gpus_per_node=max(1, facts.local_world), gpu_mem=gpu_mem, card=facts.card)
     bf16 = cfg.precision in FLOAT8_PRECISIONS or facts.bf16
     train = TrainSpec(seq_len=cfg.seq, micro_batch=cfg.micro_batch, global_batch=global_batch,
                       max_micro_batch=max(1, MAX_MICRO_TOKENS // cfg.seq),

@@ -16,12 +16,14 @@ from typing import Any
 from ..cluster.topology import Topology
 from ..config import TrainConfig
 from ..config.policy import Choice, Facts, resolve
+from ..plan.cards import Card
 from .prelaunch import model_kind
 
 
-def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None) -> Choice:
+def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, card: Card | None = None) -> Choice:
     """What the ranks of ``cfg`` on ``topo`` decide, on GPUs of ``gpu_mem`` bytes each (None:
-    processes on the CPU). Raises MeshrunError where the ranks would refuse the run."""
+    processes on the CPU) of model ``card`` (None: not known). Raises MeshrunError where the
+    ranks would refuse the run."""
     world, local = topo.world_size, topo.nproc_per_node
     dp = cfg.dp_size(world)
     if gpu_mem is None:
@@ -41,17 +43,21 @@ def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None) -> Choice:
         model = build_model(cfg)
     cfg = resolve_seq_len(cfg, context_of(model))
     liger = cfg.kernels == "auto" and cfg.tp == 1 and cfg.pp == 1 and liger_knows(model)
-    return decide(model, cfg, world, local, dp, gpu_mem, cfg.precision != "fp32", liger)
+    return decide(model, cfg, world, local, dp, gpu_mem, cfg.precision != "fp32", liger, card)
 
 
 def decided(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, gpus: int) -> tuple[dict[str, Any], list[str]]:
     """The dry run's decisions as JSON keys and as its short block of lines: for ``gpu_mem``
     when given, else for this machine's ``gpus`` (their memory read here), else the CPU."""
     where = "CPU processes"
+    card = None
     if gpu_mem is None and gpus:
-        from ..cluster.gpus import detect_gpu_memory
+        from ..cluster.gpus import detect_gpu_memory, detect_gpu_name
+        from ..plan.cards import card_of_device
 
         gpu_mem = detect_gpu_memory()
+        name = detect_gpu_name()  # this machine's card too, as the ranks read it
+        card = card_of_device(name) if name else None
         if gpu_mem is None:
             note = "this machine's GPU memory could not be read (hint: --gpu-mem SIZE to decide for it)"
             return {"decided_for": None, "not_decided": note}, [f"not decided: {note}"]
@@ -59,5 +65,5 @@ def decided(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, gpus: int) ->
         from ..units import fmt_bytes
 
         where = f"{topo.world_size} GPU(s) of {fmt_bytes(gpu_mem)}"
-    choice = decisions(cfg, topo, gpu_mem)
+    choice = decisions(cfg, topo, gpu_mem, card)
     return {"decided_for": where, **choice.summary()}, [f"decided for {where}:", *choice.lines()]

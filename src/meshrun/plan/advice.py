@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..errors import bad_value
 from ..modelinfo.spec import ModelSpec
 from ..units import fmt_bytes, fmt_count, fmt_seconds
+from ..vocab import Engine
 from .candidate import Candidate, fitting_twin
 from .memory import Strategy
 from .spec import ClusterSpec, TrainSpec
@@ -56,7 +58,8 @@ def reasons_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidat
         out.append("nothing fits: more GPUs, a shorter sequence, a smaller micro-batch, or a smaller model")
         return out
     s = pick.strategy
-    if s.ac:
+    plain = without_checkpointing(pick, cands)
+    if s.ac and (plain is None or not plain.fits):  # (else the +ac line says why it is checkpointed)
         out.append(f"with activation checkpointing (each block recomputed in backward, about 1/3 more compute): "
                    f"{s.label} {_peak(pick)} per GPU -> fits")
     if s.offload_optimizer:
@@ -76,6 +79,56 @@ def reasons_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidat
     out.append(f"recommended: {s.label} ({s.engine}), {_peak(pick)} per GPU, "
                f"about {fmt_seconds(pick.step_time_s)} per step (estimate)")
     return out
+
+
+def without_checkpointing(x: Candidate, cands: list[Candidate]) -> Candidate | None:
+    """The same layout as ``x`` without activation checkpointing, when planned."""
+    if not x.strategy.ac:
+        return None
+    plain = replace(x.strategy, ac=False)
+    return next((y for y in cands if y.strategy == plain), None)
+
+
+def checkpointing_pays(m: ModelSpec, cands: list[Candidate], pick: Candidate | None, t: TrainSpec,
+                       engines: tuple[Engine, ...]) -> list[str]:
+    """Why a layout with activation checkpointing can take a shorter step than the same layout
+    without, though it recomputes each block's forward: the memory it frees fits a larger
+    micro-batch, whose matmuls run closer to their best, and whose fewer micro-steps
+    communicate (FSDP2 and ZeRO gather parameters or reduce gradients in each) and pay FSDP2's
+    fixed cost fewer times. Said of the pick when it is such a row, else of the row gaining
+    most; nothing when no row does."""
+    pairs: list[tuple[Candidate, Candidate]] = []
+    for x in cands:
+        plain = without_checkpointing(x, cands)
+        if (x.fits and x.strategy.engine in engines and plain is not None and plain.fits
+                and x.step_time_s < 0.99 * plain.step_time_s):
+            pairs.append((x, plain))
+    if not pairs:
+        return []
+    ac, plain = next(((x, y) for x, y in pairs if x is pick),
+                     max(pairs, key=lambda xy: xy[1].step_time_s / xy[0].step_time_s))
+    if ac.batch is None or plain.batch is None or ac.step is None or plain.step is None:
+        return []
+    from .steptime import matmul_efficiency
+
+    a, b = ac.step, plain.step
+    fewer = []
+    if a.communication < 0.95 * b.communication:
+        fewer.append(f"communicate (unhidden: {_seconds(a.communication)} against {_seconds(b.communication)})")
+    if a.fsdp < 0.95 * b.fsdp:
+        fewer.append(f"pay FSDP2's fixed cost ({_seconds(a.fsdp)} against {_seconds(b.fsdp)})")
+    steps = f", so {plain.batch.accum / ac.batch.accum:g}x fewer micro-steps " + " and ".join(fewer) if fewer else ""
+    mine, theirs = (matmul_efficiency(x.batch.micro * t.seq_len / x.strategy.cp, m.hidden) for x in (ac, plain)
+                    if x.batch)
+    return [f"+ac: {ac.strategy.label} takes {fmt_seconds(ac.step_time_s)} against {plain.strategy.label}'s "
+            f"{fmt_seconds(plain.step_time_s)}: checkpointing frees the memory for micro-batch {ac.batch.micro} "
+            f"instead of {plain.batch.micro}{steps}; compute {fmt_seconds(a.compute)} against "
+            f"{fmt_seconds(b.compute)}: each block's forward recomputed (+1/3), on matmuls at {mine:.0%} of their best "
+            f"instead of {theirs:.0%}"]
+
+
+def _seconds(s: float) -> str:
+    return fmt_seconds(s) if s > 0 else "none"
 
 
 def warnings_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidate],
@@ -110,7 +163,7 @@ def fused_loss_advice(m: ModelSpec, t: TrainSpec, pick: Candidate | None, fused:
     # per sequence: with only a micro-batch given, a layout's global batch is micro x its
     # data-parallel degree, so a context-parallel step trains fewer sequences than FSDP's
     if pick is not None and (pick.strategy.label == fused.strategy.label
-                             or _per_sequence(pick) < _per_sequence(fused)):
+                             or _per_sequence(pick) < 1.01 * _per_sequence(fused)):  # (a tie gains nothing)
         return []
     from dataclasses import replace
 

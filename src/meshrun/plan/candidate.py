@@ -13,6 +13,20 @@ from .spec import ClusterSpec, TrainSpec
 
 
 @dataclass(frozen=True)
+class StepTime:
+    """An optimizer step's estimated seconds, by what they are spent on (plan/steptime.py)."""
+
+    compute: float  # the work at the card's peak x the efficiencies (recomputation and bubble included)
+    fsdp: float = 0.0  # FSDP2's fixed cost per micro-step
+    communication: float = 0.0  # what backward does not hide, and the hybrid replicas' all-reduce
+    optimizer: float = 0.0  # the optimizer step over this GPU's parameters, or offload's PCIe and CPU Adam
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.fsdp + self.communication + self.optimizer
+
+
+@dataclass(frozen=True)
 class Candidate:
     strategy: Strategy
     batch: Batch | None
@@ -20,7 +34,11 @@ class Candidate:
     fits: bool
     why_not: str = ""
     comm_bytes: float = 0.0
-    step_time_s: float = 0.0
+    step: StepTime | None = None
+
+    @property
+    def step_time_s(self) -> float:
+        return self.step.total if self.step is not None else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         s = self.strategy
@@ -34,6 +52,8 @@ class Candidate:
             out.update(peak_bytes=self.memory.peak, allocator_peak_bytes=self.memory.allocator_peak,
                        breakdown=dict(self.memory.breakdown), cpu_bytes_per_node=self.memory.cpu_bytes_per_node)
         out.update(comm_bytes_per_step=int(self.comm_bytes), step_time_s=round(self.step_time_s, 4))
+        if self.step is not None:
+            out["step_time_parts_s"] = {k: round(v, 4) for k, v in vars(self.step).items()}
         if self.why_not:
             out["why_not"] = self.why_not
         return out
@@ -57,7 +77,9 @@ class Plan:
             "model": {"name": m.name, "params": m.params, "layers": m.layers, "hidden": m.hidden,
                       "vocab": m.vocab, "block_params": m.block_params, "source": m.source},
             "cluster": {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu_mem_bytes": c.gpu_mem,
-                        "cpu_mem_bytes_per_node": c.cpu_mem, "sources": dict(c.sources)},
+                        "cpu_mem_bytes_per_node": c.cpu_mem, "gpu": c.card.name if c.card else None,
+                        "peak_flops": {"bf16": c.gpu_flops, "fp8": c.gpu_fp8_flops, "fp32": c.gpu_fp32_flops},
+                        "peak_assumed": c.card is None, "sources": dict(c.sources)},
             "train": {"seq_len": self.train.seq_len, "precision": self.train.precision,
                       "optimizer": self.train.optimizer, "compile": self.train.compile},
             "framework": self.framework, "margin": self.margin,

@@ -70,3 +70,31 @@ def cast_bytes(m: ModelSpec, precision: str, tokens: float, tp: int = 1) -> int:
 def gathered_saving(m: ModelSpec, precision: str, tp: int = 1) -> float:
     """Bytes FSDP2's float8 all-gather saves on one gathered block (tensorwise only)."""
     return converted_block_params(m, precision) / tp if precision == "fp8" else 0.0
+
+
+# The step time (plan/steptime.py): a converted matmul runs at the card's float8 peak times a
+# share of the efficiency bf16 matmuls reach of the bf16 peak, fitted to what float8 gained on
+# four of Llama-3-8B's blocks (seq 8192, compiled; one H200, torch 2.11, torchao 0.18;
+# docs/decisions.md#float8): tensorwise 1.31x bf16's tokens/s, rowwise 1.06x. The casts and
+# scales are in that share. Measured on an H200, whose float8 peak is twice its bf16 peak.
+MEASURED_BLOCK_SPEEDUP = {"fp8": 1.31, "fp8-rowwise": 1.06}
+MEASURED_SEQ = 8192
+MEASURED_PEAK_RATIO = 1978.9 / 989.4  # the H200's dense fp8 / bf16 peaks (plan/cards.py)
+
+
+def converted_share(m: ModelSpec, precision: str, seq: int) -> float:
+    """The share of one block's work (6 FLOPs per parameter per token, and causal attention's
+    6·h·s) its float8 matmuls do."""
+    block = 6 * m.block_params + 6 * m.hidden * seq
+    return 6 * converted_block_params(m, precision) / block
+
+
+def matmul_efficiency(precision: str) -> float:
+    """A float8 matmul's share of the card's float8 peak, relative to the share a bf16 matmul
+    reaches of the bf16 peak: the measured block speedup, less the block's unconverted work,
+    over the measuring card's peak ratio (tensorwise 0.70, rowwise 0.54)."""
+    from ..modelinfo.spec import PRESETS
+
+    share = converted_share(PRESETS["llama3-8b"], precision, MEASURED_SEQ)
+    converted_speedup = share / (1 / MEASURED_BLOCK_SPEEDUP[precision] - (1 - share))
+    return converted_speedup / MEASURED_PEAK_RATIO

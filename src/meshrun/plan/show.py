@@ -4,13 +4,28 @@ from __future__ import annotations
 
 from ..units import fmt_bytes, fmt_count, fmt_seconds
 from ..vocab import Engine
+from . import float8
 from .candidate import Candidate
+from .cards import ASSUMED
 from .memory import BREAKDOWN_KEYS, calibration, layer_activation_bytes
-from .recommend import ASSUMED_MFU, Plan, work_efficiency
+from .recommend import Plan, by_step_time
+from .steptime import (
+    MEASURED_MICRO_TOKENS,
+    MEASURED_WIDTH,
+    NARROWEST_MEASURED_WIDTH,
+    SATURATION_TOKEN_WIDTH,
+    measured_matmul_efficiency,
+    saturation_tokens,
+    work_efficiency,
+)
+from .strategies import ENGINES
 
 SHORT = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ", "logits": "logits",
          "comm_buffers": "buffers"}
 MAX_MODEL_PARALLEL_ROWS = 4  # TP x PP rows shown (all are in --json)
+UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+MEASURED_CARDS = ("assumed", "h100", "h200")  # float8's share measured on an H200 (the H100 SXM's chip)
+SMALL = 0.095  # of the table's unit: a size below reads 0.0x, under two figures, and takes a smaller unit
 
 
 def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
@@ -19,32 +34,27 @@ def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
 
     con = Console(width=max(124, Console().width))
     m, c = plan.model, plan.cluster
+    rows = ordered(plan)
+    unit = table_unit([x.memory.peak for x in rows if x.memory is not None])
     table = Table(title=f"{m.name} ({fmt_count(m.params)} params) on {c.nodes} x {c.gpus_per_node} GPUs "
                         f"of {fmt_bytes(c.gpu_mem)}, seq {plan.train.seq_len}, {plan.train.precision}; "
-                        "memory in GiB per GPU")
+                        f"memory in {unit[0]} per GPU")
     for col in ("strategy", "mb x acc", *SHORT.values(), "peak", "fits", "step~"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right", no_wrap=True)
-    mp = [x for x in plan.candidates if x.strategy.engine is Engine.MEGATRON]
-    # Of the TP x PP combinations, the ones that fit (fewest GPUs per model copy first),
-    # else the smallest footprints; all of them are in --json.
-    mp_shown = {id(x) for x in sorted(mp, key=lambda x: (not x.fits,
-                                                         0 if x.fits else (x.memory.peak if x.memory else 1 << 62)))
-                [:MAX_MODEL_PARALLEL_ROWS]}
-    for x in plan.candidates:
+    for x in rows:
         s = x.strategy
-        if s.engine is Engine.MEGATRON and id(x) not in mp_shown and x is not plan.recommended:
-            continue
         mark = "*" if x is plan.recommended else ""
         if x.memory is None or x.batch is None:
             table.add_row(mark + s.label, "-", *["-"] * len(SHORT), "-", "no: batch", "-")
             continue
         style = "bold green" if x is plan.recommended else None
         table.add_row(mark + s.label, f"{x.batch.micro} x {x.batch.accum}",
-                      *[cell(x, k) for k in SHORT], gib(x.memory.peak),
+                      *[cell(x, k, unit) for k in SHORT], size(x.memory.peak, unit),
                       "yes" if x.fits else "no", fmt_seconds(x.step_time_s), style=style)
     con.print(table)
     # the lines under the table are printed whole (soft_wrap): a copied line stays one line
-    for line in legend(plan):
+    small = any(0 < x.memory.breakdown[k] < SMALL * unit[1] for x in rows if x.memory for k in SHORT)
+    for line in legend(plan, unit[0], small):
         con.print(f"  {line}", highlight=False, soft_wrap=True)
     for line in plan.reasons:
         con.print(f"  {line}", highlight=False, soft_wrap=True)
@@ -58,12 +68,54 @@ def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
         con.print(explanation(plan), highlight=False)
 
 
-def gib(n: float) -> str:
-    """Bytes as GiB with two decimals: the table's one unit."""
-    return f"{n / 2**30:.2f}"
+def ordered(plan: Plan) -> list[Candidate]:
+    """The rows in the order the pick is made by, the pick first: by step~ when the pick is the
+    shortest (``by_step_time``: --framework's rows that fit, then other engines' that fit, each
+    fastest first, then the rest in the flowchart's order), else the flowchart's order. Of the
+    TP x PP combinations, the ones that fit (fewest GPUs per model copy first), else the
+    smallest footprints; all of them are in --json."""
+    mp = [x for x in plan.candidates if x.strategy.engine is Engine.MEGATRON]
+    mp_shown = {id(x) for x in sorted(mp, key=lambda x: (not x.fits,
+                                                         0 if x.fits else (x.memory.peak if x.memory else 1 << 62)))
+                [:MAX_MODEL_PARALLEL_ROWS]}
+    rows = [x for x in plan.candidates if x.strategy.engine is not Engine.MEGATRON or id(x) in mp_shown
+            or x is plan.recommended]
+    pick = plan.recommended
+    rest = [x for x in rows if x is not pick]
+    if by_step_time(plan.train):
+        engines = chosen_from(plan)
+        rest = (sorted((x for x in rest if x.fits and x.strategy.engine in engines), key=lambda x: x.step_time_s)
+                + sorted((x for x in rest if x.fits and x.strategy.engine not in engines), key=lambda x: x.step_time_s)
+                + [x for x in rest if not x.fits])
+    return ([pick] if pick is not None else []) + rest
 
 
-def cell(x: Candidate, key: str) -> str:
+def chosen_from(plan: Plan) -> tuple[Engine, ...]:
+    """The engines whose rows the pick was chosen from: --framework's, or every engine's when
+    none of --framework's fits."""
+    engines = ENGINES[plan.framework]
+    pick = plan.recommended
+    return engines if pick is None or pick.strategy.engine in engines else tuple(Engine)
+
+
+def table_unit(peaks: list[int]) -> tuple[str, int]:
+    """The table's unit: the largest in which the largest peak reads 1 or more."""
+    top = max(peaks, default=0)
+    return next(((name, size) for name, size in UNITS if top >= size), UNITS[-1])
+
+
+def size(n: float, unit: tuple[str, int]) -> str:
+    """Bytes in the table's unit with two decimals; a size that would read 0.00 or 0.0x there
+    (less than two figures), in a smaller unit that shows it, by its initial: ``12.5M`` is
+    12.5 MiB (the legend says so)."""
+    if not 0 < n < SMALL * unit[1]:
+        return f"{n / unit[1]:.2f}"
+    name, scale = next(((name, scale) for name, scale in UNITS if n >= scale), ("B", 1))
+    value = n / scale
+    return f"{value:.3g}{name[0]}" if value < 100 else f"{value:.0f}{name[0]}"
+
+
+def cell(x: Candidate, key: str, unit: tuple[str, int] = UNITS[0]) -> str:
     """A term of a row's peak, or why it is zero there: ``-`` not alive at that moment (the
     gradients, freed between steps, before the backward that makes them; the loss spike, over
     by the end of backward), ``cpu`` held on the CPU (offloaded optimizer state)."""
@@ -71,26 +123,84 @@ def cell(x: Candidate, key: str) -> str:
         return "-"
     value = x.memory.breakdown[key]
     if value:
-        return gib(value)
+        return size(value, unit)
     if key == "optimizer" and x.strategy.offload_optimizer:
         return "cpu"
     return "-" if key in ("grads", "logits") else "0"
 
 
-def legend(plan: Plan) -> list[str]:
-    """What the table's marks, columns and estimates mean, in the words of this plan."""
-    c = plan.cluster
+def legend(plan: Plan, unit: str, small: bool = False) -> list[str]:
+    """What the order, the columns and step~ mean, in the words of this plan."""
+    c, t = plan.cluster, plan.train
+    if any(tr.liger for tr in plan.model.traced):
+        logits = "Liger's fused loss (the head weight's and the input's gradients, a chunk of logits)"
+    else:
+        logits = ("the loss's bf16 logits, fp32 copy, log-softmax and its gradient"
+                  + (" (fused when a model is compiled whole: single, ddp)" if t.whole_compile else ""))
     return [
-        "* recommended; engines: zero* DeepSpeed, ddp/fsdp* torch, tp*-pp* Megatron-style",
-        "each row at its peak: the start of backward (activations, the loss's spike) or its end (all gradients)",
-        "grads -: none alive at that peak (freed between steps, made in backward); logits -: the spike is over",
-        *(["optim cpu: offloaded; logits: Liger's fused loss (the head weight's and the input's gradients, "
-           "a chunk of logits)"] if any(t.liger for t in plan.model.traced) else [
-            "optim cpu: offloaded; logits: bf16 logits, their fp32 copy, log-softmax and its gradient at once",
-            *(["  (a model compiled whole, single or ddp, fuses most of that)"] if plan.train.whole_compile else [])]),
-        f"step~: for GPUs of {c.gpu_flops / 1e12:.0f} TFLOP/s dense bf16 (H100/H200 SXM) at {ASSUMED_MFU:.0%} MFU "
-        "x the layout's measured efficiency, + unhidden communication",
+        *order_rule(plan),
+        "strategy +ac: with activation checkpointing (zero* DeepSpeed, ddp/fsdp* torch, tp*-pp* Megatron-style); "
+        "mb x acc: micro-batch per GPU x accumulation steps",
+        f"{unit} per GPU" + (f" ({small_units(unit)}: where {unit} would show less than 0.1)" if small else "")
+        + " at the row's peak (the start of backward, or its end): params, grads, optim(izer state) as the layout "
+        "keeps them",
+        f"  (-: none alive then; cpu: offloaded); activ: saved for backward; logits: {logits};",
+        "  buffers: gathered parameters, communication buckets; peak: these + workspace, allocator fragmentation, "
+        f"CUDA context; fits: peak <= {fmt_bytes(c.gpu_mem * (1 - plan.margin))}",
+        *step_lines(plan),
     ]
+
+
+def small_units(unit: str) -> str:
+    """How the cells too small for the table's unit name theirs: ``12.5M`` 12.5 MiB."""
+    smaller = [name for name, _ in UNITS][[name for name, _ in UNITS].index(unit) + 1:]
+    return ", ".join(f"{name[0]} {name}" for name in smaller) + ", B bytes"
+
+
+def order_rule(plan: Plan) -> list[str]:
+    """The pick's rule, and so the rows' order."""
+    if plan.recommended is None:
+        return ["nothing fits: the rows in the flowchart's order"]
+    ours = "" if chosen_from(plan) == tuple(Engine) else f" {plan.framework}"
+    if by_step_time(plan.train):
+        others = "" if not ours else " (other engines' after them: --framework any weighs them)"
+        return [f"* the pick, first: the shortest step~ of the{ours} rows that fit (a tie within 1% goes to the "
+                "flowchart's simpler layout);",
+                f"  then the others that fit, fastest first{others}; then those that do not fit"]
+    return [f"* the pick, first: with the micro-batch given, the first of the{ours} rows that fits in the flowchart's "
+            "order (ddp and fsdp-grad-op swapped",
+            "  when the other's step~ is 1% shorter); then the rest in that order: replicas, sharded states, "
+            "with checkpointing, offload, TP x PP"]
+
+
+def step_lines(plan: Plan) -> list[str]:
+    """What step~ assumes: the card and its peak for the precision planned, the efficiencies."""
+    c, t = plan.cluster, plan.train
+    card = c.card or ASSUMED
+    if c.card is None:
+        whose = f"assumed: an {ASSUMED.title}'s, the card is not known; --gpu NAME sets it"
+    else:
+        here = c.source("gpu")
+        whose = f"the {card.title}'s" + (f", {here}" if here != "flag" else "")
+    if t.dtype == "fp32":
+        peak = (f"{card.fp32_tflops:g} TFLOP/s fp32 ({whose}; no tensor cores: TF32 stays off; the efficiency "
+                "assumed bf16's)")
+    else:
+        peak = f"{card.bf16_tflops:g} TFLOP/s dense bf16 ({whose})"
+    out = [f"step~: estimated seconds per optimizer step: the work at {peak}",
+           f"  x {work_efficiency():.0%} x the layout's measured efficiency x the micro-batch's matmul efficiency "
+           f"T/(T + {saturation_tokens(plan.model.hidden):,.0f}) for T tokens (width {plan.model.hidden}"
+           + (f", as {NARROWEST_MEASURED_WIDTH})" if plan.model.hidden < NARROWEST_MEASURED_WIDTH else ")"),
+           f"  over the measured {measured_matmul_efficiency():.0%} ({MEASURED_MICRO_TOKENS:,} tokens, width "
+           f"{MEASURED_WIDTH}), + communication backward does not hide, FSDP2's cost per micro-step, "
+           "the optimizer step"]
+    if t.float8 and card.fp8_tflops is not None:
+        share = float8.converted_share(plan.model, t.precision, t.seq_len)
+        out.append(f"  {t.precision}: the float8 matmuls ({share:.0%} of a block's work) at {card.fp8_tflops:g} "
+                   f"TFLOP/s dense x {float8.matmul_efficiency(t.precision):.0%} of bf16's efficiency (measured: "
+                   f"{float8.MEASURED_BLOCK_SPEEDUP[t.precision]}x bf16 on Llama-3-8B's blocks, one H200)"
+                   + (f"; the same share assumed on the {card.title}" if card.name not in MEASURED_CARDS else ""))
+    return out
 
 
 def activation_lines(plan: Plan) -> list[str]:
@@ -154,9 +264,20 @@ def explanation(plan: Plan) -> str:
         "  communication per step (ring): all-reduce 2(n-1)/n·B, all-gather / reduce-scatter (n-1)/n·B;",
         "    DDP fp32 grads; FSDP bf16 all-gathers (x2 for full shard) + fp32 reduce-scatter; TP 4 activation",
         "    all-reduces per layer",
-        "  step time = causal work (6N + 6·L·h·s per token: half of MFU's 12·L·h·s attention; / tp·pp·cp; x 4/3",
-        f"    with checkpointing) / (peak x {work_efficiency():.1%} x the layout's measured efficiency)",
-        "    + communication not hidden (80% overlap) + the optimizer step + offload; measured efficiencies: "
+        "  step time = work per token x tokens (/ tp·pp·cp; x 4/3 with checkpointing) / (peak x "
+        f"{work_efficiency():.1%} x the layout's measured efficiency);",
+        "    work = matmuls 6N (active parameters) / (e(T) / e(measured)) + causal attention 6·L·h·s (half of MFU's "
+        "12·L·h·s);",
+        f"    e(T) = T / (T + {SATURATION_TOKEN_WIDTH:.2g} / max(h, {NARROWEST_MEASURED_WIDTH})): the matmul "
+        "efficiency of a micro-batch of T tokens, "
+        f"e(measured) = {measured_matmul_efficiency():.1%}",
+        f"    ({MEASURED_MICRO_TOKENS:,} tokens of GPT 1.3B, h = {MEASURED_WIDTH}, where {work_efficiency():.1%} "
+        "was measured);",
+        *([f"    {t.precision}: the float8 layers' part of 6N at the fp8 peak x "
+           f"{float8.matmul_efficiency(t.precision):.1%} of bf16's efficiency (fitted to "
+           f"{float8.MEASURED_BLOCK_SPEEDUP[t.precision]}x on four Llama-3-8B blocks, one H200)"] if t.float8 else []),
+        "    + communication not hidden (80% overlap) + FSDP2's cost per micro-step "
+        f"({cal.get('fsdp_microstep_s', 0.0) * 1e3:.0f} ms) + the optimizer step or offload; measured efficiencies: "
         + ", ".join(f"{k} {v}" for k, v in cal.get("layout_efficiency", {}).items() if not k.endswith("about")),
     ]
     r = plan.recommended
@@ -165,4 +286,7 @@ def explanation(plan: Plan) -> str:
         for key in BREAKDOWN_KEYS:
             lines.append(f"    {key:14} {fmt_bytes(r.memory.breakdown[key]):>10}")
         lines.append(f"    {'peak':14} {fmt_bytes(r.memory.peak):>10}")
+        if r.step is not None:
+            parts = ", ".join(f"{k} {fmt_seconds(v) if v else '0 s'}" for k, v in vars(r.step).items())
+            lines.append(f"    step: {parts} = {fmt_seconds(r.step_time_s)}")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import bad_value
 from ..vocab import AC_MODES, FLOAT8_PRECISIONS, PRECISIONS
+from .cards import ASSUMED, Card
 
 # Per-GPU bandwidths in bytes/s, the "bus bandwidth" a ring collective reaches (what
 # nccl-tests reports as busbw). Datasheet-derived defaults; `meshrun doctor` measures them.
@@ -23,12 +24,27 @@ class ClusterSpec:
     cpu_mem: int | None = None  # bytes per node, for offload
     intra_bw: float = INTRA_NODE["nvlink"]
     inter_bw: float = INTER_NODE["ib"]
-    gpu_flops: float = 989.4e12  # dense bf16 peak (H100/H200 SXM)
+    card: Card | None = None  # the GPU model, for its peaks; None: not known (ASSUMED's peaks)
     sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def gpu_flops(self) -> float:
+        """The card's dense bf16 peak, FLOP/s (an unknown card's: ASSUMED's)."""
+        return (self.card or ASSUMED).bf16_flops
+
+    @property
+    def gpu_fp32_flops(self) -> float:
+        """The card's fp32 peak (no tensor cores: meshrun leaves TF32 off), FLOP/s."""
+        return (self.card or ASSUMED).fp32_flops
+
+    @property
+    def gpu_fp8_flops(self) -> float | None:
+        """The card's dense float8 peak, FLOP/s; None: it has no float8 matmuls."""
+        return (self.card or ASSUMED).fp8_flops
 
     def source(self, name: str) -> str:
         return dict(self.sources).get(name, "flag")

@@ -20,6 +20,7 @@ from ..vocab import (
     TWINS,
     Engine,
 )
+from . import float8
 from .memory import Strategy
 from .spec import ClusterSpec, TrainSpec
 
@@ -127,9 +128,11 @@ def comm_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int, accum: int) 
         act = 2 * micro * t.seq_len * m.hidden  # bf16 activation slab
         vol += accum * (m.layers / s.pp) * 4 * tp_ring * act + (accum * 2 * act if s.pp > 1 else 0)
     else:
+        # FSDP2 all-gathers tensorwise float8 weights in float8: 1 byte each instead of 2
+        gathered = g * p - float8.gathered_saving(m, t.precision, s.tp) * m.layers / s.pp
         vol = {"none": 2 * ring * 4 * p,
-               "grads": ring * (g * p * accum + 4 * p),
-               "params": ring * (2 * g * p * accum + 4 * p)}[s.shard]
+               "grads": ring * (gathered * accum + 4 * p),
+               "params": ring * (2 * gathered * accum + 4 * p)}[s.shard]
         if s.kind.hybrid and s.dp > s.shard_group:
             reps = s.dp // s.shard_group
             return vol, 2 * (reps - 1) / reps * 4 * p / s.shard_group

@@ -10,23 +10,25 @@ from ...config import TrainConfig
 from ...config.policy import GATHERED_COPY_SHARE, Choice, Facts, compile_and_kernels, fsdp_flavour, resolve
 from ...modelinfo.blocks import find_blocks
 from ...modelinfo.read import from_module
+from ...plan.cards import Card
 
 __all__ = ["GATHERED_COPY_SHARE", "Choice", "compile_and_kernels", "decide", "fsdp_flavour"]
 
 
 def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, gpu_mem: int | None,
-           bf16: bool, liger: bool = False) -> Choice:
+           bf16: bool, liger: bool = False, card: Card | None = None) -> Choice:
     """The choice for ``model`` trained with ``cfg`` on ``world`` processes (``local_world``
     per node) whose data-parallel size is ``dp``; ``gpu_mem`` is one GPU's memory (None on
     the CPU); ``bf16``: the run computes in bf16; ``liger``: Liger Kernel can patch the model
-    here. Pure: no process group, no device (the model may live on the meta device)."""
+    here; ``card``: the GPU model, for its peaks (None: not known). Pure: no process group,
+    no device (the model may live on the meta device)."""
     from ..models.hf import is_transformers_model
     from ..models.hooks import KernelModel
 
     blocks = find_blocks(model, cfg.blocks) is not None
     facts = Facts(world=world, local_world=local_world, dp=dp, gpu_mem=gpu_mem, bf16=bf16, liger=liger,
                   hf=is_transformers_model(model), blocks=blocks, own_kernels=isinstance(model, KernelModel),
-                  params=sum(p.numel() for p in model.parameters()))
+                  params=sum(p.numel() for p in model.parameters()), card=card)
     if gpu_mem is None:  # the CPU: the policy reads nothing of the model
         return resolve(None, cfg, facts)
     spec = from_module(model, type(model).__name__, "the model")
