@@ -151,9 +151,10 @@ def gpu_option(ns: argparse.Namespace) -> Card | None:
     card = CARDS.get(ns.gpu.strip().lower())
     if card is None:
         where = getattr(ns, "_env_sources", {}).get("gpu", "--gpu")
+        leave = f"unset {where.removeprefix('env ')}" if where.startswith("env ") else "drop --gpu"
         raise bad_value(where, ns.gpu, "not a GPU meshrun plan knows",
-                        f"one of {', '.join(CARDS)}; for another card give --gpu-mem alone: step~ then assumes "
-                        "an H100/H200 SXM's peaks")
+                        f"one of {', '.join(CARDS)}; for another card {leave} and give --gpu-mem SIZE: step~ then "
+                        "assumes an H100/H200 SXM's peaks")
     return card
 
 
