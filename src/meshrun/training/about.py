@@ -148,9 +148,9 @@ def _corpus(path: str | None) -> tuple[tuple[str, int] | None, str]:
         return tokenizer, f"{path} (prepared)"
     where = paths[0] if len(paths) == 1 else os.path.commonpath(paths)
     if cached:
-        what = "text" if files == 1 else f"{files} text files"
+        what = "text" if files == 1 else f"{files:,} text files"
         return tokenizer, f"{where} ({what}, tokenized into {path})"
-    return tokenizer, f"{path} (prepared from " + (where if files == 1 else f"{files} files in {where}") + ")"
+    return tokenizer, f"{path} (prepared from " + (where if files == 1 else f"{files:,} files in {where}") + ")"
 
 
 def model_line(model: ModelFacts, n_params: int) -> str:
