@@ -50,6 +50,12 @@ def test_run_raises_the_failing_rank_with_traceback():
     assert "_fail_on_rank_one" in str(err.value)  # the rank's own traceback
 
 
+def test_a_function_spawned_ranks_cannot_import_is_refused_in_one_line():
+    require("torch")
+    with pytest.raises(meshrun.MeshrunError, match=r"^fn=.*lambda.*'spawn' cannot import \(hint: define it at the top"):
+        meshrun.run(lambda: 1, nproc=1, start_method="spawn")
+
+
 def test_run_rejects_bad_nproc():
     require("torch")
     with pytest.raises(meshrun.MeshrunError, match="nproc=0"):
@@ -93,7 +99,9 @@ def test_fork_after_the_parent_used_cpu_threads_does_not_hang():
 def test_fork_after_the_parent_compiled_does_not_hang(tmp_path):
     """torch resets Inductor's compile process pool in a forked child but not its thread pool:
     a rank compiling after the parent did (each with a cold cache) waited forever on threads
-    that were not forked. meshrun gives the child a fresh pool."""
+    that were not forked. meshrun gives the child a fresh pool. After a compiled backward pass,
+    which starts autograd's device threads on torch 2.15, a forked rank refuses every backward:
+    ``auto`` spawns the ranks of a function a fresh interpreter can import."""
     require("torch")
     import subprocess
     import sys
@@ -104,3 +112,7 @@ def test_fork_after_the_parent_compiled_does_not_hang(tmp_path):
                          timeout=300, env=clean_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")))
     assert out.returncode == 0, out.stderr[-2000:]
     assert lines(out.stdout, "FORKRUN") == [{"result": "64"}]
+    # After a compiled backward pass: torch 2.15 has started autograd's device threads (torch 2.7
+    # and 2.13 have not) and the ranks are spawned; either way both ranks ran their backward.
+    [after] = lines(out.stdout, "AUTOGRAD")
+    assert after["result"] == "12", out.stdout

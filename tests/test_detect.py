@@ -225,6 +225,24 @@ def test_a_picked_port_stays_held_for_the_rank_that_listens_there():
     assert held.returncode == 0 and held.stderr == "", held.stderr
 
 
+def test_a_command_run_in_process_lets_go_of_the_ports_it_picked(tmp_path):
+    """The CLI's main, run many times in one process (meshrun.train() in a notebook, the suite's
+    in-process commands), holds no socket once each command is over: a launch's dry run picks a
+    port for its single node, and a refused command may have picked one before its refusal."""
+    from helpers import meshrun_here
+
+    from meshrun.cluster import net
+
+    train = ["train", "--model-size", "gpt-tiny", "--data", "random", "--nproc", "2", "--out", str(tmp_path / "r")]
+    before = dict(net._held)
+    dry = meshrun_here(*train, "--dry-run")
+    assert dry.returncode == 0 and "MASTER_PORT=" in dry.stdout, dry.stderr  # it picked one
+    assert net._held == before, net._held
+    refused = meshrun_here(*train, "--strategy", "single")  # refused after the topology is resolved
+    assert refused.returncode == 2 and "--strategy" in refused.stderr, refused.stderr
+    assert net._held == before, net._held
+
+
 BAD = [
     ({**SATURN, "SATURN_JOB_RANK": "2"}, 4, "SATURN_JOB_RANK", "must be in 0..1"),
     ({**SATURN, "SATURN_JOB_RANK": "one"}, 4, "SATURN_JOB_RANK", "not an integer"),

@@ -77,7 +77,11 @@ def _worker(rank: int, nproc: int, port: int, backend: str, fn: Callable[..., An
     except BaseException:  # report everything, KeyboardInterrupt included, to the parent
         # Report before tearing down: the teardown makes peers fail too, and the parent
         # must see this root cause first (the timestamp orders near-simultaneous reports).
-        queue.put((rank, False, traceback.format_exc(), time.time()))
+        detail = traceback.format_exc()
+        if forked and "Autograd-and-Fork" in detail:
+            detail += ("meshrun.run forked this rank after autograd's device threads started in the parent; "
+                       "with fn at the top level of a module and start_method='auto', the ranks are spawned\n")
+        queue.put((rank, False, detail, time.time()))
     else:
         # Plain pickle bytes, not the queue's own tensor sharing: that passes file descriptors
         # which vanish when this process exits before the parent has read them.
@@ -90,6 +94,60 @@ def _worker(rank: int, nproc: int, port: int, backend: str, fn: Callable[..., An
             dist.destroy_process_group()
 
 
+def _autograd_threads_started() -> bool:
+    """Whether autograd's device threads run in this process: a child forked after that refuses
+    every backward ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"). torch 2.15 on a CPU-only machine starts them on the first backward of a
+    ``torch.compile``d function (8 threads named ``pt_autograd_N``); torch 2.7 and 2.13 do not.
+    Linux names its threads in /proc; elsewhere nothing forks.
+    """
+    for comm in _thread_names():
+        if comm.startswith("pt_autograd"):
+            return True
+    return False
+
+
+def _thread_names() -> list[str]:
+    names: list[str] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return names
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue  # the thread ended while we looked
+    return names
+
+
+def _unspawnable(fn: Callable[..., Any]) -> str | None:
+    """Why ranks started afresh (spawn, forkserver) could not import ``fn``, or None: they look it
+    up by module and name, which a lambda, a nested function or one typed into an interactive
+    session does not have."""
+    qualname = getattr(fn, "__qualname__", "")
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        return "is a lambda or a nested function"
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules.get("__main__"), "__file__"):
+        return "is defined in an interactive session"
+    return None
+
+
+def _start_method(fn: Callable[..., Any], mp: Any, cuda_initialized: bool) -> str:
+    """``auto``: fork where a forked rank works, so notebook functions run; else spawn.
+
+    Not after CUDA is initialised (a forked child cannot use it), and not after autograd started
+    its device threads (a forked child refuses every backward) unless ``fn`` could not be
+    spawned: then fork is the only way, and works for a function without a backward pass.
+    """
+    if "fork" not in mp.get_all_start_methods() or cuda_initialized:
+        return "spawn"
+    if _autograd_threads_started() and _unspawnable(fn) is None:
+        return "spawn"
+    return "fork"
+
+
 def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: str | None = None,
         start_method: str = "auto", timeout_s: float | None = None, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``nproc`` local processes with the process group ready.
@@ -97,7 +155,8 @@ def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: s
     Returns rank 0's result. If a rank raises, the others are stopped and ``RankError`` is
     raised with the first failing rank's traceback. ``nproc`` defaults to the visible GPUs
     (NCCL), or 2 CPU processes (gloo). ``start_method="auto"`` forks where that is safe (Linux,
-    CUDA not yet initialised here), so functions defined in a notebook work; else spawns.
+    CUDA not yet initialised here, autograd's device threads not started), so functions defined
+    in a notebook work; else spawns.
     """
     import queue as queue_mod
 
@@ -114,9 +173,13 @@ def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: s
         raise bad_value("nproc", nproc, f"exceeds the {gpus} visible GPU(s) for the nccl backend",
                         "lower nproc or use backend='gloo'")
     if start_method == "auto":
-        can_fork = ("fork" in mp.get_all_start_methods()
-                    and not torch.cuda.is_initialized())  # type: ignore[no-untyped-call]  # torch: unannotated
-        start_method = "fork" if can_fork else "spawn"
+        start_method = _start_method(fn, mp, torch.cuda.is_initialized())  # type: ignore[no-untyped-call]  # torch: unannotated
+    unspawnable = _unspawnable(fn) if start_method != "fork" else None
+    if unspawnable is not None:
+        raise bad_value("fn", getattr(fn, "__qualname__", repr(fn)),
+                        f"{unspawnable}, which ranks started by {start_method!r} cannot import",
+                        "define it at the top level of a module or script, or leave start_method='auto' "
+                        "to fork where this process allows")
     # Every context has a Process class; typeshed's BaseContext, what get_context of a str returns, declares none.
     ctx = cast(_Context, mp.get_context(start_method))
     results = ctx.Queue()

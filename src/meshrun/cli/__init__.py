@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from .. import __version__
+from ..cluster.net import ports_released_after
 from ..errors import MeshrunError
 from .options import Parser, fill_env_defaults, warn_unknown_env
 
@@ -116,7 +117,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         command = command_parser(parser, ns.command)
         fill_env_defaults(ns, environ, command._actions)
         warn_unknown_env(environ, command, ns.command)
-        return int(ns.func(ns, environ))
+        with ports_released_after():
+            return int(ns.func(ns, environ))
     except MeshrunError as exc:
         print(f"meshrun: error: {exc}", file=sys.stderr)
         return exc.exit_code

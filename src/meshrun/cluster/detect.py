@@ -210,11 +210,13 @@ def resolve(
     order = probe_order(env)
     topo = apply_overrides(detect_platform(env, gpus, platform, order), overrides)
     check_worker_variables(env)  # (after the platform's own checks, which say more)
+    # Validated before a port is picked: a refused --nproc 5000 binds no 5,000 sockets.
+    topo = validate(topo, gpus, [p for p, _ in order])
     if (free_port is not None and topo.nnodes == 1 and not topo.is_worker
             and topo.source("master_port") == "default"):
         topo = topo.replace(master_port=free_port(topo.nproc_per_node),
                             sources={"master_port": "free port (single node)"})
-    return validate(topo, gpus, [p for p, _ in order])
+    return topo
 
 
 # Ranks per core on the CPU: each is a Python interpreter with torch (about 300 MB) and its own

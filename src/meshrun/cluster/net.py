@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import atexit
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # Ports free_port picked, each with its bound sockets, until released or this process exits.
 _held: dict[int, list[socket.socket]] = {}
@@ -49,6 +51,19 @@ def release_port(port: int) -> None:
     """Let go of a port ``free_port`` holds (its job is over)."""
     for s in _held.pop(port, []):
         s.close()
+
+
+@contextmanager
+def ports_released_after() -> Iterator[None]:
+    """Let go, when the block ends, of the ports ``free_port`` picked inside it: the command that
+    used them is over. A process that runs many commands (``meshrun.train()`` in a notebook, the
+    CLI called in-process) would otherwise hold one socket per command until it exits."""
+    before = set(_held)
+    try:
+        yield
+    finally:
+        for port in [p for p in _held if p not in before]:
+            release_port(port)
 
 
 def _release_all() -> None:

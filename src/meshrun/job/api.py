@@ -26,7 +26,7 @@ from typing import Any
 
 from ..cluster.detect import resolve
 from ..cluster.gpus import count_visible_gpus
-from ..cluster.net import free_port
+from ..cluster.net import free_port, ports_released_after
 from ..cluster.options import TOPOLOGY_OPTIONS, TopologyOptions, UserTopology, user_topology
 from ..config import TrainConfig, config_from, load_file, option_names
 from ..config.sections import SECTIONS
@@ -93,8 +93,9 @@ def train(config: str | os.PathLike[str] | None = None, env: Mapping[str, str] |
             raise bad_value(f"{SOURCE}() option", name, f"given twice (as {key} too)", "give it once")
         values[key] = value
     cfg, job, user = job_from(config, env, values, SOURCE)
-    topo = resolve(env, count_visible_gpus(env), user.platform, user.overrides, free_port=free_port)
-    result = run(cfg, topo, job, env)
+    with ports_released_after():
+        topo = resolve(env, count_visible_gpus(env), user.platform, user.overrides, free_port=free_port)
+        result = run(cfg, topo, job, env)
     if result.code == 128 + signal.SIGINT:  # Ctrl-C: its line is said; Python's own way on from here
         raise KeyboardInterrupt
     if result.code not in (0, PREEMPTED):  # (preempted: stopped at a step with its snapshot; the same call resumes)
