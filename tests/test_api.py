@@ -56,6 +56,21 @@ def test_a_function_spawned_ranks_cannot_import_is_refused_in_one_line():
         meshrun.run(lambda: 1, nproc=1, start_method="spawn")
 
 
+def test_a_function_typed_into_an_interactive_session_is_not_spawned():
+    """``python -c`` (as a notebook kernel) has a ``__main__`` no fresh interpreter can import."""
+    require("torch")
+    import subprocess
+    import sys
+
+    from helpers import clean_env
+
+    code = ("import meshrun\ndef f():\n    return 1\ntry:\n    meshrun.run(f, nproc=1, start_method='spawn')\n"
+            "except meshrun.MeshrunError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=clean_env())
+    assert out.stdout.startswith("fn='f': is defined in an interactive session, which ranks started by 'spawn'"), (
+        out.stdout + out.stderr[-2000:])
+
+
 def test_run_rejects_bad_nproc():
     require("torch")
     with pytest.raises(meshrun.MeshrunError, match="nproc=0"):

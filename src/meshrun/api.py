@@ -129,9 +129,21 @@ def _unspawnable(fn: Callable[..., Any]) -> str | None:
     qualname = getattr(fn, "__qualname__", "")
     if "<locals>" in qualname or "<lambda>" in qualname:
         return "is a lambda or a nested function"
-    if getattr(fn, "__module__", None) == "__main__" and not hasattr(sys.modules.get("__main__"), "__file__"):
+    if getattr(fn, "__module__", None) == "__main__" and not _main_is_a_file():
         return "is defined in an interactive session"
     return None
+
+
+def _main_is_a_file() -> bool:
+    """Whether ``__main__`` was read from a file that a spawned interpreter can run again: not
+    an interactive session nor a notebook kernel, whose ``__main__`` inspect finds no file for."""
+    import inspect
+
+    try:
+        inspect.getfile(sys.modules["__main__"])
+    except (TypeError, KeyError):
+        return False
+    return True
 
 
 def _start_method(fn: Callable[..., Any], mp: Any, cuda_initialized: bool) -> str:
