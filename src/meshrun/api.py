@@ -101,10 +101,7 @@ def _autograd_threads_started() -> bool:
     ``torch.compile``d function (8 threads named ``pt_autograd_N``); torch 2.7 and 2.13 do not.
     Linux names its threads in /proc; elsewhere nothing forks.
     """
-    for comm in _thread_names():
-        if comm.startswith("pt_autograd"):
-            return True
-    return False
+    return any(name.startswith("pt_autograd") for name in _thread_names())
 
 
 def _thread_names() -> list[str]:
@@ -146,16 +143,16 @@ def _main_is_a_file() -> bool:
     return True
 
 
-def _start_method(fn: Callable[..., Any], mp: Any, cuda_initialized: bool) -> str:
+def _start_method(mp: Any, cuda_initialized: bool, spawnable: bool) -> str:
     """``auto``: fork where a forked rank works, so notebook functions run; else spawn.
 
     Not after CUDA is initialised (a forked child cannot use it), and not after autograd started
-    its device threads (a forked child refuses every backward) unless ``fn`` could not be
+    its device threads (a forked child refuses every backward) unless the function could not be
     spawned: then fork is the only way, and works for a function without a backward pass.
     """
     if "fork" not in mp.get_all_start_methods() or cuda_initialized:
         return "spawn"
-    if _autograd_threads_started() and _unspawnable(fn) is None:
+    if spawnable and _autograd_threads_started():
         return "spawn"
     return "fork"
 
@@ -184,10 +181,11 @@ def run(fn: Callable[..., Any], *args: Any, nproc: int | None = None, backend: s
     if backend == "nccl" and nproc > gpus:
         raise bad_value("nproc", nproc, f"exceeds the {gpus} visible GPU(s) for the nccl backend",
                         "lower nproc or use backend='gloo'")
+    unspawnable = _unspawnable(fn)
     if start_method == "auto":
-        start_method = _start_method(fn, mp, torch.cuda.is_initialized())  # type: ignore[no-untyped-call]  # torch: unannotated
-    unspawnable = _unspawnable(fn) if start_method != "fork" else None
-    if unspawnable is not None:
+        cuda_initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # torch: unannotated
+        start_method = _start_method(mp, cuda_initialized, spawnable=unspawnable is None)
+    if start_method != "fork" and unspawnable is not None:
         raise bad_value("fn", getattr(fn, "__qualname__", repr(fn)),
                         f"{unspawnable}, which ranks started by {start_method!r} cannot import",
                         "define it at the top level of a module or script, or leave start_method='auto' "
