@@ -43,6 +43,15 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
+def spec_of(cfg: Any) -> LoraSpec:
+    """The LoraSpec of a config whose --lora is set (config/sections.py checked its options)."""
+    from ..config.sections import lora_targets
+
+    rank = int(cfg.lora)
+    alpha = float(cfg.lora_alpha) if cfg.lora_alpha is not None else float(2 * rank)
+    return LoraSpec(rank, alpha, float(cfg.lora_dropout), lora_targets(cfg))
+
+
 def is_adapter(name: str) -> bool:
     """Whether a parameter path (of any wrapper) is an adapter's."""
     return ".lora_A." in name or ".lora_B." in name or name.startswith(("lora_A.", "lora_B."))
@@ -72,8 +81,8 @@ def target_modules(model: nn.Module, targets: tuple[str, ...], source: str = "--
         return linears
     chosen: list[str] = []
     for target in targets:
-        leaf = KINDS.get(target, target)
-        matched = [n for n in linears if n.rsplit(".", 1)[-1] == leaf]
+        leaves = {KINDS.get(target, target), target}  # (meshrun's GPT names its MLP's layers up and down)
+        matched = [n for n in linears if n.rsplit(".", 1)[-1] in leaves]
         if not matched:
             leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
             raise bad_value(source, target, "matches no linear layer of the model",
@@ -128,7 +137,7 @@ def counts(model: nn.Module) -> tuple[int, int]:
     """(trainable parameters, all parameters)."""
     total = trainable = 0
     for p in model.parameters():
-        n = p.numel()
+        n = int(getattr(p, "ds_numel", p.numel()))  # (DeepSpeed ZeRO-3's partitioned ones: their whole size)
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total

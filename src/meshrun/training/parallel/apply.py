@@ -1,6 +1,11 @@
 """Parallelisms as plain functions, applied to a model in one fixed order (torchtitan's):
 
-    tensor parallel -> context parallel -> activation checkpointing -> compile -> FSDP2 / DDP
+    LoRA adapters -> tensor parallel -> context parallel -> activation checkpointing -> compile
+    -> FSDP2 / DDP
+
+Low-rank adapters (--lora) go in first, on the model as built (on the meta device where it is
+there), so that every later step wraps, compiles and shards the adapted layers as they are;
+the base weights are frozen and only the adapters reach the optimizer.
 
 Tensor parallelism rewrites the blocks' Linear layers into DTensor shards first, on the raw
 modules (checkpoint wrappers would change their paths); context parallelism then swaps each
@@ -118,6 +123,16 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
     device is laid out first and filled after (``weights``: from those files, else a random
     initialisation; training/weights.py), so that no rank holds more of it than its layout needs."""
     kind = choice.kind
+    deferred = on_meta(model)
+    adapters = None
+    if cfg.lora is not None:  # first: every step after sees the adapted layers (still on meta where it was)
+        from .. import lora
+
+        spec = lora.spec_of(cfg)
+        model = lora.add_adapters(model, spec, cfg.source("lora_targets"))
+        if not deferred:  # (a model filled after its layout gets them with its weights: Build._materialize)
+            lora.init_adapters(model, cfg.seed)
+        adapters = f"LoRA rank {spec.rank} on {len(lora.adapter_modules(model))} layers"
     found = find_blocks(model, cfg.blocks)
     blocks = found[1] if found else None
     zero3 = kind.engine is Engine.DEEPSPEED and kind.zero == 3  # its partitioned weights take the plain paths
@@ -131,7 +146,6 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
         float8, after_update = convert_float8(model, cfg.precision, fsdp=kind.fsdp is not None)
     settings = StepSettings(accum=accum, max_norm=cfg.grad_clip or float("inf"), device=rt.device,
                             loss_mode=loss_mode(model), attention=cfg.attention, after_update=after_update)
-    deferred = on_meta(model)
     if not deferred:
         model = model.to(rt.device)
     elif weights is None and cfg.init == "pretrained":
@@ -142,6 +156,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
                 m.stats_group = dist.group.WORLD
     dims = layout_dims(cfg, kind, rt) if kind.engine != "deepspeed" else None
     build = Build(model, blocks, cfg, rt, choice, kind, bf16, settings, weights if deferred else None, deferred, dims)
+    if adapters is not None:
+        build.done.append(adapters)
     if kind.engine is Engine.DEEPSPEED:
         layout = build.deepspeed()
     elif cfg.ep > 1:
@@ -208,8 +224,13 @@ class Build:
         ``optional``: parameters the weight files may lack, filled otherwise)."""
         if not self.deferred:
             return
-        materialize(self.model if module is None else module, self.rt.device, self.cfg.seed, self.weights,
-                    log=self.rt.is_main, optional=optional or set(), whole=self.model)
+        part = self.model if module is None else module
+        materialize(part, self.rt.device, self.cfg.seed, self.weights, log=self.rt.is_main,
+                    optional=optional or set(), whole=self.model)
+        if self.cfg.lora is not None:  # after the weights or init_deterministic, which draws lora_B too
+            from .. import lora
+
+            lora.init_adapters(part, self.cfg.seed)
         self.deferred = False
         self.done.append("pretrained weights read" if self.weights else "initialised")
 

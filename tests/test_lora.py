@@ -1,0 +1,185 @@
+"""LoRA fine-tuning in `meshrun train` (--lora): a tiny Llama saved with save_pretrained here
+(nothing downloaded), its weights frozen and read from the directory, adapters trained on one
+process, DDP and FSDP2 to the same values; snapshots that hold the adapters alone and resume
+bit for bit, and refuse another base model; bad options refused before launch in one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+from helpers import clean_env, meshrun_here, require
+
+import meshrun
+
+pytestmark = pytest.mark.framework
+VOCAB = 2048  # frozen embeddings and head that outweigh the adapters, as in a real model
+STEPS = 4
+
+
+def _save_llama(directory: str, seed: int) -> None:
+    import torch
+    import transformers as T
+
+    torch.manual_seed(seed)
+    config = T.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+    T.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+
+
+def _fine_tune(model_dir: str, out: str | None, overrides: dict) -> dict:
+    """A rank of a LoRA run of the model in ``model_dir`` (its weights read from there): the
+    losses, the adapters whole (gathered from FSDP2's shards), and the frozen weights that
+    differ from the directory's files after training."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file
+
+    from meshrun.config import TrainConfig
+    from meshrun.modelinfo.hf import build_on_meta, load_config, locate
+    from meshrun.training.loader import RandomTokens
+    from meshrun.training.lora import is_adapter
+    from meshrun.training.trainer import Trainer
+    from meshrun.training.weights import Pretrained, clean_name
+
+    model = build_on_meta(load_config(locate(model_dir, "--model"), "--model"))
+    files = tuple(sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))))
+    options = dict(model=model_dir, lora=4, steps=STEPS, seq_len=16, lr=1e-2, warmup=1, log_every=1,
+                   precision="fp32", deterministic=True, out=out, save_every=2, micro_batch=8)
+    cfg = TrainConfig(**{**options, **overrides})
+    trainer = Trainer(model, RandomTokens(256, 16, VOCAB), None, cfg, weights=Pretrained(model_dir, files))
+    records = trainer.fit()
+    on_disk = {}
+    for path in files:
+        on_disk.update(load_file(path))
+    adapters, changed = {}, []
+    for name, p in trainer.model.named_parameters():
+        whole = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        if is_adapter(name):
+            adapters[clean_name(name)] = whole.clone()
+        elif not torch.equal(whole, on_disk[clean_name(name)]):
+            changed.append(clean_name(name))
+    trainable = sorted(clean_name(n) for n, p in trainer.model.named_parameters() if p.requires_grad)
+    return {"losses": [r["loss"] for r in records], "adapters": adapters, "changed": changed,
+            "trainable": trainable, "first_lines": trainer.describe() if trainer.rt.is_main else ""}
+
+
+def fine_tune(model_dir, out=None, nproc=1, **overrides) -> dict:
+    return meshrun.run(_fine_tune, str(model_dir), None if out is None else str(out), overrides, nproc=nproc,
+                       timeout_s=300)
+
+
+def _digests(directory) -> dict[str, str]:
+    return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in os.listdir(directory)}
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    """Two tiny Llamas of the same config and other weights."""
+    require("transformers")
+    require("peft")
+    root = tmp_path_factory.mktemp("bases")
+    for seed, name in ((0, "a"), (1, "b")):
+        _save_llama(str(root / name), seed)
+    return root / "a", root / "b"
+
+
+@pytest.fixture(scope="module")
+def one(bases, tmp_path_factory):
+    """One process, 4 steps, snapshots at steps 2 and 4; the model directory's files hashed
+    before and after."""
+    out = tmp_path_factory.mktemp("one")
+    before = _digests(bases[0])
+    result = fine_tune(bases[0], out)
+    return result, out, before
+
+
+def test_only_the_adapters_train_and_the_base_stays_bit_identical(bases, one):
+    result, _, before = one
+    assert result["changed"] == []  # every frozen weight in memory equals the file's, bit for bit
+    assert _digests(bases[0]) == before  # and the files on disk are untouched
+    assert result["trainable"] == sorted(result["adapters"]) and len(result["adapters"]) == 2 * 7 * 2
+    lora_b = [t for n, t in result["adapters"].items() if ".lora_B." in n]
+    assert all(t.abs().max() > 0 for t in lora_b)  # initialised to zero, trained away from it
+    first = result["first_lines"].splitlines()[0]
+    assert "LoRA rank 4 (alpha 8) on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (14 layers)" \
+        in first and "parameters (" in first and "train, the rest frozen" in first
+    assert "LoRA rank 4 on 14 layers -> " in result["first_lines"]  # the layout's first step
+
+
+def test_a_lora_snapshot_holds_the_adapters_and_names_its_base(bases, one):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    result, out, _ = one
+    snap = out / "checkpoints" / "step-00000004"
+    keys = FileSystemReader(str(snap)).read_metadata().state_dict_metadata
+    weights = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+    assert weights == set(result["adapters"])  # no frozen weight
+    assert all(any(f".{n}." in k for n in weights) for k in keys if k.startswith("optim.state."))
+    held = sum(f.stat().st_size for f in snap.iterdir() if f.suffix == ".distcp")
+    base = sum(f.stat().st_size for f in bases[0].glob("*.safetensors"))
+    assert held < base / 3, (held, base)  # adapters and their two moments: a few percent of the model
+    state = json.loads((snap / "state.json").read_text())
+    lora = state["lora"]
+    assert (lora["rank"], lora["alpha"], lora["dropout"]) == (4, 8.0, 0.0)
+    assert lora["target_modules"][0] == "model.layers.0.self_attn.q_proj" and len(lora["target_modules"]) == 14
+    assert lora["base"]["directory"] == str(bases[0]) and len(lora["base"]["fingerprint"]) == 64
+
+
+def test_resume_from_a_lora_snapshot_is_bit_exact(bases, one, tmp_path):
+    result, out, _ = one
+    resumed = fine_tune(bases[0], tmp_path, resume=str(out / "checkpoints" / "step-00000002"))
+    assert resumed["losses"] == result["losses"][2:]
+    assert resumed["adapters"].keys() == result["adapters"].keys()
+    for name, t in result["adapters"].items():
+        assert resumed["adapters"][name].equal(t), name
+
+
+def test_resume_onto_another_base_is_refused_in_one_line(bases, one, tmp_path):
+    _, out, _ = one
+    with pytest.raises(meshrun.api.RankError) as info:
+        fine_tune(bases[1], tmp_path, resume=str(out / "checkpoints" / "step-00000002"))
+    line = next(ln for ln in str(info.value).splitlines() if ln.startswith("meshrun.errors.MeshrunError: "))
+    assert f"its adapters were trained on {bases[0]} (fingerprint " in line, line
+    assert f"not on this run's base {bases[1]} (fingerprint " in line and "(hint: resume with the model" in line
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp-full"])
+def test_two_ranks_train_the_adapters_of_one_process(bases, one, strategy):
+    """The same global batch of 8 over two gloo ranks: the adapters of one process to fp32
+    rounding (the gradients' sums run in another order; 4 AdamW steps at lr 1e-2)."""
+    import torch
+
+    result, _, _ = one
+    two = fine_tune(bases[0], nproc=2, strategy=strategy, micro_batch=4)
+    assert two["changed"] == []
+    assert two["losses"] == pytest.approx(result["losses"], rel=1e-5)
+    for name, t in result["adapters"].items():
+        torch.testing.assert_close(two["adapters"][name], t, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ---- refused before launch, one line each ----------------------------------------------------------
+
+BAD = [
+    (["--lora", "0"], "--lora=0: the adapters' rank must be between 1 and 4096"),
+    (["--lora", "8", "--lora-targets", "q,nope"], "--lora-targets='nope': matches no linear layer of the model"),
+    (["--lora", "8", "--tp", "2", "--nproc", "2"], "--tp=2: does not combine with --lora"),
+    (["--lora-alpha", "16"], "--lora-alpha=16.0: sets the adapters of --lora, and there is no --lora"),
+    (["--lora", "8", "--lora-dropout", "1"], "--lora-dropout=1.0: must be at least 0 and below 1"),
+    (["--lora", "8", "--precision", "fp8"], "--precision='fp8': does not combine with --lora"),
+]
+
+
+@pytest.mark.parametrize("args,expected", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_lora_options_are_one_line_before_launch(bases, tmp_path, args, expected):
+    out = tmp_path / "out"
+    res = meshrun_here("train", "--model", str(bases[0]), "--data", "random", "--out", str(out), *args,
+                       env=clean_env())
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshrun: error: ") and expected in lines[0], lines
+    assert "(hint: " in lines[0]
+    assert not out.exists()
