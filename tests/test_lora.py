@@ -183,3 +183,41 @@ def test_bad_lora_options_are_one_line_before_launch(bases, tmp_path, args, expe
     assert len(lines) == 1 and lines[0].startswith("meshrun: error: ") and expected in lines[0], lines
     assert "(hint: " in lines[0]
     assert not out.exists()
+
+
+# ---- the base model's fingerprint and the resume check (pure) ----------------------------------------
+
+def test_the_fingerprint_tells_other_weights_and_configs_apart_but_not_a_copy(bases, tmp_path):
+    import shutil
+
+    from meshrun.training.lorabase import directory_fingerprint
+
+    def fingerprint(directory):
+        return directory_fingerprint(str(directory), tuple(str(p) for p in directory.glob("*.safetensors")))
+
+    a, b = bases
+    copy = tmp_path / "copy"
+    shutil.copytree(a, copy)
+    assert fingerprint(copy) == fingerprint(a) != fingerprint(b)  # same architecture, other weights
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    assert fingerprint(copy) != fingerprint(a)
+
+
+def test_a_resume_between_lora_and_full_runs_or_other_adapters_is_refused():
+    from meshrun.errors import MeshrunError
+    from meshrun.training.lorabase import check_resume
+
+    base = {"directory": "/m", "fingerprint": "f" * 64, "identity": "x"}
+    saved = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ["a.q_proj", "a.v_proj"], "base": base}
+    check_resume("S", None, None)
+    check_resume("S", saved, dict(saved))
+    cases = [(None, saved, "S: a snapshot of a run that trained every weight, and this run trains LoRA adapters"),
+             (saved, None, "S: a LoRA snapshot (rank 8), and this run trains every weight (hint: resume with --lora 8"),
+             (saved, {**saved, "rank": 4}, "S: its adapters have rank 8, this run's 4"),
+             (saved, {**saved, "target_modules": ["a.q_proj"]}, "S: its adapters are on 2 layers, this run's on 1 "
+              "(a.v_proj is not among this run's)")]
+    for old, new, expected in cases:
+        with pytest.raises(MeshrunError) as info:
+            check_resume("S", old, new)
+        assert str(info.value).startswith(expected) and "(hint: " in str(info.value), str(info.value)

@@ -139,9 +139,12 @@ def check_resume(path: str, saved: dict[str, Any] | None, current: dict[str, Any
         raise MeshrunError(f"{path}: its adapters were trained on {_named(saved.get('base'))}, not on this run's "
                            f"base {_named(current['base'])} (hint: resume with the model the snapshot names, or "
                            "start afresh with --resume none or another --out)")
-    for key in ("rank", "target_modules"):
-        if saved.get(key) != current[key]:
-            shown = (lambda v: f"{len(v)} layers" if isinstance(v, list) else v)  # noqa: E731
-            raise MeshrunError(f"{path}: its adapters have {key.replace('_', ' ')} {shown(saved.get(key))}, this "
-                               f"run's {shown(current[key])} (hint: resume with the snapshot's --lora and "
-                               "--lora-targets, or start afresh with --resume none)")
+    hint = "(hint: resume with the snapshot's --lora and --lora-targets, or start afresh with --resume none)"
+    if saved.get("rank") != current["rank"]:
+        raise MeshrunError(f"{path}: its adapters have rank {saved.get('rank')}, this run's {current['rank']} {hint}")
+    layers = saved.get("target_modules") or []
+    if layers != current["target_modules"]:
+        other = next((n for n in layers if n not in current["target_modules"]), None)
+        which = f" ({other} is not among this run's)" if other else ""
+        raise MeshrunError(f"{path}: its adapters are on {len(layers)} layers, this run's on "
+                           f"{len(current['target_modules'])}{which} {hint}")
