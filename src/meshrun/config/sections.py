@@ -115,6 +115,7 @@ class ModelOptions:
         return cfg
 
 
+QUANTIZE = ("nf4",)
 LORA_MAX_RANK = 4096  # past the width of every layer meshrun trains: a typo, not a low rank
 
 
@@ -135,13 +136,16 @@ class LoraOptions:
                                "(q, k, v, o, gate, up, down) or of module names' last part (qkv, proj), or "
                                "all-linear (default: every linear layer but the output head)", metavar="LIST",
                                listed=True)
+    quantize: str | None = option(None, "with --lora: the frozen weights of the adapted layers stored in 4-bit "
+                                  "NF4 (QLoRA, torchao), a quarter of bf16's bytes; one process or DDP",
+                                  metavar="nf4", choices=QUANTIZE)
 
     @staticmethod
     def check(cfg: TrainConfig) -> TrainConfig:
         if cfg.lora is None:
-            given = [n for n in ("lora_alpha", "lora_dropout", "lora_targets") if n in cfg.sources]
+            given = [n for n in ("lora_alpha", "lora_dropout", "lora_targets", "quantize") if n in cfg.sources]
             if given:
-                raise bad_value(cfg.source(given[0]), getattr(cfg, given[0]), "sets the adapters of --lora, and "
+                raise bad_value(cfg.source(given[0]), getattr(cfg, given[0]), "is an option of --lora runs, and "
                                 "there is no --lora: it would be ignored", "add --lora RANK, or drop it")
             return cfg
         where = cfg.source("lora")
@@ -156,6 +160,8 @@ class LoraOptions:
                             "e.g. 0.05, or 0 for none")
         lora_targets(cfg)
         _lora_composes(cfg, where)
+        if cfg.quantize is not None:
+            _quantize_composes(cfg)
         if cfg.lora_alpha is None:
             cfg = cfg.replace(lora_alpha=float(2 * cfg.lora))
         return cfg
@@ -192,6 +198,18 @@ def _lora_composes(cfg: TrainConfig, where: str) -> None:
     if cfg.model is None and cfg.example == "toy":
         raise bad_value(where, cfg.lora, "adapts a model's linear layers; the toy regression is one linear layer",
                         "--model DIR, or meshrun's GPT (--example gpt)")
+
+
+def _quantize_composes(cfg: TrainConfig) -> None:
+    """--quantize nf4 runs on one process or DDP: FSDP2 and DeepSpeed would shard or partition
+    the NF4 tensors, which they do not know (a strategy ``auto`` picks is checked by the ranks)."""
+    kind = STRATEGIES.get(cfg.strategy)
+    if cfg.strategy == "fsdp" or (kind is not None and not (kind.one_process or kind.uses_ddp)):
+        raise bad_value(cfg.source("strategy"), cfg.strategy, "does not combine with --quantize nf4: its sharding "
+                        "does not know NF4 weights", "--strategy ddp (each rank holds the 4-bit base whole)")
+    if cfg.cp > 1:
+        raise bad_value(cfg.source("cp"), cfg.cp, "does not combine with --quantize nf4: context parallelism runs "
+                        "with FSDP2", "--strategy ddp without --cp")
 
 
 @dataclass(frozen=True)

@@ -243,6 +243,22 @@ class Build:
     def _optimizer(self, module: nn.Module) -> Any:
         return build_optimizer(module, self.cfg.lr, self.cfg.weight_decay)
 
+    def _quantize(self) -> None:
+        """--quantize nf4: the adapted layers' frozen weights to NF4, once filled (quantize.py)."""
+        if self.cfg.quantize is None:
+            return
+        from ..quantize import describe, quantize_base
+
+        self.done.append(describe(*quantize_base(self.model)))
+
+    def _refuse_quantized(self, layout: str) -> None:
+        """A layout that shards or partitions the weights, which does not know NF4 tensors
+        (the strategies named so are refused before launch; here: one ``auto`` picked)."""
+        if self.cfg.quantize is not None:
+            raise bad_value(self.cfg.source("quantize"), self.cfg.quantize, f"does not combine with {layout} "
+                            f"(--strategy {self.kind.name}): its sharding does not know NF4 weights",
+                            "--strategy ddp (each rank holds the 4-bit base whole)")
+
     def _checkpointing(self) -> None:
         mode = self.choice.activation_checkpointing
         if mode != "none":
@@ -307,6 +323,7 @@ class Build:
             raise MeshrunError(f"--strategy={kind.name}: tensor and context parallelism run with FSDP2")
         meshes, dp_rank, dp_size, loss_parallel, context = None, rt.rank, rt.world_size, False, None
         if flavour is not None:
+            self._refuse_quantized("FSDP2")
             dims = self.dims
             meshes = dims.build(rt.device.type)
             dp_rank, dp_size = meshes.data_rank(), dims.dp
@@ -335,6 +352,7 @@ class Build:
             from .ddp import apply_ddp, ddp_bucket_mb
 
             self._materialize()
+            self._quantize()
             ddp = apply_ddp(model, rt, ddp_bucket_mb(cfg.ddp_bucket_mb, self.compiled, rt), self.bf16_reduce,
                             compiled=self.compiled)
             self.done.append(f"DDP, buckets of {ddp.bucket_bytes_cap // 2**20} MB")
@@ -342,6 +360,7 @@ class Build:
             self._compile(per_block=self._blocks_only())  # after the wrap: the compiler sees DDP's buckets
         else:
             self._materialize()
+            self._quantize()
             self._compile(per_block=self._blocks_only())
             wrapped = model
         return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, context=context, cp=cfg.cp,
@@ -423,6 +442,7 @@ class Build:
         from .deepspeed import deepspeed_engine
 
         cfg, rt, kind = self.cfg, self.rt, self.kind
+        self._refuse_quantized("DeepSpeed")
         self._checkpointing()
         self._materialize()  # DeepSpeed partitions a whole model
         engine, optimizer = deepspeed_engine(self.model, kind, self.choice.micro_batch, self.settings.accum,
