@@ -89,9 +89,11 @@ def directory_fingerprint(directory: str, files: list[str] | tuple[str, ...]) ->
     return _sha("\n".join(parts).encode())
 
 
-def base_identity(cfg: Any, weight_files: tuple[str, ...] | None) -> dict[str, Any]:
+def base_identity(cfg: Any, weight_files: tuple[str, ...] | None, name: str) -> dict[str, Any]:
     """The base model's entry: its directory and fingerprint (``weight_files``: the files the
-    run reads its weights from, None where it initialises them)."""
+    run reads its weights from, None where it initialises them; ``name``: what the run calls
+    the model, about.ModelFacts.name: a preset, a factory, the class of a module given to a
+    Trainer)."""
     directory = None
     if cfg.model and ":" not in cfg.model:
         from ..modelinfo.hf import locate
@@ -100,8 +102,7 @@ def base_identity(cfg: Any, weight_files: tuple[str, ...] | None) -> dict[str, A
     if directory is not None and weight_files:
         return {"directory": directory, "fingerprint": directory_fingerprint(directory, weight_files),
                 "identity": "config.json, the weight files' names, sizes, headers and sampled bytes"}
-    made = {"model": cfg.model or (cfg.model_size if cfg.example == "gpt" else cfg.example),
-            "experts": cfg.experts, "seed": cfg.seed, "init": "random"}
+    made = {"model": name, "experts": cfg.experts, "seed": cfg.seed, "init": "random"}
     if directory is not None:
         made["config"] = directory_fingerprint(directory, ())
     return {"directory": directory, "fingerprint": _sha(json.dumps(made, sort_keys=True).encode()),

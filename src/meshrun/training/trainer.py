@@ -113,7 +113,7 @@ class Trainer:
                 print(f"meshrun train: {line}", flush=True)
         accum = cfg.accumulation(dp)
         self.layout = parallelize(model, cfg, rt, self.choice, accum, self.bf16, weights)
-        self.lora_record = lora_record(cfg, self.layout.model, weights)  # (None: every weight trains)
+        self.lora_record = lora_record(cfg, self.layout.model, weights, self.model_facts.name)  # (None: no --lora)
         # where the run is; a resume (restore) and the batch fit (fit) return the changes to it
         self.state = TrainState(cfg.micro, accum, schedule=((0, cfg.steps),))
         self.scheduler = build_scheduler(self.layout.optimizer, cfg.warmup_steps, self.state.schedule,
@@ -335,7 +335,8 @@ class Trainer:
                                    self.lora_record)
 
 
-def lora_record(cfg: TrainConfig, model: torch.nn.Module, weights: Pretrained | None) -> dict[str, Any] | None:
+def lora_record(cfg: TrainConfig, model: torch.nn.Module, weights: Pretrained | None,
+                name: str) -> dict[str, Any] | None:
     """What a LoRA run's snapshots record of its adapters and base model (lorabase.py;
     torch-free, and without torch.distributed.checkpoint's import); None without --lora."""
     if cfg.lora is None:
@@ -345,4 +346,4 @@ def lora_record(cfg: TrainConfig, model: torch.nn.Module, weights: Pretrained | 
     from .weights import clean_name
 
     targets = [clean_name(name) for name in lora.adapter_modules(model)]
-    return record(lora.spec_of(cfg), targets, base_identity(cfg, weights.files if weights else None))
+    return record(lora.spec_of(cfg), targets, base_identity(cfg, weights.files if weights else None, name))
