@@ -61,6 +61,8 @@ def _fine_tune(model_dir: str, out: str | None, overrides: dict) -> dict:
         whole = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
         if is_adapter(name):
             adapters[clean_name(name)] = whole.clone()
+        elif hasattr(p, "ds_numel"):  # partitioned by DeepSpeed ZeRO-3: no whole tensor on this rank
+            continue
         elif type(whole) is torch.Tensor and not torch.equal(whole, on_disk[clean_name(name)]):  # (not NF4's)
             changed.append(clean_name(name))
     trainable = sorted(clean_name(n) for n, p in trainer.model.named_parameters() if p.requires_grad)
@@ -148,12 +150,15 @@ def test_resume_onto_another_base_is_refused_in_one_line(bases, one, tmp_path):
     assert f"not on this run's base {bases[1]} (fingerprint " in line and "(hint: resume with the model" in line
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp-full"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp-full", "zero3"])
 def test_two_ranks_train_the_adapters_of_one_process(bases, one, strategy):
     """The same global batch of 8 over two gloo ranks: the adapters of one process to fp32
-    rounding (the gradients' sums run in another order; 4 AdamW steps at lr 1e-2)."""
+    rounding (the gradients' sums run in another order; 4 AdamW steps at lr 1e-2). Under
+    DeepSpeed ZeRO-3 the adapters stay whole on each rank (below its persistence threshold)."""
     import torch
 
+    if strategy == "zero3":
+        require("deepspeed")
     result, _, _ = one
     two = fine_tune(bases[0], nproc=2, strategy=strategy, micro_batch=4)
     assert two["changed"] == []
