@@ -254,3 +254,24 @@ def test_a_resume_between_lora_and_full_runs_or_other_adapters_is_refused():
         with pytest.raises(MeshrunError) as info:
             check_resume("S", old, new)
         assert str(info.value).startswith(expected) and "(hint: " in str(info.value), str(info.value)
+
+
+def test_targets_meshrun_s_gpt_lacks_are_refused_before_launch(tmp_path):
+    """meshrun's GPT is checked by the names its blocks give their linear layers, which the
+    built model must have (with experts: attention's and the router)."""
+    from meshrun.training import lora
+    from meshrun.training.models.gpt import gpt
+    from meshrun.vocab import GPT_ATTENTION_LINEARS, GPT_EXPERT_LINEARS, GPT_MLP_LINEARS
+
+    for experts, names in ((0, GPT_ATTENTION_LINEARS + GPT_MLP_LINEARS),
+                           (4, GPT_ATTENTION_LINEARS + GPT_EXPERT_LINEARS)):
+        model = gpt("gpt-tiny", seq_len=32, vocab=256, n_experts=experts)
+        assert {n.rsplit(".", 1)[-1] for n in lora._linears(model)} == set(names)
+    for args, expected in ((["--lora-targets", "q"], "--lora-targets='q': matches no linear layer of the model "
+                            "(hint: its linear layers end in down, proj, qkv, up; or all-linear)"),
+                           (["--lora-targets", "qkv,up", "--experts", "4"], "--lora-targets='up': matches no "
+                            "linear layer of the model (hint: its linear layers end in proj, qkv, router; or "
+                            "all-linear)")):
+        res = meshrun_here("train", "--lora", "4", "--out", str(tmp_path / "out"), *args, env=clean_env())
+        assert res.returncode == 2 and res.stderr.strip() == f"meshrun: error: {expected}", res.stderr
+        assert not (tmp_path / "out").exists()

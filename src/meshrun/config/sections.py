@@ -30,7 +30,11 @@ from ..paths import check_output_dir
 from ..vocab import (
     AC_MODES,
     FLOAT8_PRECISIONS,
+    GPT_ATTENTION_LINEARS,
+    GPT_EXPERT_LINEARS,
+    GPT_MLP_LINEARS,
     GPT_PRESETS,
+    LORA_KINDS,
     POLICIES,
     PP_SCHEDULES,
     PRECISIONS,
@@ -115,7 +119,7 @@ class ModelOptions:
         return cfg
 
 
-QUANTIZE = ("nf4",)
+QUANTIZE = ("none", "nf4")
 LORA_MAX_RANK = 4096  # past the width of every layer meshrun trains: a typo, not a low rank
 
 
@@ -136,14 +140,16 @@ class LoraOptions:
                                "(q, k, v, o, gate, up, down) or of module names' last part (qkv, proj), or "
                                "all-linear (default: every linear layer but the output head)", metavar="LIST",
                                listed=True)
-    quantize: str | None = option(None, "with --lora: the frozen weights of the adapted layers stored in 4-bit "
-                                  "NF4 (QLoRA, torchao), a quarter of bf16's bytes; one process or DDP",
-                                  metavar="nf4", choices=QUANTIZE)
+    quantize: str = option("none", "with --lora: nf4 stores the frozen weights of the adapted layers in 4-bit "
+                           "NF4 (QLoRA, torchao), a quarter of bf16's bytes, on one process or DDP; none (default)",
+                           choices=QUANTIZE)
 
     @staticmethod
     def check(cfg: TrainConfig) -> TrainConfig:
         if cfg.lora is None:
-            given = [n for n in ("lora_alpha", "lora_dropout", "lora_targets", "quantize") if n in cfg.sources]
+            given = [n for n in ("lora_alpha", "lora_dropout", "lora_targets") if n in cfg.sources]
+            if cfg.quantize != "none":
+                given.append("quantize")
             if given:
                 raise bad_value(cfg.source(given[0]), getattr(cfg, given[0]), "is an option of --lora runs, and "
                                 "there is no --lora: it would be ignored", "add --lora RANK, or drop it")
@@ -158,9 +164,11 @@ class LoraOptions:
         if not (math.isfinite(cfg.lora_dropout) and 0 <= cfg.lora_dropout < 1):
             raise bad_value(cfg.source("lora_dropout"), cfg.lora_dropout, "must be at least 0 and below 1",
                             "e.g. 0.05, or 0 for none")
-        lora_targets(cfg)
+        names = lora_targets(cfg)
         _lora_composes(cfg, where)
-        if cfg.quantize is not None:
+        if cfg.model is None and cfg.example == "gpt":
+            _gpt_targets(cfg, names)
+        if cfg.quantize != "none":
             _quantize_composes(cfg)
         if cfg.lora_alpha is None:
             cfg = cfg.replace(lora_alpha=float(2 * cfg.lora))
@@ -181,6 +189,28 @@ def lora_targets(cfg: TrainConfig) -> tuple[str, ...]:
         raise bad_value(where, odd, "is not a layer kind nor the last part of a module name",
                         "q, k, v, o, gate, up, down, a name such as qkv, or all-linear")
     return names
+
+
+def target_matches(target: str, leaf: str) -> bool:
+    """Whether a --lora-targets name matches a layer by the last part of its path: a kind (``q``:
+    ``q_proj``) or the name itself (meshrun's GPT names its MLP's layers ``up`` and ``down``)."""
+    return leaf in (LORA_KINDS.get(target, target), target)
+
+
+def unmatched_target(source: str, target: str, leaves: list[str]) -> MeshrunError:
+    """--lora-targets' name that matches no linear layer (``leaves``: their paths' last parts)."""
+    names = sorted(set(leaves))
+    return bad_value(source, target, "matches no linear layer of the model",
+                     f"its linear layers end in {', '.join(names[:12]) or 'nothing'}; or all-linear")
+
+
+def _gpt_targets(cfg: TrainConfig, names: tuple[str, ...]) -> None:
+    """meshrun's GPT's linear layers are known by name before it is built: a target that
+    matches none of them is refused before launch, as the ranks would refuse it."""
+    leaves = list(GPT_ATTENTION_LINEARS) + list(GPT_EXPERT_LINEARS if cfg.experts else GPT_MLP_LINEARS)
+    for target in names:
+        if target != "all-linear" and not any(target_matches(target, leaf) for leaf in leaves):
+            raise unmatched_target(cfg.source("lora_targets"), target, leaves)
 
 
 def _lora_composes(cfg: TrainConfig, where: str) -> None:

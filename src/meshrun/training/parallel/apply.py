@@ -245,7 +245,7 @@ class Build:
 
     def _quantize(self) -> None:
         """--quantize nf4: the adapted layers' frozen weights to NF4, once filled (quantize.py)."""
-        if self.cfg.quantize is None:
+        if self.cfg.quantize == "none":
             return
         from ..quantize import describe, quantize_base
 
@@ -254,7 +254,7 @@ class Build:
     def _refuse_quantized(self, layout: str) -> None:
         """A layout that shards or partitions the weights, which does not know NF4 tensors
         (the strategies named so are refused before launch; here: one ``auto`` picked)."""
-        if self.cfg.quantize is not None:
+        if self.cfg.quantize != "none":
             raise bad_value(self.cfg.source("quantize"), self.cfg.quantize, f"does not combine with {layout} "
                             f"(--strategy {self.kind.name}): its sharding does not know NF4 weights",
                             "--strategy ddp (each rank holds the 4-bit base whole)")
