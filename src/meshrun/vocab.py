@@ -180,6 +180,15 @@ PP_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 # The Hugging Face families pipeline stages cut (their model_type): a causal LM that is
 # embed_tokens -> decoder layers (rotary positions) -> norm -> lm_head and nothing more (no
 # embedding scale, no logit cap), under ``model`` and ``lm_head``.
+# LoRA's layer kinds (--lora-targets q,k,v,o,gate,up,down), as the module names of the Hugging
+# Face families meshrun trains (Llama, Mistral, Qwen2, Gemma) spell them
+LORA_KINDS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+              "down": "down_proj"}
+# The linear layers of meshrun's GPT blocks by name (models/gpt.py): attention's, and the MLP's,
+# or with experts the router's (the experts themselves are parameter tensors, not layers)
+GPT_ATTENTION_LINEARS = ("qkv", "proj")
+GPT_MLP_LINEARS = ("up", "down")
+GPT_EXPERT_LINEARS = ("router",)
 LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral"})
 
 

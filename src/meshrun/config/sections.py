@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -29,7 +30,11 @@ from ..paths import check_output_dir
 from ..vocab import (
     AC_MODES,
     FLOAT8_PRECISIONS,
+    GPT_ATTENTION_LINEARS,
+    GPT_EXPERT_LINEARS,
+    GPT_MLP_LINEARS,
     GPT_PRESETS,
+    LORA_KINDS,
     POLICIES,
     PP_SCHEDULES,
     PRECISIONS,
@@ -112,6 +117,129 @@ class ModelOptions:
             raise bad_value(cfg.source("init"), cfg.init, "chooses the weights of a Hugging Face model directory",
                             "drop it, or give --model a model directory")
         return cfg
+
+
+QUANTIZE = ("none", "nf4")
+LORA_MAX_RANK = 4096  # past the width of every layer meshrun trains: a typo, not a low rank
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """Low-rank adapters (training/lora.py): the model frozen, adapters on its linear layers
+    trained. What a rank cannot do with them is refused here, before anything starts."""
+
+    TITLE: ClassVar[str] = "fine-tuning (LoRA)"
+
+    lora: int | None = option(None, "train low-rank adapters of rank R on the model's linear layers, the model "
+                              "itself frozen (PEFT's LoRA; default: off, every weight trains)", metavar="R")
+    lora_alpha: float | None = option(None, "with --lora: the adapters' scale is alpha / rank (default: 2 x rank)",
+                                      metavar="A")
+    lora_dropout: float = option(0.0, "with --lora: dropout on the adapters' input, 0 <= p < 1 (default {default})",
+                                 metavar="P")
+    lora_targets: str = option("all-linear", "with --lora: the layers that get adapters, a comma list of kinds "
+                               "(q, k, v, o, gate, up, down) or of module names' last part (qkv, proj), or "
+                               "all-linear (default: every linear layer but the output head)", metavar="LIST",
+                               listed=True)
+    quantize: str = option("none", "with --lora: nf4 stores the frozen weights of the adapted layers in 4-bit "
+                           "NF4 (QLoRA, torchao), a quarter of bf16's bytes, on one process or DDP; none (default)",
+                           choices=QUANTIZE)
+
+    @staticmethod
+    def check(cfg: TrainConfig) -> TrainConfig:
+        if cfg.lora is None:
+            given = [n for n in ("lora_alpha", "lora_dropout", "lora_targets") if n in cfg.sources]
+            if cfg.quantize != "none":
+                given.append("quantize")
+            if given:
+                raise bad_value(cfg.source(given[0]), getattr(cfg, given[0]), "is an option of --lora runs, and "
+                                "there is no --lora: it would be ignored", "add --lora RANK, or drop it")
+            return cfg
+        where = cfg.source("lora")
+        if not 1 <= cfg.lora <= LORA_MAX_RANK:
+            raise bad_value(where, cfg.lora, f"the adapters' rank must be between 1 and {LORA_MAX_RANK}",
+                            "8 to 64 is usual; drop --lora to train every weight")
+        if cfg.lora_alpha is not None and not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0):
+            raise bad_value(cfg.source("lora_alpha"), cfg.lora_alpha, "must be a finite number > 0",
+                            f"e.g. {2 * cfg.lora} (2 x rank, the default)")
+        if not (math.isfinite(cfg.lora_dropout) and 0 <= cfg.lora_dropout < 1):
+            raise bad_value(cfg.source("lora_dropout"), cfg.lora_dropout, "must be at least 0 and below 1",
+                            "e.g. 0.05, or 0 for none")
+        names = lora_targets(cfg)
+        _lora_composes(cfg, where)
+        if cfg.model is None and cfg.example == "gpt":
+            _gpt_targets(cfg, names)
+        if cfg.quantize != "none":
+            _quantize_composes(cfg)
+        if cfg.lora_alpha is None:
+            cfg = cfg.replace(lora_alpha=float(2 * cfg.lora))
+        return cfg
+
+
+def lora_targets(cfg: TrainConfig) -> tuple[str, ...]:
+    """--lora-targets as names: all-linear alone, or kinds and module-name endings."""
+    names = tuple(n.strip() for n in cfg.lora_targets.split(","))
+    where = cfg.source("lora_targets")
+    if not names or any(not n for n in names):
+        raise bad_value(where, cfg.lora_targets, "has an empty name", "a comma list such as q,k,v,o, or all-linear")
+    if "all-linear" in names and len(names) > 1:
+        raise bad_value(where, cfg.lora_targets, "all-linear already names every linear layer",
+                        "all-linear alone, or a list of kinds such as q,v")
+    odd = next((n for n in names if not all(c.isalnum() or c == "_" or c == "-" for c in n)), None)
+    if odd is not None:
+        raise bad_value(where, odd, "is not a layer kind nor the last part of a module name",
+                        "q, k, v, o, gate, up, down, a name such as qkv, or all-linear")
+    return names
+
+
+def target_matches(target: str, leaf: str) -> bool:
+    """Whether a --lora-targets name matches a layer by the last part of its path: a kind (``q``:
+    ``q_proj``) or the name itself (meshrun's GPT names its MLP's layers ``up`` and ``down``)."""
+    return leaf in (LORA_KINDS.get(target, target), target)
+
+
+def unmatched_target(source: str, target: str, leaves: list[str]) -> MeshrunError:
+    """--lora-targets' name that matches no linear layer (``leaves``: their paths' last parts)."""
+    names = sorted(set(leaves))
+    return bad_value(source, target, "matches no linear layer of the model",
+                     f"its linear layers end in {', '.join(names[:12]) or 'nothing'}; or all-linear")
+
+
+def _gpt_targets(cfg: TrainConfig, names: tuple[str, ...]) -> None:
+    """meshrun's GPT's linear layers are known by name before it is built: a target that
+    matches none of them is refused before launch, as the ranks would refuse it."""
+    leaves = list(GPT_ATTENTION_LINEARS) + list(GPT_EXPERT_LINEARS if cfg.experts else GPT_MLP_LINEARS)
+    for target in names:
+        if target != "all-linear" and not any(target_matches(target, leaf) for leaf in leaves):
+            raise unmatched_target(cfg.source("lora_targets"), target, leaves)
+
+
+def _lora_composes(cfg: TrainConfig, where: str) -> None:
+    """What --lora does not run with: each refused in one line, before anything starts."""
+    degrees = (("tp", cfg.tp, "tensor parallelism shards the linear layers the adapters wrap"),
+               ("pp", cfg.pp, "the pipeline's stages are cut from the model before the adapters go in"),
+               ("ep", cfg.ep, "expert parallelism is meshrun's GPT's experts, which take no adapters"))
+    for name, degree, why in degrees:
+        if degree > 1:
+            raise bad_value(cfg.source(name), degree, f"does not combine with --lora: {why}",
+                            "data parallelism (DDP, FSDP2, DeepSpeed ZeRO) for a LoRA run")
+    if cfg.precision in FLOAT8_PRECISIONS:
+        raise bad_value(cfg.source("precision"), cfg.precision, "does not combine with --lora: float8 converts "
+                        "the linear layers the adapters wrap", "--precision auto (bf16 on GPUs)")
+    if cfg.model is None and cfg.example == "toy":
+        raise bad_value(where, cfg.lora, "adapts a model's linear layers; the toy regression is one linear layer",
+                        "--model DIR, or meshrun's GPT (--example gpt)")
+
+
+def _quantize_composes(cfg: TrainConfig) -> None:
+    """--quantize nf4 runs on one process or DDP: FSDP2 and DeepSpeed would shard or partition
+    the NF4 tensors, which they do not know (a strategy ``auto`` picks is checked by the ranks)."""
+    kind = STRATEGIES.get(cfg.strategy)
+    if cfg.strategy == "fsdp" or (kind is not None and not (kind.one_process or kind.uses_ddp)):
+        raise bad_value(cfg.source("strategy"), cfg.strategy, "does not combine with --quantize nf4: its sharding "
+                        "does not know NF4 weights", "--strategy ddp (each rank holds the 4-bit base whole)")
+    if cfg.cp > 1:
+        raise bad_value(cfg.source("cp"), cfg.cp, "does not combine with --quantize nf4: context parallelism runs "
+                        "with FSDP2", "--strategy ddp without --cp")
 
 
 @dataclass(frozen=True)
@@ -364,8 +492,8 @@ def _float8(cfg: TrainConfig) -> TrainConfig:
 
 
 # In the order --help shows them and validate() checks them
-SECTIONS: tuple[type[Section], ...] = (ModelOptions, DataOptions, ParallelOptions, ScheduleOptions, OptimOptions,
-                              CheckpointOptions, MetricsOptions, RuntimeOptions)
+SECTIONS: tuple[type[Section], ...] = (ModelOptions, LoraOptions, DataOptions, ParallelOptions, ScheduleOptions,
+                                       OptimOptions, CheckpointOptions, MetricsOptions, RuntimeOptions)
 
 
 def section_names() -> dict[str, type[Section]]:
@@ -375,7 +503,7 @@ def section_names() -> dict[str, type[Section]]:
 
 @dataclass(frozen=True)
 class TrainConfig(RuntimeOptions, MetricsOptions, CheckpointOptions, OptimOptions, ScheduleOptions,
-                  ParallelOptions, DataOptions, ModelOptions):
+                  ParallelOptions, DataOptions, LoraOptions, ModelOptions):
     """Every option of `meshrun train`: the sections above at once (``cfg.tp``,
     ``cfg.steps``), and where each value came from (``sources``: option -> "flag",
     "env MESHRUN_X", "config FILE", ...), so that an error names it."""

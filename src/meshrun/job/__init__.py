@@ -184,7 +184,11 @@ def check(cfg: TrainConfig, topo: Topology, job: JobOptions, gpus: int | None = 
         from ..modelinfo import hf
 
         source = hf.locate(cfg.model, cfg.source("model"))
-        hf.build_on_meta(hf.load_config(source, cfg.source("model")), cfg.source("model"), cfg.model)
+        meta = hf.build_on_meta(hf.load_config(source, cfg.source("model")), cfg.source("model"), cfg.model)
+        if cfg.lora is not None:  # targets that match no layer: refused now, as the ranks would
+            from ..training import lora
+
+            lora.target_modules(meta, lora.spec_of(cfg).targets, cfg.source("lora_targets"))
         if not cfg.data:
             raise bad_value("--data", "stdlib", "the default data is the standard library's source as bytes, not "
                             "text in this model's vocabulary", "--data random (random tokens of its vocabulary), "

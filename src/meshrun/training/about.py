@@ -153,9 +153,10 @@ def _corpus(path: str | None) -> tuple[tuple[str, int] | None, str]:
     return tokenizer, f"{path} (prepared from " + (where if files == 1 else f"{files:,} files in {where}") + ")"
 
 
-def model_line(model: ModelFacts, n_params: int) -> str:
-    """The first line's sentence about the model."""
-    return f"model {model.words}, {fmt_count(n_params)} parameters"
+def model_line(model: ModelFacts, n_params: int, trains: str | None = None) -> str:
+    """The first line's sentence about the model; ``trains``: what of it trains, where not all
+    of it does (a LoRA run's adapters: lora.describe)."""
+    return f"model {model.words}, {fmt_count(n_params)} parameters" + (f"; {trains}" if trains else "")
 
 
 def data_line(data: DataFacts, seq: int | None) -> str:

@@ -43,8 +43,9 @@ def build_model(cfg: TrainConfig) -> Any:
         return Toy()
     vocab = 256 if data_name(cfg) == "stdlib" else corpus_vocab(cfg) or 50304  # bytes, the data's, GPT-2's padded
     auto = cfg.kernels == "auto"
+    # (the fused MLP reads its layers' weights itself: a LoRA run's adapted layers run as modules)
     return gpt(cfg.model_size, seq_len=cfg.seq, vocab=vocab, n_experts=cfg.experts, fused_loss=cfg.fused_loss,
-               head_loss=auto, fused_mlp="auto" if auto else False)
+               head_loss=auto, fused_mlp="auto" if auto and cfg.lora is None else False)
 
 
 def corpus_vocab(cfg: TrainConfig) -> int | None:

@@ -19,14 +19,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..config.sections import target_matches, unmatched_target
 from ..errors import bad_value
 
 ADAPTER = "default"  # PEFT's adapter name: the one adapter a run trains
 ALL_LINEAR = "all-linear"
-# Module kinds users name (--lora-targets q,k,v,o,gate,up,down), as the module names of the
-# Hugging Face families meshrun trains (Llama, Mistral, Qwen2, Gemma) spell them.
-KINDS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-         "down": "down_proj"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +38,15 @@ class LoraSpec:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def spec_of(cfg: Any) -> LoraSpec:
+    """The LoraSpec of a config whose --lora is set (config/sections.py checked its options)."""
+    from ..config.sections import lora_targets
+
+    rank = int(cfg.lora)
+    alpha = float(cfg.lora_alpha) if cfg.lora_alpha is not None else float(2 * rank)
+    return LoraSpec(rank, alpha, float(cfg.lora_dropout), lora_targets(cfg))
 
 
 def is_adapter(name: str) -> bool:
@@ -72,12 +78,9 @@ def target_modules(model: nn.Module, targets: tuple[str, ...], source: str = "--
         return linears
     chosen: list[str] = []
     for target in targets:
-        leaf = KINDS.get(target, target)
-        matched = [n for n in linears if n.rsplit(".", 1)[-1] == leaf]
+        matched = [n for n in linears if target_matches(target, n.rsplit(".", 1)[-1])]
         if not matched:
-            leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
-            raise bad_value(source, target, "matches no linear layer of the model",
-                            f"its linear layers end in {', '.join(leaves[:12]) or 'nothing'}; or {ALL_LINEAR}")
+            raise unmatched_target(source, target, [n.rsplit(".", 1)[-1] for n in linears])
         chosen += [n for n in matched if n not in chosen]
     return chosen
 
@@ -128,7 +131,7 @@ def counts(model: nn.Module) -> tuple[int, int]:
     """(trainable parameters, all parameters)."""
     total = trainable = 0
     for p in model.parameters():
-        n = p.numel()
+        n = int(getattr(p, "ds_numel", p.numel()))  # (DeepSpeed ZeRO-3's partitioned ones: their whole size)
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total

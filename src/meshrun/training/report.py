@@ -43,7 +43,12 @@ def describe(trainer: Run) -> str:
     user and why."""
     cfg, rt, data = trainer.cfg, trainer.rt, trainer.data_facts
     seq = cfg.seq if data.tokens else None
-    lines = [model_line(trainer.model_facts, trainer.n_params), data_line(data, seq),
+    trains = None
+    if cfg.lora is not None:  # the adapters and the frozen rest, counted on the laid-out model
+        from . import lora
+
+        trains = lora.describe(lora.spec_of(cfg), trainer.layout.model)
+    lines = [model_line(trainer.model_facts, trainer.n_params, trains), data_line(data, seq),
              steps_line(trainer.step, cfg.steps, cfg.micro, trainer.state.accum, trainer.dp_size, seq,
                         cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio),
              strategy_line(trainer.layout.description, rt.world_size, rt.local_world_size, rt.cuda,

@@ -83,12 +83,13 @@ class Snapshots:
         self.async_group: Any = None  # the gloo group its background writer coordinates over
 
     def restore(self, path: str | None, names: list[str] | None, cfg: TrainConfig, layout: Layout,
-                state: TrainState, seekable: bool) -> tuple[TrainState, Any]:
+                state: TrainState, seekable: bool, lora: Any = None) -> tuple[TrainState, Any]:
         """Load the snapshot at ``path`` (``starting_point``'s; ``names``: the listing it was
         found in) into the layout's model and optimizer, if there is one; returns the state it
         resumes at and the learning-rate scheduler placed at its step (a fresh start: ``state``
         and None). ``seekable``: whether the training loader starts at a sample (a map-style
-        dataset's sampler); iterable data skips its share instead (``TrainState.loader_skip``)."""
+        dataset's sampler); iterable data skips its share instead (``TrainState.loader_skip``).
+        ``lora``: a LoRA run's record (lorabase.py), which the snapshot's must match."""
         root = checkpoint_root(cfg)
         if root and self.is_main:
             from . import snapshot
@@ -101,7 +102,7 @@ class Snapshots:
 
         cost = ReadCost()
         position, saved_world = snapshot.load(path, layout.model, layout.optimizer, layout.local_shards(),
-                                                layout.ties())
+                                                layout.ties(), lora)
         # Each rank's cost, for the line below: each reads its own shards (and hashes a
         # share of the files), so a rank far above the others shows a slow disk or a rank
         # that read more than its share.
@@ -149,7 +150,7 @@ class Snapshots:
             raise
 
     def save(self, cfg: TrainConfig, state: TrainState, data: BatchStream, layout: Layout, model_record: Any,
-             final: bool = False) -> str | None:
+             final: bool = False, lora: Any = None) -> str | None:
         """Snapshot ``state`` at the data position of ``data`` now; returns its path (committed
         on return unless it is an asynchronous save still in flight). Asynchronous saves commit
         the previous snapshot first (one in flight at a time, so two never interleave), and the
@@ -176,7 +177,7 @@ class Snapshots:
         position = snapshot.Position(state.step, data.epoch, data.samples, state.schedule)
         pending = snapshot.begin_save(root, position, layout.model, layout.optimizer, cfg.to_json(),
                                         cfg.keep_last, group, layout.local_shards(), model_record,
-                                        run_id=os.environ.get(RUN_ID_ENV))
+                                        run_id=os.environ.get(RUN_ID_ENV), lora=lora)
         if group is None:
             return snapshot.commit(pending)
         self.pending = pending

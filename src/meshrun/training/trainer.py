@@ -113,6 +113,7 @@ class Trainer:
                 print(f"meshrun train: {line}", flush=True)
         accum = cfg.accumulation(dp)
         self.layout = parallelize(model, cfg, rt, self.choice, accum, self.bf16, weights)
+        self.lora_record = lora_record(cfg, self.layout.model, weights, self.model_facts.name)  # (None: no --lora)
         # where the run is; a resume (restore) and the batch fit (fit) return the changes to it
         self.state = TrainState(cfg.micro, accum, schedule=((0, cfg.steps),))
         self.scheduler = build_scheduler(self.layout.optimizer, cfg.warmup_steps, self.state.schedule,
@@ -320,7 +321,7 @@ class Trainer:
         return the data stream positioned where it stopped."""
         seekable = hasattr(self.train_loader.sampler, "set_start")  # else iterable data: skipped to its place
         self.state, scheduler = self.snapshots.restore(self.resume_from, self.checkpoint_names, self.cfg,
-                                                       self.layout, self.state, seekable)
+                                                       self.layout, self.state, seekable, self.lora_record)
         if scheduler is not None:  # (None: a fresh start, the schedule as built)
             self.scheduler = scheduler
         if self.state.loader_skip:
@@ -330,4 +331,19 @@ class Trainer:
     def save(self, data: BatchStream, final: bool = False) -> str | None:
         """Snapshot now; returns its path (committed on return unless it is an asynchronous
         save still in flight, one at a time)."""
-        return self.snapshots.save(self.cfg, self.state, data, self.layout, self.model_record, final)
+        return self.snapshots.save(self.cfg, self.state, data, self.layout, self.model_record, final,
+                                   self.lora_record)
+
+
+def lora_record(cfg: TrainConfig, model: torch.nn.Module, weights: Pretrained | None,
+                name: str) -> dict[str, Any] | None:
+    """What a LoRA run's snapshots record of its adapters and base model (lorabase.py;
+    torch-free, and without torch.distributed.checkpoint's import); None without --lora."""
+    if cfg.lora is None:
+        return None
+    from . import lora
+    from .lorabase import base_identity, record
+    from .weights import clean_name
+
+    targets = [clean_name(name) for name in lora.adapter_modules(model)]
+    return record(lora.spec_of(cfg), targets, base_identity(cfg, weights.files if weights else None, name))

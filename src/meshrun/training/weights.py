@@ -40,9 +40,13 @@ class Pretrained:
 
 
 def clean_name(name: str) -> str:
+    """A parameter's path as the weight files name it: wrappers' parts out, and PEFT's
+    ``base_layer.`` (a LoRA layer's frozen original: ``q_proj.base_layer.weight`` is the
+    files' ``q_proj.weight``)."""
     for wrapper in _WRAPPERS:
         name = name.replace(wrapper, "")
-    return name
+    name = name.replace(".base_layer.", ".").removeprefix("base_layer.")
+    return name.removesuffix(".base_layer") if name != "base_layer" else ""
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -170,7 +174,9 @@ def load_pretrained(model: nn.Module, weights: Pretrained, log: bool = False,
                                      ) from None
         if log and sys.stderr.isatty():
             print(f"\rmeshrun train: weights {i + 1}/{len(weights.files)} files", end="", file=sys.stderr, flush=True)
-    missing = sorted(n for n, p in params.items() if id(p) not in filled and n not in (optional or set()))
+    # (LoRA's adapters are no part of the model's files: initialised after, lora.init_adapters)
+    missing = sorted(n for n, p in params.items() if id(p) not in filled and n not in (optional or set())
+                     and not (".lora_A." in n or ".lora_B." in n))
     if missing:
         raise MeshrunError(f"{weights.directory}: the weight files lack {len(missing)} of the model's tensors, "
                            f"{missing[0]} first (hint: the weights are not this config's, or transformers renames "

@@ -1,6 +1,11 @@
 """Parallelisms as plain functions, applied to a model in one fixed order (torchtitan's):
 
-    tensor parallel -> context parallel -> activation checkpointing -> compile -> FSDP2 / DDP
+    LoRA adapters -> tensor parallel -> context parallel -> activation checkpointing -> compile
+    -> FSDP2 / DDP
+
+Low-rank adapters (--lora) go in first, on the model as built (on the meta device where it is
+there), so that every later step wraps, compiles and shards the adapted layers as they are;
+the base weights are frozen and only the adapters reach the optimizer.
 
 Tensor parallelism rewrites the blocks' Linear layers into DTensor shards first, on the raw
 modules (checkpoint wrappers would change their paths); context parallelism then swaps each
@@ -118,6 +123,16 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
     device is laid out first and filled after (``weights``: from those files, else a random
     initialisation; training/weights.py), so that no rank holds more of it than its layout needs."""
     kind = choice.kind
+    deferred = on_meta(model)
+    adapters = None
+    if cfg.lora is not None:  # first: every step after sees the adapted layers (still on meta where it was)
+        from .. import lora
+
+        spec = lora.spec_of(cfg)
+        model = lora.add_adapters(model, spec, cfg.source("lora_targets"))
+        if not deferred:  # (a model filled after its layout gets them with its weights: Build._materialize)
+            lora.init_adapters(model, cfg.seed)
+        adapters = f"LoRA rank {spec.rank} on {len(lora.adapter_modules(model))} layers"
     found = find_blocks(model, cfg.blocks)
     blocks = found[1] if found else None
     zero3 = kind.engine is Engine.DEEPSPEED and kind.zero == 3  # its partitioned weights take the plain paths
@@ -131,7 +146,6 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
         float8, after_update = convert_float8(model, cfg.precision, fsdp=kind.fsdp is not None)
     settings = StepSettings(accum=accum, max_norm=cfg.grad_clip or float("inf"), device=rt.device,
                             loss_mode=loss_mode(model), attention=cfg.attention, after_update=after_update)
-    deferred = on_meta(model)
     if not deferred:
         model = model.to(rt.device)
     elif weights is None and cfg.init == "pretrained":
@@ -142,6 +156,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
                 m.stats_group = dist.group.WORLD
     dims = layout_dims(cfg, kind, rt) if kind.engine != "deepspeed" else None
     build = Build(model, blocks, cfg, rt, choice, kind, bf16, settings, weights if deferred else None, deferred, dims)
+    if adapters is not None:
+        build.done.append(adapters)
     if kind.engine is Engine.DEEPSPEED:
         layout = build.deepspeed()
     elif cfg.ep > 1:
@@ -208,8 +224,13 @@ class Build:
         ``optional``: parameters the weight files may lack, filled otherwise)."""
         if not self.deferred:
             return
-        materialize(self.model if module is None else module, self.rt.device, self.cfg.seed, self.weights,
-                    log=self.rt.is_main, optional=optional or set(), whole=self.model)
+        part = self.model if module is None else module
+        materialize(part, self.rt.device, self.cfg.seed, self.weights, log=self.rt.is_main,
+                    optional=optional or set(), whole=self.model)
+        if self.cfg.lora is not None:  # after the weights or init_deterministic, which draws lora_B too
+            from .. import lora
+
+            lora.init_adapters(part, self.cfg.seed)
         self.deferred = False
         self.done.append("pretrained weights read" if self.weights else "initialised")
 
@@ -221,6 +242,22 @@ class Build:
 
     def _optimizer(self, module: nn.Module) -> Any:
         return build_optimizer(module, self.cfg.lr, self.cfg.weight_decay)
+
+    def _quantize(self) -> None:
+        """--quantize nf4: the adapted layers' frozen weights to NF4, once filled (quantize.py)."""
+        if self.cfg.quantize == "none":
+            return
+        from ..quantize import describe, quantize_base
+
+        self.done.append(describe(*quantize_base(self.model)))
+
+    def _refuse_quantized(self, layout: str) -> None:
+        """A layout that shards or partitions the weights, which does not know NF4 tensors
+        (the strategies named so are refused before launch; here: one ``auto`` picked)."""
+        if self.cfg.quantize != "none":
+            raise bad_value(self.cfg.source("quantize"), self.cfg.quantize, f"does not combine with {layout} "
+                            f"(--strategy {self.kind.name}): its sharding does not know NF4 weights",
+                            "--strategy ddp (each rank holds the 4-bit base whole)")
 
     def _checkpointing(self) -> None:
         mode = self.choice.activation_checkpointing
@@ -286,6 +323,7 @@ class Build:
             raise MeshrunError(f"--strategy={kind.name}: tensor and context parallelism run with FSDP2")
         meshes, dp_rank, dp_size, loss_parallel, context = None, rt.rank, rt.world_size, False, None
         if flavour is not None:
+            self._refuse_quantized("FSDP2")
             dims = self.dims
             meshes = dims.build(rt.device.type)
             dp_rank, dp_size = meshes.data_rank(), dims.dp
@@ -314,6 +352,7 @@ class Build:
             from .ddp import apply_ddp, ddp_bucket_mb
 
             self._materialize()
+            self._quantize()
             ddp = apply_ddp(model, rt, ddp_bucket_mb(cfg.ddp_bucket_mb, self.compiled, rt), self.bf16_reduce,
                             compiled=self.compiled)
             self.done.append(f"DDP, buckets of {ddp.bucket_bytes_cap // 2**20} MB")
@@ -321,6 +360,7 @@ class Build:
             self._compile(per_block=self._blocks_only())  # after the wrap: the compiler sees DDP's buckets
         else:
             self._materialize()
+            self._quantize()
             self._compile(per_block=self._blocks_only())
             wrapped = model
         return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, context=context, cp=cfg.cp,
@@ -402,6 +442,7 @@ class Build:
         from .deepspeed import deepspeed_engine
 
         cfg, rt, kind = self.cfg, self.rt, self.kind
+        self._refuse_quantized("DeepSpeed")
         self._checkpointing()
         self._materialize()  # DeepSpeed partitions a whole model
         engine, optimizer = deepspeed_engine(self.model, kind, self.choice.micro_batch, self.settings.accum,

@@ -85,12 +85,13 @@ def _weights_only_everywhere() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def load_deepspeed(snapshot: Snapshot, engine: Any) -> None:
+def load_deepspeed(snapshot: Snapshot, engine: Any, adapters_only: bool = False) -> None:
     """A DeepSpeed engine's ``load_checkpoint`` of the snapshot's DeepSpeed files, each read
     through ``_VerifiedDeepSpeedFiles``. A DeepSpeed whose engine is not built the way this
     relies on (its files read through a ``TorchCheckpointEngine`` held as
     ``engine.checkpoint_engine``, no universal checkpoint, no NVMe offload, which read files
-    themselves) is refused before anything is read."""
+    themselves) is refused before anything is read. ``adapters_only``: a LoRA run's snapshot,
+    which holds no frozen parameter (its module state is loaded not strictly)."""
     path = os.path.join(snapshot.path, DS_DIR)
     hint = "(hint: use DeepSpeed 0.19 with meshrun's own DeepSpeed configuration)"
     try:
@@ -117,7 +118,7 @@ def load_deepspeed(snapshot: Snapshot, engine: Any) -> None:
     try:
         with _weights_only_everywhere(), torch.serialization.safe_globals(allowed):
             loaded, _ = engine.load_checkpoint(snapshot.path, tag=DS_DIR, load_optimizer_states=True,
-                                               load_lr_scheduler_states=False)
+                                               load_lr_scheduler_states=False, load_module_strict=not adapters_only)
     except pickle.UnpicklingError as exc:  # a file DeepSpeed read around the verified reader
         raise MeshrunError(f"{path}: DeepSpeed read a file of it around meshrun's verified reader and it was "
                            f"refused ({gist(exc)}); no object in it was run (hint: resume from another "

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ...errors import MeshrunError
+from ..lorabase import check_resume
 from ..models.hooks import CheckpointingEngine
 from .deepspeed import load_deepspeed
 from .integrity import Snapshot, check, position, read_verified, rng_file, verify_unread
@@ -48,11 +49,14 @@ def _borrow_tied_state(snapshot: Snapshot, optim_sd: dict[str, Any], ties: dict[
 
 
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         local_shards: Any = None, ties: dict[str, str] | None = None) -> tuple[Position, int]:
+         local_shards: Any = None, ties: dict[str, str] | None = None,
+         lora: dict[str, Any] | None = None) -> tuple[Position, int]:
     """Load a snapshot collectively; returns the position and the world size it was saved
     with. The ranks verify a share of the files each; any failure stops every rank.
     ``local_shards`` as for ``begin_save``; ``ties``: {this rank's name of a tied parameter:
-    the name the whole model gives it first}."""
+    the name the whole model gives it first}; ``lora``: a LoRA run's record (lorabase.record),
+    which the snapshot's must match (the same base model, rank and layers): only the adapters
+    and their optimizer state are loaded, the frozen base stays as the run read it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     snapshot: Snapshot | None = None
     error: str | None = None
@@ -64,6 +68,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if failed or snapshot is None:  # (this rank's own failure is among them)
         raise MeshrunError(failed or str(error))
     state = snapshot.state
+    check_resume(path, state.get("lora"), lora)  # (the same verified state.json on every rank: all refuse)
     saved_world = int(state["world_size"])
     same_world = saved_world == world
     rng: Any = None
@@ -73,13 +78,14 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         if saved_world != world:
             raise MeshrunError(f"{path}: a DeepSpeed snapshot of {saved_world} ranks cannot be resumed on {world} "
                                "(ZeRO partitions are per rank; hint: resume on the same world size)")
-        load_deepspeed(snapshot, model)
+        load_deepspeed(snapshot, model, adapters_only=lora is not None)
         rng = _rng_state(snapshot, rank) if same_world else None  # (every file was hashed by check)
     else:
         if os.path.isdir(os.path.join(path, DS_DIR)):
             raise MeshrunError(f"{path}: a DeepSpeed snapshot (hint: resume it with --strategy deepspeed)")
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        adapters = StateDictOptions(ignore_frozen_params=True, strict=False) if lora is not None else None
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=adapters)
         moved = _borrow_tied_state(snapshot, optim_sd, ties or {})
         sd = shards_as_dtensors(float8_unwrapped({"model": model_sd, "optim": optim_sd}), local_shards)
         read = load_shards(snapshot, sd)  # into the wrapped local tensors, in place
@@ -87,7 +93,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         sd = shards_as_local(sd)
         for theirs, mine in moved.items():
             sd["optim"]["state"][mine] = sd["optim"]["state"].pop(theirs)
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=adapters)
         # Under pipeline parallelism (torch 2.13) the groups come back without the
         # hyperparameters DCP keys by parameter name (lr, betas, eps, weight decay): they
         # are the config's anyway, and the lr schedule is recomputed from the step. The

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from ...errors import MeshrunError
 from ..models.hooks import CheckpointingEngine
@@ -61,33 +61,36 @@ class PendingSave:
     started: float = 0.0  # perf_counter() when begin_save started, and when its background write ended
     written: float = 0.0
     run_id: str | None = None  # the run the snapshot belongs to (config/outdir.py), in state.json
+    lora: Any = None  # a LoRA run's adapters and base model (lorabase.py), in state.json
 
 
 def begin_save(root: str, position: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                config_json: str, keep_last: int, async_group: Any = None, local_shards: Any = None,
-               model_meta: Any = None, run_id: str | None = None) -> PendingSave:
+               model_meta: Any = None, run_id: str | None = None, lora: Any = None) -> PendingSave:
     """Every rank writes its shards and RNG state into the temporary directory. With
     ``async_group`` (a gloo group), the tensors are staged to CPU memory now and written by
     a background thread while training goes on. ``local_shards(fqn)`` gives (mesh,
     placements) for plain parameters that hold only this rank's part of a larger tensor (the
     experts under expert parallelism): without it DCP would take them for replicas and keep
-    one rank's part."""
+    one rank's part. ``lora``: a LoRA run's record (lorabase.record): the snapshot then holds
+    the adapters and their optimizer state, none of the frozen parameters."""
     rank = dist.get_rank()
     tmp = os.path.join(root, TMP_PREFIX + f"{position.step:08d}")
     pending = PendingSave(root, tmp, os.path.join(root, snapshot_name(position.step)), position, config_json,
-                          keep_last, model_meta, started=time.perf_counter(), run_id=run_id)
+                          keep_last, model_meta, started=time.perf_counter(), run_id=run_id, lora=lora)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt's leftovers
         os.makedirs(tmp)
     dist.barrier()
     write_json(os.path.join(tmp, f"rng-rank{rank}.json"), rng_state())
     if isinstance(model, CheckpointingEngine):  # a DeepSpeed engine: its format, inside this commit protocol
-        model.save_checkpoint(tmp, tag=DS_DIR, save_latest=False)
+        model.save_checkpoint(tmp, tag=DS_DIR, save_latest=False, exclude_frozen_parameters=lora is not None)
         dist.barrier()  # every rank's DeepSpeed files are written before rank 0 hashes them
         _hash_own_files(tmp, rank)
         return pending
     t0 = time.perf_counter()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    frozen_out = StateDictOptions(ignore_frozen_params=lora is not None)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=frozen_out)
     state = shards_as_dtensors(float8_unwrapped({"model": model_sd, "optim": optim_sd}), local_shards)
     pending.timings["state_dict_s"] = time.perf_counter() - t0
     writer = dcp.FileSystemWriter(tmp, thread_count=io_threads())
@@ -252,7 +255,8 @@ def _commit(p: PendingSave) -> str:
                                                        "world_size": dist.get_world_size(),
                                                        "config": json.loads(p.config_json),
                                                        **({"model": p.model_meta} if p.model_meta else {}),
-                                                       **({"run_id": p.run_id} if p.run_id else {})})
+                                                       **({"run_id": p.run_id} if p.run_id else {}),
+                                                       **({"lora": p.lora} if p.lora else {})})
         files = {}
         for name in sorted(os.listdir(p.tmp)):
             if name.startswith(".hashes-rank"):
