@@ -168,6 +168,31 @@ def test_prompt_completion_trains_the_completion_and_its_end(toks, tmp_path):
     assert tok.decode(x[:n].tolist()) == "what is two and three"
 
 
+def test_worker_processes_prepare_the_same_files(toks, tmp_path):
+    """Conversations over two chunks (256 records a chunk) prepared by two worker processes
+    are byte for byte the files one process writes, loss masks included."""
+    data = write_jsonl(tmp_path / "c.jsonl", [conversation(i) for i in range(300)])
+    for workers in ("1", "2"):
+        res = meshrun_here("data", "prepare", data, "--tokenizer", toks["tagged"], "--out", str(tmp_path / workers),
+                           "--workers", workers)
+        assert res.returncode == 0, res.stderr[-2000:]
+    names = sorted(n for n in os.listdir(tmp_path / "1") if n.startswith(("train-", "val-")))
+    assert {n.rsplit(".", 1)[1] for n in names} == {"tokens", "docs", "mask"}
+    assert names == sorted(n for n in os.listdir(tmp_path / "2") if n.startswith(("train-", "val-")))
+    for name in names:
+        assert (tmp_path / "1" / name).read_bytes() == (tmp_path / "2" / name).read_bytes(), name
+
+
+def test_one_conversation_trains_without_validation(toks, tmp_path):
+    """A corpus of one conversation has no validation split: its shard, loss mask with it,
+    becomes the training split."""
+    res = meshrun_here("data", "prepare", write_jsonl(tmp_path / "c.jsonl", [conversation(0)]), "--tokenizer",
+                       toks["plain"], "--out", str(tmp_path / "out"), "--workers", "1")
+    assert res.returncode == 0 and "no validation split" in res.stderr, res.stderr
+    got, train, tok = samples(tmp_path / "out", 512)
+    assert len(got) == 1 and len(trained_text(tok, got[0][1])) == 2
+
+
 # ---- packing ----------------------------------------------------------------------------------
 
 def test_packed_examples_score_as_each_alone(toks, tmp_path):

@@ -135,7 +135,7 @@ class DataOptions:
                              choices=TOKEN_TYPES)
     document_mask: bool = option(False, "attend and predict within documents: position ids restart at each "
                                  "document and a target across a document's end is ignored (a prepared corpus or "
-                                 "text; default: sequences cut across documents)")
+                                 "text; default: sequences cut across documents; always on for chat data)")
     seq_len: int | None = option(None, "tokens per sample (default: the model's context, at most 4096)",
                                  metavar="T", minimum=1)
 

@@ -676,8 +676,9 @@ def _no_validation(spec: PrepareSpec, state: dict[str, Any], log: bool) -> None:
     is a corpus of one document."""
     (entry,) = state["splits"]["val"]
     name = shard_name("train", 0)
-    for suffix in (".tokens", ".docs"):
-        os.replace(os.path.join(spec.out, entry["file"] + suffix), os.path.join(spec.out, name + suffix))
+    for suffix in (".tokens", ".docs", ".mask"):
+        if suffix != ".mask" or "trained" in entry:  # (a chat shard's loss mask)
+            os.replace(os.path.join(spec.out, entry["file"] + suffix), os.path.join(spec.out, name + suffix))
     state["splits"] = {"train": [{**entry, "file": name}], "val": []}
     n = entry["documents"]
     _say(log, f"{n} document{'s' if n != 1 else ''}: no validation split (validation needs at least 2 documents)")
