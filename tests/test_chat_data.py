@@ -138,6 +138,18 @@ def test_only_the_assistant_turns_are_targets(toks, tmp_path, kind, end):
     assert text.count("<|im_start|>assistant\n") == 12
 
 
+def test_a_default_system_prompt_is_not_trained(toks, tmp_path):
+    """A template that opens every conversation with a system prompt of its own: a conversation
+    that starts with the assistant trains its reply only, not the template's opening."""
+    opening = "<|im_start|>system\nbe brief<|im_end|>\n" + PLAIN
+    tok = make_tokenizer(tmp_path / "tok", opening)
+    record = {"messages": [{"role": "assistant", "content": "hello there"}, {"role": "user", "content": "how"},
+                           {"role": "assistant", "content": "the fox"}]}
+    prepare(write_jsonl(tmp_path / "c.jsonl", [record]), tok, tmp_path / "out")
+    got, _, tokenizer = samples(tmp_path / "out", 512)
+    assert trained_text(tokenizer, got[0][1]) == ["hello there<|im_end|>\n", "the fox<|im_end|>\n"]
+
+
 def test_a_user_turn_changes_no_target(toks, tmp_path):
     """Two corpora alike but for a user turn's words (a different number of tokens): the
     trained targets are the same tokens, in the same order."""
@@ -389,3 +401,19 @@ def test_chat_options_refused_in_one_line(toks, tmp_path):
         assert res.returncode == 2, (args, res.stderr[-2000:])
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and re.search(pattern, lines[0]), (args, res.stderr)
+
+
+def test_an_altered_loss_mask_is_refused_before_training(toks, tmp_path):
+    """A prepared chat corpus whose loss mask is cut short or missing is refused in one line
+    naming the file, before anything starts."""
+    prepare(write_jsonl(tmp_path / "c.jsonl", [conversation(i) for i in range(4)]), toks["plain"], tmp_path / "out")
+    mask = tmp_path / "out" / "train-00000.mask"
+    gpt = ["--model-size", "gpt-tiny", "--seq-len", "64", "--micro-batch", "2", "--nproc", "1"]
+    for alter, pattern in ((lambda: mask.write_bytes(mask.read_bytes()[:-1]),
+                            r"train-00000\.mask: \d+ bytes, a byte per token of the shard's \d+ \(truncated or "
+                            r"altered\) \(hint: run meshrun data prepare again\)"),
+                           (mask.unlink, r"train-00000\.mask is missing, a chat corpus' loss mask")):
+        alter()
+        res = meshrun_here("train", "--data", str(tmp_path / "out"), *gpt)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and re.search(pattern, lines[0]), res.stderr

@@ -281,6 +281,15 @@ class Renderer:
             pos = end + len(self.close)
         return "".join(out), spans
 
+    def _opening(self, where: str) -> str:
+        """What the template renders before a conversation's first turn when that turn is the
+        assistant's (a default system prompt, the generation prompt); nothing for a template that
+        does not take an empty conversation."""
+        try:
+            return self.render([], True, where)
+        except MeshrunError:
+            return ""
+
     def trained_spans(self, messages: list[dict[str, Any]], where: str) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text and the character spans of it that are trained (the module's rule)."""
         whole = self.render(messages, False, where)
@@ -294,7 +303,7 @@ class Renderer:
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self.render(messages[:k], True, where) if k else ""
+            before = self.render(messages[:k], True, where) if k else self._opening(where)
             through = self.render(messages[:k + 1], False, where)
             if not through.startswith(before) or not whole.startswith(through):
                 raise MeshrunError(f"{where}: the chat template does not render the conversation up to message {k} "
