@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -37,6 +38,7 @@ from ..errors import MeshrunError, bad_value, first_line
 ChatKind = Literal["messages", "prompt-completion"]
 KINDS: tuple[ChatKind, ...] = ("messages", "prompt-completion")
 ROLES = ("system", "user", "assistant", "tool")
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
 EXAMPLE_WORDS = {"messages": ("conversation", "conversations"),
@@ -147,7 +149,7 @@ class ChatTemplate:
     @property
     def generation(self) -> bool:
         """Whether it marks the assistant's text with ``{% generation %}``."""
-        return "generation" in self.text and "endgeneration" in self.text
+        return GENERATION_TAG.search(self.text) is not None
 
 
 def _config(directory: str) -> dict[str, Any]:
