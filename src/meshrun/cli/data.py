@@ -21,7 +21,9 @@ its last complete shard; with anything changed it starts clean.
 
 input (a file or a directory of them, read in sorted order; empty documents are skipped):
   .txt .md .text     one document per file; --ext .py reads .py files so too
-  .jsonl             one document per line, its "text" field (--text-field NAME)
+  .jsonl             one document per line, its "text" field (--text-field NAME); or chat data:
+                     {{"messages": [...]}} rendered with the tokenizer's chat template, or
+                     {{"prompt": ..., "completion": ...}}, the loss on the replies only
   .parquet           one document per row, its text column (pyarrow)
   a saved dataset    a directory written by datasets' save_to_disk: one document per row
 A directory's other files are skipped, and a line beside the summary counts them by extension.

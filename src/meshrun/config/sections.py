@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
-from ..data.sources import check_regular, data_kind, text_extensions
+from ..data.sources import chat_kind, check_regular, data_kind, text_extensions
 from ..defaults import COMPILE_CHOICES, GLOBAL_BATCH_TOKENS, KERNELS, compile_choice, compile_enabled
 from ..errors import MeshrunError, bad_value
 from ..modelinfo.hf import is_hf_path, locate
@@ -263,7 +263,7 @@ class DataOptions:
                              choices=TOKEN_TYPES)
     document_mask: bool = option(False, "attend and predict within documents: position ids restart at each "
                                  "document and a target across a document's end is ignored (a prepared corpus or "
-                                 "text; default: sequences cut across documents)")
+                                 "text; default: sequences cut across documents; always on for chat data)")
     seq_len: int | None = option(None, "tokens per sample (default: the model's context, at most 4096)",
                                  metavar="T", minimum=1)
 
@@ -283,6 +283,17 @@ class DataOptions:
             if form != "text":
                 raise bad_value(cfg.source("ext"), cfg.ext, "chooses the files of a text corpus that are read",
                                 "drop it, or give --data a directory of text files")
+        kind = chat_kind(cfg.data, cfg.text_field, cfg.source("data"), text_extensions(cfg.ext)) \
+            if form is not None and cfg.data is not None else None
+        if kind is not None:  # examples are packed whole, each attending to itself only (data/packing.py)
+            if "document_mask" in cfg.sources and not cfg.document_mask:
+                raise bad_value(cfg.source("document_mask"), False, "chat data are packed with document masks, so "
+                                "that no example attends to another", "drop it: document masking is on for chat "
+                                "data")
+            if cfg.pp > 1:
+                raise bad_value(cfg.source("data"), cfg.data, f"chat data ({kind}) are packed with document masks, "
+                                "which do not combine with --pp", "FSDP2, TP or CP with chat data")
+            cfg = cfg.replace(document_mask=True)
         if cfg.document_mask and form not in ("tokens", "text"):
             raise bad_value(cfg.source("document_mask"), True, "needs document boundaries: a corpus given by path",
                             "--data DIR prepared by meshrun data prepare, or text")

@@ -21,11 +21,14 @@ import sysconfig
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 from ..errors import MeshrunError, bad_value, first_line
 from ..fsio import file_kind
 from . import INDEX
+
+if TYPE_CHECKING:
+    from .chat import ChatKind
 
 # The default corpus of `meshrun train` (--data stdlib), read as bytes: its last 5% is held out
 STDLIB_VAL_FRACTION = 0.05
@@ -51,6 +54,7 @@ class Source:
     skipped: tuple[tuple[str, int], ...] = ()  # files of the directory not read: (extension, count), most first
     skipped_text: tuple[str, ...] = ()  # those of the commonest extensions whose first file reads as text
     directory: bool = False  # read from a directory: a file in it that is not UTF-8 is left out, and said
+    chat: ChatKind | None = None  # chat or instruction records (chat.py's rule), None for text
 
     def fingerprint(self) -> list[list[str | int]]:
         """What a prepared corpus was made from: each input's path, size and modification time."""
@@ -102,6 +106,25 @@ def data_kind(path: str) -> DataKind | None:
     if os.path.isfile(path):
         return "tokens" if path.endswith(".bin") else "text"
     return None
+
+
+def chat_kind(path: str, text_field: str = "text", where: str = "--data",
+              extensions: tuple[str, ...] = ()) -> ChatKind | None:
+    """Whether a ``--data`` path holds chat data and which (chat.py's rule): a prepared corpus
+    by its index's chat record, text by its first ``.jsonl`` record; None otherwise."""
+    path = os.path.expanduser(path)
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index, "rb") as f:
+                info = json.loads(f.read()).get("chat")
+        except (OSError, ValueError, RecursionError, AttributeError):
+            return None  # (opening the corpus names what is wrong with it)
+        kind = info.get("kind") if isinstance(info, dict) else None
+        return kind if kind in ("messages", "prompt-completion") else None
+    if data_kind(path) != "text" or is_saved_dataset(path) or not (os.path.isdir(path) or path.endswith(".jsonl")):
+        return None
+    return find_source(path, text_field, where, extensions).chat
 
 
 def stdlib_files() -> list[str]:
@@ -207,7 +230,7 @@ def find_source(path: str, text_field: str = "text", where: str = "--data",
             hint = f"one of {', '.join(suffixes)}, or a directory"
             raise bad_value(where, path, "not a text corpus file",
                             hint + (f"; --ext {ext} reads {ext} files as text" if ext != NO_EXTENSION else ""))
-        return Source((path,), False, text_field, extensions)
+        return Source((path,), False, text_field, extensions, chat=_chat_kind((path,), text_field, where))
     files: list[str] = []
     others: Counter[str] = Counter()
     first: dict[str, str] = {}  # each skipped extension's first file, in sorted order
@@ -228,13 +251,37 @@ def find_source(path: str, text_field: str = "text", where: str = "--data",
         held = f" (it holds {skipped_summary(skipped)})" if skipped else ""
         raise bad_value(where, path, f"a directory with no {', '.join(suffixes)} file in it{held}",
                         (skipped_hint(text) + ", or " if skipped else "") + "point at the corpus' files or folder")
-    return Source(tuple(files), False, text_field, extensions, skipped, text, directory=True)
+    return Source(tuple(files), False, text_field, extensions, skipped, text, directory=True,
+                  chat=_chat_kind(tuple(files), text_field, where))
+
+
+def _chat_kind(files: tuple[str, ...], text_field: str, where: str) -> ChatKind | None:
+    """The chat kind of a corpus by the first record of its first ``.jsonl`` file (chat.py's
+    rule); a chat corpus is ``.jsonl`` files alone (one line naming another file otherwise)."""
+    from .chat import EXAMPLE_WORDS, detect
+
+    first = next((f for f in files if f.endswith(".jsonl")), None)
+    kind = detect(first, text_field) if first is not None else None
+    if kind is not None:
+        other = next((f for f in files if not f.endswith(".jsonl")), None)
+        if other is not None:
+            raise bad_value(where, other, f"not a .jsonl file, in a corpus of {EXAMPLE_WORDS[kind][1]} ({first}'s "
+                            "first record)", "a chat corpus is .jsonl files alone; move the others out of it")
+    return kind
 
 
 def _field(record: object, field: str, where: str) -> str:
+    from .chat import record_kind
+
+    kind = record_kind(record, field)
+    if kind in ("messages", "prompt-completion"):
+        raise MeshrunError(f"{where}: a {'conversation' if kind == 'messages' else 'prompt/completion record'} in a "
+                           f"corpus of text (its first record has the {field!r} field) (hint: one kind of record "
+                           "per corpus; put the others in a corpus of their own)")
     if not isinstance(record, dict) or field not in record:
         keys = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else type(record).__name__
-        raise MeshrunError(f"{where}: no {field!r} field (it has {keys}) (hint: --text-field NAME)")
+        raise MeshrunError(f"{where}: no {field!r} field (it has {keys}) (hint: --text-field NAME; chat data are "
+                           "records with 'messages', or with 'prompt' and 'completion')")
     value = record[field]
     if not isinstance(value, str):
         raise MeshrunError(f"{where}: the {field!r} field is {type(value).__name__}, not text "
@@ -263,8 +310,14 @@ def _decoded(path: str) -> str | UnicodeDecodeError:
 
 
 def _jsonl(path: str, field: str) -> Iterator[str]:
-    """Each line's text field; a line that is not UTF-8 or not JSON is a one-line error naming
-    the file and the line's number."""
+    """Each line's text field."""
+    for n, record in jsonl_records(path):
+        yield _field(record, field, f"{path}:{n}")
+
+
+def jsonl_records(path: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed record) of each non-blank line; a line that is not UTF-8 or not JSON
+    is a one-line error naming the file and the line's number."""
     try:
         f = open(path, "rb")
     except OSError as exc:
@@ -287,7 +340,20 @@ def _jsonl(path: str, field: str) -> Iterator[str]:
             except (ValueError, RecursionError) as exc:
                 why = getattr(exc, "msg", "nested too deeply")
                 raise MeshrunError(f"{path}:{n}: not a JSON line ({why})") from None
-            yield _field(record, field, f"{path}:{n}")
+            yield n, record
+
+
+def chat_records(source: Source) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(``path:line``, record) of every record of a chat corpus' files, in order, each checked
+    as a record of the corpus' kind (chat.py)."""
+    from .chat import check_record
+
+    if source.chat is None:
+        raise ValueError("not a chat corpus")
+    for path in source.paths:
+        for n, record in jsonl_records(path):
+            where = f"{path}:{n}"
+            yield where, check_record(record, source.chat, where, source.text_field)
 
 
 def _lines(f: BinaryIO, path: str) -> Iterator[bytes]:

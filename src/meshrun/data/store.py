@@ -8,6 +8,8 @@ A prepared corpus is a directory:
                                token and document counts, and what the corpus was made from
     train-00000.tokens ...     token ids, little-endian uint16 or uint32, end to end
     train-00000.docs ...       where each document starts in its shard (little-endian int64)
+    train-00000.mask ...       chat data (the index's "chat" record): a byte per token, 1 where
+                               the loss trains on it (data/chat.py)
     val-00000.tokens ...
 
 Each shard's index entry records its token and document counts and the largest token id in
@@ -29,9 +31,11 @@ import numpy as np
 
 from ..errors import bad_value
 from . import FORMAT, INDEX
+from .chat import KINDS as CHAT_KINDS
 from .sources import check_regular
 
 DTYPES = ("uint16", "uint32")
+
 SPLITS = ("train", "val")
 
 
@@ -46,6 +50,8 @@ class TokenSplit:
 
     shards: list[np.ndarray]
     doc_starts: np.ndarray | None = None
+    masks: list[np.ndarray] | None = None  # chat data: each shard's loss mask (1: trained)
+    chat_kind: str | None = None  # chat data: their kind (chat.KINDS)
     offsets: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -55,13 +61,28 @@ class TokenSplit:
         return int(self.offsets[-1])
 
     def window(self, start: int, n: int) -> np.ndarray:
+        return self._window(self.shards, start, n)
+
+    def mask_window(self, start: int, n: int) -> np.ndarray:
+        """The loss mask of ``window(start, n)``'s tokens (chat data only)."""
+        if self.masks is None:
+            raise ValueError("a split without loss masks")
+        return self._window(self.masks, start, n)
+
+    def _window(self, arrays: list[np.ndarray], start: int, n: int) -> np.ndarray:
         end, out, i = start + n, [], int(np.searchsorted(self.offsets, start, side="right")) - 1
         while start < end:
             base = int(self.offsets[i])
             take = min(end, int(self.offsets[i + 1])) - start
-            out.append(self.shards[i][start - base:start - base + take])
+            out.append(arrays[i][start - base:start - base + take])
             start, i = start + take, i + 1
         return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def doc_lengths(self) -> np.ndarray:
+        """Each document's tokens (where the split records its documents' starts)."""
+        if self.doc_starts is None:
+            raise ValueError("a split without document boundaries")
+        return np.diff(np.append(self.doc_starts, len(self))).astype(np.int64)
 
     def starts_in(self, start: int, n: int) -> np.ndarray:
         """Offsets (relative to ``start``) of the documents that begin in [start, start + n)."""
@@ -80,6 +101,7 @@ class Corpus:
     dtype: str
     splits: dict[str, TokenSplit]
     tokenizer: dict[str, Any] | None = None
+    chat: dict[str, Any] | None = None  # the index's chat record (data/prepare.py), None for text
 
     @property
     def vocab_size(self) -> int | None:
@@ -134,6 +156,10 @@ def _index_problem(index: dict[str, Any]) -> str | None:
     if not isinstance(tok, dict) or not _count(tok.get("vocab_size")) or not tok["vocab_size"] \
             or not isinstance(tok.get("name"), str):
         return "its tokenizer is not a record with a name and a positive vocab_size"
+    info = index.get("chat")
+    if info is not None and (not isinstance(info, dict) or info.get("kind") not in CHAT_KINDS
+                             or not isinstance(info.get("trained"), dict)):
+        return f"its chat record is not one of {', '.join(CHAT_KINDS)} with its trained tokens"
     splits = index.get("splits")
     if not isinstance(splits, dict) or "train" not in splits or set(splits) - set(SPLITS):
         return f"its splits are not an object of {' and '.join(SPLITS)}"
@@ -208,21 +234,36 @@ def shard_docs(path: str, shard: dict[str, Any], where: str) -> np.ndarray:
     return docs.astype(np.int64)
 
 
+def shard_mask(path: str, shard: dict[str, Any], where: str) -> np.ndarray:
+    """A chat shard's loss mask, memory-mapped: a byte per token of the shard."""
+    name = os.path.join(path, shard["file"] + ".mask")
+    if not os.path.isfile(name):
+        raise bad_value(where, path, f"{name} is missing, a chat corpus' loss mask", AGAIN)
+    size = os.path.getsize(name)
+    if size != shard["tokens"]:
+        raise bad_value(where, path, f"{name}: {size} bytes, a byte per token of the shard's {shard['tokens']} "
+                        "(truncated or altered)", AGAIN)
+    return np.memmap(name, dtype=np.uint8, mode="r")
+
+
 def _prepared(path: str, where: str) -> Corpus:
     """The prepared corpus at ``path``, checked without reading its tokens: the index's
     structure and counts, every shard's length, every document table."""
     index = read_index(path, where)
     dtype, vocab = index["dtype"], index["tokenizer"]["vocab_size"]
-    splits = {}
+    splits, chat = {}, index.get("chat")
     for split, info in index["splits"].items():
-        shards, starts, base = [], [], 0
+        shards, starts, masks, base = [], [], [], 0
         for shard in info["shards"]:
             tokens = shard_tokens(path, shard, dtype, vocab, where)
             starts.append(shard_docs(path, shard, where) + base)
+            if chat is not None:
+                masks.append(shard_mask(path, shard, where))
             shards.append(tokens)
             base += len(tokens)
-        splits[split] = TokenSplit(shards, np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64))
-    return Corpus(path, dtype, splits, index["tokenizer"])
+        splits[split] = TokenSplit(shards, np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64),
+                                   masks if chat is not None else None, chat["kind"] if chat is not None else None)
+    return Corpus(path, dtype, splits, index["tokenizer"], chat)
 
 
 def check_prepared(path: str, where: str = "--data") -> dict[str, Any]:

@@ -134,7 +134,8 @@ def corpus_ready(cfg: TrainConfig, env: Mapping[str, str], cpus: int) -> TrainCo
                             "--tokenizer DIR|FILE|NAME, --model a Hugging Face directory with tokenizer.json, or "
                             "meshrun data prepare --train-tokenizer VOCAB to train one on the corpus and prepare it")
         data = tokens_for_text(data, tokenizer, cfg.text_field, env, cpus, cfg.source("data"),
-                               text_extensions(cfg.ext, cfg.source("ext")))
+                               text_extensions(cfg.ext, cfg.source("ext")),
+                               cfg.source("tokenizer") if cfg.tokenizer else f"{cfg.source('model')}'s tokenizer")
         cfg = cfg.replace(data=data, ext=None)  # (the tokens: --ext chose the files they were read from)
     from ..data.store import FULL_CHECK_TOKENS, check_ids, open_tokens
 

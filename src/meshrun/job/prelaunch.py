@@ -231,10 +231,15 @@ def train_samples(cfg: TrainConfig, seq: int) -> int | None:
         return RANDOM_SAMPLES
     if name == "toy":
         return TOY_SAMPLES
-    from ..data.sources import data_kind
+    from ..data.sources import chat_kind, data_kind
 
     if data_kind(name) != "tokens":
         return None
+    if chat_kind(name):  # examples packed whole (data/packing.py)
+        from ..data.packing import pack
+        from ..data.store import open_tokens
+
+        return len(pack(open_tokens(name, cfg.data_dtype, cfg.source("data")).splits["train"], seq))
     tokens = _corpus_train_tokens(name, cfg.data_dtype, cfg.source("data"), cfg.document_mask)
     return None if tokens is None else max(0, (tokens - 1) // seq)
 

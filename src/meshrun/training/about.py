@@ -43,6 +43,7 @@ class DataFacts:
     tokens: bool = True  # samples are token sequences (a sequence length and document masking apply)
     document_mask: bool = False
     validation: bool = True  # a validation set is read (its size may be unknown: an iterable dataset)
+    chat: str | None = None  # chat data: its packing (examples, sequences, those cut to the sequence)
 
 
 def model_facts(cfg: TrainConfig, model: Any, pretrained: bool) -> ModelFacts:
@@ -77,7 +78,7 @@ def data_facts(train: Any, val: Any, vocab: int | None, cfg: TrainConfig | None 
     """The data the run reads: with ``cfg``, the data it names as factories.build_data built
     it; without, the datasets handed to a Trainer, known by their kind. ``vocab``: the model's
     vocabulary (the range of token ids a corpus without a tokenizer is read in)."""
-    from .loader import PackedTokens, RandomTokens, TokenChunks, ToyRegression
+    from .loader import PackedExamples, PackedTokens, RandomTokens, TokenChunks, ToyRegression
 
     name = None if cfg is None else (cfg.data or ("toy" if cfg.example == "toy" else "stdlib"))
     has_val = val is not None
@@ -92,7 +93,8 @@ def data_facts(train: Any, val: Any, vocab: int | None, cfg: TrainConfig | None 
         return DataFacts(path or type(train).__name__, words, len(train.split),
                          len(val.split) if isinstance(val, PackedTokens) else None,
                          tokenizer=tokenizer[0] if tokenizer else None, vocab=tokenizer[1] if tokenizer else vocab,
-                         document_mask=train.document_mask, validation=has_val)
+                         document_mask=train.document_mask, validation=has_val,
+                         chat=_packing(train) if isinstance(train, PackedExamples) else None)
     if isinstance(train, RandomTokens):
         return DataFacts("random" if name == "random" else type(train).__name__, RANDOM_WORDS,
                          train_samples=len(train), val_samples=_length(val), vocab=train.vocab, validation=has_val)
@@ -126,6 +128,18 @@ def _length(data: Any) -> int | None:
         return None
 
 
+def _packing(train: Any) -> str:
+    """Chat data's sentence: the examples packed, into how many sequences, and those cut."""
+    from ..data.chat import EXAMPLE_WORDS
+    from ..data.packing import cut_line
+
+    words = EXAMPLE_WORDS.get(train.split.chat_kind, ("example", "examples"))
+    n = len(train.packing.kept)
+    line = f"{n:,} {words[0] if n == 1 else words[1]} packed into {len(train):,} sequences, loss on the replies only"
+    cut = cut_line(train.packing, train.seq_len, words)
+    return line + (f" ({cut})" if cut else "")
+
+
 def _corpus(path: str | None) -> tuple[tuple[str, int] | None, str]:
     """A token corpus' (tokenizer, vocabulary) when its index records one, and its words: a
     prepared corpus names what it was prepared from; text `meshrun train` tokenized into its
@@ -148,7 +162,9 @@ def _corpus(path: str | None) -> tuple[tuple[str, int] | None, str]:
         return tokenizer, f"{path} (prepared)"
     where = paths[0] if len(paths) == 1 else os.path.commonpath(paths)
     if cached:
-        what = "text" if files == 1 else f"{files:,} text files"
+        info = index.get("chat")
+        kind = f"{info['kind']} records" if isinstance(info, dict) else "text"
+        what = kind if files == 1 else f"{files:,} text files" if kind == "text" else f"{files:,} files of {kind}"
         return tokenizer, f"{where} ({what}, tokenized into {path})"
     return tokenizer, f"{path} (prepared from " + (where if files == 1 else f"{files:,} files in {where}") + ")"
 
@@ -183,4 +199,6 @@ def data_line(data: DataFacts, seq: int | None) -> str:
         else:
             parts.append(f"no tokenizer recorded ({vocab})")
         parts.append(f"document masking {'on' if data.document_mask else 'off'}")
+    if data.chat:
+        parts.append(data.chat)
     return "; ".join(parts)

@@ -85,15 +85,60 @@ class PackedTokens(Dataset):
         return x, y, index - last_start
 
 
+class PackedExamples(PackedTokens):
+    """Chat or instruction examples (a prepared corpus with loss masks) packed whole into
+    sequences of ``seq_len`` tokens (data/packing.py's rule), padded with ``pad_id``. Each
+    sample: the inputs, the targets (the next token where the loss mask trains it, else -100;
+    never across an example's end) and position ids restarting at every example (and at the
+    padding), so with document masking no example attends to another."""
+
+    def __init__(self, split: Any, seq_len: int, pad_id: int, vocab: int | None = None) -> None:
+        from ..data.packing import pack
+
+        super().__init__(split, seq_len, document_mask=True, vocab=vocab)
+        self.pad_id, self.packing = pad_id, pack(split, seq_len)
+        self.starts, self.lengths = split.doc_starts, split.doc_lengths()
+
+    def __len__(self) -> int:
+        return len(self.packing)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        t = self.seq_len
+        x = torch.full((t,), self.pad_id, dtype=torch.int64)
+        y = torch.full((t,), -100, dtype=torch.int64)
+        positions = torch.arange(t)
+        at = 0
+        lo, hi = int(self.packing.first[i]), int(self.packing.first[i + 1])
+        for k in self.packing.kept[lo:hi].tolist():
+            start, n = int(self.starts[k]), min(int(self.lengths[k]), t)
+            ids = torch.from_numpy(self.split.window(start, n).astype("int64"))
+            trained = torch.from_numpy(self.split.mask_window(start, n).astype(bool))
+            x[at:at + n] = ids
+            y[at:at + n - 1] = torch.where(trained[1:], ids[1:], -100)
+            positions[at:at + n] = torch.arange(n)
+            at += n
+        positions[at:] = torch.arange(t - at)  # the padding: a document of its own
+        if self.vocab is not None and int(x.max()) >= self.vocab:
+            raise MeshrunError(f"token id {int(x.max())} in training sequence {i} is not below the model's "
+                               f"vocabulary of {self.vocab} (hint: data made with another tokenizer)")
+        return x, y, positions
+
+
 def corpus_splits(path: str, seq_len: int, document_mask: bool, dtype: str = "uint16",
                   vocab: int | None = None) -> tuple[PackedTokens, PackedTokens | None]:
     """(train, validation) of a token corpus (a prepared directory or flat token files),
-    checked against the model's vocabulary; validation None when the corpus has none."""
+    checked against the model's vocabulary; validation None when the corpus has none. Chat
+    data are packed by example (PackedExamples), with document masking whatever asked."""
     from ..data.store import check_ids, open_tokens
 
     corpus = open_tokens(path, dtype)
     if vocab is not None:
         check_ids(corpus, vocab)
+    if corpus.chat is not None:
+        pad = int(corpus.tokenizer["eos_id"]) if corpus.tokenizer else 0
+        val_split = corpus.splits.get("val")
+        val_set = PackedExamples(val_split, seq_len, pad, vocab) if val_split is not None and len(val_split) else None
+        return PackedExamples(corpus.splits["train"], seq_len, pad, vocab), val_set if val_set else None
     if document_mask and corpus.splits["train"].doc_starts is None:
         raise MeshrunError(f"--document-mask: {path} records no document boundaries (flat token files) "
                            "(hint: prepare the corpus with meshrun data prepare)")
