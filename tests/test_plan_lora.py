@@ -148,7 +148,7 @@ def test_the_plan_says_what_trains():
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     assert "LoRA rank 16 on q_proj, v_proj (64 layers): 6.82M of 8.04B parameters (0.08%) train" in text
-    assert "8.03B frozen params in NF4, LoRA rank 16: 6.82M train" in text
+    assert "llama3-8b (8.03B frozen nf4 + 6.82M LoRA params)" in text
     assert "grads, optim(izer state): the adapters' alone" in text
 
 

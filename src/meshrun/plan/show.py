@@ -42,8 +42,7 @@ def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
     lo = adapters_of(m, plan.train.adapters)
     what = f"{fmt_count(m.params)} params"
     if lo is not None:
-        what = (f"{fmt_count(m.params)} frozen params{' in NF4' if lo.spec.nf4 else ''}, LoRA rank {lo.rank}: "
-                f"{fmt_count(lo.params)} train")
+        what = f"{fmt_count(m.params)} frozen{' nf4' if lo.spec.nf4 else ''} + {fmt_count(lo.params)} LoRA params"
     table = Table(title=f"{m.name} ({what}) on {c.nodes} x {c.gpus_per_node} GPUs "
                         f"of {fmt_bytes(c.gpu_mem)}, seq {plan.train.seq_len}, {plan.train.precision}; "
                         f"memory in {unit[0]} per GPU")
