@@ -203,3 +203,24 @@ def test_the_kinds_are_training_lora_s():
     from meshrun.vocab import LORA_KINDS
 
     assert KINDS == LORA_KINDS
+
+
+def test_a_model_holding_adapters_is_traced_as_its_base_model(tmp_path):
+    """auto.decide may get the model with PEFT's adapters already in it: the planner traces it
+    as the base model (adapters off, every weight trainable), the same bytes as before the
+    adapters went in, and leaves the model as it was."""
+    require("peft")
+    from meshrun.modelinfo.hf import build_on_meta
+    from meshrun.modelinfo.read import from_module
+    from meshrun.plan.trace import with_trace
+    from meshrun.training.lora import LoraSpec, add_adapters, is_adapter
+
+    _, config = _tiny_llama_dir(tmp_path)
+    base = build_on_meta(config)
+    spec = from_module(base, "tiny", "the model")
+    before = with_trace(spec, base, 64, ("autocast",), compiled=False).traced
+    model = add_adapters(build_on_meta(config), LoraSpec(8, 16.0, 0.0, ("all-linear",)))
+    after = with_trace(spec, model, 64, ("autocast",), compiled=False).traced
+    assert before and after == before
+    assert all(p.requires_grad == is_adapter(n) for n, p in model.named_parameters())
+    assert not any(getattr(m, "disable_adapters", None) is True for m in model.modules())
