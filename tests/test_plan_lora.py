@@ -172,6 +172,13 @@ def test_a_lora_step_does_two_thirds_of_the_frozen_weights_work():
     expected = ((2 / 3 * matmuls + 6 * a) * slower + attention) / (matmuls * slower + attention)
     assert lora / full == pytest.approx(expected, rel=1e-9)
     assert 0.66 < lora / full < 0.75
+    # with checkpointing each block's forward runs again: the matmuls' 2 FLOPs a weight, the
+    # adapters' 2 a parameter, a third of attention
+    ac = Strategy(STRATEGIES["single"], 1, 1, ac=True)
+    checkpointed = compute_time(m, c, TrainSpec(4096, 1, None, adapters=Adapters(16)), ac, b)
+    forward = (matmuls / 3 + 2 * a) * slower + attention / 3
+    work = (2 / 3 * matmuls + 6 * a) * slower + attention
+    assert checkpointed / lora == pytest.approx((work + forward) / work, rel=1e-9)
 
 
 def test_only_the_adapters_gradients_are_reduced():

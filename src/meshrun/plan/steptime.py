@@ -124,10 +124,12 @@ def compute_time(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Bat
     # full checkpointing runs each block's forward again (a third of a full fine-tune's work,
     # half of a LoRA run's); selective only its cheap, memory-bound operations (assumed 2% more:
     # not yet measured)
+    forward = matmuls / 3  # (what checkpointing runs again)
     if lo is not None:  # the frozen weights' forward and input gradients, the adapters' whole work
         matmuls = matmuls * LORA_FROZEN_SHARE + 6 * lo.params
+        forward += 2 * lo.params
     work = matmuls * slower + attention
-    forward = (matmuls / 3 if lo is None else matmuls / LORA_FROZEN_SHARE / 3) * slower + attention / 3
+    forward = forward * slower + attention / 3
     recompute = (work + forward) / work if s.ac else 1.02 if s.sac else 1
     flops = work * tokens / (s.tp * s.pp * s.cp) * recompute
     compute = flops / (peak_flops(c, t) * work_efficiency() * layout_efficiency(s))
