@@ -231,3 +231,16 @@ def test_a_model_holding_adapters_is_traced_as_its_base_model(tmp_path):
     assert before and after == before
     assert all(p.requires_grad == is_adapter(n) for n, p in model.named_parameters())
     assert not any(getattr(m, "disable_adapters", None) is True for m in model.modules())
+
+
+def test_the_written_train_config_is_the_lora_run_planned():
+    from meshrun.plan.configs import train_config
+
+    t = TrainSpec(4096, None, 128, adapters=Adapters(16, ("q", "v"), "nf4", 0.05))
+    plan = make_plan(PRESETS["llama3-8b"], ClusterSpec(1, 1, 140 * GiB), t)
+    assert plan.recommended is not None
+    written = train_config(plan, plan.recommended, plan.model)
+    assert {k: written[k] for k in ("lora", "lora_targets", "quantize", "lora_dropout")} == \
+        {"lora": 16, "lora_targets": "q,v", "quantize": "nf4", "lora_dropout": 0.05}
+    assert "lora" not in train_config(make_plan(PRESETS["llama3-8b"], ClusterSpec(1, 8, 80 * GiB),
+                                                TrainSpec(4096, None, 128)), plan.recommended, plan.model)
