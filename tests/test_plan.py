@@ -1120,10 +1120,12 @@ def test_nnodes_is_the_node_count_as_in_train_and_launch_and_nodes_is_the_same()
     assert json.loads(a.stdout)["cluster"]["nodes"] == 2
 
 
-def test_the_guides_plan_example_is_what_the_command_prints():
+def test_the_guides_plan_examples_are_what_the_command_prints():
     guide = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "guide.md")).read()
-    block = guide.split("```text\n$ meshrun plan ", 1)[1].split("\n```", 1)[0]
-    command, shown = block.split("\n", 1)
-    out = meshrun_here("plan", *command.split(), env=plan_env())
-    assert out.returncode == 0, out.stderr
-    assert [line.rstrip() for line in out.stdout.splitlines()] == shown.splitlines()
+    blocks = [part.split("\n```", 1)[0] for part in guide.split("```text\n$ meshrun plan ")[1:]]
+    assert len(blocks) >= 2  # a full fine-tune's plan and a LoRA run's
+    for block in blocks:
+        command, shown = block.split("\n", 1)
+        out = meshrun_here("plan", *command.split(), env=plan_env())
+        assert out.returncode == 0, out.stderr
+        assert [line.rstrip() for line in out.stdout.splitlines()] == shown.splitlines()

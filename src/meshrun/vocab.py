@@ -24,6 +24,15 @@ PRECISIONS = ("bf16", "fp32")
 # tensorwise or rowwise scales; training/parallel/float8.py)
 FLOAT8_PRECISIONS = ("fp8", "fp8-rowwise")
 
+# Low-rank adapters (--lora RANK): the module kinds --lora-targets names, as the Hugging Face
+# families meshrun trains (Llama, Mistral, Qwen2, Gemma) spell their linear layers, or every
+# linear layer but the output head; and how the frozen base weights are stored (--quantize:
+# as the run computes, or torchao's NF4). training/lora.py and the planner read the same names.
+LORA_KINDS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+              "down": "down_proj"}
+LORA_ALL_LINEAR = "all-linear"
+QUANTIZE_CHOICES = ("none", "nf4")
+
 
 class Engine(str, Enum):
     """What runs a strategy: meshrun's own trainer (DDP, FSDP2), DeepSpeed, or Megatron-style

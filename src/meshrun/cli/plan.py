@@ -18,12 +18,21 @@ from ..modelinfo.read import resolve_with_module
 from ..modelinfo.spec import PRESETS, ModelSpec
 from ..paths import check_output_dir
 from ..plan import ClusterSpec, TrainSpec, check_inputs, make_plan
+from ..plan.adapters import Adapters
 from ..plan.advice import check_choice, named, verdict
 from ..plan.cards import CARDS, Card, card_of_device
 from ..plan.spec import INTER_NODE, INTRA_NODE, OPTIMIZERS
 from ..plan.steptime import MAX_MICRO_TOKENS
 from ..units import parse_bytes
-from ..vocab import AC_MODES, FLOAT8_PRECISIONS, GPT_PRESETS, PRECISIONS
+from ..vocab import (
+    AC_MODES,
+    FLOAT8_PRECISIONS,
+    GPT_PRESETS,
+    LORA_ALL_LINEAR,
+    LORA_KINDS,
+    PRECISIONS,
+    QUANTIZE_CHOICES,
+)
 from .options import add_option, int_option
 
 PLAN_HELP = f"""\
@@ -48,6 +57,8 @@ examples:
   meshrun plan --model llama-70b --gpus-per-node 8 --gpu-mem 80GiB --framework deepspeed --json
   meshrun plan --model llama-13b --gpu-mem 40GiB --strategy zero3-offload   # check a choice
   meshrun plan --explain                                   # the formulas, with this plan's numbers
+  meshrun plan --model ./llama3-8b --lora 16 --gpus-per-node 1 --gpu h200   # LoRA: adapters train, the rest frozen
+  meshrun plan --model llama3-70b --lora 16 --quantize nf4 --gpus-per-node 2 --gpu h100   # QLoRA
 
 The GPU's model, memory and count are read from this machine when it has GPUs; elsewhere give
 --gpu (its peak and memory) or --gpu-mem (an H100/H200 SXM's peak is then assumed, and said).
@@ -90,6 +101,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                help="auto (default, as meshrun train): a Hugging Face model Liger Kernel knows, with Liger "
                "installed here, is planned with Liger's fused kernels, eager (--compile on: compiled instead); "
                "plain: without them")
+    g = p.add_argument_group("fine-tuning (as meshrun train's options)")
+    add_option(g, "--lora", metavar="RANK", help="plan a LoRA run: adapters of this rank train, every other weight is "
+               "frozen (stored, no gradients or optimizer state)")
+    add_option(g, "--lora-alpha", metavar="A", help="the adapters' scale numerator (checked; the plan does not depend "
+               "on it)")
+    add_option(g, "--lora-dropout", metavar="P", help="dropout on the adapters' inputs (default 0: with it, a dropped "
+               "copy of each adapted layer's input and its mask are kept for backward)")
+    add_option(g, "--lora-targets", metavar="KINDS", help=f"the layers that get adapters: {LORA_ALL_LINEAR} (default: "
+               f"every linear layer but the output head), kinds {','.join(LORA_KINDS)}, or module names")
+    add_option(g, "--quantize", choices=QUANTIZE_CHOICES, help="how the frozen weights are stored (with --lora): none "
+               "(default: in the precision the run computes in), nf4 (QLoRA: the adapted layers' weights in "
+               "torchao's NF4, 4.13 bits a weight)")
     g = p.add_argument_group("choice and output")
     add_option(g, "--framework", choices=("torch", "deepspeed", "any"), default="torch", dest="plan_framework",
                help="recommend among torch-native strategies (default), DeepSpeed's, or any")
@@ -158,6 +181,47 @@ def gpu_option(ns: argparse.Namespace) -> Card | None:
     return card
 
 
+def _number(ns: argparse.Namespace, name: str, low: float, high: float | None, hint: str) -> float | None:
+    """A number option given as text: None when unset; a bad value a one-line error."""
+    raw = getattr(ns, name)
+    if raw is None:
+        return None
+    flag = getattr(ns, "_env_sources", {}).get(name, "--" + name.replace("_", "-"))
+    try:
+        value = float(raw)
+    except ValueError:
+        raise bad_value(flag, raw, "not a number", hint) from None
+    if not (low <= value < high if high is not None else value > low):  # (NaN fails both)
+        span = f"in [{low:g}, {high:g})" if high is not None else f"> {low:g}"
+        raise bad_value(flag, raw, f"must be {span}", hint)
+    return value
+
+
+def adapters_from_args(ns: argparse.Namespace) -> Adapters | None:
+    """The LoRA run --lora and its options describe (None: a full fine-tune); each of its
+    options given without --lora is refused (it would plan nothing)."""
+    rank = int_option(ns, "lora", 1, (1 << 16, "no adapted layer is that wide"))
+    if rank is None:
+        given = [n for n in ("lora_alpha", "lora_dropout", "lora_targets") if getattr(ns, n) is not None]
+        if ns.quantize == "nf4":
+            raise bad_value("--quantize", "nf4", "quantizes the frozen weights of a LoRA run; --lora is not given",
+                            "add --lora RANK (e.g. --lora 16), or drop --quantize")
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise bad_value(flag, getattr(ns, given[0]), "configures adapters; --lora is not given",
+                            f"add --lora RANK (e.g. --lora 16), or drop {flag}")
+        return None
+    _number(ns, "lora_alpha", 0.0, None, "a positive number, e.g. 32")
+    dropout = _number(ns, "lora_dropout", 0.0, 1.0, "e.g. 0.05, or 0 for none")
+    targets: tuple[str, ...] = (LORA_ALL_LINEAR,)
+    if ns.lora_targets is not None:
+        targets = tuple(x.strip() for x in str(ns.lora_targets).split(","))
+        if not all(targets):
+            raise bad_value("--lora-targets", ns.lora_targets, "has an empty name",
+                            f"kinds separated by commas, e.g. q,k,v,o, or {LORA_ALL_LINEAR}")
+    return Adapters(rank, targets, ns.quantize or "none", dropout or 0.0)
+
+
 def run_config(ns: argparse.Namespace, context: int | None) -> TrainConfig:
     """The `meshrun train` config of what this plan was given, for the run policy: the same
     options, read as meshrun train reads them (a strategy it does not take by name: auto)."""
@@ -202,7 +266,7 @@ def train_spec(ns: argparse.Namespace, cfg: TrainConfig, s: Settings, hf: bool) 
     return TrainSpec(seq_len=cfg.seq, micro_batch=cfg.micro_batch, global_batch=s.global_batch,
                      precision=ns.precision, optimizer=ns.optimizer, activation_checkpointing=ac, compile=s.compile,
                      max_micro_batch=max(1, MAX_MICRO_TOKENS // cfg.seq) if cfg.micro_batch is None else None,
-                     whole_compile=not hf)
+                     whole_compile=not hf, adapters=adapters_from_args(ns))
 
 
 def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec, liger: bool, kernels: str) -> ModelSpec:
@@ -267,7 +331,7 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     if ns.json:
         out = plan.to_dict()
         out["written"] = written
-        out["run"] = run_summary(shape, model, cfg, facts)
+        out["run"] = run_summary(shape, model, cfg, facts, train.adapters)
         print(json.dumps(out, indent=2))
     else:
         from ..plan.show import print_plan
@@ -276,10 +340,11 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     return 0
 
 
-def run_summary(shape: ModelSpec, traced_model: ModelSpec, cfg: TrainConfig, facts: Facts) -> dict[str, Any]:
+def run_summary(shape: ModelSpec, traced_model: ModelSpec, cfg: TrainConfig, facts: Facts,
+                adapters: Adapters | None = None) -> dict[str, Any]:
     """What `meshrun train` with these options does on this cluster (the run policy, as
     `meshrun train --dry-run` prints it), or the line it refuses the run with."""
     try:
-        return resolve(shape, cfg, facts, lambda compiled, liger: traced_model).summary()
+        return resolve(shape, cfg, facts, lambda compiled, liger: traced_model, adapters).summary()
     except MeshrunError as exc:
         return {"refused": str(exc)}

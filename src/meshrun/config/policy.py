@@ -35,6 +35,7 @@ from ..defaults import GLOBAL_BATCH_TOKENS, compile_choice, compile_enabled, glo
 from ..errors import MeshrunError, bad_value
 from ..modelinfo.spec import ModelSpec
 from ..plan import ClusterSpec, TrainSpec, make_plan
+from ..plan.adapters import Adapters
 from ..plan.candidate import Candidate
 from ..plan.cards import Card
 from ..plan.recommend import choose
@@ -179,12 +180,15 @@ def fsdp_flavour(n_params: int, gpu_mem: int | None) -> tuple[str, str]:
     return FSDP_LARGE_MODEL, "the parameters are too large to keep gathered"
 
 
-def resolve(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, traced: Tracer | None = None) -> Choice:
+def resolve(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, traced: Tracer | None = None,
+            adapters: Adapters | None = None) -> Choice:
     """What the run of ``cfg`` does on ``facts``: the model's shape ``model`` (None on the CPU,
-    where nothing reads it), traced for the planner by ``traced`` (None: the shape's estimate).
-    Raises MeshrunError for what the run refuses. Pure: no process group, no device."""
+    where nothing reads it), traced for the planner by ``traced`` (None: the shape's estimate);
+    ``adapters``: a LoRA run's (the planner counts the frozen weights without gradients or
+    optimizer state; None: every parameter trains). Raises MeshrunError for what the run
+    refuses. Pure: no process group, no device."""
     s = settings(cfg, facts)
-    choice = _decide(model, cfg, facts, s, traced)
+    choice = _decide(model, cfg, facts, s, traced, adapters)
     kind = choice.kind
     zero3 = kind.engine is Engine.DEEPSPEED and kind.zero == 3
     cuda = facts.gpu_mem is not None
@@ -200,7 +204,8 @@ def resolve(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, traced: Tra
                                compile_mode="off" if not s.compile else "per-block" if per_block else "on")
 
 
-def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings, traced: Tracer | None) -> Choice:
+def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings, traced: Tracer | None,
+            adapters: Adapters | None = None) -> Choice:
     kind = STRATEGIES.get(cfg.strategy)
     world, gpu_mem = facts.world, facts.gpu_mem
     if kind is not None and kind.one_process and world > 1:
@@ -239,7 +244,8 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
     names = (named,) if named else AUTO_CANDIDATES  # (DeepSpeed's strategies run when named)
     spec = traced(s.compile, s.liger) if traced is not None else model
     pick, usable, largest = _planned(spec, cfg, facts, global_batch, names, s.compile,
-                                     ac_open=named is None and "activation_checkpointing" not in cfg.sources)
+                                     ac_open=named is None and "activation_checkpointing" not in cfg.sources,
+                                     adapters=adapters)
     if pick is None or pick.batch is None:  # a strategy the planner does not plan (fsdp-no-shard)
         named = named or (ONE_PROCESS if world == 1 else REPLICATE)
         return Choice(STRATEGIES[named], ac, cfg.micro, global_batch, tuple(reasons),
@@ -288,10 +294,11 @@ def _params(model: ModelSpec | None, facts: Facts) -> int:
 
 
 def _planned(spec: ModelSpec, cfg: TrainConfig, facts: Facts, global_batch: int | None, names: tuple[str, ...],
-             compiled: bool, ac_open: bool) -> tuple[Candidate | None, float, int | None]:
+             compiled: bool, ac_open: bool,
+             adapters: Adapters | None = None) -> tuple[Candidate | None, float, int | None]:
     """The planner's pick among ``names`` (the smallest predicted peak when none fits), the
     usable bytes per GPU, and the largest micro-batch the pick fits with (None: unknown). With
-    ``ac_open`` the planner may turn on checkpointing."""
+    ``ac_open`` the planner may turn on checkpointing; with ``adapters``, planned as that LoRA run."""
     gpu_mem = facts.gpu_mem or 0
     cluster = ClusterSpec(nodes=max(1, facts.world // max(1, facts.local_world)),
                           gpus_per_node=max(1, facts.local_world), gpu_mem=gpu_mem, card=facts.card)
@@ -299,7 +306,7 @@ def _planned(spec: ModelSpec, cfg: TrainConfig, facts: Facts, global_batch: int 
     train = TrainSpec(seq_len=cfg.seq, micro_batch=cfg.micro_batch, global_batch=global_batch,
                       max_micro_batch=max(1, MAX_MICRO_TOKENS // cfg.seq),
                       precision=(cfg.precision if cfg.precision in FLOAT8_PRECISIONS else "bf16") if bf16 else "fp32",
-                      compile=compiled, whole_compile=not facts.hf,
+                      compile=compiled, whole_compile=not facts.hf, adapters=adapters,
                       activation_checkpointing=None if ac_open else cfg.activation_checkpointing)
     plan = make_plan(spec, cluster, train, framework="any")
     ours = [x for x in plan.candidates if x.strategy.name in names and x.memory is not None]

@@ -16,14 +16,16 @@ from typing import Any
 from ..cluster.topology import Topology
 from ..config import TrainConfig
 from ..config.policy import Choice, Facts, resolve
+from ..plan.adapters import Adapters
 from ..plan.cards import Card
 from .prelaunch import model_kind
 
 
-def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, card: Card | None = None) -> Choice:
+def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, card: Card | None = None,
+              adapters: Adapters | None = None) -> Choice:
     """What the ranks of ``cfg`` on ``topo`` decide, on GPUs of ``gpu_mem`` bytes each (None:
-    processes on the CPU) of model ``card`` (None: not known). Raises MeshrunError where the
-    ranks would refuse the run."""
+    processes on the CPU) of model ``card`` (None: not known), for a LoRA run of ``adapters``
+    (None: every parameter trains). Raises MeshrunError where the ranks would refuse the run."""
     world, local = topo.world_size, topo.nproc_per_node
     dp = cfg.dp_size(world)
     if gpu_mem is None:
@@ -43,7 +45,7 @@ def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, card: Card 
         model = build_model(cfg)
     cfg = resolve_seq_len(cfg, context_of(model))
     liger = cfg.kernels == "auto" and cfg.tp == 1 and cfg.pp == 1 and liger_knows(model)
-    return decide(model, cfg, world, local, dp, gpu_mem, cfg.precision != "fp32", liger, card)
+    return decide(model, cfg, world, local, dp, gpu_mem, cfg.precision != "fp32", liger, card, adapters)
 
 
 def decided(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, gpus: int) -> tuple[dict[str, Any], list[str]]:

@@ -89,7 +89,7 @@ def _read_hf_config(path: str, where: str) -> tuple[ModelSpec, Any]:
         total, block, cls = _count(module)
         spec = replace(spec, params=total, block_params=block, outer_params=max(0, total - layers * block),
                        block_class=cls, source=f"config {path} (transformers on the meta device)",
-                       linears=block_linears(module))
+                       **linear_layout(module))
     return spec, module
 
 
@@ -107,21 +107,47 @@ def _hf_on_meta(path: str, where: str) -> Any:
     return hf.build_on_meta(hf.load_config(source, where), where, path)
 
 
-def block_linears(model: Any) -> tuple[tuple[int, int], ...] | None:
-    """(out, in) of each nn.Linear in the model's first block, as built (None: no block list).
-    What float8 can convert (plan/float8.py): GPT-2's Conv1D layers, for one, are not among them."""
+def _adapter_path(path: str) -> bool:
+    """A module or parameter path inside a low-rank adapter (PEFT's ``lora_A`` / ``lora_B``):
+    not the model's own, so not counted in its shape."""
+    return ".lora_A." in f".{path}." or ".lora_B." in f".{path}."
+
+
+def _leaf(path: str) -> str:
+    """A linear layer's name, the last part of its path; a layer PEFT gave an adapter is
+    named by its wrapper (``q_proj.base_layer`` is ``q_proj``)."""
+    parts = path.split(".")
+    return parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
+
+
+def linear_layout(model: Any) -> dict[str, Any]:
+    """ModelSpec's ``linears`` (out, in) and ``linear_names`` of each nn.Linear in the model's
+    first block (None: no block list), and its ``outer_linears``: the ones outside the blocks
+    but the output head. What float8 can convert (plan/float8.py; GPT-2's Conv1D layers, for
+    one, are not among them) and what low-rank adapters can target (plan/adapters.py)."""
     import torch.nn as nn
 
     found = find_blocks(model)
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    outer = tuple((_leaf(n), m.out_features, m.in_features) for n, m in model.named_modules()
+                  if isinstance(m, nn.Linear) and not _adapter_path(n) and m is not head
+                  and _leaf(n) not in ("lm_head", "head")
+                  and not (found and (n == found[0] or n.startswith(found[0] + "."))))
     if not found:
-        return None
-    return tuple((m.out_features, m.in_features) for m in found[1][0].modules() if isinstance(m, nn.Linear))
+        return {"linears": None, "linear_names": None, "outer_linears": outer}
+    inner = [(n, m) for n, m in found[1][0].named_modules() if isinstance(m, nn.Linear) and not _adapter_path(n)]
+    return {"linears": tuple((m.out_features, m.in_features) for _, m in inner),
+            "linear_names": tuple(_leaf(n) for n, _ in inner), "outer_linears": outer}
 
 
 def _count(model: Any) -> tuple[int, int, str | None]:
-    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    """(the model's parameters, its largest block's, the block's class), adapters left out."""
+    named = {id(p): (n, p) for n, p in model.named_parameters()}.values()
+    total = sum(p.numel() for n, p in named if not _adapter_path(n))
     found = find_blocks(model)
-    block = max((sum(p.numel() for p in b.parameters()) for b in found[1]), default=0) if found else 0
+    block = max((sum(p.numel() for n, p in b.named_parameters() if not _adapter_path(n)) for b in found[1]),
+                default=0) if found else 0
     return total, block, type(found[1][0]).__name__ if found else None
 
 
@@ -157,7 +183,7 @@ def from_module(model: Any, name: str, source: str) -> ModelSpec:
     found = find_blocks(model)
     layers = len(found[1]) if found else 1
     first = found[1][0] if found else model
-    linears = [m for m in first.modules() if isinstance(m, nn.Linear)]
+    linears = [m for n, m in first.named_modules() if isinstance(m, nn.Linear) and not _adapter_path(n)]
     hidden = linears[0].in_features if linears else max(1, int((total / 12) ** 0.5))
     ffn = max((m.out_features for m in linears), default=4 * hidden)
     gated = sum(1 for m in linears if m.out_features == ffn) >= 2 and ffn != 3 * hidden
@@ -167,7 +193,7 @@ def from_module(model: Any, name: str, source: str) -> ModelSpec:
     heads = next((int(getattr(m, a)) for m in first.modules() for a in ("n_heads", "num_heads", "num_attention_heads")
                   if isinstance(getattr(m, a, None), int)), max(1, hidden // 64))
     return ModelSpec(name, total, layers, hidden, heads, heads, ffn, vocab, block or total, total - layers * block,
-                     gated_mlp=gated, tied=tied, block_class=cls, linears=block_linears(model),
+                     gated_mlp=gated, tied=tied, block_class=cls, **linear_layout(model),
                      source=f"{source} (activations estimated as a transformer with hidden {hidden}, MLP {ffn})")
 
 

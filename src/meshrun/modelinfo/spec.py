@@ -91,6 +91,11 @@ class ModelSpec:
     traced: tuple[Traced, ...] = ()
     # (out, in) of each nn.Linear in one block, read from the built module; None: from the shape
     linears: tuple[tuple[int, int], ...] | None = None
+    # the module name (its last part: q_proj, up ...) of each of ``linears``, read with them
+    linear_names: tuple[str, ...] | None = None
+    # (name, out, in) of each nn.Linear outside the blocks but the output head, read from the
+    # built module (low-rank adapters' all-linear takes them too)
+    outer_linears: tuple[tuple[str, int, int], ...] = ()
 
     def traced_for(self, mode: str, seq: int) -> Traced | None:
         return next((t for t in self.traced if t.mode == mode and t.seq == seq), None)

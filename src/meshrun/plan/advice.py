@@ -60,7 +60,8 @@ def reasons_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidat
     s = pick.strategy
     plain = without_checkpointing(pick, cands)
     if s.ac and (plain is None or not plain.fits):  # (else the +ac line says why it is checkpointed)
-        out.append(f"with activation checkpointing (each block recomputed in backward, about 1/3 more compute): "
+        more = "1/2" if t.adapters is not None else "1/3"  # of a LoRA step's 4 FLOPs per weight, of a full one's 6
+        out.append(f"with activation checkpointing (each block recomputed in backward, about {more} more compute): "
                    f"{s.label} {_peak(pick)} per GPU -> fits")
     if s.offload_optimizer:
         out.append("CPU offload: the last resort the guide names; expect a 2-5x slower step")

@@ -81,12 +81,26 @@ class Plan:
                         "peak_flops": {"bf16": c.gpu_flops, "fp8": c.gpu_fp8_flops, "fp32": c.gpu_fp32_flops},
                         "peak_assumed": c.card is None, "sources": dict(c.sources)},
             "train": {"seq_len": self.train.seq_len, "precision": self.train.precision,
-                      "optimizer": self.train.optimizer, "compile": self.train.compile},
+                      "optimizer": self.train.optimizer, "compile": self.train.compile, "lora": self.lora()},
             "framework": self.framework, "margin": self.margin,
             "candidates": [x.to_dict() for x in self.candidates],
             "recommended": self.recommended.to_dict() if self.recommended else None,
             "reasons": self.reasons, "warnings": self.warnings,
         }
+
+
+    def lora(self) -> dict[str, Any] | None:
+        """What a LoRA plan trains (None: every parameter): the adapters' settings and counts."""
+        from .adapters import of
+
+        lo = of(self.model, self.train.adapters)
+        if lo is None:
+            return None
+        wide = 2 if self.train.dtype == "bf16" else 4
+        return {"rank": lo.rank, "targets": list(lo.spec.targets), "quantize": lo.spec.quantize,
+                "dropout": lo.spec.dropout, "adapted_layers": lo.kinds, "adapted_count": len(lo.block) * lo.layers
+                + len(lo.outer), "adapter_params": lo.params, "frozen_params": self.model.params,
+                "frozen_bytes": int(lo.frozen_bytes(self.model.params, False, wide))}
 
 
 TWINS = dict(zip(PAIR, reversed(PAIR)))  # each of vocab.TWINS to the other

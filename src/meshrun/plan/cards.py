@@ -19,6 +19,10 @@ accumulation, the precision training accumulates in:
 FP32 is the cards' non-tensor peak: meshrun leaves torch's default of full-precision fp32
 matmuls (no TF32), so ``--precision fp32`` runs at it.
 
+Memory bandwidth is the same datasheets' (H100 SXM 3.35, PCIe 2.0, NVL 3.9 TB/s; H200 4.8;
+A100 80GB 2.039, 40GB 1.555; A10 600, L4 300, L40S 864, RTX 4090 1,008 GB/s); an unknown card
+is assumed the slower H100 SXM's.
+
 Memory is the datasheet's size read in GiB (the binary size the cards report to within 1%);
 a --gpu-mem given, or the memory read on the machine, replaces it."""
 
@@ -38,6 +42,7 @@ class Card:
     fp8_tflops: float | None  # dense peak; None: no float8 tensor cores (compute capability below 8.9)
     fp32_tflops: float  # non-tensor peak
     memory_gib: int
+    bandwidth_tbs: float  # memory bandwidth, TB/s (what NF4's dequantization is bound by)
 
     @property
     def bf16_flops(self) -> float:
@@ -52,27 +57,32 @@ class Card:
         return self.fp32_tflops * TERA
 
     @property
+    def bandwidth(self) -> float:
+        """Memory bandwidth, bytes/s."""
+        return self.bandwidth_tbs * TERA
+
+    @property
     def memory(self) -> int:
         return self.memory_gib * 2**30
 
 
 CARDS: dict[str, Card] = {c.name: c for c in (
-    Card("h100", "H100 SXM", 989.4, 1978.9, 67.0, 80),
-    Card("h100-pcie", "H100 PCIe", 756.5, 1513.0, 51.0, 80),
-    Card("h100-nvl", "H100 NVL", 835.5, 1670.5, 60.0, 94),
-    Card("h200", "H200 SXM", 989.4, 1978.9, 67.0, 141),
-    Card("h200-nvl", "H200 NVL", 835.5, 1670.5, 60.0, 141),
-    Card("a100", "A100 80GB", 312.0, None, 19.5, 80),
-    Card("a100-40gb", "A100 40GB", 312.0, None, 19.5, 40),
-    Card("a10", "A10", 125.0, None, 31.2, 24),
-    Card("l4", "L4", 121.0, 242.5, 30.3, 24),
-    Card("l40s", "L40S", 362.05, 733.0, 91.6, 48),
-    Card("rtx4090", "RTX 4090", 165.2, 330.3, 82.6, 24),
+    Card("h100", "H100 SXM", 989.4, 1978.9, 67.0, 80, 3.35),
+    Card("h100-pcie", "H100 PCIe", 756.5, 1513.0, 51.0, 80, 2.0),
+    Card("h100-nvl", "H100 NVL", 835.5, 1670.5, 60.0, 94, 3.9),
+    Card("h200", "H200 SXM", 989.4, 1978.9, 67.0, 141, 4.8),
+    Card("h200-nvl", "H200 NVL", 835.5, 1670.5, 60.0, 141, 4.8),
+    Card("a100", "A100 80GB", 312.0, None, 19.5, 80, 2.039),
+    Card("a100-40gb", "A100 40GB", 312.0, None, 19.5, 40, 1.555),
+    Card("a10", "A10", 125.0, None, 31.2, 24, 0.6),
+    Card("l4", "L4", 121.0, 242.5, 30.3, 24, 0.3),
+    Card("l40s", "L40S", 362.05, 733.0, 91.6, 48, 0.864),
+    Card("rtx4090", "RTX 4090", 165.2, 330.3, 82.6, 24, 1.008),
 )}
 
 # What the step-time estimate assumes of a card it does not know (--gpu-mem alone, or a device
 # name not in CARDS): the peaks of the cards meshrun's planner constants were measured on.
-ASSUMED = Card("assumed", "H100/H200 SXM", 989.4, 1978.9, 67.0, 80)
+ASSUMED = Card("assumed", "H100/H200 SXM", 989.4, 1978.9, 67.0, 80, 3.35)
 
 # A device's name as CUDA reports it ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB",
 # "NVIDIA GeForce RTX 4090") -> CARDS' name; the more specific patterns first.

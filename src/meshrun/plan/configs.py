@@ -95,7 +95,8 @@ def accelerate_config(plan: Plan, c: Candidate, ds_config_file: str = "ds_config
 def train_config(plan: Plan, c: Candidate, m: ModelSpec) -> dict[str, Any]:
     """A `meshrun train --config` file for the candidate. Data-parallel strategies keep their
     name; expert and context parallelism run beside DDP and FSDP2 full shard; TP x PP runs
-    as FSDP2 full shard over the data-parallel rest."""
+    as FSDP2 full shard over the data-parallel rest. A LoRA plan's adapters as
+    `meshrun train --lora` takes them."""
     s, b = c.strategy, c.batch
     out: dict[str, Any] = {}
     if m.name in GPT_PRESETS:
@@ -115,6 +116,9 @@ def train_config(plan: Plan, c: Candidate, m: ModelSpec) -> dict[str, Any]:
                compile="on" if plan.train.compile else "off")
     if b is not None:
         out.update(micro_batch=b.micro, global_batch=b.global_batch)
+    a = plan.train.adapters
+    if a is not None:  # the LoRA run planned, in meshrun train's option names (--lora-alpha: train's default)
+        out.update(lora=a.rank, lora_targets=",".join(a.targets), lora_dropout=a.dropout, quantize=a.quantize)
     return out
 
 

@@ -32,6 +32,8 @@ from ..defaults import val_micro
 from ..modelinfo.spec import LOSS_CHUNK_TOKENS, ModelSpec, Traced
 from ..vocab import Engine, StrategyKind
 from . import float8
+from .adapters import AdapterLayout
+from .adapters import of as adapters_of
 from .spec import ClusterSpec, TrainSpec
 
 
@@ -262,6 +264,9 @@ def logits_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> int:
 
 def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int], int, list[str]]:
     """(params, grads, optimizer, comm_buffers) bytes per GPU, CPU bytes per GPU, notes."""
+    lo = adapters_of(m, t.adapters)
+    if lo is not None:
+        return adapter_states(m, t, s, lo)
     p = params_per_gpu(m, s)
     block = m.block_params / s.tp
     n = s.shard_group
@@ -314,6 +319,77 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
             "comm_buffers": int(buffers)}, int(cpu), notes
 
 
+def adapter_states(m: ModelSpec, t: TrainSpec, s: Strategy, lo: AdapterLayout) -> tuple[dict[str, int], int, list[str]]:
+    """model_states() of a LoRA run (data-parallel layouts: plan/recommend.py plans no other).
+    The frozen weights are stored in the precision the run computes in (bf16: 2 bytes; the
+    adapted layers' weights in NF4 under --quantize nf4, plan/adapters.py) with no gradients
+    and no optimizer state; FSDP2 and ZeRO-3 shard them, DDP and ZeRO-1/2 replicate them. The
+    adapters (A) are trainable parameters as the engine keeps them: torch fp32 weights, fp32
+    gradients and the optimizer's k bytes (16 with Adam), DeepSpeed bf16 weights and
+    gradients with an fp32 master copy and moments, sharded as the full model's states are.
+    What is gathered is the frozen weights as stored and the adapters in the compute dtype."""
+    n, k, a = s.shard_group, t.optimizer_bytes, lo.params
+    wide = 2 if t.dtype == "bf16" else 4  # bytes of a parameter in the compute dtype
+    frozen = lo.frozen_bytes(m.params, False, wide)
+    block = lo.frozen_bytes(m.block_params, True, wide) + wide * lo.block_params  # one block, gathered
+    outer = frozen - m.layers * lo.frozen_bytes(m.block_params, True, wide)
+    notes: list[str] = []
+    cpu = 0.0
+    if s.engine is Engine.DEEPSPEED:
+        params = (frozen + wide * a) / (n if s.shard == "params" else 1)
+        grads = wide * a / (n if s.shard in ("grads", "params") else 1)
+        opt = ((4 + k) if wide == 2 else k) * a / (n if s.shard != "none" else 1)
+        bucket = 2 * min(5e8, a) if s.shard in ("optimizer", "grads") else 0
+        if s.shard == "params":  # prefetch buckets, live parameters and the gathered embeddings/head
+            bucket = 2 * (2 * 0.9 * m.hidden**2 + 1e9 / max(1, m.layers)) + outer
+        if s.offload_optimizer:
+            cpu += opt + 4 * a / n
+            opt = 0
+            notes.append("the adapters' optimizer state and its step on the CPU (DeepSpeed's CPU Adam)")
+        if s.offload_params:
+            cpu += params
+            params = 2 * block
+        return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
+                "comm_buffers": int(bucket)}, int(cpu), notes
+    sharded = s.shard in ("grads", "params")
+    params = (frozen + 4 * a) / (n if sharded else 1) + cast_copies(m, t, s)
+    grads = 4 * a / (n if sharded else 1)
+    opt = k * a / (n if s.shard != "none" else 1)
+    buffers = 0.0
+    if s.shard == "params":  # the root gathered, the last block and the next one's prefetch, a block's grads
+        buffers = outer + 2 * block + 4 * lo.block_params
+    if s.keep_gathered:
+        buffers = outer + m.layers * block + 4 * lo.block_params
+    return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
+            "comm_buffers": int(buffers)}, int(cpu), notes
+
+
+def adapter_activations(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int) -> tuple[int, int]:
+    """What low-rank adapters add to activations() (stored, transient): each adapted layer's
+    A output (r wide, in the compute dtype), which B keeps for its backward, and with dropout
+    the dropped copy of the layer's input (compute dtype) and its bool mask; under full
+    checkpointing one block's worth, recomputed in its backward. The frozen layers' inputs
+    stay counted as the full model's: the adapters keep the same tensors (without dropout),
+    and the ops around them keep theirs. Under NF4, one adapted weight dequantized to the
+    compute dtype at a time (torchao's linear dequantizes in forward and again in backward)."""
+    lo = adapters_of(m, t.adapters)
+    if lo is None:
+        return 0, 0
+    a = 2 if t.dtype == "bf16" else 4
+    per_token = a * lo.rank * len(lo.block) + ((a + 1) * lo.block_inputs if lo.spec.dropout > 0 else 0)
+    one_block = per_token * micro * t.seq_len / s.cp
+    dequantized = a * lo.largest if lo.spec.nf4 else 0
+    if s.ac:
+        return 0, int(one_block + dequantized)
+    return int(one_block * m.layers), int(dequantized)
+
+
+def trainable_per_gpu(m: ModelSpec, t: TrainSpec, s: Strategy) -> float:
+    """The parameters this GPU trains before sharding: the adapters of a LoRA run, else all."""
+    lo = adapters_of(m, t.adapters)
+    return lo.params if lo is not None else params_per_gpu(m, s)
+
+
 def cast_copies(m: ModelSpec, t: TrainSpec, s: Strategy) -> float:
     """autocast's bf16 weight copies, saved by each matmul for its backward: alive from
     forward until that matmul's backward, so gone by the end of backward (as the measured
@@ -322,6 +398,9 @@ def cast_copies(m: ModelSpec, t: TrainSpec, s: Strategy) -> float:
     copy instead (1 byte)."""
     if not autocast(t, s):
         return 0.0
+    lo = adapters_of(m, t.adapters)
+    if lo is not None:  # frozen weights are stored in bf16: only the adapters are cast
+        return 2.0 * lo.params
     fp8 = float8.converted_block_params(m, t.precision) * m.layers / (s.tp * s.pp)
     return 2 * (params_per_gpu(m, s) - (0 if m.tied else m.vocab * m.hidden)) - fp8
 
@@ -342,7 +421,7 @@ def persistent_grads(s: Strategy) -> bool:
     return s.engine is not Engine.TORCH or s.kind.uses_ddp or (s.shard == "none" and s.dp > 1)
 
 
-def deepspeed_step_bytes(m: ModelSpec, s: Strategy) -> float:
+def deepspeed_step_bytes(m: ModelSpec, t: TrainSpec, s: Strategy) -> float:
     """Reserved beyond the allocated peak by DeepSpeed's optimizer step: the flat gradient
     partition, its fp32 copy and the Adam step's temporaries are allocated after backward
     freed the activations, in blocks too large for the activations' cached ones, so they
@@ -351,7 +430,7 @@ def deepspeed_step_bytes(m: ModelSpec, s: Strategy) -> float:
     if s.engine is not Engine.DEEPSPEED or s.offload_optimizer:
         return 0.0
     per_param: float = calibration()["deepspeed_step_bytes_per_param"]
-    return per_param * params_per_gpu(m, s) / s.shard_group
+    return per_param * trainable_per_gpu(m, t, s) / s.shard_group
 
 
 def side_stream_grads(s: Strategy, grads: float) -> float:
@@ -419,8 +498,10 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
     if s.engine is Engine.DEEPSPEED and s.shard == "params" and t.dtype == "bf16":
         # DeepSpeed's ZeRO-3 accumulates the gradient partitions in fp32, not the paper's
         # 2 bytes, as its measured rows show (docs/decisions.md#deepspeed-gradients)
-        states = dict(states, grads=int(4 * params_per_gpu(m, s) / s.shard_group))
+        states = dict(states, grads=int(4 * trainable_per_gpu(m, t, s) / s.shard_group))
     acts, transient = activations(m, t, s, micro)
+    extra_acts, extra_transient = adapter_activations(m, t, s, micro)
+    acts, transient = acts + extra_acts, transient + extra_transient
     transient += float8.cast_bytes(m, t.precision, micro * t.seq_len / s.cp, s.tp)
     logits = logits_bytes(m, t, s, micro)
     spike = max(logits, transient)  # the loss spike and one layer's backward do not overlap
@@ -437,7 +518,7 @@ def estimate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, micro: int
         parts = {"grads": states["grads"], "activations": transient, "logits": 0,
                  "comm_buffers": states["comm_buffers"]}
     allocated = max(start, end)
-    frag = int(allocated * (cal["reserved_over_allocated"] - 1) + deepspeed_step_bytes(m, s)
+    frag = int(allocated * (cal["reserved_over_allocated"] - 1) + deepspeed_step_bytes(m, t, s)
                + (side_stream_grads(s, states["grads"]) + spike_fragmentation(m, t, s, spike) if start >= end else 0)
                + validation_growth(m, t, s, micro))
     breakdown = {"params": states["params"], "grads": parts["grads"], "optimizer": states["optimizer"],

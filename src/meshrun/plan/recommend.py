@@ -6,8 +6,10 @@ from dataclasses import replace
 
 from ..errors import MeshrunError, bad_value
 from ..modelinfo.spec import ModelSpec
-from ..units import fmt_bytes, fmt_seconds
+from ..units import fmt_bytes, fmt_count, fmt_seconds
 from ..vocab import Engine
+from .adapters import check as check_adapters
+from .adapters import of as adapters_of
 from .batch import check_divisible, micro_choices, solve
 from .candidate import Candidate, Plan, fitting_twin
 from .memory import Strategy, estimate
@@ -115,6 +117,31 @@ def float8_layouts(t: TrainSpec, layouts: list[Strategy]) -> list[Strategy]:
     return [s for s in layouts if s.engine is Engine.TORCH and s.tp == 1]
 
 
+def adapter_layouts(t: TrainSpec, layouts: list[Strategy]) -> list[Strategy]:
+    """The layouts a LoRA run is planned on: data-parallel ones (DDP, FSDP2, ZeRO, offload),
+    whose every rank holds whole adapted layers; no tensor, pipeline, context or expert
+    parallelism."""
+    if t.adapters is None:
+        return layouts
+    return [s for s in layouts if s.data_parallel_only]
+
+
+def what_trains(m: ModelSpec, t: TrainSpec) -> str:
+    """The plan's line on a LoRA run: what trains and how the frozen weights are kept."""
+    lo = adapters_of(m, t.adapters)
+    if lo is None:
+        return ""
+    wide = 2 if t.dtype == "bf16" else 4
+    stored = fmt_bytes(lo.frozen_bytes(m.params, False, wide))
+    dtype = "bf16" if wide == 2 else "fp32"
+    kept = f"the adapted layers' weights in NF4, 4.13 bits a weight; the rest {dtype}" if lo.spec.nf4 else dtype
+    total = m.params + lo.params
+    return (f"LoRA rank {lo.rank} on {', '.join(lo.kinds)} ({len(lo.block) * lo.layers + len(lo.outer)} layers): "
+            f"{fmt_count(lo.params)} of {fmt_count(total)} parameters ({100 * lo.params / total:.2f}%) train, with "
+            f"gradients and optimizer state; the {fmt_count(m.params)} frozen take {stored} ({kept}), without; "
+            "planned on data-parallel layouts only (no TP x PP, context or expert parallelism)")
+
+
 FLOAT8_LEFT_OUT = ("no DeepSpeed (zero*) or tensor-parallel rows: meshrun train refuses float8 with DeepSpeed's "
                    "engine and with --tp (its sharded linear layers are not converted)")
 
@@ -124,6 +151,8 @@ def check_inputs(m: ModelSpec, c: ClusterSpec, t: TrainSpec) -> None:
     makes them before it traces the model (seconds on the CPU)."""
     validate_cluster(c)
     validate_train(t, m.max_seq)
+    if t.adapters is not None:
+        check_adapters(t.adapters, m)
     if t.float8 and c.gpu_fp8_flops is None and c.card is not None:
         raise bad_value("--precision", t.precision, f"the {c.card.title} has no float8 matmuls (they need compute "
                         "capability 8.9 or newer, as meshrun train does)",
@@ -139,9 +168,9 @@ def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torc
     check_inputs(m, c, t)
     m = m.at_seq(t.seq_len)
     limit = c.gpu_mem * (1 - margin)
-    cands = [_evaluate(m, c, t, s, limit) for s in float8_layouts(t, candidates(m, c, t))]
+    cands = [_evaluate(m, c, t, s, limit) for s in adapter_layouts(t, float8_layouts(t, candidates(m, c, t)))]
     if not any(x.fits and not x.strategy.offload_optimizer for x in cands):
-        cands += [_evaluate(m, c, t, s, limit) for s in float8_layouts(t, model_parallel(m, c))]
+        cands += [_evaluate(m, c, t, s, limit) for s in adapter_layouts(t, float8_layouts(t, model_parallel(m, c)))]
     engines = ENGINES[framework]
     pick = choose([x for x in cands if x.strategy.engine in engines], t)
     warnings: list[str] = []
@@ -160,6 +189,8 @@ def make_plan(m: ModelSpec, c: ClusterSpec, t: TrainSpec, framework: str = "torc
     notes = passed_over(cands, pick, engines, framework) + checkpointing_pays(m, cands, pick, t, engines)
     if t.float8:
         notes.append(f"{t.precision}: {FLOAT8_LEFT_OUT}")
+    if t.adapters is not None:  # (after the model's line)
+        reasons.insert(1, what_trains(m, t))
     reasons[-1:-1] = notes  # (before the "recommended:" line)
     return Plan(m, c, t, framework, margin, cands, pick, reasons,
                 warnings + warnings_for(m, c, t, cands, pick))

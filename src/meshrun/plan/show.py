@@ -5,14 +5,17 @@ from __future__ import annotations
 from ..units import fmt_bytes, fmt_count, fmt_seconds
 from ..vocab import Engine
 from . import float8
+from .adapters import of as adapters_of
 from .candidate import Candidate
 from .cards import ASSUMED
 from .memory import BREAKDOWN_KEYS, calibration, layer_activation_bytes
 from .recommend import Plan, by_step_time
 from .steptime import (
+    LORA_FROZEN_SHARE,
     MEASURED_MICRO_TOKENS,
     MEASURED_WIDTH,
     NARROWEST_MEASURED_WIDTH,
+    NF4_DEQUANT_BYTES,
     SATURATION_TOKEN_WIDTH,
     measured_matmul_efficiency,
     saturation_tokens,
@@ -36,7 +39,11 @@ def print_plan(plan: Plan, written: list[str], explain: bool) -> None:
     m, c = plan.model, plan.cluster
     rows = ordered(plan)
     unit = table_unit([x.memory.peak for x in rows if x.memory is not None])
-    table = Table(title=f"{m.name} ({fmt_count(m.params)} params) on {c.nodes} x {c.gpus_per_node} GPUs "
+    lo = adapters_of(m, plan.train.adapters)
+    what = f"{fmt_count(m.params)} params"
+    if lo is not None:
+        what = f"{fmt_count(m.params)} frozen{' nf4' if lo.spec.nf4 else ''} + {fmt_count(lo.params)} LoRA params"
+    table = Table(title=f"{m.name} ({what}) on {c.nodes} x {c.gpus_per_node} GPUs "
                         f"of {fmt_bytes(c.gpu_mem)}, seq {plan.train.seq_len}, {plan.train.precision}; "
                         f"memory in {unit[0]} per GPU")
     for col in ("strategy", "mb x acc", *SHORT.values(), "peak", "fits", "step~"):
@@ -137,13 +144,19 @@ def legend(plan: Plan, unit: str, small: bool = False) -> list[str]:
     else:
         logits = ("the loss's bf16 logits, fp32 copy, log-softmax and its gradient"
                   + (" (fused when a model is compiled whole: single, ddp)" if t.whole_compile else ""))
+    lo = adapters_of(plan.model, t.adapters)
+    if lo is None:
+        states = "params, grads, optim(izer state) as the layout keeps them"
+    else:
+        frozen = "the adapted layers' in NF4, the rest in " if lo.spec.nf4 else ""
+        states = (f"params: the frozen weights ({frozen}{t.dtype}) and the adapters; grads, optim(izer state): "
+                  "the adapters' alone; as the layout keeps them")
     return [
         *order_rule(plan),
         "strategy +ac: with activation checkpointing (zero* DeepSpeed, ddp/fsdp* torch, tp*-pp* Megatron-style); "
         "mb x acc: micro-batch per GPU x accumulation steps",
         f"{unit} per GPU" + (f" ({small_units(unit)}: where {unit} would show less than 0.1)" if small else "")
-        + " at the row's peak (the start of backward, or its end): params, grads, optim(izer state) as the layout "
-        "keeps them",
+        + f" at the row's peak (the start of backward, or its end): {states}",
         f"  (-: none alive then; cpu: offloaded); activ: saved for backward; logits: {logits};",
         "  buffers: gathered parameters, communication buckets; peak: these + workspace, allocator fragmentation, "
         f"CUDA context; fits: peak <= {fmt_bytes(c.gpu_mem * (1 - plan.margin))}",
@@ -194,6 +207,8 @@ def step_lines(plan: Plan) -> list[str]:
            f"  over the measured {measured_matmul_efficiency():.0%} ({MEASURED_MICRO_TOKENS:,} tokens, width "
            f"{MEASURED_WIDTH}), + communication backward does not hide, FSDP2's cost per micro-step, "
            "the optimizer step"]
+    if lo_line := lora_step_line(plan):
+        out.append(lo_line)
     if t.float8 and card.fp8_tflops is not None:
         share = float8.converted_share(plan.model, t.precision, t.seq_len)
         out.append(f"  {t.precision}: the float8 matmuls ({share:.0%} of a block's work) at {card.fp8_tflops:g} "
@@ -201,6 +216,22 @@ def step_lines(plan: Plan) -> list[str]:
                    f"{float8.MEASURED_BLOCK_SPEEDUP[t.precision]}x bf16 on Llama-3-8B's blocks, one H200)"
                    + (f"; the same share assumed on the {card.title}" if card.name not in MEASURED_CARDS else ""))
     return out
+
+
+def lora_step_line(plan: Plan) -> str:
+    """What step~ counts of a LoRA run (empty: not one)."""
+    t = plan.train
+    lo = adapters_of(plan.model, t.adapters)
+    if lo is None:
+        return ""
+    card = plan.cluster.card or ASSUMED
+    line = (f"  LoRA: the frozen weights' matmuls at {LORA_FROZEN_SHARE:.0%} of a full fine-tune's (forward and input "
+            "gradients, no weight gradients), the adapters' 6 FLOPs per parameter per token; only the adapters' "
+            "gradients reduced, FSDP/ZeRO-3 still gather every weight")
+    if lo.spec.nf4:
+        line += (f"; NF4 dequantized in forward and backward, {NF4_DEQUANT_BYTES['eager']:g} bytes a weight eager, "
+                 f"{NF4_DEQUANT_BYTES['compiled']:g} compiled, at {card.bandwidth_tbs:g} TB/s")
+    return line
 
 
 def activation_lines(plan: Plan) -> list[str]:
@@ -226,6 +257,23 @@ def activation_lines(plan: Plan) -> list[str]:
     return out
 
 
+def lora_lines(plan: Plan) -> list[str]:
+    """What --explain says of a LoRA plan's states (none: not one)."""
+    t = plan.train
+    lo = adapters_of(plan.model, t.adapters)
+    if lo is None:
+        return []
+    wide = 2 if t.dtype == "bf16" else 4
+    return [f"  LoRA (rank r = {lo.rank}): A = r·(in + out) per adapted layer = {lo.params:,} adapter parameters train "
+            "and take the states above in P's place;",
+            f"    the N frozen parameters are stored, {wide}N (no grads, no optimizer state), sharded by FSDP/ZeRO-3, "
+            "replicated by DDP/ZeRO-1/2"
+            + ("; the adapted layers' weights in NF4: n/2 + n/64 + 2n/16384 + 34 bytes per weight of n "
+               "(torchao's block 64, scalers per 256 blocks)" if lo.spec.nf4 else ""),
+            "    activations + per adapted layer and token: r-wide A output (a·r)"
+            + (", the dropped input copy and its mask ((a + 1)·in)" if lo.spec.dropout > 0 else "")]
+
+
 def explanation(plan: Plan) -> str:
     m, t = plan.model, plan.train
     cal = calibration()
@@ -235,6 +283,7 @@ def explanation(plan: Plan) -> str:
         "  torch (meshrun, DDP, FSDP2): fp32 params 4P, fp32 grads 4P, optimizer k·P "
         f"(k = {t.optimizer_bytes} for {t.optimizer}); FSDP shards all three over n, grad_op keeps a bf16 copy 2P;",
         "    under bf16 autocast (single/DDP) matmuls keep bf16 weight copies for backward: +2P",
+        *lora_lines(plan),
         "  DeepSpeed ZeRO (mixed): 2P bf16 params + 2P bf16 grads + (4 + k)·P master and moments;",
         "    ZeRO-1 shards the last, ZeRO-2 also the grads, ZeRO-3 everything: 2P + 2P + (4+k)P/n ... (2+2+4+k)P/n;",
         "    as DeepSpeed runs it: ZeRO-1/2 grads and buckets arrive as backward frees activations, ZeRO-3 keeps",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import bad_value
 from ..vocab import AC_MODES, FLOAT8_PRECISIONS, PRECISIONS
+from .adapters import Adapters
 from .cards import ASSUMED, Card
 
 # Per-GPU bandwidths in bytes/s, the "bus bandwidth" a ring collective reaches (what
@@ -37,6 +38,11 @@ class ClusterSpec:
         return (self.card or ASSUMED).bf16_flops
 
     @property
+    def gpu_bandwidth(self) -> float:
+        """The card's memory bandwidth, bytes/s (an unknown card's: ASSUMED's)."""
+        return (self.card or ASSUMED).bandwidth
+
+    @property
     def gpu_fp32_flops(self) -> float:
         """The card's fp32 peak (no tensor cores: meshrun leaves TF32 off), FLOP/s."""
         return (self.card or ASSUMED).fp32_flops
@@ -63,6 +69,7 @@ class TrainSpec:
     # compiled in one graph under single/DDP (meshrun's GPT, a user's module); a Hugging Face
     # model is compiled block by block, its forward and loss eager (training/parallel/apply.py)
     whole_compile: bool = True
+    adapters: Adapters | None = None  # low-rank adapters train, the rest frozen (plan/adapters.py); None: all trains
 
     @property
     def dtype(self) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from ..modelinfo.spec import ModelSpec
 from ..vocab import Engine
 from . import float8
+from .adapters import AdapterLayout
+from .adapters import of as adapters_of
 from .batch import Batch
 from .candidate import StepTime
 from .memory import Strategy
@@ -23,6 +25,16 @@ CPU_ADAM_BW = 10e9  # bytes of optimizer state per second a CPU Adam streams per
 # (docs/decisions.md#optimizer-time), once per optimizer step over the parameters this GPU
 # updates: what makes accumulation pay for DDP.
 OPTIMIZER_S_PER_PARAM = 2.0e-11
+# torchao's NF4 weight dequantized by its eager code (NF4Tensor.get_original_weight, torchao
+# 0.18): both nibbles shifted out of the bytes and widened to int64 indices, looked up in the 16
+# levels, scaled, interleaved: about 29 bytes read and written per weight (counted from those
+# tensors, not measured); compiled, one fused pass reads 0.52 and writes 2.
+# docs/decisions.md#lora-plan
+NF4_DEQUANT_BYTES = {"eager": 29.0, "compiled": 2.5}
+# A LoRA run's share of a full fine-tune's matmul work on its frozen weights: each still runs
+# forward (2 FLOPs per weight per token) and passes the gradient to its input (2), but computes
+# no gradient of its own (the other 2 of 6).
+LORA_FROZEN_SHARE = 2 / 3
 
 
 def layout_efficiency(s: Strategy) -> float:
@@ -108,14 +120,34 @@ def compute_time(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Bat
         converted = 6 * float8.converted_block_params(m, t.precision) * m.layers
         matmuls += converted / fp8_speed - converted
     slower = measured_matmul_efficiency() / matmul_efficiency(b.micro * t.seq_len / s.cp, m.hidden)
-    # full checkpointing runs each block's forward again (a third more); selective only its cheap,
-    # memory-bound operations (assumed 2% more: not yet measured)
-    recompute = 4 / 3 if s.ac else 1.02 if s.sac else 1
-    flops = (matmuls * slower + attention) * tokens / (s.tp * s.pp * s.cp) * recompute
+    lo = adapters_of(m, t.adapters)
+    # full checkpointing runs each block's forward again (a third of a full fine-tune's work,
+    # half of a LoRA run's); selective only its cheap, memory-bound operations (assumed 2% more:
+    # not yet measured)
+    forward = matmuls / 3  # (what checkpointing runs again)
+    if lo is not None:  # the frozen weights' forward and input gradients, the adapters' whole work
+        matmuls = matmuls * LORA_FROZEN_SHARE + 6 * lo.params
+        forward += 2 * lo.params
+    work = matmuls * slower + attention
+    forward = forward * slower + attention / 3
+    recompute = (work + forward) / work if s.ac else 1.02 if s.sac else 1
+    flops = work * tokens / (s.tp * s.pp * s.cp) * recompute
     compute = flops / (peak_flops(c, t) * work_efficiency() * layout_efficiency(s))
+    if lo is not None and lo.spec.nf4:
+        compute += dequant_time(c, t, s, lo) * max(1, b.accum)
     if s.pp > 1:  # the 1F1B bubble: meshrun cuts each micro-batch into pp pieces (--pp-microbatches)
         compute *= 1 + (s.pp - 1) / (max(1, b.accum) * s.pp)
     return compute
+
+
+def dequant_time(c: ClusterSpec, t: TrainSpec, s: Strategy, lo: AdapterLayout) -> float:
+    """Seconds one micro-step spends dequantizing the NF4 weights: every adapted weight in
+    forward and again in backward (torchao's linear keeps the NF4 weight, not the bf16 one),
+    once more under full checkpointing, at NF4_DEQUANT_BYTES per weight (eager, or compiled
+    with the blocks under meshrun's torch engine) and the card's memory bandwidth (datasheet)."""
+    passes = 3 if s.ac else 2
+    mode = "compiled" if t.compile and s.engine is Engine.TORCH else "eager"
+    return passes * lo.adapted * NF4_DEQUANT_BYTES[mode] / c.gpu_bandwidth
 
 
 def step_parts(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Batch, comm: float) -> StepTime:
@@ -132,11 +164,13 @@ def step_parts(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Batch
     group = s.shard_group if s.shard != "none" else s.dp
     bw = c.intra_bw if (c.nodes == 1 or group <= c.gpus_per_node) else min(c.intra_bw, c.inter_bw)
     exposed = max(0.0, comm / bw - 0.8 * (compute + fsdp) * 2 / 3)
+    lo = adapters_of(m, t.adapters)
+    trained = m.params if lo is None else lo.params  # what the optimizer steps over
     if s.offload_optimizer:
-        shard = m.params / s.shard_group
+        shard = trained / s.shard_group
         optimizer = 4 * shard / PCIE_BW + 16 * shard / CPU_ADAM_BW
     else:
-        optimizer = OPTIMIZER_S_PER_PARAM * m.params / (s.tp * s.pp) / (s.shard_group if s.shard != "none" else 1)
+        optimizer = OPTIMIZER_S_PER_PARAM * trained / (s.tp * s.pp) / (s.shard_group if s.shard != "none" else 1)
     return StepTime(compute, fsdp, exposed, optimizer)
 
 

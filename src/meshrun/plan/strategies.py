@@ -21,6 +21,8 @@ from ..vocab import (
     Engine,
 )
 from . import float8
+from .adapters import AdapterLayout
+from .adapters import of as adapters_of
 from .memory import Strategy
 from .spec import ClusterSpec, TrainSpec
 
@@ -118,6 +120,9 @@ def comm_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int, accum: int) 
     n = s.shard_group if s.shard != "none" else s.dp
     ring = (n - 1) / n if n > 1 else 0.0
     g = 2 if t.dtype == "bf16" else 4  # bytes of a gathered parameter
+    lo = adapters_of(m, t.adapters)
+    if lo is not None:
+        return adapter_comm(m, t, s, lo, accum)
     if s.engine is Engine.DEEPSPEED:
         vol = {"none": 2 * ring * g * p, "optimizer": ring * 2 * g * p,
                "grads": ring * g * p * accum + ring * g * p,
@@ -141,4 +146,26 @@ def comm_bytes(m: ModelSpec, t: TrainSpec, s: Strategy, micro: int, accum: int) 
         vol += 4 * (s.ep - 1) / s.ep * tokens * m.top_k * m.hidden * g * m.layers
     if s.cp > 1:  # keys and values gathered in forward, their gradients reduced in backward
         vol += 3 * (s.cp - 1) / s.cp * 2 * tokens * m.kv_dim * g * m.layers
+    return vol, 0.0
+
+
+def adapter_comm(m: ModelSpec, t: TrainSpec, s: Strategy, lo: AdapterLayout, accum: int) -> tuple[float, float]:
+    """comm_bytes() of a LoRA run: only the adapters have gradients to all-reduce or
+    reduce-scatter (and, sharded, updated weights to gather: ZeRO-1/2); FSDP2 and ZeRO-3
+    still all-gather every weight each micro-step, the frozen ones as stored (bf16, or NF4)."""
+    n = s.shard_group if s.shard != "none" else s.dp
+    ring = (n - 1) / n if n > 1 else 0.0
+    g = 2 if t.dtype == "bf16" else 4
+    a = lo.params
+    gathered = lo.frozen_bytes(m.params, False, g) + g * a  # one whole copy, as all-gathered
+    if s.engine is Engine.DEEPSPEED:
+        vol = {"none": 2 * ring * g * a, "optimizer": ring * 2 * g * a,
+               "grads": ring * g * a * accum + ring * g * a,
+               "params": ring * (2 * gathered + g * a) * accum}[s.shard]
+        return vol, 0.0
+    vol = {"none": 2 * ring * 4 * a, "grads": ring * (gathered * accum + 4 * a),
+           "params": ring * (2 * gathered * accum + 4 * a)}[s.shard]
+    if s.kind.hybrid and s.dp > s.shard_group:
+        reps = s.dp // s.shard_group
+        return vol, 2 * (reps - 1) / reps * 4 * a / s.shard_group
     return vol, 0.0

@@ -562,10 +562,41 @@ class _Live(TorchDispatchMode):
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
 
 
+@contextlib.contextmanager
+def _as_base_model(model: nn.Module) -> Iterator[None]:
+    """A model that holds PEFT's low-rank adapters traced as its base model, fully trainable:
+    the adapters switched off (PEFT's ``enable_adapters(False)``) and every floating-point
+    parameter requiring its gradient. The planner adds the adapters' own terms and takes the
+    frozen weights' gradients out itself (plan/adapters.py, memory.adapter_activations); traced
+    frozen, nothing before the first adapter would be kept, and under autocast the frozen
+    weights' bf16 copies would count as activations. Everything is put back when it ends."""
+    layers = [m for m in model.modules() if callable(getattr(m, "enable_adapters", None))
+              and isinstance(getattr(m, "disable_adapters", None), bool)]
+    if not layers:
+        yield
+        return
+    wanted = {id(p): p.requires_grad for p in model.parameters()}
+    off = {id(m): m.disable_adapters for m in layers}
+    try:
+        for m in layers:
+            cast(Any, m).enable_adapters(False)
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.requires_grad_(True)
+        yield
+    finally:
+        for m in layers:
+            cast(Any, m).enable_adapters(not off[id(m)])
+        for p in model.parameters():
+            p.requires_grad_(wanted[id(p)])
+
+
 def with_trace(spec: ModelSpec, model: nn.Module, seq: int, modes: tuple[str, ...],
                blocks_path: str | None = None, compiled: bool = True, liger: bool = False) -> ModelSpec:
     """``spec`` with what ``model`` keeps for backward traced in each of ``modes`` at ``seq``
     tokens (unchanged where it cannot be traced); torch.compile's too when ``compiled``; as
-    Liger Kernel's kernels keep it when ``liger``."""
-    got = tuple(t for t in (trace(model, m, seq, blocks_path, compiled, liger) for m in modes) if t is not None)
+    Liger Kernel's kernels keep it when ``liger``. A model holding low-rank adapters is traced
+    as its base model (``_as_base_model``)."""
+    with _as_base_model(model):
+        got = tuple(t for t in (trace(model, m, seq, blocks_path, compiled, liger) for m in modes) if t is not None)
     return dataclasses.replace(spec, traced=got) if got else spec

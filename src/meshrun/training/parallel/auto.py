@@ -10,18 +10,22 @@ from ...config import TrainConfig
 from ...config.policy import GATHERED_COPY_SHARE, Choice, Facts, compile_and_kernels, fsdp_flavour, resolve
 from ...modelinfo.blocks import find_blocks
 from ...modelinfo.read import from_module
+from ...plan.adapters import Adapters
 from ...plan.cards import Card
 
 __all__ = ["GATHERED_COPY_SHARE", "Choice", "compile_and_kernels", "decide", "fsdp_flavour"]
 
 
 def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, gpu_mem: int | None,
-           bf16: bool, liger: bool = False, card: Card | None = None) -> Choice:
+           bf16: bool, liger: bool = False, card: Card | None = None, adapters: Adapters | None = None) -> Choice:
     """The choice for ``model`` trained with ``cfg`` on ``world`` processes (``local_world``
     per node) whose data-parallel size is ``dp``; ``gpu_mem`` is one GPU's memory (None on
     the CPU); ``bf16``: the run computes in bf16; ``liger``: Liger Kernel can patch the model
-    here; ``card``: the GPU model, for its peaks (None: not known). Pure: no process group,
-    no device (the model may live on the meta device)."""
+    here; ``card``: the GPU model, for its peaks (None: not known); ``adapters``: a LoRA
+    run's (plan/adapters.py: rank, targets, quantize, dropout), planned with its frozen weights
+    stored without gradients or optimizer state (None: every parameter trains; the model
+    may already hold PEFT's adapters: the planner reads the base model's shape either way).
+    Pure: no process group, no device (the model may live on the meta device)."""
     from ..models.hf import is_transformers_model
     from ..models.hooks import KernelModel
 
@@ -40,4 +44,4 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
         return with_trace(spec, model, cfg.seq, ("autocast", "bf16") if bf16 else ("fp32",), cfg.blocks, compiled,
                           with_liger)
 
-    return resolve(spec, cfg, facts, traced)
+    return resolve(spec, cfg, facts, traced, adapters)
