@@ -88,6 +88,10 @@ def lora_snapshot(run: str, model, spec, base: str, step: int = 3, fingerprint: 
                                                            "schedule": [[0, step]]},
                             "world_size": 1, "config": {"model": base}},
              "rng-rank0.json": {}}
+    if whole:  # what a run of a Hugging Face model records for its export
+        from meshrun.modelinfo.hf import export_record
+
+        files["state.json"]["model"] = export_record(model, base)
     if record and not whole:
         files["lora.json"] = {"rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout,
                               "targets": list(spec.targets), "base_model": os.path.abspath(base),
