@@ -157,3 +157,59 @@ def test_bad_lora_exports_are_one_line_each(lora_run, tmp_path):
         assert said in res.stderr, (args, res.stderr)
         assert "(hint: " in res.stderr
         assert not os.path.exists(args[2]), args
+
+
+def test_merging_into_a_sharded_bf16_base_rewrites_only_the_adapted_weights(lora_run, tmp_path):
+    """A base saved in bf16 across several files: each file keeps its header, the index is
+    copied, and each adapted weight is exactly bf16(fp32(W) + alpha/rank * B @ A); every other
+    tensor is the base's, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from meshrun.modelinfo.hf import weight_files
+    from meshrun.training import adapters, lora
+
+    base = str(tmp_path / "bf16")
+    AutoModelForCausalLM.from_pretrained(lora_run["base"], dtype=torch.bfloat16).save_pretrained(
+        base, max_shard_size="20KB")
+    files = weight_files(base)
+    assert len(files) > 2
+    weights = lora.model_state(lora_run["model"])
+    out = str(tmp_path / "merged")
+    adapters.merge(weights, lora_run["spec"], base, out)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(base))
+    scale = lora_run["spec"].scale
+    for path in files:
+        before, after = load_file(path), load_file(os.path.join(out, os.path.basename(path)))
+        with open(path, "rb") as f, open(os.path.join(out, os.path.basename(path)), "rb") as g:
+            head = f.read(8)
+            n = int.from_bytes(head, "little")
+            assert head + f.read(n) == g.read(8 + n)  # the header, byte for byte
+        for key, tensor in before.items():
+            module = key[: -len(".weight")]
+            if module in lora_run["targets"]:
+                a = weights[f"{module}.lora_A.default.weight"].float()
+                b = weights[f"{module}.lora_B.default.weight"].float()
+                assert torch.equal(after[key], (tensor.float() + scale * (b @ a)).to(torch.bfloat16)), key
+            else:
+                assert torch.equal(after[key], tensor), key
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
+
+
+def test_the_fingerprint_sees_other_weights_and_not_a_copy(lora_run, tmp_path):
+    """The same layout with one value changed has another fingerprint (a file this small is
+    sampled whole; a larger one in 16 blocks of 64 KiB, where another model's values differ in
+    every block); a copy of the directory elsewhere has the same."""
+    from safetensors.torch import load_file, save_file
+
+    from meshrun.modelinfo.fingerprint import fingerprint
+
+    copy = shutil.copytree(lora_run["base"], tmp_path / "copy")
+    assert fingerprint(str(copy)) == fingerprint(lora_run["base"])
+    path = os.path.join(copy, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] += 1
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert os.path.getsize(path) == os.path.getsize(os.path.join(lora_run["base"], "model.safetensors"))
+    assert fingerprint(str(copy)) != fingerprint(lora_run["base"])

@@ -107,6 +107,7 @@ def _bad(models, tmp):
     tiny_hf.tokenizer(chat=False).save_pretrained(str(no_chat))
     (tmp / "empty").mkdir()
     base = models["base"]
+    gpt = tiny_hf.lora_snapshot(str(tmp / "gpt"), tiny_hf.llama(), None, base, whole=True, hf_record=False)
     return [
         (["generate", base], "the following arguments are required: --prompt"),
         (["generate", base, "--prompt", ""], "--prompt='': is empty"),
@@ -114,6 +115,7 @@ def _bad(models, tmp):
                                                              "snapshot"),
         (["generate", str(tmp / "nowhere"), "--prompt", "hi"], "no such file or directory"),
         (["generate", plain, "--prompt", "hi"], "no tokenizer in"),
+        (["generate", str(tmp / "gpt"), "--prompt", "hi"], f"SOURCE='{gpt}': a snapshot of meshrun's own model"),
         (["generate", base, "--prompt", "hi", "--chat", "--tokenizer", str(no_chat)], "--chat: the tokenizer"),
         (["generate", base, "--prompt", "hi", "--temperature", "-1"], "--temperature='-1': must be a finite"),
         (["generate", base, "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens='0': must be >= 1"),

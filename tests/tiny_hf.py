@@ -71,10 +71,12 @@ def adapted(base: str, spec, seed: int = 1):
 
 
 def lora_snapshot(run: str, model, spec, base: str, step: int = 3, fingerprint: str | None = None,
-                  record: bool = True, whole: bool = False) -> str:
+                  record: bool = True, whole: bool = False, hf_record: bool = True) -> str:
     """A committed snapshot of a LoRA run in meshrun's layout: the adapters alone under "model"
     (DCP), state.json, rank 0's RNG file, lora.json (unless not ``record``), and the marker with
-    every file's SHA-256. ``whole``: every weight of ``model`` instead, and no lora.json."""
+    every file's SHA-256. ``whole``: every weight of ``model`` instead, and no lora.json, with the
+    record of a Hugging Face model's config and source (unless not ``hf_record``: as meshrun's
+    own GPT's snapshot, which has none)."""
     import torch.distributed.checkpoint as dcp
 
     from meshrun.modelinfo.fingerprint import fingerprint as base_fingerprint
@@ -88,7 +90,7 @@ def lora_snapshot(run: str, model, spec, base: str, step: int = 3, fingerprint: 
                                                            "schedule": [[0, step]]},
                             "world_size": 1, "config": {"model": base}},
              "rng-rank0.json": {}}
-    if whole:  # what a run of a Hugging Face model records for its export
+    if whole and hf_record:  # what a run of a Hugging Face model records for its export
         from meshrun.modelinfo.hf import export_record
 
         files["state.json"]["model"] = export_record(model, base)
