@@ -144,3 +144,21 @@ def tiny_hf_spec():
     from meshrun.training import lora
 
     return lora.LoraSpec(4, 8.0, 0.0, ("all-linear",))
+
+
+def test_generate_s_options_are_read_and_checked_without_torch(tmp_path):
+    """The command's parse and checks import neither torch nor transformers: --help and a bad
+    option answer at once."""
+    import subprocess
+    import sys
+
+    from helpers import clean_env
+
+    code = ("import sys\nfrom meshrun.cli import main\n"
+            f"code = main(['generate', {str(tmp_path / 'nowhere')!r}, '--prompt', 'hi'])\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'peft')))\n"
+            "sys.exit(code)\n")
+    res = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no such file or directory" in res.stderr, res.stderr
+    assert res.stdout.strip() == "[]"
+    assert "examples:" in meshrun_here("generate", "--help").stdout
