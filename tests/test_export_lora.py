@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -213,3 +214,22 @@ def test_the_fingerprint_sees_other_weights_and_not_a_copy(lora_run, tmp_path):
     save_file(tensors, path, metadata={"format": "pt"})
     assert os.path.getsize(path) == os.path.getsize(os.path.join(lora_run["base"], "model.safetensors"))
     assert fingerprint(str(copy)) != fingerprint(lora_run["base"])
+
+
+@pytest.mark.parametrize("names,shapes,said", [
+    (["model.layers.0.mlp.up_proj.weight"], [(8, 4)], "is not a LoRA adapter's weight"),
+    (["m.q_proj.lora_A.other.weight", "m.q_proj.lora_B.other.weight"], [(4, 8), (8, 4)], "belongs to adapter 'other'"),
+    (["m.q_proj.lora_A.default.weight"], [(4, 8)], "the layer m.q_proj has no lora_B"),
+    (["m.q_proj.lora_A.default.weight", "m.q_proj.lora_B.default.weight"], [(2, 8), (8, 2)],
+     "has shapes (2, 8) and (8, 2), not those of rank 4"),
+    ([], [], "holds no LoRA adapter"),
+])
+def test_tensors_that_are_not_one_adapter_of_the_run_s_rank_are_one_line(names, shapes, said):
+    import torch
+
+    from meshrun.errors import MeshrunError
+    from meshrun.training.adapters import layers
+    from meshrun.training.lora import LoraSpec
+
+    with pytest.raises(MeshrunError, match=re.escape(said)):
+        layers({n: torch.zeros(s) for n, s in zip(names, shapes)}, LoraSpec(4, 8.0))

@@ -52,8 +52,8 @@ def layers(adapters: Mapping[str, torch.Tensor], spec: LoraSpec, source: str = "
         path = clean_name(name)
         found = _PATH.match(path)
         if found is None or not is_adapter(path):
-            raise MeshrunError(f"{source}: its tensor {path} is not a LoRA adapter's weight "
-                               "(hint: export a snapshot of a LoRA run, or one without --lora as a whole model)")
+            raise MeshrunError(f"{source}: its tensor {path} is not a LoRA adapter's weight, and a LoRA run's "
+                               "snapshot holds its adapters alone (hint: export it with the meshrun that wrote it)")
         if found["adapter"] != ADAPTER:
             raise MeshrunError(f"{source}: its tensor {path} belongs to adapter {found['adapter']!r}, not "
                                f"{ADAPTER!r}, the one a meshrun run trains")
