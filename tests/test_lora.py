@@ -129,7 +129,7 @@ def test_a_lora_snapshot_holds_the_adapters_and_names_its_base(bases, one):
     lora = state["lora"]
     assert (lora["rank"], lora["alpha"], lora["dropout"]) == (4, 8.0, 0.0)
     assert lora["target_modules"][0] == "model.layers.0.self_attn.q_proj" and len(lora["target_modules"]) == 14
-    assert lora["base"]["directory"] == str(bases[0]) and len(lora["base"]["fingerprint"]) == 64
+    assert lora["base"]["directory"] == str(bases[0]) and lora["base"]["fingerprint"].startswith("sha256:")
 
 
 def test_resume_from_a_lora_snapshot_is_bit_exact(bases, one, tmp_path):
@@ -148,6 +148,36 @@ def test_resume_onto_another_base_is_refused_in_one_line(bases, one, tmp_path):
     line = next(ln for ln in str(info.value).splitlines() if ln.startswith("meshrun.errors.MeshrunError: "))
     assert f"its adapters were trained on {bases[0]} (fingerprint " in line, line
     assert f"not on this run's base {bases[1]} (fingerprint " in line and "(hint: resume with the model" in line
+
+
+def test_a_trained_run_exports_an_adapter_peft_loads_and_a_merged_model_to_meshrun_s_logits(bases, one, tmp_path):
+    """The run's last snapshot, exported: PeftModel.from_pretrained(base, adapter) and the merged
+    model both give the logits of the base with the run's trained adapters (fp32; PEFT runs the
+    same operations: to 1e-6; merging rounds W + s * B @ A once: to 1e-5 on torch 2.13 CPU)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from meshrun.training import lora
+
+    result, out, _ = one
+    snap = str(out / "checkpoints" / "step-00000004")
+    for args in (["--to", str(tmp_path / "adapter")], ["--to", str(tmp_path / "merged"), "--merge"]):
+        res = meshrun_here("export", snap, *args)
+        assert res.returncode == 0, res.stderr
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    ours = AutoModelForCausalLM.from_pretrained(str(bases[0]))
+    lora.add_adapters(ours, lora.LoraSpec(4, 8.0, 0.0, ("all-linear",)))
+    _, unexpected = ours.load_state_dict(result["adapters"], strict=False)
+    assert unexpected == []
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(bases[0])), str(tmp_path / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    plain = AutoModelForCausalLM.from_pretrained(str(bases[0]))
+    with torch.no_grad():
+        want, base = ours.eval()(ids).logits, plain.eval()(ids).logits
+        assert (want - base).abs().max() > 1e-4  # the trained adapters change the output
+        torch.testing.assert_close(peft.eval()(ids).logits, want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(merged.eval()(ids).logits, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp-full", "zero3"])
@@ -223,10 +253,7 @@ def test_bad_lora_options_are_one_line_before_launch(bases, tmp_path, args, expe
 def test_the_fingerprint_tells_other_weights_and_configs_apart_but_not_a_copy(bases, tmp_path):
     import shutil
 
-    from meshrun.training.lorabase import directory_fingerprint
-
-    def fingerprint(directory):
-        return directory_fingerprint(str(directory), tuple(str(p) for p in directory.glob("*.safetensors")))
+    from meshrun.modelinfo.fingerprint import fingerprint
 
     a, b = bases
     copy = tmp_path / "copy"

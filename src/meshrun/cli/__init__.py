@@ -18,7 +18,11 @@ commands:
   meshrun doctor [--json]              check GPUs, versions, the master, interfaces, NCCL settings
   meshrun bench comm|matmul|train      collectives' bus bandwidth, matmul TFLOP/s, training MFU
   meshrun export SNAPSHOT --to DIR     a snapshot's weights as a Hugging Face model directory
-                                       (or --to FILE.safetensors: one file)
+                                       (or --to FILE.safetensors: one file); a LoRA run's
+                                       adapter in PEFT's format (--merge: merged into its base)
+  meshrun generate SOURCE --prompt TEXT
+                                       sample a completion from a run, a snapshot, an exported
+                                       model or adapter
 
 platforms, detected from their variables in this order (--platform NAME skips detection;
 MESHRUN_PLATFORMS adds your own):
@@ -53,7 +57,7 @@ from .options import Parser, fill_env_defaults, warn_unknown_env
 # command's module (the planner, the renderers, YAML) would cost CPU on every node before the
 # launcher started (docs/decisions.md#the-launchers-supervision).
 COMMANDS = {"env": "env", "launch": "launch", "train": "train", "export": "export", "data": "data",
-            "plan": "plan", "render": "render", "doctor": "doctor", "bench": "bench"}
+            "plan": "plan", "render": "render", "doctor": "doctor", "bench": "bench", "generate": "generate"}
 
 
 def make_parser(command: str | None = None) -> Parser:

@@ -1,5 +1,6 @@
 """`meshrun export`: a snapshot's weights as a Hugging Face model directory or one safetensors
-file, written where nothing is lost: never into the run it reads, never over an existing model
+file, or a LoRA run's adapter in PEFT's format (or, with --merge, merged into its base model),
+written where nothing is lost: never into the run it reads, never over an existing model
 without --overwrite (which moves it aside first)."""
 
 from __future__ import annotations
@@ -7,8 +8,9 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
+from typing import Any
 
-from ..errors import bad_value, require_packages
+from ..errors import MeshrunError, bad_value, require_packages
 from ..paths import check_path_text
 from .options import add_option
 
@@ -21,16 +23,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                    "  hf           a Hugging Face model directory (config.json, sharded safetensors "
                                    "and their index,\n               the tokenizer's files) that "
                                    "AutoModelForCausalLM.from_pretrained loads\n"
-                                   "  safetensors  one .safetensors file of the weights\n\n"
+                                   "  safetensors  one .safetensors file of the weights\n"
+                                   "A snapshot of a LoRA run (--lora) is written as its adapter in PEFT's format "
+                                   "(adapter_config.json,\nadapter_model.safetensors), which "
+                                   "PeftModel.from_pretrained(base, DIR) loads, or with --merge as the\nbase model "
+                                   "with the adapter merged into its weights; the base model must still be where "
+                                   "the run\nread it, unchanged.\n\n"
                                    "examples:\n  meshrun export runs/a/checkpoints --to exported/       # the newest "
                                    "snapshot of a Hugging Face model\n"
-                                   "  meshrun export runs/a/checkpoints/step-00000200 --to model.safetensors",
+                                   "  meshrun export runs/a/checkpoints/step-00000200 --to model.safetensors\n"
+                                   "  meshrun export runs/lora/checkpoints --to adapter/          # a LoRA run: "
+                                   "its adapter\n"
+                                   "  meshrun export runs/lora/checkpoints --to merged/ --merge   # the base model "
+                                   "with it merged",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("snapshot", help="a committed snapshot directory (OUT/checkpoints/step-N), or OUT/checkpoints")
     add_option(e, "--to", required=True, metavar="DIR|FILE", from_env=False,
                help="where to write: a directory (--format hf) or a .safetensors file")
     add_option(e, "--format", choices=("auto", "hf", "safetensors"), default="auto", from_env=False,
                help="auto (default: safetensors for a --to ending in .safetensors, else hf), hf, safetensors")
+    add_option(e, "--merge", action="store_true", from_env=False,
+               help="a LoRA run's snapshot: write the base model with the adapter merged into its weights (a "
+                    "Hugging Face model directory) instead of the adapter")
     add_option(e, "--overwrite", action="store_true", from_env=False,
                help="when --to holds files (or is a file), move them into DIR.old-<UTC time> beside it first")
     e.set_defaults(func=cmd_export)
@@ -53,11 +67,48 @@ def cmd_export(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
         path = found
     _check_outside_run(ns.to, path)
     _check_export_empty(ns.to, fmt, ns.overwrite)
+    from ..training.snapshot.lora_record import read_record
+
+    checked, record = read_record(path)
+    if record is not None:
+        return _export_lora(ns, fmt, checked, record)
+    if ns.merge:
+        raise MeshrunError(f"--merge: {path} is a snapshot of a whole model, not of a LoRA run: there is no adapter "
+                           "to merge (hint: leave out --merge; the export is the whole model)")
     export = snapshot.export_hf if fmt == "hf" else snapshot.export_safetensors
     n, moved = export(path, ns.to, overwrite=ns.overwrite)
     if moved:
         print(f"meshrun export: moved what was at {ns.to} aside to {moved}")
     print(f"meshrun export: {n} tensors from {path} -> {ns.to} ({fmt})")
+    return 0
+
+
+def _export_lora(ns: argparse.Namespace, fmt: str, checked: Any, record: Any) -> int:
+    """A LoRA snapshot: its adapter in PEFT's format, or under --merge the base model with it merged,
+    once the base model is found where the run read it, with the fingerprint it had then."""
+    from ..training import adapters
+    from ..training.snapshot.export import read_checked
+    from ..training.snapshot.lora_record import check_base
+
+    path = checked.path
+    if fmt == "safetensors":
+        name, value = ("--format", "safetensors") if ns.format == "safetensors" else ("--to", ns.to)
+        raise bad_value(name, value, f"{path} is a snapshot of a LoRA run, exported as a directory: "
+                        "its adapter in PEFT's format, or the merged model with --merge",
+                        "give a directory as --to, without --format")
+    base = check_base(record, path)
+    weights, _ = read_checked(checked)
+    if ns.merge:
+        n, moved = adapters.merge(weights, record.spec, base, ns.to, overwrite=ns.overwrite)
+        what = f"{n} weights of {base} merged with the rank-{record.spec.rank} adapter"
+    else:
+        n, moved = adapters.write_adapter(weights, record.spec, None, base, ns.to,
+                                          overwrite=ns.overwrite)
+        what = f"the rank-{record.spec.rank} adapter ({n} tensors) for {base}"
+    if moved:
+        print(f"meshrun export: moved what was at {ns.to} aside to {moved}")
+    kind = "hf, merged" if ns.merge else "PEFT adapter"
+    print(f"meshrun export: {what} from {path} -> {ns.to} ({kind})")
     return 0
 
 

@@ -69,8 +69,9 @@ def _linears(model: nn.Module) -> list[str]:
 
 def target_modules(model: nn.Module, targets: tuple[str, ...], source: str = "--lora-targets") -> list[str]:
     """The paths of the linear layers that get adapters. ``targets``: ``all-linear`` (every
-    linear layer but the output head), kinds (``q``, ``up``, ...), or the last part of module
-    names (``qkv``, ``proj``, as meshrun's GPT names them). Each target must match a layer."""
+    linear layer but the output head), kinds (``q``, ``up``, ...), the last part of module
+    names (``qkv``, ``proj``, as meshrun's GPT names them), or a layer's full path (as a
+    snapshot records the layers it adapted). Each target must match a layer."""
     linears = _linears(model)
     if ALL_LINEAR in targets:
         if not linears:
@@ -78,7 +79,7 @@ def target_modules(model: nn.Module, targets: tuple[str, ...], source: str = "--
         return linears
     chosen: list[str] = []
     for target in targets:
-        matched = [n for n in linears if target_matches(target, n.rsplit(".", 1)[-1])]
+        matched = [n for n in linears if n == target or target_matches(target, n.rsplit(".", 1)[-1])]
         if not matched:
             raise unmatched_target(source, target, [n.rsplit(".", 1)[-1] for n in linears])
         chosen += [n for n in matched if n not in chosen]

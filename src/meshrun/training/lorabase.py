@@ -6,87 +6,33 @@ leave the frozen parameters out); the base model comes from where the run read i
 
     "lora": {"rank": 16, "alpha": 32.0, "dropout": 0.05,
              "target_modules": ["model.layers.0.self_attn.q_proj", ...],
-             "base": {"directory": "/models/llama-3-8b" | null, "fingerprint": "sha256 hex",
+             "base": {"directory": "/models/llama-3-8b" | null, "fingerprint": "sha256:<hex>",
                       "identity": "what the fingerprint covers, in words"}}
 
-(an export reads the adapters from the snapshot's shards under ``model.<path>.lora_A.default
-.weight`` / ``lora_B``, the spec and the base from here).
+(export and generate read the adapters from the snapshot's shards under ``model.<path>.lora_A
+.default.weight`` / ``lora_B``, and the spec and the base from here: snapshot/lora_record.py).
 
-The fingerprint of a model directory is cheap for a model of any size: the SHA-256 of its
-config.json's bytes and, for each weight file (sorted by name), its name, its size, the SHA-256
-of its safetensors header (the JSON that lists every tensor's name, dtype, shape and offsets)
-and of three samples of its tensor bytes (64 KiB at the start, the middle and the end of the
-data). Hashing all the weights would read 16 GB of an 8B model at every resume; the header
-changes with any change of shape, dtype or tensor set, and the samples with other weights of
-the same architecture (another fine-tune, another seed: every value differs). Two files that
-differ only outside the samples are not told apart: the price of reading under a megabyte per
-file instead of all of it. A base that is not
-read from files (meshrun's GPT, a model initialised at random, a user's factory) is named by
-what makes it: the model option, the seed and, for a Hugging Face config, its hash.
+The fingerprint is modelinfo/fingerprint.py's: config.json's hash and each weight file's name,
+size, safetensors header and sampled bytes, kilobytes read for a model of any size. A base that
+is not read from files (meshrun's GPT, a model initialised at random, a user's factory) is named
+by what makes it: the model option, the seed and, for a Hugging Face config, its fingerprint;
+such a base has no files to check, export or merge onto.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import struct
 from typing import Any
 
 from ..errors import MeshrunError
+from ..modelinfo.fingerprint import fingerprint
 
-_HEADER_MAX = 100 * 2**20  # safetensors' own bound on a header's size
+FROM_FILES = "config.json, the weight files' names, sizes, headers and sampled bytes"
 
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def safetensors_header(path: str) -> bytes:
-    """A safetensors file's header: the 8-byte length, then that many bytes of JSON."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise MeshrunError(f"{path}: too short to be a safetensors file (hint: the model directory's files "
-                               "are damaged; copy them again)")
-        (n,) = struct.unpack("<Q", head)
-        if n > _HEADER_MAX:
-            raise MeshrunError(f"{path}: its safetensors header claims {n} bytes (hint: the file is damaged)")
-        return head + f.read(n)
-
-
-SAMPLE = 64 * 1024  # bytes of each of a weight file's three samples
-
-
-def data_samples(path: str, start: int) -> bytes:
-    """Three SAMPLE-byte pieces of a file's bytes past ``start`` (its header): at its start,
-    middle and end (all of it when shorter)."""
-    size = os.path.getsize(path)
-    length = size - start
-    with open(path, "rb") as f:
-        if length <= 3 * SAMPLE:
-            f.seek(start)
-            return f.read()
-        pieces = []
-        for offset in (start, start + (length - SAMPLE) // 2, size - SAMPLE):
-            f.seek(offset)
-            pieces.append(f.read(SAMPLE))
-        return b"".join(pieces)
-
-
-def directory_fingerprint(directory: str, files: list[str] | tuple[str, ...]) -> str:
-    """The fingerprint of a model directory (the module's docstring): config.json's hash and
-    each weight file's name, size, header hash and sampled bytes' hash."""
-    parts = []
-    config = os.path.join(directory, "config.json")
-    if os.path.isfile(config):
-        with open(config, "rb") as f:
-            parts.append(f"config.json {_sha(f.read())}")
-    for path in sorted(files, key=os.path.basename):
-        header = safetensors_header(path)
-        parts.append(f"{os.path.basename(path)} {os.path.getsize(path)} {_sha(header)} "
-                     f"{_sha(data_samples(path, len(header)))}")
-    return _sha("\n".join(parts).encode())
 
 
 def base_identity(cfg: Any, weight_files: tuple[str, ...] | None, name: str) -> dict[str, Any]:
@@ -100,11 +46,10 @@ def base_identity(cfg: Any, weight_files: tuple[str, ...] | None, name: str) -> 
 
         directory = locate(cfg.model, cfg.source("model")).directory
     if directory is not None and weight_files:
-        return {"directory": directory, "fingerprint": directory_fingerprint(directory, weight_files),
-                "identity": "config.json, the weight files' names, sizes, headers and sampled bytes"}
+        return {"directory": directory, "fingerprint": fingerprint(directory, weight_files), "identity": FROM_FILES}
     made = {"model": name, "experts": cfg.experts, "seed": cfg.seed, "init": "random"}
     if directory is not None:
-        made["config"] = directory_fingerprint(directory, ())
+        made["config"] = fingerprint(directory, ())
     return {"directory": directory, "fingerprint": _sha(json.dumps(made, sort_keys=True).encode()),
             "identity": "a random initialisation: " + ", ".join(f"{k} {v}" for k, v in made.items())}
 

@@ -13,7 +13,7 @@ import torch
 
 from ...errors import MeshrunError
 from ...fsio import write_dir, write_file_with
-from .integrity import check, verify_unread
+from .integrity import Snapshot, check, verify_unread
 from .reader import load_shards
 
 NONEMPTY_HINT = "give a new or empty directory, or --overwrite to move its files aside first"
@@ -23,9 +23,14 @@ def read_weights(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The snapshot's model weights, whole, on the CPU (one process, no process group), and its
     state.json (verified first: marker, metadata, state.json; each shard file hash-checked as
     it is read, then the files it did not read hashed: each file is read once)."""
+    return read_checked(check(path, defer_hashes=True))
+
+
+def read_checked(snapshot: Snapshot) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``read_weights`` of a snapshot ``check`` (with ``defer_hashes``) already verified."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    snapshot = check(path, defer_hashes=True)
+    path = snapshot.path
     meta = snapshot.metadata()  # allow-listed, from the bytes check() hashed
     sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
           if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
@@ -78,15 +83,36 @@ def export_hf(path: str, target: str, max_shard_size: str = "5GB", overwrite: bo
     the new ones. Returns the number of tensors written and where the old files went."""
     from ...modelinfo import hf
 
+    model, source, n = hf_model(path)
+
+    def fill(stage: str) -> None:
+        _io(model.save_pretrained, stage, max_shard_size=max_shard_size, safe_serialization=True)
+        if source and os.path.isdir(source):
+            for name in hf.SIDE_FILES:
+                src = os.path.join(source, name)
+                if os.path.isfile(src) and not os.path.exists(os.path.join(stage, name)):
+                    shutil.copyfile(src, os.path.join(stage, name))
+
+    written = write_dir(target, fill, source="--to", set_aside=overwrite, nonempty_hint=NONEMPTY_HINT)
+    return n, written.moved_aside
+
+
+def hf_model(path: str, purpose: str = "--format hf",
+             not_hf_hint: str = "--format safetensors writes its weights as one file") -> tuple[Any, str | None, int]:
+    """The Hugging Face model a snapshot holds, built on the CPU from its recorded config with the
+    snapshot's weights (fp32, as trained): the model, the directory it was trained from (for
+    its tokenizer's files; None when unknown) and the number of tensors read. ``purpose`` and
+    ``not_hf_hint`` word the errors for the command that asks."""
+    from ...modelinfo import hf
+
     tensors, state = read_weights(path)
     record = state.get("model") or {}
     if not record.get("hf_config"):
-        raise MeshrunError(f"{path}: not a snapshot of a Hugging Face model (hint: --format safetensors writes its "
-                           "weights as one file)")
+        raise MeshrunError(f"{path}: not a snapshot of a Hugging Face model (hint: {not_hf_hint})")
     try:
         import transformers
     except ImportError:
-        raise MeshrunError("--format hf needs transformers, not installed here (hint: pip install 'meshrun[hf]')") \
+        raise MeshrunError(f"{purpose} needs transformers, not installed here (hint: pip install 'meshrun[hf]')") \
             from None
     values = dict(record["hf_config"])
     config = transformers.AutoConfig.for_model(**values)
@@ -106,15 +132,4 @@ def export_hf(path: str, target: str, max_shard_size: str = "5GB", overwrite: bo
     missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
     if missing:
         raise MeshrunError(f"{path}: the snapshot lacks {missing[0]} of the model")
-    source = record.get("source")
-
-    def fill(stage: str) -> None:
-        _io(model.save_pretrained, stage, max_shard_size=max_shard_size, safe_serialization=True)
-        if source and os.path.isdir(source):
-            for name in hf.SIDE_FILES:
-                src = os.path.join(source, name)
-                if os.path.isfile(src) and not os.path.exists(os.path.join(stage, name)):
-                    shutil.copyfile(src, os.path.join(stage, name))
-
-    written = write_dir(target, fill, source="--to", set_aside=overwrite, nonempty_hint=NONEMPTY_HINT)
-    return len(tensors), written.moved_aside
+    return model, record.get("source"), len(tensors)
