@@ -149,7 +149,8 @@ def _bad_exports(lora_run, tmp):
                                                       "a LoRA run"),
         ([drawn, "--to", str(tmp / "o6")], f"{drawn}: its adapters were trained on a base model not read from files "
                                            "(a random initialisation: model llama, seed 0)"),
-        ([bare, "--to", str(tmp / "o4")], f"{bare}: its model weights are LoRA adapters but its state.json names no base model"),
+        ([bare, "--to", str(tmp / "o4")],
+         f"{bare}: its model weights are LoRA adapters but its state.json names no base model"),
         ([snap, "--to", str(tmp / "o5.safetensors")],
          f"--to='{tmp / 'o5.safetensors'}': {snap} is a snapshot of a LoRA run, exported as a directory"),
     ]

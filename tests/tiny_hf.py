@@ -100,7 +100,6 @@ def lora_snapshot(run: str, model, spec, base: str, step: int = 3, fingerprint: 
     if record and not whole:
         from meshrun.training.lorabase import FROM_FILES
         from meshrun.training.lorabase import record as lora_entry
-
         from meshrun.training.weights import clean_name
 
         layers = [clean_name(name) for name in lora.adapter_modules(model)]  # full paths, as a run records
