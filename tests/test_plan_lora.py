@@ -203,15 +203,6 @@ def test_a_lora_plan_has_only_data_parallel_rows():
     assert plan.candidates and all(x.strategy.data_parallel_only for x in plan.candidates)
 
 
-def test_the_kinds_are_training_lora_s():
-    """plan and training/lora.py read the same kinds."""
-    require("torch")
-    from meshrun.training.lora import KINDS
-    from meshrun.vocab import LORA_KINDS
-
-    assert KINDS == LORA_KINDS
-
-
 def test_a_model_holding_adapters_is_traced_as_its_base_model(tmp_path):
     """auto.decide may get the model with PEFT's adapters already in it: the planner traces it
     as the base model (adapters off, every weight trainable), the same bytes as before the
@@ -262,3 +253,22 @@ def test_nf4_adds_the_dequantization_of_every_adapted_weight(compiled, ac):
     adapted = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
     per_weight = 2.5 if compiled else 29
     assert nf4 - plain == pytest.approx(4 * (3 if ac else 2) * adapted * per_weight / 4.8e12, rel=1e-9)
+
+
+def test_train_plans_an_8b_lora_run_on_one_gpu_where_it_refuses_a_full_fine_tune(tmp_path):
+    """`meshrun train --dry-run` decides as the ranks do (the run policy with the config's
+    --lora): Llama-3-8B's shape on one 140 GiB GPU is refused in one line for a full
+    fine-tune and planned as one process for a LoRA run."""
+    require("transformers")
+    import transformers as T
+
+    T.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                  rope_theta=500000.0).save_pretrained(str(tmp_path))
+    args = ("train", "--model", str(tmp_path), "--data", "random", "--dry-run", "--gpu-mem", "140GiB", "--nproc", "1",
+            "--seq-len", "4096")
+    full = meshrun_here(*args)
+    assert full.returncode == 2 and "does not fit 1 GPU(s) of 140 GiB" in full.stderr, full.stderr
+    lora = meshrun_here(*args, "--lora", "16")
+    assert lora.returncode == 0, lora.stderr
+    assert "# strategy: single (planner)" in lora.stdout, lora.stdout

@@ -34,6 +34,12 @@ LORA_ALL_LINEAR = "all-linear"
 QUANTIZE_CHOICES = ("none", "nf4")
 
 
+def lora_target_matches(target: str, leaf: str) -> bool:
+    """Whether a --lora-targets name matches a linear layer by the last part of its path: a kind
+    (``q``: ``q_proj``) or the name itself (meshrun's GPT names its MLP's layers ``up`` and ``down``)."""
+    return leaf in (LORA_KINDS.get(target, target), target)
+
+
 class Engine(str, Enum):
     """What runs a strategy: meshrun's own trainer (DDP, FSDP2), DeepSpeed, or Megatron-style
     tensor x pipeline parallelism (a layout the planner estimates). Compares equal to its
@@ -189,10 +195,6 @@ PP_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 # The Hugging Face families pipeline stages cut (their model_type): a causal LM that is
 # embed_tokens -> decoder layers (rotary positions) -> norm -> lm_head and nothing more (no
 # embedding scale, no logit cap), under ``model`` and ``lm_head``.
-# LoRA's layer kinds (--lora-targets q,k,v,o,gate,up,down), as the module names of the Hugging
-# Face families meshrun trains (Llama, Mistral, Qwen2, Gemma) spell them
-LORA_KINDS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-              "down": "down_proj"}
 # The linear layers of meshrun's GPT blocks by name (models/gpt.py): attention's, and the MLP's,
 # or with experts the router's (the experts themselves are parameter tensors, not layers)
 GPT_ATTENTION_LINEARS = ("qkv", "proj")

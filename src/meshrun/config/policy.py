@@ -180,15 +180,24 @@ def fsdp_flavour(n_params: int, gpu_mem: int | None) -> tuple[str, str]:
     return FSDP_LARGE_MODEL, "the parameters are too large to keep gathered"
 
 
+def adapters_of(cfg: TrainConfig) -> Adapters | None:
+    """The adapters a run of ``cfg`` trains as the planner counts them (None: no --lora)."""
+    if cfg.lora is None:
+        return None
+    from .sections import lora_targets
+
+    return Adapters(int(cfg.lora), lora_targets(cfg), cfg.quantize, float(cfg.lora_dropout))
+
+
 def resolve(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, traced: Tracer | None = None,
             adapters: Adapters | None = None) -> Choice:
     """What the run of ``cfg`` does on ``facts``: the model's shape ``model`` (None on the CPU,
     where nothing reads it), traced for the planner by ``traced`` (None: the shape's estimate);
     ``adapters``: a LoRA run's (the planner counts the frozen weights without gradients or
-    optimizer state; None: every parameter trains). Raises MeshrunError for what the run
+    optimizer state; None: ``cfg``'s own, ``adapters_of``). Raises MeshrunError for what the run
     refuses. Pure: no process group, no device."""
     s = settings(cfg, facts)
-    choice = _decide(model, cfg, facts, s, traced, adapters)
+    choice = _decide(model, cfg, facts, s, traced, adapters if adapters is not None else adapters_of(cfg))
     kind = choice.kind
     zero3 = kind.engine is Engine.DEEPSPEED and kind.zero == 3
     cuda = facts.gpu_mem is not None

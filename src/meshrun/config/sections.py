@@ -34,12 +34,13 @@ from ..vocab import (
     GPT_EXPERT_LINEARS,
     GPT_MLP_LINEARS,
     GPT_PRESETS,
-    LORA_KINDS,
     POLICIES,
     PP_SCHEDULES,
     PRECISIONS,
+    QUANTIZE_CHOICES,
     STRATEGIES,
     Engine,
+    lora_target_matches,
     strategy_hint,
     yes_no,
 )
@@ -119,7 +120,6 @@ class ModelOptions:
         return cfg
 
 
-QUANTIZE = ("none", "nf4")
 LORA_MAX_RANK = 4096  # past the width of every layer meshrun trains: a typo, not a low rank
 
 
@@ -142,7 +142,7 @@ class LoraOptions:
                                listed=True)
     quantize: str = option("none", "with --lora: nf4 stores the frozen weights of the adapted layers in 4-bit "
                            "NF4 (QLoRA, torchao), a quarter of bf16's bytes, on one process or DDP; none (default)",
-                           choices=QUANTIZE)
+                           choices=QUANTIZE_CHOICES)
 
     @staticmethod
     def check(cfg: TrainConfig) -> TrainConfig:
@@ -191,12 +191,6 @@ def lora_targets(cfg: TrainConfig) -> tuple[str, ...]:
     return names
 
 
-def target_matches(target: str, leaf: str) -> bool:
-    """Whether a --lora-targets name matches a layer by the last part of its path: a kind (``q``:
-    ``q_proj``) or the name itself (meshrun's GPT names its MLP's layers ``up`` and ``down``)."""
-    return leaf in (LORA_KINDS.get(target, target), target)
-
-
 def unmatched_target(source: str, target: str, leaves: list[str]) -> MeshrunError:
     """--lora-targets' name that matches no linear layer (``leaves``: their paths' last parts)."""
     names = sorted(set(leaves))
@@ -209,7 +203,7 @@ def _gpt_targets(cfg: TrainConfig, names: tuple[str, ...]) -> None:
     matches none of them is refused before launch, as the ranks would refuse it."""
     leaves = list(GPT_ATTENTION_LINEARS) + list(GPT_EXPERT_LINEARS if cfg.experts else GPT_MLP_LINEARS)
     for target in names:
-        if target != "all-linear" and not any(target_matches(target, leaf) for leaf in leaves):
+        if target != "all-linear" and not any(lora_target_matches(target, leaf) for leaf in leaves):
             raise unmatched_target(cfg.source("lora_targets"), target, leaves)
 
 

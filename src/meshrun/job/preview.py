@@ -24,7 +24,7 @@ from .prelaunch import model_kind
 def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, card: Card | None = None,
               adapters: Adapters | None = None) -> Choice:
     """What the ranks of ``cfg`` on ``topo`` decide, on GPUs of ``gpu_mem`` bytes each (None:
-    processes on the CPU) of model ``card`` (None: not known), for a LoRA run of ``adapters``
+    processes on the CPU) of model ``card`` (None: not known), for a LoRA run of ``adapters`` (None: cfg's own --lora)
     (None: every parameter trains). Raises MeshrunError where the ranks would refuse the run."""
     world, local = topo.world_size, topo.nproc_per_node
     dp = cfg.dp_size(world)

@@ -16,7 +16,7 @@ from functools import cached_property, lru_cache
 
 from ..errors import bad_value
 from ..modelinfo.spec import ModelSpec
-from ..vocab import LORA_ALL_LINEAR, LORA_KINDS, QUANTIZE_CHOICES
+from ..vocab import LORA_ALL_LINEAR, LORA_KINDS, QUANTIZE_CHOICES, lora_target_matches
 
 # torchao's NF4 (torchao.quantization.to_nf4 with its defaults, NF4Tensor.from_tensor; torchao
 # 0.18): each weight a 4-bit index into 16 levels, two to a byte; one int8 scaler per NF4_BLOCK
@@ -139,13 +139,13 @@ def layout(m: ModelSpec, spec: Adapters, source: str = "--lora-targets") -> Adap
         return AdapterLayout(spec, m.layers, tuple(block), tuple(outer))
     chosen: set[str] = set()
     for target in spec.targets:
-        leaf = LORA_KINDS.get(target, target)
-        if not any(name == leaf for name, _, _ in (*block, *outer)):
+        matched = {name for name, _, _ in (*block, *outer) if lora_target_matches(target, name)}
+        if not matched:
             names = sorted({name for name, _, _ in (*block, *outer)})
             raise bad_value(source, target, f"matches no linear layer of {m.name}",
                             f"its linear layers are {', '.join(names[:12]) or 'none'}; kinds "
                             f"{','.join(LORA_KINDS)}; or {LORA_ALL_LINEAR}")
-        chosen.add(leaf)
+        chosen |= matched
     return AdapterLayout(spec, m.layers, tuple(x for x in block if x[0] in chosen),
                          tuple(x for x in outer if x[0] in chosen))
 

@@ -19,11 +19,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config.sections import target_matches, unmatched_target
+from ..config.sections import unmatched_target
 from ..errors import bad_value
+from ..vocab import LORA_ALL_LINEAR as ALL_LINEAR
+from ..vocab import lora_target_matches
 
 ADAPTER = "default"  # PEFT's adapter name: the one adapter a run trains
-ALL_LINEAR = "all-linear"
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def target_modules(model: nn.Module, targets: tuple[str, ...], source: str = "--
         return linears
     chosen: list[str] = []
     for target in targets:
-        matched = [n for n in linears if n == target or target_matches(target, n.rsplit(".", 1)[-1])]
+        matched = [n for n in linears if n == target or lora_target_matches(target, n.rsplit(".", 1)[-1])]
         if not matched:
             raise unmatched_target(source, target, [n.rsplit(".", 1)[-1] for n in linears])
         chosen += [n for n in matched if n not in chosen]

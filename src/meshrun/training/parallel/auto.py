@@ -22,8 +22,8 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
     per node) whose data-parallel size is ``dp``; ``gpu_mem`` is one GPU's memory (None on
     the CPU); ``bf16``: the run computes in bf16; ``liger``: Liger Kernel can patch the model
     here; ``card``: the GPU model, for its peaks (None: not known); ``adapters``: a LoRA
-    run's (plan/adapters.py: rank, targets, quantize, dropout), planned with its frozen weights
-    stored without gradients or optimizer state (None: every parameter trains; the model
+    run's (plan/adapters.py: rank, targets, quantize, dropout; None: those of cfg's --lora),
+    planned with its frozen weights stored without gradients or optimizer state (the model
     may already hold PEFT's adapters: the planner reads the base model's shape either way).
     Pure: no process group, no device (the model may live on the meta device)."""
     from ..models.hf import is_transformers_model
