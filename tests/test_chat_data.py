@@ -319,6 +319,67 @@ def test_train_on_a_chat_file(toks, tmp_path):
     assert "val loss" in res.stdout
 
 
+def _chat_run(prepared: str, overrides: dict) -> dict:
+    """A rank of meshrun's GPT trained 3 steps on a prepared chat corpus (global batch 8, fp32):
+    its losses and its weights after training."""
+    import torch
+
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import corpus_splits
+    from meshrun.training.models.gpt import gpt
+    from meshrun.training.trainer import Trainer
+
+    train, _ = corpus_splits(prepared, 64, True, vocab=320)
+    cfg = TrainConfig(model_size="gpt-tiny", seq_len=64, steps=3, log_every=1, precision="fp32", global_batch=8,
+                      lr=3e-3, warmup=1, deterministic=True, data=prepared, save_every=0, **overrides)
+    torch.manual_seed(0)
+    trainer = Trainer(gpt("gpt-tiny", seq_len=64, vocab=320, head_loss=False, fused_mlp=False), train, None, cfg)
+    records = trainer.fit()
+    weights = {n.removeprefix("module."): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+               for n, p in trainer.layout.model.named_parameters()}
+    return {"losses": [r["loss"] for r in records], "weights": weights}
+
+
+def test_the_loss_is_the_mean_over_the_step_s_replies_whatever_the_split(toks, tmp_path):
+    """Sequences of chat data hold unequal numbers of reply tokens; the step's loss is the mean
+    over all of them, so one process with micro-batch 8, one accumulating 4 micro-batches of 2
+    two DDP ranks with micro-batch 2 and two context-parallel ranks
+    (each half of every sequence; a half may hold no reply) train alike (fp32, to summation order: losses to 1e-5,
+    weights to 1e-6 on average; AdamW's division by the root of a near-zero gradient's square
+    makes a few weights differ by up to 1.3e-4, a twentieth of a 3e-3 step), where a mean
+    of micro-batch means would weigh a short sequence's reply tokens above a long one's."""
+    import meshrun
+    from meshrun.training.loader import corpus_splits
+
+    prepare(write_jsonl(tmp_path / "c.jsonl", [conversation(i) for i in range(60)]), toks["plain"], tmp_path / "out")
+    train, _ = corpus_splits(str(tmp_path / "out"), 64, True, vocab=320)
+    counts = {int(train[i][1].ne(-100).sum()) for i in range(8)}
+    assert len(counts) > 2  # unequal reply tokens per sequence
+    runs = [meshrun.run(_chat_run, str(tmp_path / "out"), overrides, nproc=nproc, timeout_s=300)
+            for nproc, overrides in ((1, {"micro_batch": 8}), (1, {"micro_batch": 2}),
+                                     (2, {"micro_batch": 2, "strategy": "ddp"}), (2, {"micro_batch": 4, "cp": 2}))]
+    for other in runs[1:]:
+        assert other["losses"] == pytest.approx(runs[0]["losses"], rel=1e-5)
+        assert other["weights"].keys() == runs[0]["weights"].keys()
+        for name, w in runs[0]["weights"].items():
+            diff = other["weights"][name].sub(w).abs()
+            assert diff.mean() < 1e-6 and diff.max() < 1e-3, name
+
+
+def test_a_context_parallel_half_of_prompt_alone_adds_nothing(toks, tmp_path):
+    """Conversations whose long first question fills a sequence's middle: under --cp 2 one
+    rank's half (the 2nd and 3rd quarters) holds no reply token, so its mean loss is over
+    nothing; it adds nothing and the run trains as one process does (not a nan loss)."""
+    import meshrun
+
+    question = " ".join(WORDS[i % len(WORDS)] for i in range(8))
+    prepare(write_jsonl(tmp_path / "c.jsonl", [conversation(i, user=question) for i in range(24)]), toks["plain"],
+            tmp_path / "out")
+    one, split = (meshrun.run(_chat_run, str(tmp_path / "out"), overrides, nproc=nproc, timeout_s=300)
+                  for nproc, overrides in ((1, {"micro_batch": 8}), (2, {"micro_batch": 8, "cp": 2})))
+    assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 
 def _bad_cases(toks, tmp):

@@ -41,7 +41,7 @@ from .metrics import MetricsSink, flops_per_token
 from .optim import build_scheduler
 from .parallel.apply import parallelize
 from .parallel.auto import Choice, decide
-from .parallel.layouts import Batch
+from .parallel.layouts import Batch, target_weights
 from .runtime import Runtime, init_runtime
 from .saves import Snapshots
 from .state import TrainState
@@ -188,12 +188,20 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.rt.device)
         tokens = 0
         accum = self.state.accum
+        t0 = time.perf_counter()
+        # chat data trains only the replies: the step's loss is the mean over all of its targets
+        # (layouts.target_weights), which needs every micro-batch's count before the first backward
+        ahead = [next(data) for _ in range(accum)] if self.data_facts.chat else None
+        self.data_s += time.perf_counter() - t0
+        weights = None if ahead is None else target_weights([b[1] for b in ahead], self.rt.world_size,
+                                                              self.rt.device)
         for micro in range(accum):
             t0 = time.perf_counter()
-            x, y, positions = self.to_device(next(data))
+            x, y, positions = self.to_device(next(data) if ahead is None else ahead[micro])
             self.data_s += time.perf_counter() - t0
             tokens += x.numel() if not x.is_floating_point() else x.shape[0]
-            loss_sum += self.layout.micro_step(x, y, last=micro == accum - 1, positions=positions)
+            loss_sum += self.layout.micro_step(x, y, last=micro == accum - 1, positions=positions,
+                                               weight=None if weights is None else weights[micro])
         norm = self.layout.step(self.step + 1, loss_sum)
         self.scheduler.step()
         self.state = self.state.replace(step=self.step + 1)
@@ -201,7 +209,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """The mean validation loss over ``eval_batches`` micro-batches' samples per rank. A
+        """The mean validation loss over ``eval_batches`` micro-batches' samples per rank (over
+        their targets for chat data). A
         compiled model validates eager: compiling its eval graph at the validation micro-batch
         takes over a minute at the end of a 3B model's run, where validating eager takes
         seconds (docs/decisions.md#liger)."""
@@ -219,10 +228,12 @@ class Trainer:
         for i, batch in enumerate(loader):
             if i >= batches:
                 break
+            # chat data: each micro-batch weighs by its targets (the replies), as in training
+            n = batch[1].ne(-100).sum().to(self.rt.device, torch.float32) if self.data_facts.chat else one
             x, y, positions = self.to_device(batch)
             loss = self.layout.eval_loss(x, y, positions)
             if loss is not None:  # (a pipeline's loss is on its last stage only)
-                total += torch.stack([loss.float(), one])
+                total += torch.stack([torch.where(n > 0, loss.float(), 0.0) * n, n])
         self.model.train()
         dist.all_reduce(total)
         return (total[0] / total[1]).item() if total[1] > 0 else None

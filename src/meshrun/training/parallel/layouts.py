@@ -48,6 +48,31 @@ class StepSettings:
     after_update: Callable[[nn.Module], None] | None = None
 
 
+def target_weights(targets: list[torch.Tensor], world: int, device: torch.device) -> torch.Tensor:
+    """Each micro-batch's weight in a step whose loss is the mean over every target the step's
+    micro-batches hold on every rank: its count of targets (``targets``: each micro-batch's,
+    whole sequences, before a context-parallel shard) x accumulation x world over the world's
+    total. A micro-batch's loss is the mean over its own targets, and the layouts average
+    micro-batches and ranks equally; where the targets are few and uneven (chat data: only the
+    replies train) that would weigh a reply token of a short micro-batch above one of a long
+    one, and make the result depend on the micro-batch and the number of ranks. Ranks that see
+    the same micro-batch (tensor and context parallel ones) count it alike, so summing over the
+    whole world counts each target (world / dp) times, as ``world`` in the numerator does."""
+    counts = torch.stack([t.ne(-100).sum() for t in targets]).to(device=device, dtype=torch.float32)
+    total = counts.sum()
+    if world > 1:
+        dist.all_reduce(total)
+    return counts * (len(targets) * world) / total.clamp(min=1.0)
+
+
+def weighted(loss: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """``loss`` x ``weight``; a micro-batch without a target (weight 0) adds nothing, where its
+    mean over no targets is nan (its gradients are zero: no target sends any back)."""
+    if weight is None:
+        return loss
+    return torch.where(weight > 0, loss, torch.zeros_like(loss)) * weight
+
+
 class Layout:
     """What the loop calls. ``dp_rank``/``dp_size`` say which data this rank reads;
     ``token_share`` how many ranks work on the same tokens (tensor and pipeline parallel
@@ -72,10 +97,11 @@ class Layout:
         return x, y, positions
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward and backward of one micro-batch; its loss / accumulation, detached."""
+                   positions: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one micro-batch; its loss / accumulation, detached.
+        ``weight``: the micro-batch's share of the step's targets (``target_weights``)."""
         with self.grad_sync(last), self.compute():
-            loss = self.loss(x, y, positions) / self.accum
+            loss = weighted(self.loss(x, y, positions), weight) / self.accum
             loss.backward()
         return loss.detach()
 
@@ -223,7 +249,10 @@ class DataParallel(Layout):
             dist.all_reduce(targets, group=self.context.group)
         if not self.loss_mode.startswith("labels"):
             loss = super().loss(x, y, shard)
-            return loss if targets is None else loss * ((y != -100).sum() * self.cp / targets)
+            if targets is None:
+                return loss
+            here = (y != -100).sum()  # none on a shard of a prompt alone (chat data): its mean is nan, its share 0
+            return torch.where(here > 0, loss, torch.zeros_like(loss)) * (here * self.cp / targets)
         # A Hugging Face model's shard: its true positions (in their documents), its targets
         # unshifted, and the divisor a 1/cp share of the sequences' targets, so the mean over
         # the group is the whole sequences' mean
@@ -266,7 +295,10 @@ class Pipelined(Layout):
         self.pipe, self.sharded = pipe, sharded
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if weight is not None:  # (chat data, the only data with weights, is refused under --pp before launch)
+            raise MeshrunError("a pipeline's micro-batches cannot be weighted by their targets "
+                               "(hint: train chat data without --pp)")
         if self.sharded:
             _fsdp_sync(self.pipe.stages, None, last)
         with self.compute():
@@ -333,9 +365,9 @@ class DeepSpeedZeRO(Layout):
     resizable_batch = False  # the engine was built for its micro-batch
 
     def micro_step(self, x: torch.Tensor, y: torch.Tensor, last: bool,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
         with self.compute():
-            loss = self.loss(x, y, positions)
+            loss = weighted(self.loss(x, y, positions), weight)
             self.model.backward(loss)
         self.model.step()
         return loss.detach() / self.accum
