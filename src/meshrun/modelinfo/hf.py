@@ -146,6 +146,7 @@ def _unreadable(path: str) -> str | None:
 
 def load_config(model: HFModel, where: str = "--model") -> Any:
     """transformers' config of the model (local files only), checked to be a causal decoder."""
+    quiet_library_notices()  # (transformers imports torchao where it is installed)
     try:
         import transformers
     except ImportError:
