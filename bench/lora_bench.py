@@ -36,8 +36,8 @@ What one call does, in OUT:
    kernels its own). It has no switch against the final snapshot: with LoRA that holds the
    adapters and their optimizer state only, written after the last timed step. Then
    bench/lora_peer.py (Trainer, PEFT ``LoraConfig(r=16, lora_alpha=32,
-   target_modules="all-linear", task_type="CAUSAL_LM")``, bf16, SDPA with the document mask
-   transformers builds from the position ids, the same global batch as micro-batches of
+   target_modules="all-linear", task_type="CAUSAL_LM")``, bf16, SDPA (``--peer-attn``) with the
+   document mask transformers builds from the position ids, the same global batch as micro-batches of
    ``--micro-batch`` per GPU, the same learning rate, warmup, clipping and Adam betas (0.9, 0.95),
    no weight decay): as ``python3 bench/lora_peer.py`` on one GPU, under
    ``accelerate launch --config_file OUT/accelerate-gG.yaml`` on several (FSDP2 where the
@@ -123,6 +123,7 @@ class Settings:
     skip: int
     cpu: bool
     params: float  # the model's parameters, for the estimates
+    peer_attn: str = "sdpa"  # the peer's attn_implementation
 
     def global_batch(self, g: int) -> int:
         return g * self.micro
@@ -333,8 +334,8 @@ def peer_argv(s: Settings, g: int, model: str, rows: str, result: str, trainer_d
     ``trainer_ac``: Trainer's gradient checkpointing (FSDP's is the config's)."""
     args = [PEER, "--model", model, "--rows", rows, "--steps", str(s.steps), "--micro-batch", str(s.micro),
             "--lora-r", str(s.lora_r), "--lora-alpha", str(2 * s.lora_r), "--lr", str(s.lr),
-            "--warmup", str(s.warmup), "--skip", str(s.skip), "--out", trainer_dir, "--result", result,
-            *(["--activation-checkpointing"] if trainer_ac else [])]
+            "--warmup", str(s.warmup), "--skip", str(s.skip), "--attn", s.peer_attn, "--out", trainer_dir,
+            "--result", result, *(["--activation-checkpointing"] if trainer_ac else [])]
     if accelerate_yaml is None:
         return [sys.executable, *args]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_yaml,
@@ -571,6 +572,9 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=5, help="learning-rate warmup steps, both trainers (default 5)")
     ap.add_argument("--skip", type=int, default=5, help="steps left out of the median tokens/s (default 5)")
+    ap.add_argument("--peer-attn", default="sdpa",
+                    help="the peer's attn_implementation: sdpa (default), flash_attention_2 (needs flash-attn), "
+                         "flex_attention")
     ap.add_argument("--vocab", type=int, default=4096, help="the tokenizer's vocabulary (default 4096)")
     ap.add_argument("--conversations", type=int, default=None, help="default: enough for the run's rows")
     ap.add_argument("--seed", type=int, default=0, help="the corpus' and meshrun's data order's seed (default 0)")
@@ -584,22 +588,27 @@ def main() -> int:
                     help="the machinery on the CPU with a tiny stand-in (--gpus: processes, default 2)")
     a = ap.parse_args()
     if a.report:
+        missing = [path for path in a.report.split(",") if not os.path.isfile(path)]
+        if missing:
+            ap.error(f"--report {a.report}: no file {', '.join(missing)} (hint: the lora.jsonl of each call's --out)")
         print(table(read_rows(a.report)))
         return 0
     if a.cpu_check:
         s = Settings(gpus=a.gpus or (2,), steps=3, seq=64, micro=1, lora_r=a.lora_r, lr=a.lr, warmup=1, skip=1,
-                     cpu=True, params=0.0)
+                     cpu=True, params=0.0, peer_attn=a.peer_attn)
         vocab = 512
     else:
         if a.gpus is None:
             ap.error("--gpus is required (e.g. --gpus 1), or --report, --cpu-check")
         found = count_gpus()
-        if found is not None and found < max(a.gpus):
-            ap.error(f"--gpus {','.join(map(str, a.gpus))}: nvidia-smi lists {found} GPU(s)")
+        if not found or found < max(a.gpus):
+            ap.error(f"--gpus {','.join(map(str, a.gpus))}: nvidia-smi lists {found or 'no'} GPU(s) here "
+                     "(hint: --cpu-check runs the machinery on the CPU)")
         s = Settings(gpus=a.gpus, steps=a.steps, seq=a.seq, micro=a.micro_batch, lora_r=a.lora_r, lr=a.lr,
-                     warmup=a.warmup, skip=a.skip, cpu=False, params=0.0)
+                     warmup=a.warmup, skip=a.skip, cpu=False, params=0.0, peer_attn=a.peer_attn)
         vocab = a.vocab
-    for name, value in (("--steps", s.steps), ("--seq", s.seq), ("--micro-batch", s.micro), ("--lora-r", s.lora_r)):
+    for name, value in (("--steps", s.steps), ("--seq", s.seq), ("--micro-batch", s.micro), ("--lora-r", s.lora_r),
+                        ("--layers", 1 if a.layers is None else a.layers)):
         if value < 1:
             ap.error(f"{name} {value}: must be 1 or more")
     if s.skip >= s.steps:

@@ -153,7 +153,7 @@ def main() -> int:
     if rank != 0:
         return 0
     seq = arrays["input_ids"].shape[1]
-    per_step = [a.micro_batch * seq / (t1 - t0) for t0, t1 in zip(timer.ends, timer.ends[1:])]
+    per_step = [a.micro_batch * seq / (end - start) for start, end in zip(timer.ends, timer.ends[1:])]
     timed = per_step[a.skip:] or per_step[-1:]
     layout = f"fsdp{getattr(plugin, 'fsdp_version', 1)}" if fsdp else ("ddp" if world > 1 else "single")
     sharded = sum(_is_fsdp(m) for m in trainer.model_wrapped.modules()) if fsdp else None
