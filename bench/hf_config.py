@@ -26,8 +26,8 @@ token, vocabulary 151936).
 ``--seq`` sets max_position_embeddings (default: the shape's published context where it states
 one here, else 8192); ``--layers`` keeps the shape with fewer layers (memory tests of a large
 model on a small host); ``--weights`` also writes random bf16 weights as save_pretrained lays
-them out (5-GB safetensors shards and their index), drawn on a GPU where there is one: a
-pretrained model to load.
+them out (5-GB safetensors shards and their index), drawn on a GPU where there is one (from
+``--seed`` when given): a pretrained model to load.
 """
 
 from __future__ import annotations
@@ -109,9 +109,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None,
                     help=f"max_position_embeddings (default: the shape's published context, else {DEFAULT_SEQ})")
     ap.add_argument("--weights", action="store_true", help="also write random bf16 weights, sharded")
+    ap.add_argument("--seed", type=int, default=None, help="with --weights: draw them from this seed")
     a = ap.parse_args()
     config = write_config(a.shape, a.out, layers=a.layers, seq=a.seq)
     if a.weights:
+        if a.seed is not None:
+            import torch
+
+            torch.manual_seed(a.seed)
         write_weights(config, a.out)
 
 
