@@ -52,10 +52,9 @@ What one call does, in OUT:
    (allocated and reserved), the first and last step's loss, the layout; then a table with
    meshrun / peer per GPU count.
 
-The losses start from the same base on the same first batch, but are averaged differently:
-meshrun's is the mean over ranks and micro-batches of each one's mean over its trained tokens,
-Trainer's the mean over every trained token of the global batch. Trainer's warmup starts at a
-learning rate of 0, meshrun's at 1/warmup of it.
+The losses start from the same base on the same first batch and are both the mean over every
+trained token of the global batch, so the first step's losses agree to bf16 rounding. Trainer's
+warmup starts at a learning rate of 0, meshrun's at 1/warmup of it.
 
 Every run has a time limit (2.5 x its expected duration, 240-540 s; ``--limit-s`` sets it), at
 which its process group is killed. No run starts after ``--deadline-s`` (540) nor when its
