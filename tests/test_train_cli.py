@@ -122,6 +122,8 @@ ERRORS = [
     (["--global-batch", "100", "--micro-batch", "8"],
      "--global-batch=100: is not a multiple of micro-batch 8 x data-parallel size 2 = 16 "
      "(hint: use a multiple of 16, e.g. 96 or 112)"),
+    (["--global-batch", "5"], "--global-batch=5: does not split over 2 data-parallel ranks "
+     "(hint: use a multiple of 2, e.g. 4 or 6)"),
     (["--model", "nosuchpkg.models:build"],
      "--model='nosuchpkg.models:build': cannot import module 'nosuchpkg.models'"),
     (["--model", "userpkg.factories:nothing"], "module 'userpkg.factories' has no callable 'nothing'"),

@@ -131,3 +131,17 @@ def test_meshrun_train_reads_the_variables_under_its_keywords():
     cfg = _config_of(res.stdout)
     assert (cfg["steps"], cfg["log_every"]) == (6, 3)
     assert cfg["sources"]["log_every"] == "env MESHRUN_LOG_EVERY" and cfg["sources"]["steps"] == "meshrun.train"
+
+
+def test_the_default_micro_batch_divides_a_small_global_batch():
+    """With --global-batch and no --micro-batch, the rules' micro-batch is the default cut to
+    the largest divisor of each rank's share: 2 sequences on one rank train as one micro-batch
+    of 2, not a refusal for missing a micro-batch of 8."""
+    from meshrun.config import TrainConfig
+
+    cases = [(2, 1, 2, 1), (6, 2, 3, 1), (24, 2, 6, 2), (64, 2, 8, 4), (7, 1, 7, 1), (13, 1, 1, 13)]
+    for global_batch, dp, micro, accum in cases:
+        cfg = TrainConfig(global_batch=global_batch)
+        assert (cfg.micro_for(dp), cfg.accumulation(dp)) == (micro, accum), (global_batch, dp)
+    assert TrainConfig(global_batch=6, micro_batch=2).micro_for(1) == 2  # the user's stays
+    assert TrainConfig().micro_for(4) == 8  # no --global-batch: the default

@@ -237,14 +237,14 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
             else:
                 named, why = fsdp_flavour(_params(model, facts), gpu_mem)
                 reasons.append(f"{named}: {why}")
-        return Choice(STRATEGIES[named], ac, cfg.micro, cfg.global_batch, tuple(reasons),
+        return Choice(STRATEGIES[named], ac, cfg.micro_for(facts.dp), cfg.global_batch, tuple(reasons),
                       strategy_from=strategy_from, micro_from=micro_from)
     if gpu_mem is None or not facts.blocks or model is None:  # the CPU, or nothing the planner can read
         if named is None:
             named = ONE_PROCESS if world == 1 else REPLICATE
             reasons.append("one process" if world == 1 else "DDP: on the CPU memory is not the constraint"
                            if gpu_mem is None else "DDP: the model has no block list for the planner to read")
-        return Choice(STRATEGIES[named], ac, cfg.micro, cfg.global_batch, tuple(reasons),
+        return Choice(STRATEGIES[named], ac, cfg.micro_for(facts.dp), cfg.global_batch, tuple(reasons),
                       strategy_from=strategy_from, micro_from=micro_from)
     global_batch = s.global_batch
     if cfg.micro_batch is None and cfg.global_batch is None:
@@ -257,7 +257,7 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
                                      adapters=adapters)
     if pick is None or pick.batch is None:  # a strategy the planner does not plan (fsdp-no-shard)
         named = named or (ONE_PROCESS if world == 1 else REPLICATE)
-        return Choice(STRATEGIES[named], ac, cfg.micro, global_batch, tuple(reasons),
+        return Choice(STRATEGIES[named], ac, cfg.micro_for(facts.dp), global_batch, tuple(reasons),
                       strategy_from=strategy_from, micro_from=micro_from)
     peak = fmt_bytes(pick.memory.peak) if pick.memory else "?"
     if not pick.fits and named is None and cfg.micro_batch is None and "activation_checkpointing" not in cfg.sources:

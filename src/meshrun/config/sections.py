@@ -531,6 +531,15 @@ class TrainConfig(RuntimeOptions, MetricsOptions, CheckpointOptions, OptimOption
             return self.micro_batch
         return 32 if self.example == "toy" else 8
 
+    def micro_for(self, dp_size: int) -> int:
+        """The micro-batch on ``dp_size`` data-parallel ranks by the rules: the user's, else the
+        default (``micro``) cut to the largest divisor of each rank's share of --global-batch, so
+        that a small --global-batch (2 sequences of an 8B model) needs no --micro-batch beside it."""
+        if self.micro_batch is not None or self.global_batch is None or self.global_batch % dp_size:
+            return self.micro
+        share = self.global_batch // dp_size
+        return max(d for d in range(1, min(self.micro, share) + 1) if share % d == 0)
+
     @property
     def seq(self) -> int:
         """The sequence length; resolved (``resolve_seq_len``) before training starts."""
@@ -557,10 +566,17 @@ class TrainConfig(RuntimeOptions, MetricsOptions, CheckpointOptions, OptimOption
         return world // model_parallel
 
     def accumulation(self, dp_size: int) -> int:
-        """Micro-steps per optimizer step: global = micro x accumulation x data-parallel size."""
-        per_step = self.micro * dp_size
+        """Micro-steps per optimizer step: global = micro x accumulation x data-parallel size
+        (the micro-batch ``micro_for`` gives)."""
         if self.global_batch is None:
             return 1
+        if self.micro_batch is None and self.global_batch % dp_size:
+            lo = self.global_batch // dp_size * dp_size
+            near = f"{lo} or {lo + dp_size}" if lo else str(dp_size)
+            raise bad_value(self.source("global_batch"), self.global_batch,
+                            f"does not split over {dp_size} data-parallel ranks",
+                            f"use a multiple of {dp_size}, e.g. {near}")
+        per_step = self.micro_for(dp_size) * dp_size
         if self.global_batch % per_step:
             lo = self.global_batch // per_step * per_step
             near = f"{lo} or {lo + per_step}" if lo else str(per_step)

@@ -191,12 +191,12 @@ def check_data(cfg: TrainConfig, world: int, gpus: int | None, seq: int | None) 
     if samples is None:
         return
     dp = cfg.dp_size(world)
-    accum = cfg.accumulation(dp)
-    batch = cfg.micro * accum * dp
+    accum, micro = cfg.accumulation(dp), cfg.micro_for(dp)
+    batch = micro * accum * dp
     if samples < batch:
         raise MeshrunError(
             f"the training data has {samples} samples" + (f" of {seq} tokens" if cfg.example == "gpt" else "")
-            + f": fewer than one global batch of {batch} (micro-batch {cfg.micro} x {accum} x {dp} data-parallel "
+            + f": fewer than one global batch of {batch} (micro-batch {micro} x {accum} x {dp} data-parallel "
             "ranks) (hint: a smaller --global-batch or --seq-len, or more data)")
 
 
