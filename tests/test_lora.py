@@ -302,3 +302,21 @@ def test_targets_meshrun_s_gpt_lacks_are_refused_before_launch(tmp_path):
         res = meshrun_here("train", "--lora", "4", "--out", str(tmp_path / "out"), *args, env=clean_env())
         assert res.returncode == 2 and res.stderr.strip() == f"meshrun: error: {expected}", res.stderr
         assert not (tmp_path / "out").exists()
+
+
+def test_a_lora_run_counts_four_flops_a_token_for_each_frozen_weight():
+    """MFU's FLOPs of a LoRA run: a frozen weight's matmul runs forward and for its input's
+    gradient (4 FLOPs a token), an adapter's for its own gradient too (6); attention's 12·L·d·T
+    is unchanged."""
+    import transformers as T
+
+    from meshrun.training.metrics import flops_per_token, lora_flops_per_token
+
+    config = T.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+    model = T.LlamaForCausalLM(config)
+    n = sum(p.numel() for p in model.parameters()) - VOCAB * 64  # but the untied input embedding
+    attention = 12 * 2 * 64 * 16
+    full = flops_per_token(model, 16)
+    assert full == 6 * n + attention
+    assert lora_flops_per_token(model, 16, full, 1000) == 4 * n + attention + 6 * 1000

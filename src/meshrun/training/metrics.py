@@ -62,11 +62,35 @@ def flops_per_token(model: Any, seq: int) -> float | None:
     layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
     if not (isinstance(layers, int) and isinstance(hidden, int)):
         return None
+    return 6.0 * _matmul_params(model) + 12.0 * layers * hidden * seq
+
+
+def _matmul_params(model: Any) -> int:
+    """A Hugging Face model's parameters but its untied input embedding (a lookup, no matmul)."""
     n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embed is not None and not getattr(config, "tie_word_embeddings", False):
+    if embed is not None and not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         n -= embed.weight.numel()
-    return 6.0 * n + 12.0 * layers * hidden * seq
+    return n
+
+
+def lora_flops_per_token(model: Any, seq: int, full: float | None, adapters: int) -> float | None:
+    """A LoRA run's FLOPs per token: ``full`` (``flops_per_token`` of its base ``model``, taken
+    before the adapters went in) with each counted weight at 4, not 6, plus 6 for each of the
+    ``adapters`` parameters. A frozen weight's matmul runs forward (2 FLOPs) and for its
+    input's gradient (2), never for its own gradient; counting 6 would overstate a LoRA run's
+    MFU by half. The attention's 12·L·d·T stays: its backward is all input gradients."""
+    if full is None:
+        return None
+    cfg = getattr(model, "cfg", None) if isinstance(model, FlopsModel) else None
+    config = getattr(model, "config", None)
+    if cfg is not None:
+        attention = 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
+    elif config is not None:
+        attention = 12.0 * config.num_hidden_layers * config.hidden_size * seq
+    else:
+        return None
+    return attention + 4.0 * (full - attention) / 6.0 + 6.0 * adapters
 
 
 def mfu(tokens_per_s_per_gpu: float, flops_per_token: float | None, peak: float | None) -> float | None:

@@ -37,7 +37,7 @@ from .batchfit import Resized, fit_micro_batch, guarded_step
 from .factories import vocab_size
 from .loaded import eager
 from .loader import BatchStream, LoaderSpec, make_loader
-from .metrics import MetricsSink, flops_per_token
+from .metrics import MetricsSink, flops_per_token, lora_flops_per_token
 from .optim import build_scheduler
 from .parallel.apply import parallelize
 from .parallel.auto import Choice, decide
@@ -114,6 +114,11 @@ class Trainer:
         accum = cfg.accumulation(dp)
         self.layout = parallelize(model, cfg, rt, self.choice, accum, self.bf16, weights)
         self.lora_record = lora_record(cfg, self.layout.model, weights, self.model_facts.name)  # (None: no --lora)
+        if cfg.lora is not None:  # the frozen base's weights get no gradient: fewer FLOPs a token
+            from .lora import counts
+
+            self.flops_per_token = lora_flops_per_token(model, cfg.seq, self.flops_per_token,
+                                                        counts(self.layout.model)[0])
         # where the run is; a resume (restore) and the batch fit (fit) return the changes to it
         self.state = TrainState(cfg.micro, accum, schedule=((0, cfg.steps),))
         self.scheduler = build_scheduler(self.layout.optimizer, cfg.warmup_steps, self.state.schedule,
