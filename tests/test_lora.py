@@ -320,3 +320,43 @@ def test_a_lora_run_counts_four_flops_a_token_for_each_frozen_weight():
     full = flops_per_token(model, 16)
     assert full == 6 * n + attention
     assert lora_flops_per_token(model, 16, full, 1000) == 4 * n + attention + 6 * 1000
+
+
+def test_frozen_linear_weights_held_in_bf16_compute_the_same_under_autocast():
+    """Under bf16 autocast a frozen linear layer's fp32 weight is cast to bf16 at each use, so
+    holding it in bf16 gives the same logits and adapter gradients bit for bit; embeddings,
+    norms, a head tied to the embedding and the adapters keep their dtype."""
+    import copy
+
+    import torch
+    import transformers as T
+
+    from meshrun.training import lora
+    from meshrun.training.quantize import frozen_linears_to_bf16
+
+    require("peft")
+    config = T.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(config)
+    lora.add_adapters(model, lora.LoraSpec(4, 8.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    held = copy.deepcopy(model)
+    assert frozen_linears_to_bf16(held) == 14  # the adapted layers; the head is the embedding's
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = []
+    for m in (model, held):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(ids).logits
+        logits.float().square().mean().backward()
+        results.append((logits, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][1].keys() == results[1][1].keys() and all(
+        torch.equal(g, results[1][1][n]) for n, g in results[0][1].items())
+    dtypes = {n: p.dtype for n, p in held.named_parameters()}
+    assert dtypes["model.layers.0.self_attn.q_proj.base_layer.weight"] == torch.bfloat16
+    assert dtypes["model.embed_tokens.weight"] == dtypes["model.norm.weight"] == torch.float32
+    assert all(d == torch.float32 for n, d in dtypes.items() if lora.is_adapter(n))

@@ -244,12 +244,17 @@ class Build:
         return build_optimizer(module, self.cfg.lr, self.cfg.weight_decay)
 
     def _quantize(self) -> None:
-        """--quantize nf4: the adapted layers' frozen weights to NF4, once filled (quantize.py)."""
-        if self.cfg.quantize == "none":
+        """A LoRA run's frozen weights once filled, on layouts that hold them whole and compute
+        under autocast (one process, DDP): --quantize nf4's adapted layers in NF4; else, in
+        bf16, every frozen linear layer's weight in bf16 (quantize.py)."""
+        if self.cfg.lora is None:
             return
-        from ..quantize import describe, quantize_base
+        from ..quantize import describe, frozen_linears_to_bf16, quantize_base
 
-        self.done.append(describe(*quantize_base(self.model)))
+        if self.cfg.quantize != "none":
+            self.done.append(describe(*quantize_base(self.model)))
+        elif self.bf16:
+            self.done.append(f"frozen weights of {frozen_linears_to_bf16(self.model)} linear layers held in bf16")
 
     def _refuse_quantized(self, layout: str) -> None:
         """A layout that shards or partitions the weights, which does not know NF4 tensors
