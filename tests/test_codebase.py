@@ -341,6 +341,8 @@ FOREIGN_WRITES_ALLOWED: dict[str, tuple[set[str], str]] = {
                                    "its first gradient buckets are freed"),
     "meshrun.training.parallel.float8": ({"m.fused_mlp"}, "turns off the fused MLP of blocks whose linear layers "
                                       "became float8 (it reads their weights directly)"),
+    "meshrun.training.quantize": ({"module.weight", "module.bias"}, "a LoRA run's frozen linear layers get "
+                                  "their weights back in bf16, as Parameters that stay frozen"),
     "meshrun.training.parallel.layouts": ({"self.optimizer.found_inf"}, "the fused AdamW skips a non-finite step "
                                        "on the device when found_inf is set: torch's interface for it"),
 }

@@ -1030,6 +1030,14 @@ def test_plan_and_train_agree_on_when_liger_runs():
                                     precision="bf16", strategy=None, activation_checkpointing="auto", seq_len="4096")
             assert settings(run_config(ns, None), facts).liger is runs  # what plan traces with
             assert runs is (kernels == "auto" and compile_choice != "on")
+            # a LoRA run compiles where a full fine-tune takes Liger's kernels (--compile auto)
+            lora = validate(TrainConfig(seq_len=4096, kernels=kernels, compile=compile_choice, lora=16))
+            compiled, runs = compile_and_kernels(lora, True, True)[:2]
+            ns.lora, ns.quantize = "16", None
+            assert settings(run_config(ns, None), facts).liger is runs
+            assert (compiled, runs) == ((True, False) if compile_choice == "auto" and kernels == "auto" else
+                                        (compile_choice != "off", kernels == "auto" and compile_choice == "off"))
+            del ns.lora, ns.quantize
 
 
 def test_a_model_that_fits_nowhere_is_refused_before_it_runs_out_of_memory():

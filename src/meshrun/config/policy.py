@@ -163,6 +163,13 @@ def compile_and_kernels(cfg: TrainConfig, cuda: bool, liger: bool) -> tuple[bool
     compiled = compile_enabled(asked, cuda) or cfg.compile_tune
     if not liger or cfg.kernels != "auto":
         return compiled, False, []
+    if cfg.lora is not None and cfg.quantize == "none" and asked == "auto" and cuda:
+        # A LoRA step is a third lighter in matmuls, so the adapters' small matmuls and the
+        # elementwise work around them weigh more, and compiling fuses them: Llama-3-8B's shape,
+        # LoRA rank 16 on every linear layer, 2 x 4,096 tokens on one H200 (torch 2.11): 16,379
+        # tokens/s compiled per block against 13,083 eager with Liger, in one call.
+        return True, False, ["LoRA: compiled per block (+25% over Liger's eager kernels on an 8B model; "
+                             "docs/decisions.md#lora-compile)"]
     if liger_runs(cfg.kernels, asked, cfg.compile_tune, liger):
         why = [] if asked == "off" else ["eager with Liger Kernel's fused kernels (compiling adds nothing on "
                                          "top of them; --compile on for torch.compile's kernels instead)"]

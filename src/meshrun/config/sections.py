@@ -447,8 +447,9 @@ class RuntimeOptions:
                             metavar="P", choices=("auto", *PRECISIONS, *FLOAT8_PRECISIONS))
     # auto: compiled on GPUs (defaults.compile_enabled); True/False and yes/no words are taken too
     compile: str = option("auto", "torch.compile (per block under FSDP2): auto (default: on GPUs, but not with "
-                          "Liger's kernels), on (a Hugging Face model then gets torch.compile's kernels, not "
-                          "Liger's), off; --compile alone: on", metavar="auto|on|off", nargs="?", const="on",
+                          "Liger's kernels, which a --lora run leaves for compiling), on (a Hugging Face model "
+                          "then gets torch.compile's kernels, not Liger's), off; --compile alone: on",
+                          metavar="auto|on|off", nargs="?", const="on",
                           on_off=True)
     # Inductor's coordinate-descent tuning of its kernels (implies compile on): a slightly faster
     # step for minutes more compiling (parallel/apply.py: compile_options;
