@@ -47,6 +47,19 @@ nvidia-smi's peak memory of the row's cards (sampled every 0.5 s); whether the o
 "out of memory" (or meshrun's "out of GPU memory", also when it halved a micro-batch and went
 on) or a Traceback; its last 3 lines when it did not run.
 
+--paths runs each Hugging Face model's meshrun row once per candidate path, the path's flags
+added to the row's command (meshrun's GPT rows run the default path only):
+
+    default           no flag: what meshrun picks
+    liger-eager       --compile off: eager, every Liger kernel
+    compiled-liger    --compile on: blocks compiled, Liger's fused linear cross-entropy alone
+    compiled-plain    --compile on --kernels plain: blocks compiled, the model's own loss
+    fp8               --precision fp8: float8 linear layers (tensorwise), compiled, Liger's loss
+    fp8-rowwise       --precision fp8-rowwise: the same, rowwise scales
+
+and --train-args adds flags to every meshrun row (e.g. "--global-batch 16 --steps 6" for
+shorter steps than the default global batch's). Each row's table line names its path.
+
 --cpu-check runs the same machinery on the CPU with stand-ins, to check the suite itself:
 gpt-tiny and a 2-layer Llama, 2 processes, 3 steps of micro-batch 2 x 32 tokens (flags only
 this mode adds), and with --peer the peer's llama3-tiny; --parallel-1gpu runs them in pairs.
@@ -136,9 +149,20 @@ TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, nu
                   intermediate_size=128, vocab_size=256, max_position_embeddings=128)
 
 
+# Candidate paths of a Hugging Face model (--paths): each a meshrun row with these flags
+PATHS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "liger-eager": ("--compile", "off"),
+    "compiled-liger": ("--compile", "on"),
+    "compiled-plain": ("--compile", "on", "--kernels", "plain"),
+    "fp8": ("--precision", "fp8"),
+    "fp8-rowwise": ("--precision", "fp8-rowwise"),
+}
+
+
 @dataclass
 class Job:
-    """One run: a meshrun row or a peer row of one model on ``gpus`` GPUs."""
+    """One run: a meshrun row (of one candidate path) or a peer row of one model on ``gpus`` GPUs."""
 
     kind: str  # "meshrun" | "peer"
     model: Model
@@ -148,10 +172,12 @@ class Job:
     estimate_s: float
     limit_s: float
     cards: list[int] = field(default_factory=list)  # the cards it runs on (on the CPU: names only)
+    path: str = "default"  # one of PATHS
 
     @property
     def label(self) -> str:
-        return f"{self.model.name} {'(peer) ' if self.kind == 'peer' else ''}on {self.gpus} GPU(s)"
+        path = f" [{self.path}]" if self.path != "default" else ""
+        return f"{self.model.name}{path} {'(peer) ' if self.kind == 'peer' else ''}on {self.gpus} GPU(s)"
 
 
 # ---- what the runs print ----------------------------------------------------------------------
@@ -170,7 +196,7 @@ _PLANNER = re.compile(r"planner: (?:(?P<fit>\S+) predicted|nothing fits; (?P<lea
                       r"(?P<value>[0-9.]+) (?P<unit>TiB|GiB|MiB|KiB|B)\b")
 _GIB = {"TiB": 1024.0, "GiB": 1.0, "MiB": 2.0**-10, "KiB": 2.0**-20, "B": 2.0**-30}
 _AC = re.compile(r"\b(\w+) activation checkpointing\b")
-_KERNEL_WORDS = ("kernel", "Triton", "cuBLASLt", "Liger")
+_KERNEL_WORDS = ("kernel", "Triton", "cuBLASLt", "Liger", "FlexAttention")
 # torch's "CUDA out of memory", and meshrun's line when it halves a micro-batch that did not fit
 _OOM = re.compile(r"out of (gpu )?memory", re.IGNORECASE)
 _REFIT = "meshrun train: out of GPU memory"
@@ -196,6 +222,10 @@ def split_top(text: str) -> list[str]:
 
 
 def short_kernel(part: str) -> str:
+    if "FlexAttention" in part:
+        return "FlexAttention"
+    if "Liger's fused linear cross-entropy" in part:
+        return "Liger loss"
     if "Liger" in part:
         return "Liger"
     if "Triton" in part and "loss" in part:
@@ -358,7 +388,7 @@ class Suite:
 
     def run(self, job: Job, parallel: bool = False) -> dict[str, Any]:
         """Run ``job`` to its end or its limit; its row."""
-        row: dict[str, Any] = {"kind": job.kind, "model": job.model.name, "gpus": job.gpus,
+        row: dict[str, Any] = {"kind": job.kind, "model": job.model.name, "gpus": job.gpus, "path": job.path,
                                "cards": [] if self.cpu else job.cards,
                                "cmd": shlex.join(job.argv), "log": job.log}
         limit, why = self.limit_for(job)
@@ -471,26 +501,29 @@ def model_dir(out: str, model: Model) -> str:
 
 
 def jobs_for(models: list[Model], gpus: int, out: str, peer: str | None, cpu: bool,
-             limit_s: float | None) -> list[Job]:
-    """Each model's meshrun row, then its peer row where it has one and --peer is given."""
+             limit_s: float | None, paths: tuple[str, ...] = ("default",),
+             train_args: tuple[str, ...] = ()) -> list[Job]:
+    """Each model's meshrun rows (one per path of ``paths`` for a Hugging Face model, the
+    default path for meshrun's GPT), then its peer row where it has one and --peer is given."""
     jobs = []
     for model in models:
         source = ["--model-size", model.name] if model.source == "gpt" else ["--model", model_dir(out, model)]
         steps = 3 if cpu else model.steps
         argv = [sys.executable, "-m", "meshrun", "train", *source, "--data", "random", "--steps", str(steps),
-                "--log-every", "1", "--nproc", str(gpus), *(CPU_EXTRA if cpu else ())]
-        runs = [("meshrun", argv, f"{model.name}-{gpus}gpu.log")]
+                "--log-every", "1", "--nproc", str(gpus), *(CPU_EXTRA if cpu else ()), *train_args]
+        runs = [("meshrun", [*argv, *PATHS[p]], f"{model.name}-{gpus}gpu{'' if p == 'default' else '-' + p}.log", p)
+                for p in (paths if model.source != "gpt" else ("default",))]
         if peer and model.peer_arch:
             seq, steps, warmup = ("32", "3", "1") if cpu else (str(PEER_SEQ), str(PEER_STEPS), str(PEER_WARMUP))
             # torchrun as a module: the same program, run by the interpreter that runs this
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", peer,
                     "--mode", "fsdp2", "--arch", model.peer_arch, "--seq", seq, *model.peer_args,
                     "--steps", steps, "--warmup", warmup]
-            runs.append(("peer", argv, f"{model.name}-{gpus}gpu-peer.log"))
-        for kind, argv, log in runs:
+            runs.append(("peer", argv, f"{model.name}-{gpus}gpu-peer.log", "default"))
+        for kind, argv, log, path in runs:
             est = estimate_s(kind, model, gpus, cpu)
             limit = limit_s or min(LIMIT_MAX_S, max(LIMIT_MIN_S, LIMIT_FACTOR * est))
-            jobs.append(Job(kind, model, gpus, argv, os.path.join(out, log), est, limit))
+            jobs.append(Job(kind, model, gpus, argv, os.path.join(out, log), est, limit, path=path))
     return jobs
 
 
@@ -533,14 +566,16 @@ def run_matrix(suite: Suite, jobs: list[Job], gpus: int, parallel: bool) -> None
 def merged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (kind, model, GPUs): a later row replaces an earlier one, except that a
     skipped row never replaces one that was run."""
-    keep: dict[tuple[str, str, int], dict[str, Any]] = {}
+    keep: dict[tuple[str, str, int, str], dict[str, Any]] = {}
     for row in rows:
-        key = (row["kind"], row["model"], row["gpus"])
+        key = (row["kind"], row["model"], row["gpus"], row.get("path", "default"))
         if key in keep and row.get("status") == "skipped" and keep[key].get("status") != "skipped":
             continue
         keep[key] = row
     order = {name: i for i, name in enumerate([*MODELS, *CPU_MODELS])}
-    return sorted(keep.values(), key=lambda r: (r["gpus"], order.get(r["model"], len(order)), r["kind"] != "meshrun"))
+    paths = {name: i for i, name in enumerate(PATHS)}
+    return sorted(keep.values(), key=lambda r: (r["gpus"], order.get(r["model"], len(order)), r["kind"] != "meshrun",
+                                                paths.get(r.get("path", "default"), len(paths))))
 
 
 def _num(value: Any, fmt: str) -> str:
@@ -591,7 +626,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             predicted = f"{predicted:.1f} (nothing fits)"
         elif predicted is not None:
             predicted = f"{predicted:.1f}"
-        name = r["model"] + (" (peer)" if r["kind"] == "peer" else "")
+        path = r.get("path", "default")
+        name = r["model"] + (" (peer)" if r["kind"] == "peer" else f" [{path}]" if path != "default" else "")
         out.append(f"| {name} | {r['gpus']} | {ran_cell(r)} | {layout_cell(r)} | {_num(tps, ',.0f')} "
                    f"| {_num(None if mfu is None else 100 * mfu, '.1f')}{'%' if mfu is not None else ''} "
                    f"| {_num(r.get('peak_reserved_gib'), '.1f')} | {_num(r.get('smi_peak_gib'), '.1f')} "
@@ -652,6 +688,9 @@ def main() -> int:
                          f"{LIMIT_MIN_S:.0f}-{LIMIT_MAX_S:.0f} s)")
     ap.add_argument("--parallel-1gpu", action="store_true", help="with --gpus 1: two rows at once, on cards 0 and 1")
     ap.add_argument("--report", default=None, metavar="FILE[,FILE]", help="print the table of matrix.jsonl files")
+    ap.add_argument("--paths", default="default", metavar="PATH[,PATH]",
+                    help=f"the candidate paths each Hugging Face model runs: {','.join(PATHS)} (default: default)")
+    ap.add_argument("--train-args", default="", metavar="FLAGS", help="flags added to every meshrun row")
     ap.add_argument("--cpu-check", action="store_true", help="the suite's machinery on the CPU with tiny stand-ins")
     ap.add_argument("--since", type=float, default=None, metavar="UNIX_TIME",
                     help="count --deadline-s and --end-s from this time (several parts in one call share "
@@ -674,6 +713,9 @@ def main() -> int:
     unknown = [n for n in names if n not in catalogue]
     if unknown:
         ap.error(f"unknown model(s) {','.join(unknown)}; known: {','.join(catalogue)}")
+    paths = tuple(a.paths.split(","))
+    if any(p not in PATHS for p in paths):
+        ap.error(f"--paths {a.paths}: known paths are {','.join(PATHS)}")
     a.peer_given = a.peer
     peer = os.path.abspath(a.peer) if a.peer else None
     if peer and not os.path.isfile(peer):
@@ -696,7 +738,8 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    jobs = jobs_for([catalogue[n] for n in names], a.gpus, a.out, peer, a.cpu_check, a.limit_s)
+    jobs = jobs_for([catalogue[n] for n in names], a.gpus, a.out, peer, a.cpu_check, a.limit_s, paths,
+                    tuple(shlex.split(a.train_args)))
     run_matrix(suite, jobs, a.gpus, a.parallel_1gpu)
     print(f"\n{len(suite.results)} row(s) in {suite.elapsed():.0f} s; {a.out}/matrix.jsonl\n", flush=True)
     print(table(suite.results), flush=True)

@@ -974,8 +974,8 @@ def _hf_llama_on_meta():
 def test_the_policy_never_compiles_a_model_liger_patches():
     """Per family: meshrun's GPT compiles with its own kernels; a Hugging Face model Liger
     patches runs eager with Liger (compile adds nothing on top, and the two fail together
-    under DDP); --compile on takes torch.compile's kernels instead of Liger's; a model Liger
-    does not know compiles as before."""
+    under DDP); --compile on takes torch.compile's kernels in the blocks and Liger's fused loss
+    alone; --kernels plain none of Liger's; a model Liger does not know compiles as before."""
     require("torch")
     import torch
 
@@ -989,12 +989,18 @@ def test_the_policy_never_compiles_a_model_liger_patches():
     assert (auto.compile, auto.liger) == (False, True)
     assert any(r.startswith("eager with Liger Kernel's fused kernels") for r in auto.reasons)
     by_hand = decide(llama, validate(TrainConfig(seq_len=4096, compile="on")), 2, 2, 2, 141 * GiB, True, liger=True)
-    assert (by_hand.compile, by_hand.liger) == (True, False)
-    assert any("torch.compile's own kernels, not Liger Kernel's" in r for r in by_hand.reasons)
+    assert (by_hand.compile, by_hand.liger, by_hand.liger_loss, by_hand.kernels) == (True, False, True, "liger-loss")
+    assert any("Liger Kernel's fused linear cross-entropy for the loss" in r for r in by_hand.reasons)
+    unfused = decide(llama, validate(TrainConfig(seq_len=4096, compile="on", kernels="plain")), 2, 2, 2, 141 * GiB,
+                     True, liger=True)
+    assert (unfused.compile, unfused.liger, unfused.liger_loss, unfused.kernels) == (True, False, False, "plain")
+    # planned as it runs: the compiled run with Liger's loss holds no logits either
+    assert by_hand.largest_micro is not None and unfused.largest_micro is not None
+    assert by_hand.largest_micro > unfused.largest_micro
     off = decide(llama, validate(TrainConfig(seq_len=4096, compile="off")), 2, 2, 2, 141 * GiB, True, liger=True)
     assert (off.compile, off.liger) == (False, True)
     plain = decide(llama, cfg, 2, 2, 2, 141 * GiB, True, liger=False)
-    assert (plain.compile, plain.liger) == (True, False)  # a model Liger does not patch: compiled
+    assert (plain.compile, plain.liger, plain.liger_loss) == (True, False, False)  # Liger does not patch it
     # planned as it runs: Liger's fused loss holds no logits, so a larger micro-batch fits
     assert auto.largest_micro is not None and plain.largest_micro is not None
     assert auto.largest_micro > plain.largest_micro
@@ -1010,7 +1016,8 @@ def test_the_policy_never_compiles_a_model_liger_patches():
 
 def test_plan_and_train_agree_on_when_liger_runs():
     """`meshrun plan` traces with Liger's kernels exactly when `meshrun train` would patch them:
-    one rule (defaults.liger_runs) for --kernels x --compile, asked of a model Liger knows."""
+    one rule (defaults.liger_runs) for --kernels x --compile, asked of a model Liger knows; and
+    its fused loss alone where the run compiles with --kernels auto."""
     require("torch")
     require("liger_kernel")
     import argparse
@@ -1025,11 +1032,14 @@ def test_plan_and_train_agree_on_when_liger_runs():
     for kernels in ("auto", "plain"):
         for compile_choice in ("auto", "on", "off"):
             cfg = validate(TrainConfig(seq_len=4096, kernels=kernels, compile=compile_choice))
-            runs = compile_and_kernels(cfg, True, True)[1]
+            decided = compile_and_kernels(cfg, True, True)
+            runs = decided.liger
             ns = argparse.Namespace(kernels=kernels, compile=compile_choice, micro_batch=None, global_batch=None,
                                     precision="bf16", strategy=None, activation_checkpointing="auto", seq_len="4096")
-            assert settings(run_config(ns, None), facts).liger is runs  # what plan traces with
+            planned = settings(run_config(ns, None), facts)  # what plan traces with
+            assert (planned.liger, planned.liger_loss) == (runs, decided.liger_loss)
             assert runs is (kernels == "auto" and compile_choice != "on")
+            assert decided.liger_loss is (kernels == "auto" and compile_choice == "on")
             # a LoRA run compiles where a full fine-tune takes Liger's kernels (--compile auto)
             lora = validate(TrainConfig(seq_len=4096, kernels=kernels, compile=compile_choice, lora=16))
             compiled, runs = compile_and_kernels(lora, True, True)[:2]

@@ -106,6 +106,44 @@ def test_liger_keeps_the_fused_losss_gradients_not_the_logits_and_leaves_everyth
     assert "apply" not in vars(LigerRMSNormFunction) and "apply" not in vars(LigerFusedLinearCrossEntropyFunction)
 
 
+def test_liger_loss_alone_keeps_the_compiled_blocks_and_no_logits():
+    """Compiled blocks with Liger's fused loss alone (``liger_loss``): the blocks keep what
+    torch.compile keeps of the model's own blocks, the tail no fp32 logits; nothing stays patched."""
+    _liger()
+    import transformers.models.llama.modeling_llama as modeling
+
+    from meshrun.plan.trace import trace
+
+    vocab, hidden, seq = 4096, 64, 64
+    model = _llama(vocab, hidden)
+    forward, norm = modeling.LlamaForCausalLM.forward, modeling.LlamaRMSNorm
+    plain = trace(model, "autocast", seq, compiled=True)
+    loss = trace(model, "autocast", seq, compiled=True, liger_loss=True)
+    assert plain is not None and loss is not None and loss.liger
+    assert loss.blocks == plain.blocks and loss.blocks_compiled == plain.blocks_compiled is not None
+    assert loss.tail_steepest[1] - loss.tail_steepest[0] < seq * vocab * 4 <= plain.tail_steepest[1] - \
+        plain.tail_steepest[0]
+    assert (modeling.LlamaForCausalLM.forward, modeling.LlamaRMSNorm) == (forward, norm)
+
+
+def test_liger_loss_alone_patches_the_forward_and_nothing_in_the_blocks():
+    """The patch a compiled run takes (``apply_liger(loss_only=True)``): the causal LM's forward
+    becomes Liger's fused loss; norms, MLPs and rotary stay transformers' own, which compile."""
+    torch = _liger()
+    import transformers.models.llama.modeling_llama as modeling
+
+    from meshrun.kernels.liger import apply_liger
+
+    norm, mlp, rotary = modeling.LlamaRMSNorm, modeling.LlamaMLP, modeling.apply_rotary_pos_emb
+    with torch.device("meta"):
+        real = _llama()
+    with _put_back(modeling):
+        assert apply_liger(real, loss_only=True) == ["Liger's fused linear cross-entropy for llama"]
+        assert real.forward.__func__.__module__.startswith("liger_kernel")
+        assert (modeling.LlamaRMSNorm, modeling.LlamaMLP, modeling.apply_rotary_pos_emb) == (norm, mlp, rotary)
+        assert type(real.model.norm) is norm and type(real.model.layers[0].mlp) is mlp
+
+
 def test_a_liger_function_without_a_stand_in_traces_the_model_unpatched(monkeypatch):
     """A kernel the trace cannot stand in for (here: RMSNorm's stand-in taken away) makes the
     Liger trace fail: the model is traced as it is, which keeps more, and the architecture's
@@ -240,11 +278,12 @@ def test_the_tails_tensors_are_paired_across_sizes_even_when_one_size_makes_one_
     assert _largest_lines([], [5]) == ((0, 0), (0, 0))
 
 
-@pytest.mark.parametrize("flags,liger", [((), True), (("--kernels", "plain"), False), (("--compile", "on"), False)])
-def test_plan_chooses_liger_as_train_would(tmp_path, flags, liger):
+@pytest.mark.parametrize("flags,liger,fused", [((), True, True), (("--kernels", "plain"), False, False),
+                                               (("--compile", "on"), False, True)])
+def test_plan_chooses_liger_as_train_would(tmp_path, flags, liger, fused):
     """`meshrun plan` on a Hugging Face config Liger knows, with Liger installed, plans Liger's
-    kernels eager and says so, as `meshrun train` would run it; --kernels plain or --compile on
-    plan without them."""
+    kernels eager and says so, as `meshrun train` would run it; --compile on plans compiled
+    blocks with Liger's fused loss alone; --kernels plain none of Liger's kernels."""
     _liger()
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -255,7 +294,8 @@ def test_plan_chooses_liger_as_train_would(tmp_path, flags, liger):
                          timeout=300, env=clean_env())
     assert out.returncode == 0, out.stderr[-2000:]
     assert ("Liger Kernel's fused kernels (installed here), eager" in out.stdout) is liger, out.stdout[-1500:]
-    assert ("logits: Liger's fused loss" in out.stdout) is liger  # the table's legend says what the column holds
+    assert ("with Liger Kernel's fused linear cross-entropy for the loss" in out.stdout) is (fused and not liger)
+    assert ("logits: Liger's fused loss" in out.stdout) is fused  # the table's legend says what the column holds
 
 
 def test_a_liger_patched_model_is_called_with_return_dict_so_transformers_logs_no_deprecation():

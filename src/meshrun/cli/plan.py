@@ -272,12 +272,14 @@ def train_spec(ns: argparse.Namespace, cfg: TrainConfig, s: Settings, hf: bool) 
                      whole_compile=not hf, adapters=adapters_from_args(ns))
 
 
-def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec, liger: bool, kernels: str) -> ModelSpec:
+def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec, liger: bool, kernels: str,
+           liger_loss: bool = False) -> ModelSpec:
     """``model`` with what it keeps for backward traced at the plan's sequence length, when
     torch can build it on the meta device: meshrun's GPT as `meshrun train` builds it on GPUs
     (with ``kernels`` auto, its Triton loss and fused MLP), a Hugging Face config or a
     ``module:factory`` (``module``, as resolve_with_module built it), with Liger Kernel's
-    kernels when ``liger``. Other presets (published shapes with no module here) keep the
+    kernels when ``liger`` (its fused loss alone after compiled blocks: ``liger_loss``). Other
+    presets (published shapes with no module here) keep the
     estimate from their shape."""
     import importlib.util
 
@@ -296,7 +298,8 @@ def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec, liger: bo
     from ..plan.trace import with_trace
 
     modes = ("fp32",) if train.precision == "fp32" else ("autocast", "bf16")
-    return with_trace(model, module, train.seq_len, modes, compiled=train.compile, liger=liger)
+    return with_trace(model, module, train.seq_len, modes, compiled=train.compile, liger=liger,
+                      liger_loss=liger_loss)
 
 
 def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
@@ -318,11 +321,14 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     if ns.strategy:
         named(ns.strategy, make_plan(model, cluster, train, ns.plan_framework, margin).candidates)
     shape = model
-    model = traced(model, module, ns.model, train, s.liger, ns.kernels)
+    model = traced(model, module, ns.model, train, s.liger, ns.kernels, s.liger_loss)
     plan = make_plan(model, cluster, train, ns.plan_framework, margin)
     if s.liger:
         plan.reasons.append("Liger Kernel's fused kernels (installed here), eager, as meshrun train runs this model "
                             "(--kernels plain or --compile on to plan without them)")
+    elif s.liger_loss:
+        plan.reasons.append("compiled per block, with Liger Kernel's fused linear cross-entropy for the loss, as "
+                            "meshrun train runs this model")
     if ns.strategy:
         plan.reasons.append(verdict(ns.strategy, plan.candidates, plan.recommended))
         plan.warnings.extend(check_choice(ns.strategy, plan.candidates, plan.recommended))
@@ -348,6 +354,6 @@ def run_summary(shape: ModelSpec, traced_model: ModelSpec, cfg: TrainConfig, fac
     """What `meshrun train` with these options does on this cluster (the run policy, as
     `meshrun train --dry-run` prints it), or the line it refuses the run with."""
     try:
-        return resolve(shape, cfg, facts, lambda compiled, liger: traced_model, adapters).summary()
+        return resolve(shape, cfg, facts, lambda compiled, liger, liger_loss: traced_model, adapters).summary()
     except MeshrunError as exc:
         return {"refused": str(exc)}

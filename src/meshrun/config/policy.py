@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..defaults import GLOBAL_BATCH_TOKENS, compile_choice, compile_enabled, global_batch_for, liger_runs
 from ..errors import MeshrunError, bad_value
@@ -62,12 +62,13 @@ from . import TrainConfig
 GATHERED_COPY_SHARE = 0.1
 
 # What Choice.kernels and Choice.compile_mode say (the dry run's and the plan's words)
-KERNEL_WORDS = ("meshrun", "liger", "plain")  # meshrun's GPT's own, Liger Kernel's, torch's modules only
+# meshrun's GPT's own, Liger Kernel's, Liger's loss alone, torch's modules only
+KERNEL_WORDS = ("meshrun", "liger", "liger-loss", "plain")
 COMPILE_WORDS = ("off", "on", "per-block")  # eager, the model in one graph, each block in its own
 CHOSEN_BY = ("planner", "rules", "user")  # the planner's memory model, the rules above, the options given
 
-# (compiled, Liger's kernels) -> the model's spec with what it keeps for backward traced so
-Tracer = Callable[[bool, bool], ModelSpec]
+# (compiled, Liger's kernels, Liger's loss only) -> the model's spec with what it keeps for backward traced so
+Tracer = Callable[[bool, bool, bool], ModelSpec]
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ class Choice:
     global_batch: int | None  # None: micro-batch x data-parallel ranks
     reasons: tuple[str, ...] = ()  # what was chosen and why, for the run's strategy line
     compile: bool = False  # torch.compile the model (per block under FSDP2)
-    liger: bool = False  # Liger Kernel's kernels patched into a Hugging Face model
+    liger: bool = False  # Liger Kernel's kernels patched into a Hugging Face model (eager)
+    liger_loss: bool = False  # Liger's fused linear cross-entropy only (the blocks compiled)
     predicted_peak: int | None = None  # the planner's peak bytes per GPU for this choice
     largest_micro: int | None = None  # the largest micro-batch the planner thinks fits
     precision: str = "fp32"  # bf16 | fp32 | fp8 | fp8-rowwise: what the run computes in
@@ -136,6 +138,17 @@ class Settings:
     liger: bool
     why: tuple[str, ...]
     global_batch: int | None
+    liger_loss: bool = False  # Liger's fused linear cross-entropy only, the blocks compiled
+
+
+class Kernels(NamedTuple):
+    """What ``compile_and_kernels`` decides: compiled, Liger's kernels (eager), why, and
+    Liger's fused loss alone (with compiled blocks)."""
+
+    compile: bool
+    liger: bool
+    why: list[str]
+    liger_loss: bool = False
 
 
 def settings(cfg: TrainConfig, facts: Facts) -> Settings:
@@ -144,38 +157,40 @@ def settings(cfg: TrainConfig, facts: Facts) -> Settings:
     kind = STRATEGIES.get(cfg.strategy)
     liger = facts.liger and not (kind is not None and kind.engine is Engine.DEEPSPEED and kind.zero == 3)
     # (ZeRO-3's partitioned weights take the plain paths, parallel/apply.py: planned so)
-    compiled, use_liger, why = compile_and_kernels(cfg, facts.gpu_mem is not None, liger)
+    k = compile_and_kernels(cfg, facts.gpu_mem is not None, liger)
     global_batch = cfg.global_batch
     if facts.gpu_mem is not None and cfg.micro_batch is None and global_batch is None:
         global_batch = global_batch_for(cfg.seq, facts.dp)
-    return Settings(compiled, use_liger, tuple(why), global_batch)
+    return Settings(k.compile, k.liger, tuple(k.why), global_batch, k.liger_loss)
 
 
-def compile_and_kernels(cfg: TrainConfig, cuda: bool, liger: bool) -> tuple[bool, bool, list[str]]:
-    """(compile, Liger's kernels, why) for a model Liger Kernel can patch here (``liger``) or
-    not. Liger's kernels run eager: with them, compiling adds no speed and costs a minute or
-    more of start-up (eager with Liger is faster than compiled without it), and Liger 0.8.5's
-    RMSNorm kernel does not compile under Inductor (a scalar argument made a constant, then
-    ``.to()`` called on it), which under DDP's graph split ended the run. So compiling and Liger
-    never go together: ``--compile on`` gets torch.compile's own fused kernels instead.
-    docs/decisions.md#liger"""
+def compile_and_kernels(cfg: TrainConfig, cuda: bool, liger: bool) -> Kernels:
+    """Compiled or not, and which of Liger Kernel's kernels, for a model Liger can patch here
+    (``liger``) or not. Liger's kernels run eager: Liger 0.8.5's RMSNorm kernel does not
+    compile under Inductor (a scalar argument made a constant, then ``.to()`` called on it),
+    which under DDP's graph split ended the run. A compiled model (``--compile on``, float8)
+    gets torch.compile's kernels in its blocks and Liger's fused linear cross-entropy alone for
+    its loss, which runs after the blocks, outside their graphs: the vocabulary-wide logits are
+    never held. docs/decisions.md#liger"""
     asked = compile_choice(cfg.compile, cfg.precision)
     compiled = compile_enabled(asked, cuda) or cfg.compile_tune
     if not liger or cfg.kernels != "auto":
-        return compiled, False, []
+        return Kernels(compiled, False, [])
     if cfg.lora is not None and cfg.quantize == "none" and asked == "auto" and cuda:
         # A LoRA step is a third lighter in matmuls, so the adapters' small matmuls and the
         # elementwise work around them weigh more, and compiling fuses them: Llama-3-8B's shape,
         # LoRA rank 16 on every linear layer, 2 x 4,096 tokens on one H200 (torch 2.11): 16,379
         # tokens/s compiled per block against 13,083 eager with Liger, in one call.
-        return True, False, ["LoRA: compiled per block (+25% over Liger's eager kernels on an 8B model; "
-                             "docs/decisions.md#lora-compile)"]
+        return Kernels(True, False, ["LoRA: compiled per block (+25% over Liger's eager kernels on an 8B model; "
+                                     "docs/decisions.md#lora-compile)"])
     if liger_runs(cfg.kernels, asked, cfg.compile_tune, liger):
         why = [] if asked == "off" else ["eager with Liger Kernel's fused kernels (compiling adds nothing on "
                                          "top of them; --compile on for torch.compile's kernels instead)"]
-        return False, True, why
-    return True, False, [f"{cfg.source('compile' if asked == 'on' else 'compile_tune')}: torch.compile's "
-                         "own kernels, not Liger Kernel's (they do not compile together)"]
+        return Kernels(False, True, why)
+    if not cuda:
+        return Kernels(compiled, False, [])
+    return Kernels(True, False, [f"{cfg.source('compile' if asked == 'on' else 'compile_tune')}: torch.compile's "
+                                 "kernels per block, Liger Kernel's fused linear cross-entropy for the loss"], True)
 
 
 def fsdp_flavour(n_params: int, gpu_mem: int | None) -> tuple[str, str]:
@@ -208,14 +223,15 @@ def resolve(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, traced: Tra
     kind = choice.kind
     zero3 = kind.engine is Engine.DEEPSPEED and kind.zero == 3
     cuda = facts.gpu_mem is not None
-    kernels = ("liger" if s.liger else "meshrun" if cuda and facts.own_kernels and cfg.kernels == "auto"
-               and cfg.tp == 1 and not zero3 else "plain")
+    own = cuda and facts.own_kernels and cfg.kernels == "auto" and cfg.tp == 1 and not zero3
+    kernels = "liger" if s.liger else "liger-loss" if s.liger_loss else "meshrun" if own else "plain"
     per_block = facts.hf or kind.uses_fsdp or cfg.pp > 1 or cfg.ep > 1
     precision = cfg.precision if cfg.precision != "auto" else "bf16" if facts.bf16 else "fp32"
     micro = choice.micro_batch
     accumulation = 1 if choice.global_batch is None else cfg.replace(
         micro_batch=micro, global_batch=choice.global_batch).accumulation(facts.dp)
-    return dataclasses.replace(choice, compile=s.compile, liger=s.liger, reasons=(*choice.reasons, *s.why),
+    return dataclasses.replace(choice, compile=s.compile, liger=s.liger, liger_loss=s.liger_loss,
+                               reasons=(*choice.reasons, *s.why),
                                precision=precision, kernels=kernels, accumulation=accumulation,
                                compile_mode="off" if not s.compile else "per-block" if per_block else "on")
 
@@ -258,7 +274,7 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
         reasons.append(f"global batch {global_batch} x {cfg.seq} tokens (about {GLOBAL_BATCH_TOKENS // 1024}K "
                        "tokens, the default on GPUs; set --global-batch or --micro-batch to change it)")
     names = (named,) if named else AUTO_CANDIDATES  # (DeepSpeed's strategies run when named)
-    spec = traced(s.compile, s.liger) if traced is not None else model
+    spec = traced(s.compile, s.liger, s.liger_loss) if traced is not None else model
     pick, usable, largest = _planned(spec, cfg, facts, global_batch, names, s.compile,
                                      ac_open=named is None and "activation_checkpointing" not in cfg.sources,
                                      adapters=adapters)

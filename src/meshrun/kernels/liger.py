@@ -54,14 +54,24 @@ def mixture_of_experts(model: Any) -> bool:
     return any((getattr(config, key, None) or 0) > 1 for key in EXPERT_COUNT_KEYS)
 
 
-def liger_options(model: Any) -> dict[str, bool]:
+# Liger's patch with its fused linear cross-entropy alone (each architecture's patch takes the
+# keywords it has; Liger drops the others)
+LOSS_ONLY = {"rope": False, "rms_norm": False, "layer_norm": False, "swiglu": False, "geglu": False,
+             "cross_entropy": False, "fused_linear_cross_entropy": True}
+
+
+def liger_options(model: Any, loss_only: bool = False) -> dict[str, bool]:
     """The keyword arguments meshrun gives Liger's patch for ``model`` (the trainer and the
-    planner's trace alike). A Mixture-of-Experts model keeps its own experts (``swiglu=False``):
-    Liger 0.8.5's fused MoE kernel failed to compile for Qwen3-MoE's experts (128 of 768, 8 per
-    token; ``PassManager::run failed`` in its token aggregation), and ran minutes before its
-    first step on a Mixtral shape. Without it the Qwen3-MoE shape trains with meshrun's
-    defaults. The cost, where the kernel does compile: a Mixtral shape (8 experts of 3584, 2
-    per token) trains slower without it. docs/decisions.md#liger"""
+    planner's trace alike); ``loss_only``: its fused linear cross-entropy alone, for a model
+    whose blocks are compiled (Liger's other kernels do not compile). A Mixture-of-Experts model
+    keeps its own experts (``swiglu=False``): Liger 0.8.5's fused MoE kernel failed to compile
+    for Qwen3-MoE's experts (128 of 768, 8 per token; ``PassManager::run failed`` in its token
+    aggregation), and ran minutes before its first step on a Mixtral shape. Without it the
+    Qwen3-MoE shape trains with meshrun's defaults. The cost, where the kernel does compile: a
+    Mixtral shape (8 experts of 3584, 2 per token) trains slower without it.
+    docs/decisions.md#liger"""
+    if loss_only:
+        return dict(LOSS_ONLY)
     return {"swiglu": False} if mixture_of_experts(model) else {}
 
 
@@ -74,20 +84,22 @@ class _LigersCacheName(logging.Filter):
         return not record.getMessage().startswith("`past_key_values`/`cache_params` are deprecated")
 
 
-def apply_liger(model: Any) -> list[str]:
-    """Patch ``model`` (``liger_applies``) with Liger's kernels; what was applied, for the
-    run's strategy line."""
+def apply_liger(model: Any, loss_only: bool = False) -> list[str]:
+    """Patch ``model`` (``liger_applies``) with Liger's kernels (``loss_only``: its fused
+    linear cross-entropy alone); what was applied, for the run's strategy line."""
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
     generic = logging.getLogger("transformers.utils.generic")
     if not any(isinstance(f, _LigersCacheName) for f in generic.filters):
         generic.addFilter(_LigersCacheName())
 
-    options = liger_options(model)
+    options = liger_options(model, loss_only)
     _apply_liger_kernel_to_instance(model=model, **options)
     mlp = "the model's own experts" if options.get("swiglu") is False else "SwiGLU"
     # the fused loss replaces the model's forward; where it does not apply (Granite scales its
     # logits) Liger's cross-entropy takes the logits the model makes
     fused = getattr(getattr(model.forward, "__func__", None), "__module__", "").startswith("liger_kernel")
     loss = "fused linear cross-entropy" if fused else "cross-entropy"
+    if loss_only:  # (a model whose logits Liger's fused loss does not take keeps its own loss)
+        return [f"Liger's fused linear cross-entropy for {model.config.model_type}"] if fused else []
     return [f"Liger kernels for {model.config.model_type} (RMSNorm, {mlp}, rotary, {loss})"]

@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..modelinfo.blocks import find_blocks
+from ..modelinfo.hf import flex_for_eager
 from ..modelinfo.spec import ModelSpec, Traced
 from .trace_hooks import autocast_on
 
@@ -73,18 +74,19 @@ _PASS_THROUGH = ("ToCopyBackward", "TBackward", "TransposeBackward", "PermuteBac
 
 
 def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
-          compiled: bool = True, liger: bool = False) -> Traced | None:
+          compiled: bool = True, liger: bool = False, liger_loss: bool = False) -> Traced | None:
     """The model's activation bytes in precision ``mode`` at ``seq`` tokens (micro-batch 1
     and 2), with what torch.compile keeps when ``compiled`` (0.1-2 s more on the CPU), or as
     Liger Kernel's fused kernels keep them when ``liger`` (a Hugging Face model Liger patches:
     trace_liger.py; they never run compiled); None when it cannot be traced (no block list, or
-    a forward the meta device cannot run: the planner then estimates from the shape)."""
-    if liger:
+    a forward the meta device cannot run: the planner then estimates from the shape);
+    ``liger_loss``: Liger's fused loss alone after blocks compiled when ``compiled``."""
+    if liger or liger_loss:
         from .trace_liger import liger_twin
 
         got = None
-        with contextlib.suppress(Exception), liger_twin(model) as twin:  # else: traced unpatched
-            got = trace(twin, mode, seq, blocks_path, compiled=False)
+        with contextlib.suppress(Exception), liger_twin(model, loss_only=not liger) as twin:  # else: unpatched
+            got = trace(twin, mode, seq, blocks_path, compiled=compiled and not liger)
         if got is not None:
             return dataclasses.replace(got, liger=True)
     found = find_blocks(model, blocks_path)
@@ -93,7 +95,9 @@ def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
     blocks = list(found[1])
     first: dict[str, Any] = {}
     try:
-        one, two = (_trace_once(model, blocks, mode, seq, micro, first if micro == 1 else None) for micro in (1, 2))
+        with _flex_as_fused(model):
+            one, two = (_trace_once(model, blocks, mode, seq, micro, first if micro == 1 else None)
+                        for micro in (1, 2))
     except Exception:  # any model code that needs real values: the estimate stands
         return None
     from ..modelinfo.loss import loss_mode
@@ -102,11 +106,42 @@ def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
     pairs: dict[str, Any] = {k: (one[k], two[k]) for k in one if k != "first_block"}
     traced = Traced(mode=mode, seq=seq, **pairs, tail_largest=largest, tail_steepest=steepest,
                     loss_inside=loss_mode(model) != "logits", eval_logits=loss_mode(model) != "targets")
-    kept = _compiled_block_bytes(blocks[0], first, mode) if compiled and one["first_block"] else None
+    with _flex_as_fused(model):
+        kept = _compiled_block_bytes(blocks[0], first, mode) if compiled and one["first_block"] else None
     if kept is None:
         return traced
     ratio = kept / one["first_block"]
     return dataclasses.replace(traced, blocks_compiled=(int(one["blocks"] * ratio), int(two["blocks"] * ratio)))
+
+
+_TRACE_FLEX = "meshrun_trace_flex"
+
+
+@contextlib.contextmanager
+def _flex_as_fused(model: nn.Module) -> Iterator[None]:
+    """A Hugging Face model the trainer moves off eager attention into FlexAttention on GPUs
+    (modelinfo.hf.flex_for_eager) traced as FlexAttention keeps it: queries, keys, values, the
+    output and a log-sum-exp, as the fused SDPA kernels (transformers' SDPA entry, causal, no
+    mask), not the score matrices eager attention writes out. Soft-capping and sliding
+    windows change no saved size. Other models as they are."""
+    if not flex_for_eager(model):
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def attention(*args: Any, softcap: float | None = None, sliding_window: int | None = None, **kwargs: Any) -> Any:
+        return sdpa_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register(_TRACE_FLEX, attention)
+    AttentionMaskInterface.register(_TRACE_FLEX, lambda *args, **kwargs: None)
+    config: Any = model.config
+    config._attn_implementation = _TRACE_FLEX
+    try:
+        yield
+    finally:
+        config._attn_implementation = "eager"
 
 
 def _largest_lines(one: list[int], two: list[int]) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -592,11 +627,13 @@ def _as_base_model(model: nn.Module) -> Iterator[None]:
 
 
 def with_trace(spec: ModelSpec, model: nn.Module, seq: int, modes: tuple[str, ...],
-               blocks_path: str | None = None, compiled: bool = True, liger: bool = False) -> ModelSpec:
+               blocks_path: str | None = None, compiled: bool = True, liger: bool = False,
+               liger_loss: bool = False) -> ModelSpec:
     """``spec`` with what ``model`` keeps for backward traced in each of ``modes`` at ``seq``
     tokens (unchanged where it cannot be traced); torch.compile's too when ``compiled``; as
-    Liger Kernel's kernels keep it when ``liger``. A model holding low-rank adapters is traced
-    as its base model (``_as_base_model``)."""
+    Liger Kernel's kernels keep it when ``liger`` (its fused loss alone: ``liger_loss``). A
+    model holding low-rank adapters is traced as its base model (``_as_base_model``)."""
     with _as_base_model(model):
-        got = tuple(t for t in (trace(model, m, seq, blocks_path, compiled, liger) for m in modes) if t is not None)
+        got = tuple(t for t in (trace(model, m, seq, blocks_path, compiled, liger, liger_loss) for m in modes)
+                    if t is not None)
     return dataclasses.replace(spec, traced=got) if got else spec

@@ -172,9 +172,10 @@ STAND_INS: dict[str, type[torch.autograd.Function]] = {
 
 
 @contextlib.contextmanager
-def liger_twin(model: nn.Module) -> Iterator[nn.Module]:
+def liger_twin(model: nn.Module, loss_only: bool = False) -> Iterator[nn.Module]:
     """A twin of the Hugging Face ``model`` on the meta device with Liger's kernels applied as
-    meshrun applies them (kernels/liger.py), its Triton functions stood in for; what
+    meshrun applies them (kernels/liger.py; ``loss_only``: its fused loss alone), its Triton
+    functions stood in for; what
     Liger changed in the architecture's module is put back when the block ends."""
     from ..kernels.liger import liger_options, quiet_registry
 
@@ -196,7 +197,7 @@ def liger_twin(model: nn.Module) -> Iterator[nn.Module]:
         if attention is not None:
             twin.config._attn_implementation = attention
         twin.train(model.training)
-        _apply_liger_kernel_to_instance(model=twin, **liger_options(twin))
+        _apply_liger_kernel_to_instance(model=twin, **liger_options(twin, loss_only))
         yield twin
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import MeshrunError
+from ...modelinfo.hf import flex_for_eager as flex_for_eager  # (re-exported: the trainer reads it here)
 from ..loaded import compiler_loaded
 
 Mask = Any  # a dense boolean tensor (batch, 1, queries, keys) or FlexAttention's BlockMask
@@ -121,6 +122,7 @@ def _compiled_stance() -> Any:
 
 
 FLEX_HF = "meshrun_flex"  # transformers' attention and mask functions under meshrun's name
+
 
 
 def use_flex_in_transformers(model: Any) -> None:

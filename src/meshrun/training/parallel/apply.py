@@ -141,6 +141,10 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
         from ...kernels.liger import apply_liger
 
         kernels = apply_liger(model)
+    elif choice.liger_loss and not kernels:  # compiled blocks, Liger's loss after them
+        from ...kernels.liger import apply_liger
+
+        kernels = apply_liger(model, loss_only=True)
     float8, after_update = None, None
     if is_float8(cfg.precision):  # before any wrapper or compiling sees the linear layers
         float8, after_update = convert_float8(model, cfg.precision, fsdp=kind.fsdp is not None)
@@ -303,14 +307,21 @@ class Build:
         self.done.append(what)
         return loss_parallel
 
-    def _document_attention(self, context_parallel: bool) -> None:
+    def _attention(self, context_parallel: bool) -> None:
         """--document-mask on a GPU runs in FlexAttention's block masks (models/masks.py): for
         meshrun's GPT and under context parallelism by meshrun's own attention, for a Hugging
         Face model by transformers' flex_attention, which reads the documents from the
-        restarting position ids. On the CPU the masks are dense."""
-        from ..models.masks import use_flex_in_transformers, uses_flex
+        restarting position ids. On the CPU the masks are dense. A Hugging Face model left on
+        eager attention (no SDPA path: Gemma-2's soft-capping) runs in FlexAttention on a GPU
+        with or without document masks (``masks.flex_for_eager``)."""
+        from ..models.masks import flex_for_eager, use_flex_in_transformers, uses_flex
 
         if not uses_flex(self.rt.device):
+            return
+        if not self.cfg.document_mask:
+            if is_transformers_model(self.model) and not context_parallel and flex_for_eager(self.model):
+                use_flex_in_transformers(self.model)
+                self.done.append("FlexAttention (instead of eager attention)")
             return
         if is_transformers_model(self.model) and not context_parallel:
             try:
@@ -341,8 +352,7 @@ class Build:
                 context = apply_cp(model, self.blocks, meshes["cp"].get_group(), cfg.cp,
                                     meshes["cp"].get_local_rank(), cfg.seq, rt.device)
                 self.done.append(f"context parallel {cfg.cp} (zig-zag shards)")
-        if cfg.document_mask:
-            self._document_attention(context is not None)
+        self._attention(context is not None)
         self._checkpointing()
         ddp = None
         if flavour is not None:

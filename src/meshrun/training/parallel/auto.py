@@ -37,11 +37,11 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
         return resolve(None, cfg, facts)
     spec = from_module(model, type(model).__name__, "the model")
 
-    def traced(compiled: bool, with_liger: bool) -> Any:
+    def traced(compiled: bool, with_liger: bool, liger_loss: bool) -> Any:
         from ...plan.trace import with_trace  # (torch: imported when a GPU run plans)
 
         # what the model keeps for backward, traced on the meta device
         return with_trace(spec, model, cfg.seq, ("autocast", "bf16") if bf16 else ("fp32",), cfg.blocks, compiled,
-                          with_liger)
+                          with_liger, liger_loss)
 
     return resolve(spec, cfg, facts, traced, adapters)
