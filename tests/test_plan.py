@@ -557,6 +557,57 @@ def test_small_model_gets_ddp_or_a_single_gpu():
     assert _pick("gpt-124m", gpus=1)[1].strategy.name == "single"
 
 
+def _published(shape: str, tmp_path) -> object:
+    """A published Hugging Face shape (bench/hf_config.py's), read from its config.json."""
+    family, values = bench_module("hf_config").SHAPES[shape]
+    path = tmp_path / f"{shape}.json"
+    path.write_text(json.dumps({"model_type": family, **values}))
+    return from_hf_config(str(path))
+
+
+def _one_gpu(model, mem_gib: float, **train):
+    """The plan of ``model`` on one GPU of ``mem_gib``, as meshrun train's defaults would run it
+    (4,096-token sequences, a global batch of 128 for the planner to split) and its torch rows by label."""
+    p, r = _pick(model, gpus=1, mem=mem_gib, **{"seq_len": 4096, "global_batch": 128, **train})
+    return r, {x.strategy.label: x for x in p.candidates if x.strategy.engine == "torch"}
+
+
+def test_one_gpu_shards_over_its_one_rank_where_single_does_not_fit(tmp_path):
+    """One GPU: single wherever it fits; FSDP2 full shard over the one rank where it does not.
+    Both hold fp32 parameters, gradients and AdamW state (16 bytes a parameter); under autocast
+    single also holds a bf16 copy of every weight the matmuls use, from forward to backward,
+    where FSDP2 gathers each block's bf16 weights only while the block runs."""
+    mistral = _published("mistral-7b", tmp_path)
+    r, rows = _one_gpu(mistral, 141)
+    assert (r.strategy.label, r.strategy.dp, r.strategy.shard_group) == ("fsdp-full", 1, 1), {
+        k: (x.fits, x.memory.peak / GiB) for k, x in rows.items()}
+    assert not rows["single"].fits and not rows["single+ac"].fits
+    assert r.memory.peak < 0.9 * 141 * GiB
+    train = TrainSpec(4096, None, 128)
+    states = {k: model_states(mistral, train, rows[k].strategy)[0] for k in ("single", "fsdp-full")}
+    assert states["fsdp-full"]["params"] == 4 * mistral.params  # sharded over one rank: every fp32 weight, no copies
+    untied_embedding = mistral.vocab * mistral.hidden  # (the lookup is not cast)
+    assert states["single"]["params"] == 4 * mistral.params + 2 * (mistral.params - untied_embedding)
+    assert rows["fsdp-full"].memory.breakdown["cuda_context"] == rows["single"].memory.breakdown["cuda_context"]
+
+    # Llama-3.2-1B fits one process with room to spare: single, though FSDP2 fits too
+    r, rows = _one_gpu(_published("llama3.2-1b", tmp_path), 141)
+    assert r.strategy.label == "single" and rows["fsdp-full"].fits
+    # and single where it fits even when FSDP2's room for a larger micro-batch makes its estimate faster
+    r, rows = _one_gpu(mistral, 192)
+    assert rows["fsdp-full"].batch.micro > rows["single"].batch.micro
+    assert rows["fsdp-full"].step_time_s < r.step_time_s and r.strategy.label == "single"
+
+
+def test_llama3_8b_on_one_h200_is_closest_with_fsdp2_on_one_rank():
+    """Llama-3-8B's 16 bytes a parameter are 120 GiB: one H200's 141 GiB hold them, not its
+    127 usable (the 10% margin). FSDP2 on the one rank comes closest, under the GPU's memory."""
+    r, rows = _one_gpu("llama3-8b", 141)
+    assert r is not None and r.strategy.engine != "torch"  # nothing torch runs fits: said, offload picked
+    least = min(rows.values(), key=lambda x: x.memory.peak)
+    assert least.strategy.name == "fsdp-full" and least.memory.peak < 141 * GiB < rows["single+ac"].memory.peak
+
+
 def test_model_that_fits_only_with_sharded_optimizer_and_grads():
     p, r = _pick("gpt-6.7b", micro_batch=1)
     ddp = next(x for x in p.candidates if x.strategy.label == "ddp")

@@ -65,6 +65,7 @@ GRID = [
     ("gpt-tiny", 1, "80GiB", (*EAGER, "--strategy", "single")),
     ("gpt-tiny", 2, "80GiB", (*EAGER, "--activation-checkpointing", "full")),
     ("gpt-small", 2, "2GiB", EAGER),  # nothing fits: both refuse, in the same words
+    ("gpt-1.3b", 1, "28GiB", EAGER),  # one GPU single does not fit: FSDP2 over its one rank
     ("llama", 2, "80GiB", ()),  # Liger's kernels, eager
     ("llama", 2, "80GiB", ("--compile", "on")),  # torch.compile's kernels instead, block by block
     ("llama", 2, "80GiB", (*EAGER, "--kernels", "plain", "--precision", "fp32")),
@@ -150,7 +151,7 @@ def test_what_the_grid_covers():
     flags = {o for _, _, _, opts in GRID for o in opts if o.startswith("--")}
     assert {"--precision", "--compile", "--kernels", "--micro-batch", "--global-batch", "--strategy",
             "--seq-len", "--activation-checkpointing"} <= flags
-    assert {m for m, *_ in GRID} == {"gpt-tiny", "gpt-small", "llama", "moe"} and len(GRID) >= 20
+    assert {m for m, *_ in GRID} == {"gpt-tiny", "gpt-small", "gpt-1.3b", "llama", "moe"} and len(GRID) >= 20
 
 
 def test_a_dry_run_on_the_cpu_decides_as_the_ranks_do_and_imports_no_torch():
@@ -179,6 +180,27 @@ def test_the_dry_run_prints_its_decisions_before_the_commands(capsys):
                          "# global batch: micro-batch x data-parallel ranks"]
     assert "# compile: off" in lines and "# kernels: plain" in lines and "# precision: fp32" in lines
     assert lines[-1].endswith("-m meshrun.training.worker")
+
+
+def test_one_gpu_runs_fsdp2_on_its_rank_where_single_does_not_fit(capsys):
+    """GPT 1.3B on one GPU of 28 GiB: single's fp32 states and autocast's bf16 weight copies do
+    not fit its 25 GiB usable at any micro-batch; FSDP2 full shard over the one rank does (with
+    checkpointing). With 40 GiB single fits, and stays the choice. ``--strategy fsdp`` on one GPU
+    takes full shard whatever the model's size."""
+    code, out, err = _run(["train", "--model-size", "gpt-1.3b", "--data", "random", "--nproc", "1", "--gpu-mem",
+                           "28GiB", *EAGER, "--dry-run", "--json"], capsys)
+    assert code == 0, err
+    dry = json.loads(out)
+    assert (dry["strategy"], dry["strategy_from"], dry["activation_checkpointing"]) == ("fsdp-full", "planner", "full")
+    assert dry["reasons"][0].startswith("planner: fsdp-full predicted"), dry["reasons"]
+    code, out, err = _run(["train", "--model-size", "gpt-1.3b", "--data", "random", "--nproc", "1", "--gpu-mem",
+                           "40GiB", *EAGER, "--dry-run", "--json"], capsys)
+    assert code == 0 and json.loads(out)["strategy"] == "single", err
+    code, out, err = _run(["train", "--model-size", "gpt-tiny", "--data", "random", "--nproc", "1", "--gpu-mem",
+                           "80GiB", *EAGER, "--strategy", "fsdp", "--dry-run", "--json"], capsys)
+    assert code == 0, err
+    dry = json.loads(out)
+    assert dry["strategy"] == "fsdp-full" and dry["reasons"][1].startswith("--strategy fsdp: fsdp-full (one GPU"), dry
 
 
 def test_gpu_mem_is_for_dry_runs(capsys):

@@ -50,6 +50,7 @@ def _train(overrides):
     ddp = getattr(trainer.layout, "ddp", None)
     if ddp is not None and trainer.rt.rank == 0:  # what DDP was given: checked beside the losses
         out.append(("ddp_bucket_bytes", ddp.bucket_bytes_cap))
+    out.append(("layout", trainer.layout.description, trainer.state.accum))
     return out
 
 
@@ -85,14 +86,21 @@ def close(a, b, rtol=2e-4):
         assert na == pytest.approx(nb, rel=rtol)
 
 
-@pytest.mark.parametrize("overrides", [
-    {"strategy": "ddp"},
-    {"strategy": "fsdp-full"},
-    {"strategy": "fsdp-grad-op"},
-    {"strategy": "fsdp-no-shard"},
-], ids=["ddp", "fsdp-full", "fsdp-grad_op", "fsdp-no_shard"])
-def test_two_processes_match_one(reference, overrides):
-    close(run(2, micro_batch=4, **overrides), reference)
+@pytest.mark.parametrize("nproc,overrides", [
+    (2, {"strategy": "ddp"}),
+    (2, {"strategy": "fsdp-full"}),
+    (2, {"strategy": "fsdp-grad-op"}),
+    (2, {"strategy": "fsdp-no-shard"}),
+    (1, {"strategy": "fsdp", "global_batch": 8}),  # FSDP2 over one rank, 2 micro-batches accumulated
+], ids=["ddp", "fsdp-full", "fsdp-grad_op", "fsdp-no_shard", "fsdp-one-rank"])
+def test_layouts_match_one_process(reference, nproc, overrides):
+    """Each layout over micro-batches of 4: two processes, or FSDP2 on one process (what one
+    GPU trains a model too large for ``single`` with), which reduces its gradients into the
+    shards at every micro-step rather than holding them back to the last."""
+    rows = run(nproc, micro_batch=4, **overrides)
+    close(rows, reference)
+    if nproc == 1:
+        assert ("layout", "fsdp-full: FSDP2 full over 1 rank", 2) in rows, rows
 
 
 @pytest.mark.parametrize("nproc,micro,fsdp,sp", [(2, 8, "full", True), (2, 8, "full", False), (4, 4, "full", True),
@@ -141,6 +149,33 @@ def _first_step_gradients(overrides):
         fused = name.replace(".qkv.q.", ".qkv.")
         grads[fused] = torch.cat([grads.pop(name.replace(".qkv.q.", f".qkv.{part}.")) for part in "qkv"])
     return grads, norm, comms.get_total_counts(), views
+
+
+def _reduced_by_the_first_micro_step(overrides):
+    """Whether every parameter holds its gradient (FSDP2: its reduced shard) after the first of
+    the step's micro-steps, before the last."""
+    import torch
+
+    from meshrun.config import TrainConfig
+    from meshrun.training.loader import BatchStream, RandomTokens
+    from meshrun.training.models.gpt import GPT, GPTConfig
+    from meshrun.training.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=2, n_heads=4))
+    t = Trainer(model, RandomTokens(512, 16, 64), None, TrainConfig(steps=1, seq_len=16, precision="fp32", **overrides))
+    x, y, positions = t.to_device(next(BatchStream(t.train_loader, t.cfg.micro, t.dp_size)))
+    t.layout.micro_step(x, y, last=False, positions=positions)
+    return t.state.accum, [n for n, p in t.layout.model.named_parameters() if p.grad is None]
+
+
+def test_fsdp2_on_one_rank_reduces_at_every_micro_step():
+    """FSDP2 over one rank has nothing to gain from holding the gradients back to the step's
+    last micro-step (its reduce-scatter is a copy), and holding them back would keep whole fp32
+    gradients of its own beside the shards: it reduces each micro-step's into the shards."""
+    accum, missing = meshrun.run(_reduced_by_the_first_micro_step,
+                                 {"strategy": "fsdp-full", "micro_batch": 4, "global_batch": 8}, nproc=1, timeout_s=300)
+    assert accum == 2 and missing == []
 
 
 @pytest.fixture(scope="module")

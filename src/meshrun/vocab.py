@@ -154,6 +154,7 @@ AUTO, FSDP_POLICY = POLICIES
 
 # The roles strategies play in meshrun's defaults.
 ONE_PROCESS = "single"  # a world of one process
+ONE_RANK_SHARDED = "fsdp-full"  # one GPU, when the one process's states and autocast's copies do not fit
 REPLICATE = "ddp"  # several processes where memory is no constraint (the CPU), and beside expert parallelism
 PIPELINE_DEFAULT = "fsdp-full"  # --strategy auto with --pp: FSDP2 over each stage's data-parallel ranks
 FSDP_SMALL_MODEL = "fsdp-grad-op"  # --strategy fsdp when a bf16 copy of the parameters is small

@@ -193,10 +193,13 @@ def compile_and_kernels(cfg: TrainConfig, cuda: bool, liger: bool) -> Kernels:
                                  "kernels per block, Liger Kernel's fused linear cross-entropy for the loss"], True)
 
 
-def fsdp_flavour(n_params: int, gpu_mem: int | None) -> tuple[str, str]:
-    """(fsdp-grad-op or fsdp-full, why) for ``--strategy fsdp``."""
+def fsdp_flavour(n_params: int, gpu_mem: int | None, world: int) -> tuple[str, str]:
+    """(fsdp-grad-op or fsdp-full, why) for ``--strategy fsdp`` on ``world`` processes."""
     if gpu_mem is None:
         return FSDP_LARGE_MODEL, "FSDP2 on the CPU: full shard"
+    if world == 1:  # keeping them gathered holds what autocast's copies hold under single
+        return FSDP_LARGE_MODEL, ("one GPU: FSDP2 saves memory there only by freeing each block's bf16 weights "
+                                  "after its use")
     if 2 * n_params < GATHERED_COPY_SHARE * gpu_mem:
         return FSDP_SMALL_MODEL, f"a bf16 copy of the parameters takes under {GATHERED_COPY_SHARE:.0%} of the GPU"
     return FSDP_LARGE_MODEL, "the parameters are too large to keep gathered"
@@ -249,7 +252,7 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
     micro_from = "rules" if cfg.micro_batch is None else "user"
     reasons = []
     if cfg.strategy == FSDP_POLICY:
-        named, why = fsdp_flavour(_params(model, facts), gpu_mem)
+        named, why = fsdp_flavour(_params(model, facts), gpu_mem, world)
         reasons.append(f"--strategy fsdp: {named} ({why})")
     if cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.ep > 1:
         if named is None:  # auto
@@ -258,7 +261,7 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
             elif cfg.pp > 1:
                 named = PIPELINE_DEFAULT
             else:
-                named, why = fsdp_flavour(_params(model, facts), gpu_mem)
+                named, why = fsdp_flavour(_params(model, facts), gpu_mem, world)
                 reasons.append(f"{named}: {why}")
         return Choice(STRATEGIES[named], ac, cfg.micro_for(facts.dp), cfg.global_batch, tuple(reasons),
                       strategy_from=strategy_from, micro_from=micro_from)

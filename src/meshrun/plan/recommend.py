@@ -15,7 +15,7 @@ from .candidate import Candidate, Plan, fitting_twin
 from .memory import Strategy, estimate
 from .spec import ClusterSpec, TrainSpec, validate_cluster, validate_train
 from .steptime import step_parts
-from .strategies import ENGINES, candidates, comm_bytes, model_parallel
+from .strategies import ENGINES, candidates, comm_bytes, model_parallel, sharded_on_one_rank
 
 
 def _evaluate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, limit: float) -> Candidate:
@@ -76,6 +76,19 @@ def by_step_time(t: TrainSpec) -> bool:
     return t.micro_batch is None and t.global_batch is not None
 
 
+def one_process_first(fitting: list[Candidate]) -> list[Candidate]:
+    """On one GPU the one process wherever it fits: FSDP2 on one rank (``sharded_on_one_rank``)
+    is for a model whose one-process states and autocast's weight copies do not fit, and takes
+    part only where the one process does not fit with the same checkpointing. Where both fit the
+    step-time estimate has no say between them: its FSDP2 cost per micro-step was measured over
+    several ranks, and the one process is what meshrun's measured one-GPU defaults ran
+    (docs/decisions.md#strategy). Against the one process with checkpointing, FSDP2 without it
+    is weighed by the estimate (the recomputation's third more compute, measured, against
+    FSDP2's cost)."""
+    single = {(x.strategy.ac, x.strategy.sac) for x in fitting if x.strategy.kind.one_process}
+    return [x for x in fitting if not (sharded_on_one_rank(x.strategy) and (x.strategy.ac, x.strategy.sac) in single)]
+
+
 def choose(cands: list[Candidate], t: TrainSpec) -> Candidate | None:
     """The pick among fitting candidates (in the flowchart's order): with the micro-batch the
     planner's to size (``by_step_time``), the shortest step per token, which counts each
@@ -84,8 +97,9 @@ def choose(cands: list[Candidate], t: TrainSpec) -> Candidate | None:
     (docs/decisions.md#micro-batch), and one that needs activation checkpointing for a bigger
     micro-batch pays a third more compute for it. With the micro-batch fixed, the first that
     fits, DDP and FSDP2 grad_op swapped when the estimate says the other is faster
-    (``_faster_twin``). docs/decisions.md#strategy"""
-    fitting = [x for x in cands if x.fits]
+    (``_faster_twin``). On one GPU, either way, FSDP2 on the one rank only where the one
+    process does not fit with the same checkpointing (``one_process_first``). docs/decisions.md#strategy"""
+    fitting = one_process_first([x for x in cands if x.fits])
     if not fitting:
         return None
     if by_step_time(t):

@@ -9,7 +9,7 @@ from .adapters import of as adapters_of
 from .candidate import Candidate
 from .cards import ASSUMED
 from .memory import BREAKDOWN_KEYS, calibration, layer_activation_bytes
-from .recommend import Plan, by_step_time
+from .recommend import Plan, by_step_time, one_process_first
 from .steptime import (
     LORA_FROZEN_SHARE,
     MEASURED_MICRO_TOKENS,
@@ -175,15 +175,18 @@ def order_rule(plan: Plan) -> list[str]:
     if plan.recommended is None:
         return ["nothing fits: the rows in the flowchart's order"]
     ours = "" if chosen_from(plan) == tuple(Engine) else f" {plan.framework}"
+    fits = [x for x in plan.candidates if x.fits]
+    one_gpu = (["  one GPU: FSDP2 on its one rank (fsdp-full) only where single does not fit with the same "
+                "checkpointing"] if one_process_first(fits) != fits else [])
     if by_step_time(plan.train):
         others = "" if not ours else " (other engines' after them: --framework any weighs them)"
         return [f"* the pick, first: the shortest step~ of the{ours} rows that fit (a tie within 1% goes to the "
                 "flowchart's simpler layout);",
-                f"  then the others that fit, fastest first{others}; then those that do not fit"]
+                f"  then the others that fit, fastest first{others}; then those that do not fit", *one_gpu]
     return [f"* the pick, first: with the micro-batch given, the first of the{ours} rows that fits in the flowchart's "
             "order (ddp and fsdp-grad-op swapped",
             "  when the other's step~ is 1% shorter); then the rest in that order: replicas, sharded states, "
-            "with checkpointing, offload, TP x PP"]
+            "with checkpointing, offload, TP x PP", *one_gpu]
 
 
 def step_lines(plan: Plan) -> list[str]:

@@ -14,6 +14,7 @@ from ..vocab import (
     KINDS,
     MODEL_PARALLEL,
     ONE_PROCESS,
+    ONE_RANK_SHARDED,
     PLAN_OFFLOAD,
     PLAN_ORDER,
     STRATEGIES,
@@ -43,8 +44,8 @@ def named(name: str, dp: int, shard_group: int, ac: bool, sac: bool = False) -> 
 
 def _dp_family(c: ClusterSpec, ac: bool, m: ModelSpec) -> list[Strategy]:
     w, g = c.world, c.gpus_per_node
-    if w == 1:
-        return [named(ONE_PROCESS, 1, 1, ac)]
+    if w == 1:  # one process; FSDP2 on one rank only where it does not fit (recommend.choose)
+        return [named(ONE_PROCESS, 1, 1, ac), named(ONE_RANK_SHARDED, 1, 1, ac)]
     order = list(PLAN_ORDER)
     if m.params >= FSDP_FIRST_FROM_PARAMS:  # the twins the other way round
         i, j = (order.index(n) for n in TWINS)
@@ -57,6 +58,15 @@ def _dp_family(c: ClusterSpec, ac: bool, m: ModelSpec) -> list[Strategy]:
         elif c.nodes > 1 and g > 1:  # sharded within a node, replicated across nodes
             out.append(named(name, w, g, ac))
     return out
+
+
+def sharded_on_one_rank(s: Strategy) -> bool:
+    """FSDP2 over a data-parallel group of one rank (one GPU): no communication to save, only
+    memory. Its fp32 parameters, gradients and optimizer state are one process's, but the bf16
+    weights the matmuls use are gathered one block at a time and freed after it, where one
+    process under autocast holds a bf16 copy of every weight from its first use in forward to
+    its backward (plan/memory.cast_copies): 2 bytes per parameter less at the peak."""
+    return s.kind.uses_fsdp and s.shard_group == 1 and s.dp == 1 and s.data_parallel_only
 
 
 def _offload(c: ClusterSpec) -> list[Strategy]:

@@ -360,7 +360,8 @@ class Build:
 
             self._compile(per_block=True)
             apply_fsdp(model, self.blocks, meshes.fsdp(), flavour, self.bf16, self.bf16_reduce)  # type: ignore[union-attr]
-            self.done.append(f"FSDP2 {flavour} over {dims.dp * cfg.cp} ranks")
+            ranks = dims.dp * cfg.cp
+            self.done.append(f"FSDP2 {flavour} over {ranks} rank{'s' if ranks > 1 else ''}")
             self._materialize()
             wrapped: nn.Module = model
         elif kind.uses_ddp:
@@ -378,7 +379,9 @@ class Build:
             self._quantize()
             self._compile(per_block=self._blocks_only())
             wrapped = model
-        return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, context=context, cp=cfg.cp,
+        fsdp_ranks = meshes.fsdp().size() if meshes is not None else 1
+        return DataParallel(wrapped, self._optimizer(wrapped), ddp=ddp, fsdp=flavour, fsdp_ranks=fsdp_ranks,
+                            context=context, cp=cfg.cp,
                             loss_parallel=loss_parallel, description=self._describe(), dp_rank=dp_rank,
                             dp_size=dp_size, autocast=self.bf16 and flavour is None, token_share=cfg.tp,
                             loss_ranks=rt.world_size, settings=self.settings)

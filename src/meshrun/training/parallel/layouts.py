@@ -218,9 +218,11 @@ class DataParallel(Layout):
     this rank's positions of every sequence, ``cp_index``) inside."""
 
     def __init__(self, model: nn.Module, optimizer: Any, *, ddp: Any = None, fsdp: str | None = None,
-                 context: Any = None, cp: int = 1, loss_parallel: bool = False, **kw: Any) -> None:
+                 fsdp_ranks: int = 1, context: Any = None, cp: int = 1, loss_parallel: bool = False,
+                 **kw: Any) -> None:
         super().__init__(model, optimizer, **kw)
         self.ddp, self.fsdp, self.context, self.cp, self.loss_parallel = ddp, fsdp, context, cp, loss_parallel
+        self.fsdp_ranks = fsdp_ranks  # the ranks FSDP2 shards over
         self.cp_index: torch.Tensor | None = None if context is None else context.local
 
     def batch(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None) -> Batch:
@@ -270,8 +272,13 @@ class DataParallel(Layout):
     def grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         if self.ddp is not None and not sync:
             return self.ddp.no_sync()
-        if self.fsdp is not None:
+        if self.fsdp is not None and self.fsdp_ranks > 1:
             _fsdp_sync([self.model], self.fsdp, sync)
+        # FSDP2 over one rank (one GPU, or TP with one data-parallel rank) reduces at every
+        # micro-step: a copy, no communication to save, and the reduced gradients accumulate in
+        # the shards (4 bytes per parameter). Held back, FSDP2 would accumulate whole fp32
+        # gradients of its own beside the shards, cached on its reduce-scatter stream from the
+        # step before: 4 bytes per parameter more at the peak (32 GB for an 8B model).
         return contextlib.nullcontext()
 
     def compute(self) -> contextlib.ExitStack:
