@@ -1022,11 +1022,11 @@ def _hf_llama_on_meta():
     return build_on_meta(config)
 
 
-def test_the_policy_never_compiles_a_model_liger_patches():
+def test_the_policy_compiles_a_model_liger_knows_with_its_fused_loss_alone():
     """Per family: meshrun's GPT compiles with its own kernels; a Hugging Face model Liger
-    patches runs eager with Liger (compile adds nothing on top, and the two fail together
-    under DDP); --compile on takes torch.compile's kernels in the blocks and Liger's fused loss
-    alone; --kernels plain none of Liger's; a model Liger does not know compiles as before."""
+    knows compiles per block with Liger's fused loss alone (its other kernels do not compile:
+    they fail under DDP); --compile off runs every Liger kernel eager; --kernels plain none of
+    Liger's; a model Liger does not know compiles as before."""
     require("torch")
     import torch
 
@@ -1037,8 +1037,8 @@ def test_the_policy_never_compiles_a_model_liger_patches():
     llama = _hf_llama_on_meta()
     cfg = validate(TrainConfig(seq_len=4096))
     auto = decide(llama, cfg, 2, 2, 2, 141 * GiB, True, liger=True)
-    assert (auto.compile, auto.liger) == (False, True)
-    assert any(r.startswith("eager with Liger Kernel's fused kernels") for r in auto.reasons)
+    assert (auto.compile, auto.liger, auto.liger_loss) == (True, False, True)
+    assert any(r.startswith("compiled per block, with Liger Kernel's fused linear cross-entropy") for r in auto.reasons)
     by_hand = decide(llama, validate(TrainConfig(seq_len=4096, compile="on")), 2, 2, 2, 141 * GiB, True, liger=True)
     assert (by_hand.compile, by_hand.liger, by_hand.liger_loss, by_hand.kernels) == (True, False, True, "liger-loss")
     assert any("Liger Kernel's fused linear cross-entropy for the loss" in r for r in by_hand.reasons)
@@ -1049,7 +1049,7 @@ def test_the_policy_never_compiles_a_model_liger_patches():
     assert by_hand.largest_micro is not None and unfused.largest_micro is not None
     assert by_hand.largest_micro > unfused.largest_micro
     off = decide(llama, validate(TrainConfig(seq_len=4096, compile="off")), 2, 2, 2, 141 * GiB, True, liger=True)
-    assert (off.compile, off.liger) == (False, True)
+    assert (off.compile, off.liger, off.liger_loss, off.kernels) == (False, True, False, "liger")
     plain = decide(llama, cfg, 2, 2, 2, 141 * GiB, True, liger=False)
     assert (plain.compile, plain.liger, plain.liger_loss) == (True, False, False)  # Liger does not patch it
     # planned as it runs: Liger's fused loss holds no logits, so a larger micro-batch fits
@@ -1089,8 +1089,8 @@ def test_plan_and_train_agree_on_when_liger_runs():
                                     precision="bf16", strategy=None, activation_checkpointing="auto", seq_len="4096")
             planned = settings(run_config(ns, None), facts)  # what plan traces with
             assert (planned.liger, planned.liger_loss) == (runs, decided.liger_loss)
-            assert runs is (kernels == "auto" and compile_choice != "on")
-            assert decided.liger_loss is (kernels == "auto" and compile_choice == "on")
+            assert runs is (kernels == "auto" and compile_choice == "off")
+            assert decided.liger_loss is (kernels == "auto" and compile_choice != "off")
             # a LoRA run compiles where a full fine-tune takes Liger's kernels (--compile auto)
             lora = validate(TrainConfig(seq_len=4096, kernels=kernels, compile=compile_choice, lora=16))
             compiled, runs = compile_and_kernels(lora, True, True)[:2]

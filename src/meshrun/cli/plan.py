@@ -325,10 +325,10 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     plan = make_plan(model, cluster, train, ns.plan_framework, margin)
     if s.liger:
         plan.reasons.append("Liger Kernel's fused kernels (installed here), eager, as meshrun train runs this model "
-                            "(--kernels plain or --compile on to plan without them)")
+                            "with --compile off")
     elif s.liger_loss:
         plan.reasons.append("compiled per block, with Liger Kernel's fused linear cross-entropy for the loss, as "
-                            "meshrun train runs this model")
+                            "meshrun train runs this model (--kernels plain to plan without it)")
     if ns.strategy:
         plan.reasons.append(verdict(ns.strategy, plan.candidates, plan.recommended))
         plan.warnings.extend(check_choice(ns.strategy, plan.candidates, plan.recommended))

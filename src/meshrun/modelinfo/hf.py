@@ -227,12 +227,20 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]  # the patch undone
 
 
+def soft_capped(config: Any) -> bool:
+    """Whether ``config``'s attention soft-caps its scores (Gemma-2's ``attn_logit_softcapping``):
+    torch's SDPA has no soft-capping, and transformers 5.17 built Gemma-2 on SDPA all the same,
+    which drops it without a word (a different model); 5.24 refuses SDPA for it. So such a
+    model is built on eager attention, which soft-caps."""
+    return getattr(config, "attn_logit_softcapping", None) is not None
+
+
 def flex_for_eager(model: Any) -> bool:
-    """Whether ``model`` is a Hugging Face model left on transformers' eager attention (its
-    family has no SDPA path: Gemma-2's logit soft-capping) that has FlexAttention: there it
-    trains on GPUs in FlexAttention, which takes the soft-capping as a score modification and
-    sliding windows as block masks in one fused kernel, where eager attention writes out the
-    (t x t) scores of every head (Gemma-2-2B shape at 30% MFU on one H200, torch 2.11)."""
+    """Whether ``model`` is a Hugging Face model left on transformers' eager attention (no SDPA
+    path, or soft-capped scores: ``soft_capped``) that has FlexAttention: there it trains on
+    GPUs in FlexAttention, which takes the soft-capping as a score modification and sliding
+    windows as block masks in one fused kernel, where eager attention writes out the (t x t)
+    scores of every head."""
     config = getattr(model, "config", None)
     return (getattr(config, "_attn_implementation", None) == "eager"
             and bool(getattr(model, "_supports_flex_attn", False)))
@@ -240,14 +248,14 @@ def flex_for_eager(model: Any) -> bool:
 
 def build_on_meta(config: Any, where: str = "--model", path: str = "") -> Any:
     """transformers' causal LM of ``config`` with its parameters on the meta device, attention
-    through torch's SDPA where the architecture has it."""
+    through torch's SDPA where the architecture has it and its scores are not soft-capped."""
     import copy
 
     quiet_library_notices()
     import transformers
 
     errors = []
-    for attn in ("sdpa", None, "eager"):
+    for attn in ("eager",) if soft_capped(config) else ("sdpa", None, "eager"):
         try:
             with parameters_on_meta():
                 kwargs = {"attn_implementation": attn} if attn else {}
