@@ -278,12 +278,12 @@ def test_the_tails_tensors_are_paired_across_sizes_even_when_one_size_makes_one_
     assert _largest_lines([], [5]) == ((0, 0), (0, 0))
 
 
-@pytest.mark.parametrize("flags,liger,fused", [((), True, True), (("--kernels", "plain"), False, False),
-                                               (("--compile", "on"), False, True)])
+@pytest.mark.parametrize("flags,liger,fused", [((), False, True), (("--kernels", "plain"), False, False),
+                                               (("--compile", "off"), True, True)])
 def test_plan_chooses_liger_as_train_would(tmp_path, flags, liger, fused):
-    """`meshrun plan` on a Hugging Face config Liger knows, with Liger installed, plans Liger's
-    kernels eager and says so, as `meshrun train` would run it; --compile on plans compiled
-    blocks with Liger's fused loss alone; --kernels plain none of Liger's kernels."""
+    """`meshrun plan` on a Hugging Face config Liger knows, with Liger installed, plans compiled
+    blocks with Liger's fused loss alone and says so, as `meshrun train` would run it;
+    --compile off every Liger kernel eager; --kernels plain none of Liger's kernels."""
     _liger()
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

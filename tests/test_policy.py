@@ -94,10 +94,10 @@ def traces(monkeypatch):
 
     real = trace.with_trace
 
-    def with_trace(spec, model, seq, modes, blocks_path=None, compiled=True, liger=False):
-        key = (_fingerprint(model), seq, tuple(modes), blocks_path, compiled, liger)
+    def with_trace(spec, model, seq, modes, blocks_path=None, compiled=True, liger=False, liger_loss=False):
+        key = (_fingerprint(model), seq, tuple(modes), blocks_path, compiled, liger, liger_loss)
         if key not in _TRACED:
-            _TRACED[key] = real(spec, model, seq, modes, blocks_path, compiled, liger).traced
+            _TRACED[key] = real(spec, model, seq, modes, blocks_path, compiled, liger, liger_loss).traced
         return dataclasses.replace(spec, traced=_TRACED[key]) if _TRACED[key] else spec
 
     monkeypatch.setattr(trace, "with_trace", with_trace)

@@ -301,7 +301,8 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
             f"the planner's least, {pick.strategy.name} at micro-batch {pick.batch.micro}"
             f"{' with activation checkpointing' if pick.strategy.ac else ''}, needs {peak} per GPU of "
             f"{fmt_bytes(usable)} usable (hint: more GPUs (--nproc, --nnodes), a shorter "
-            "--seq-len, or to try anyway: --strategy, --micro-batch and --activation-checkpointing set by hand)")
+            f"--seq-len, or to try anyway: --strategy {pick.strategy.kind.name} --micro-batch {pick.batch.micro} "
+            f"--activation-checkpointing {'full' if pick.strategy.ac else 'none'})")
     if pick.fits:
         reasons.insert(0, f"planner: {pick.strategy.name} predicted {peak} per GPU of {fmt_bytes(usable)} usable "
                           f"({fmt_bytes(gpu_mem)} less a {1 - usable / gpu_mem:.0%} safety margin)")
