@@ -332,6 +332,10 @@ FOREIGN_WRITES_ALLOWED: dict[str, tuple[set[str], str]] = {
     "meshrun.training.parallel.context": ({"model.config._attn_implementation", "block.attend", "model.positions"},
                                        "context parallelism rewires the model's attention and positions to the "
                                        "sharded sequence"),
+    "meshrun.plan.trace": ({"config._attn_implementation"}, "a model the trainer runs in FlexAttention is "
+                           "traced on an attention entry that saves what FlexAttention saves, put back after"),
+    "meshrun.kernels.hf": ({"model.forward"}, "a Hugging Face model Liger does not know takes its training loss "
+                           "with meshrun's head loss: its forward is replaced on the instance"),
     "meshrun.plan.trace_liger": ({"twin.config._attn_implementation", "f.apply"},
                                            "the traced meta twin gets the model's attention kernel; Liger's "
                                            "autograd Functions get stand-ins while tracing, put back after"),

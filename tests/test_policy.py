@@ -42,6 +42,9 @@ LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_s
 MOE = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
        "max_position_embeddings": 256, "num_local_experts": 4, "num_experts_per_tok": 2}
+# GPT-2: a model Liger Kernel does not know, with gelu_new and a plain tied head
+GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4,
+        "vocab_size": 256, "n_positions": 256, "bos_token_id": 0, "eos_token_id": 0}
 EAGER = ("--compile", "off")
 
 # (model, processes, GPU memory, options both commands take)
@@ -72,6 +75,8 @@ GRID = [
     ("llama", 2, "80GiB", ("--strategy", "zero3",)),  # ZeRO-3 takes the plain paths
     ("llama", 2, "80GiB", ("--precision", "fp8", "--micro-batch", "2")),
     ("moe", 2, "80GiB", ()),
+    ("gpt2", 2, "80GiB", ()),  # meshrun's tanh GELU and head loss, compiled block by block
+    ("gpt2", 2, "80GiB", ("--kernels", "plain")),
     ("moe", 4, "80GiB", (*EAGER, "--strategy", "fsdp-full", "--global-batch", "32")),
 ]
 
@@ -94,10 +99,11 @@ def traces(monkeypatch):
 
     real = trace.with_trace
 
-    def with_trace(spec, model, seq, modes, blocks_path=None, compiled=True, liger=False, liger_loss=False):
-        key = (_fingerprint(model), seq, tuple(modes), blocks_path, compiled, liger, liger_loss)
+    def with_trace(spec, model, seq, modes, blocks_path=None, compiled=True, liger=False, liger_loss=False,
+                   hf_kernels=False):
+        key = (_fingerprint(model), seq, tuple(modes), blocks_path, compiled, liger, liger_loss, hf_kernels)
         if key not in _TRACED:
-            _TRACED[key] = real(spec, model, seq, modes, blocks_path, compiled, liger, liger_loss).traced
+            _TRACED[key] = real(spec, model, seq, modes, blocks_path, compiled, liger, liger_loss, hf_kernels).traced
         return dataclasses.replace(spec, traced=_TRACED[key]) if _TRACED[key] else spec
 
     monkeypatch.setattr(trace, "with_trace", with_trace)
@@ -111,10 +117,10 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 
 def _model_args(model: str, tmp_path) -> tuple[list[str], list[str]]:
     """(plan's model flags, train's) for a preset or a tiny Hugging Face config written here."""
-    if model in ("llama", "moe"):
+    if model in ("llama", "moe", "gpt2"):
         path = tmp_path / model / "config.json"
         path.parent.mkdir()
-        path.write_text(json.dumps(LLAMA if model == "llama" else MOE))
+        path.write_text(json.dumps({"llama": LLAMA, "moe": MOE, "gpt2": GPT2}[model]))
         return ["--model", str(path)], ["--model", str(path), "--data", "random"]
     return ["--model", model], ["--model-size", model, "--data", "random"]
 
@@ -136,6 +142,8 @@ def test_plan_and_the_dry_run_decide_alike(model, nproc, mem, options, tmp_path,
     assert code == 0, err
     dry = json.loads(out)
     assert {k: dry[k] for k in COMPARED} == {k: run[k] for k in COMPARED}
+    if model == "gpt2":
+        assert run["kernels"] == ("plain" if "--kernels" in options else "meshrun"), run
     assert dry["decided_for"].startswith(f"{nproc} GPU(s)")
     if run["strategy_from"] == "planner":
         pick = plan["recommended"]  # (its label names checkpointing too: ddp+ac)
@@ -151,7 +159,7 @@ def test_what_the_grid_covers():
     flags = {o for _, _, _, opts in GRID for o in opts if o.startswith("--")}
     assert {"--precision", "--compile", "--kernels", "--micro-batch", "--global-batch", "--strategy",
             "--seq-len", "--activation-checkpointing"} <= flags
-    assert {m for m, *_ in GRID} == {"gpt-tiny", "gpt-small", "gpt-1.3b", "llama", "moe"} and len(GRID) >= 20
+    assert {m for m, *_ in GRID} == {"gpt-tiny", "gpt-small", "gpt-1.3b", "llama", "moe", "gpt2"} and len(GRID) >= 20
 
 
 def test_a_dry_run_on_the_cpu_decides_as_the_ranks_do_and_imports_no_torch():

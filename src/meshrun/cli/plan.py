@@ -248,18 +248,20 @@ def run_facts(cluster: ClusterSpec, precision: str, module: Any, builtin_gpt: bo
     resolve_with_module built it on the meta device (None for a preset of published shapes);
     ``builtin_gpt``: meshrun's GPT, with its own kernels. bf16 as the GPUs meshrun plans for
     (Ampere and newer) compute it."""
-    hf = liger = False
+    hf = liger = hf_kernels = False
     blocks = True
     if module is not None:
+        from ..kernels.hf import hf_kernels_apply
         from ..kernels.liger import liger_knows
         from ..modelinfo.blocks import find_blocks
         from ..training.models.hf import is_transformers_model
 
         hf, blocks = is_transformers_model(module), find_blocks(module) is not None
         liger = hf and liger_knows(module)
+        hf_kernels = hf and hf_kernels_apply(module)
     return Facts(world=cluster.world, local_world=cluster.gpus_per_node, dp=cluster.world, gpu_mem=cluster.gpu_mem,
-                 bf16=precision != "fp32", liger=liger, hf=hf, blocks=blocks, own_kernels=builtin_gpt,
-                 card=cluster.card)
+                 bf16=precision != "fp32", liger=liger, hf_kernels=hf_kernels, hf=hf, blocks=blocks,
+                 own_kernels=builtin_gpt, card=cluster.card)
 
 
 def train_spec(ns: argparse.Namespace, cfg: TrainConfig, s: Settings, hf: bool) -> TrainSpec:
@@ -273,14 +275,14 @@ def train_spec(ns: argparse.Namespace, cfg: TrainConfig, s: Settings, hf: bool) 
 
 
 def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec, liger: bool, kernels: str,
-           liger_loss: bool = False) -> ModelSpec:
+           liger_loss: bool = False, hf_kernels: bool = False) -> ModelSpec:
     """``model`` with what it keeps for backward traced at the plan's sequence length, when
     torch can build it on the meta device: meshrun's GPT as `meshrun train` builds it on GPUs
     (with ``kernels`` auto, its Triton loss and fused MLP), a Hugging Face config or a
     ``module:factory`` (``module``, as resolve_with_module built it), with Liger Kernel's
-    kernels when ``liger`` (its fused loss alone after compiled blocks: ``liger_loss``). Other
-    presets (published shapes with no module here) keep the
-    estimate from their shape."""
+    kernels when ``liger`` (its fused loss alone after compiled blocks: ``liger_loss``),
+    meshrun's (kernels/hf.py) when ``hf_kernels``. Other presets (published shapes with no
+    module here) keep the estimate from their shape."""
     import importlib.util
 
     from ..vocab import GPT_PRESETS
@@ -299,7 +301,7 @@ def traced(model: ModelSpec, module: Any, text: str, train: TrainSpec, liger: bo
 
     modes = ("fp32",) if train.precision == "fp32" else ("autocast", "bf16")
     return with_trace(model, module, train.seq_len, modes, compiled=train.compile, liger=liger,
-                      liger_loss=liger_loss)
+                      liger_loss=liger_loss, hf_kernels=hf_kernels)
 
 
 def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
@@ -321,7 +323,7 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     if ns.strategy:
         named(ns.strategy, make_plan(model, cluster, train, ns.plan_framework, margin).candidates)
     shape = model
-    model = traced(model, module, ns.model, train, s.liger, ns.kernels, s.liger_loss)
+    model = traced(model, module, ns.model, train, s.liger, ns.kernels, s.liger_loss, s.hf_kernels)
     plan = make_plan(model, cluster, train, ns.plan_framework, margin)
     if s.liger:
         plan.reasons.append("Liger Kernel's fused kernels (installed here), eager, as meshrun train runs this model "
@@ -329,6 +331,9 @@ def cmd_plan(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     elif s.liger_loss:
         plan.reasons.append("compiled per block, with Liger Kernel's fused linear cross-entropy for the loss, as "
                             "meshrun train runs this model (--kernels plain to plan without it)")
+    if s.hf_kernels:
+        plan.reasons.append("meshrun's tanh GELU and head loss where they apply to this model (kernels/hf.py), "
+                            "as meshrun train runs it (--kernels plain to plan without them)")
     if ns.strategy:
         plan.reasons.append(verdict(ns.strategy, plan.candidates, plan.recommended))
         plan.warnings.extend(check_choice(ns.strategy, plan.candidates, plan.recommended))
@@ -354,6 +359,7 @@ def run_summary(shape: ModelSpec, traced_model: ModelSpec, cfg: TrainConfig, fac
     """What `meshrun train` with these options does on this cluster (the run policy, as
     `meshrun train --dry-run` prints it), or the line it refuses the run with."""
     try:
-        return resolve(shape, cfg, facts, lambda compiled, liger, liger_loss: traced_model, adapters).summary()
+        return resolve(shape, cfg, facts, lambda compiled, liger, liger_loss, hf_kernels: traced_model,
+                       adapters).summary()
     except MeshrunError as exc:
         return {"refused": str(exc)}

@@ -17,7 +17,8 @@ how the model is compiled, whose kernels it runs, its precision, and what is ref
 - Compiled on GPUs (``defaults.compile_enabled``; float8 runs too); a Hugging Face model Liger
   Kernel knows takes Liger's fused loss after its compiled blocks (every Liger kernel, eager,
   with ``--compile off``); a Hugging Face model, and every FSDP2 or pipelined layout, is
-  compiled block by block (parallel/apply.py).
+  compiled block by block (parallel/apply.py). A Hugging Face model Liger does not know gets
+  meshrun's tanh GELU and head loss where they apply (kernels/hf.py), its blocks compiled.
 
 Torch-free: what only torch or the machine can tell comes in as plain values: ``Facts`` (the
 processes, one GPU's memory, bf16, whether Liger applies, the kind of model) and the model as
@@ -63,13 +64,14 @@ from . import TrainConfig
 GATHERED_COPY_SHARE = 0.1
 
 # What Choice.kernels and Choice.compile_mode say (the dry run's and the plan's words)
-# meshrun's GPT's own, Liger Kernel's, Liger's loss alone, torch's modules only
+# meshrun's own (its GPT's, or kernels/hf.py's), Liger Kernel's, Liger's loss alone, torch's modules only
 KERNEL_WORDS = ("meshrun", "liger", "liger-loss", "plain")
 COMPILE_WORDS = ("off", "on", "per-block")  # eager, the model in one graph, each block in its own
 CHOSEN_BY = ("planner", "rules", "user")  # the planner's memory model, the rules above, the options given
 
-# (compiled, Liger's kernels, Liger's loss only) -> the model's spec with what it keeps for backward traced so
-Tracer = Callable[[bool, bool, bool], ModelSpec]
+# (compiled, Liger's kernels, Liger's loss only, meshrun's kernels for a Hugging Face model) ->
+# the model's spec with what it keeps for backward traced so
+Tracer = Callable[[bool, bool, bool, bool], ModelSpec]
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,9 @@ class Facts:
     gpu_mem: int | None  # one GPU's bytes; None: the ranks run on the CPU
     bf16: bool  # the run computes in bf16 (asked, or --precision auto on GPUs that have it)
     liger: bool = False  # Liger Kernel can patch the model here (a type it knows, on GPUs, no --tp/--pp)
+    # meshrun's tanh GELU or head loss can patch the Hugging Face model here (one Liger does not
+    # know, on GPUs, no --tp/--pp: kernels/hf.py hf_kernels_apply)
+    hf_kernels: bool = False
     hf: bool = False  # a Hugging Face model: compiled block by block on every layout
     blocks: bool = True  # the planner can read the model's block list
     own_kernels: bool = False  # meshrun's GPT, whose own GPU kernels --kernels auto runs
@@ -99,6 +104,7 @@ class Choice:
     compile: bool = False  # torch.compile the model (per block under FSDP2)
     liger: bool = False  # Liger Kernel's kernels patched into a Hugging Face model (eager)
     liger_loss: bool = False  # Liger's fused linear cross-entropy only (the blocks compiled)
+    hf_kernels: bool = False  # meshrun's tanh GELU and head loss patched into a Hugging Face model
     predicted_peak: int | None = None  # the planner's peak bytes per GPU for this choice
     largest_micro: int | None = None  # the largest micro-batch the planner thinks fits
     precision: str = "fp32"  # bf16 | fp32 | fp8 | fp8-rowwise: what the run computes in
@@ -132,14 +138,15 @@ class Choice:
 
 @dataclass(frozen=True)
 class Settings:
-    """What the run decides before any planning: compiled, Liger's kernels (and why), and the
-    global batch a GPU run gets when no batch size is given."""
+    """What the run decides before any planning: compiled, Liger's kernels (and why), meshrun's
+    kernels for a Hugging Face model, and the global batch a GPU run gets when no batch size is given."""
 
     compile: bool
     liger: bool
     why: tuple[str, ...]
     global_batch: int | None
     liger_loss: bool = False  # Liger's fused linear cross-entropy only, the blocks compiled
+    hf_kernels: bool = False  # meshrun's tanh GELU and head loss (kernels/hf.py)
 
 
 class Kernels(NamedTuple):
@@ -156,13 +163,16 @@ def settings(cfg: TrainConfig, facts: Facts) -> Settings:
     """The compile and kernel settings and the default global batch of ``cfg`` on ``facts``:
     what the planner's trace needs before it can run (`meshrun plan` traces with them)."""
     kind = STRATEGIES.get(cfg.strategy)
-    liger = facts.liger and not (kind is not None and kind.engine is Engine.DEEPSPEED and kind.zero == 3)
+    zero3 = kind is not None and kind.engine is Engine.DEEPSPEED and kind.zero == 3
+    liger = facts.liger and not zero3
     # (ZeRO-3's partitioned weights take the plain paths, parallel/apply.py: planned so)
     k = compile_and_kernels(cfg, facts.gpu_mem is not None, liger)
+    hf_kernels = (facts.hf_kernels and not k.liger and not k.liger_loss and not zero3 and cfg.kernels == "auto"
+                  and facts.gpu_mem is not None and cfg.tp == 1 and cfg.pp == 1)
     global_batch = cfg.global_batch
     if facts.gpu_mem is not None and cfg.micro_batch is None and global_batch is None:
         global_batch = global_batch_for(cfg.seq, facts.dp)
-    return Settings(k.compile, k.liger, tuple(k.why), global_batch, k.liger_loss)
+    return Settings(k.compile, k.liger, tuple(k.why), global_batch, liger_loss=k.liger_loss, hf_kernels=hf_kernels)
 
 
 def compile_and_kernels(cfg: TrainConfig, cuda: bool, liger: bool) -> Kernels:
@@ -233,15 +243,16 @@ def resolve(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, traced: Tra
     zero3 = kind.engine is Engine.DEEPSPEED and kind.zero == 3
     cuda = facts.gpu_mem is not None
     own = cuda and facts.own_kernels and cfg.kernels == "auto" and cfg.tp == 1 and not zero3
-    kernels = "liger" if s.liger else "liger-loss" if s.liger_loss else "meshrun" if own else "plain"
+    kernels = ("liger" if s.liger else "liger-loss" if s.liger_loss else "meshrun" if own or s.hf_kernels
+               else "plain")
     per_block = facts.hf or kind.uses_fsdp or cfg.pp > 1 or cfg.ep > 1
     precision = cfg.precision if cfg.precision != "auto" else "bf16" if facts.bf16 else "fp32"
     micro = choice.micro_batch
     accumulation = 1 if choice.global_batch is None else cfg.replace(
         micro_batch=micro, global_batch=choice.global_batch).accumulation(facts.dp)
     return dataclasses.replace(choice, compile=s.compile, liger=s.liger, liger_loss=s.liger_loss,
-                               reasons=(*choice.reasons, *s.why),
-                               precision=precision, kernels=kernels, accumulation=accumulation,
+                               hf_kernels=s.hf_kernels, reasons=(*choice.reasons, *s.why), precision=precision,
+                               kernels=kernels, accumulation=accumulation,
                                compile_mode="off" if not s.compile else "per-block" if per_block else "on")
 
 
@@ -283,7 +294,7 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
         reasons.append(f"global batch {global_batch} x {cfg.seq} tokens (about {GLOBAL_BATCH_TOKENS // 1024}K "
                        "tokens, the default on GPUs; set --global-batch or --micro-batch to change it)")
     names = (named,) if named else AUTO_CANDIDATES  # (DeepSpeed's strategies run when named)
-    spec = traced(s.compile, s.liger, s.liger_loss) if traced is not None else model
+    spec = traced(s.compile, s.liger, s.liger_loss, s.hf_kernels) if traced is not None else model
     pick, usable, largest = _planned(spec, cfg, facts, global_batch, names, s.compile,
                                      ac_open=named is None and "activation_checkpointing" not in cfg.sources,
                                      adapters=adapters)

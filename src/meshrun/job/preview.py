@@ -36,6 +36,7 @@ def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, card: Card 
     import torch
 
     from ..config import resolve_seq_len
+    from ..kernels.hf import hf_kernels_apply
     from ..kernels.liger import liger_knows
     from ..modelinfo.read import context_of
     from ..training.factories import build_model
@@ -45,7 +46,9 @@ def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, card: Card 
         model = build_model(cfg)
     cfg = resolve_seq_len(cfg, context_of(model))
     liger = cfg.kernels == "auto" and cfg.tp == 1 and cfg.pp == 1 and liger_knows(model)
-    return decide(model, cfg, world, local, dp, gpu_mem, cfg.precision != "fp32", liger, card, adapters)
+    hf_kernels = cfg.kernels == "auto" and hf_kernels_apply(model, None, cfg.tp, cfg.pp)
+    return decide(model, cfg, world, local, dp, gpu_mem, cfg.precision != "fp32", liger, card, adapters,
+                  hf_kernels=hf_kernels)
 
 
 def decided(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, gpus: int) -> tuple[dict[str, Any], list[str]]:

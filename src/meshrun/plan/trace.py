@@ -74,13 +74,21 @@ _PASS_THROUGH = ("ToCopyBackward", "TBackward", "TransposeBackward", "PermuteBac
 
 
 def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
-          compiled: bool = True, liger: bool = False, liger_loss: bool = False) -> Traced | None:
+          compiled: bool = True, liger: bool = False, liger_loss: bool = False,
+          hf_kernels: bool = False) -> Traced | None:
     """The model's activation bytes in precision ``mode`` at ``seq`` tokens (micro-batch 1
     and 2), with what torch.compile keeps when ``compiled`` (0.1-2 s more on the CPU), or as
     Liger Kernel's fused kernels keep them when ``liger`` (a Hugging Face model Liger patches:
     trace_liger.py; they never run compiled); None when it cannot be traced (no block list, or
     a forward the meta device cannot run: the planner then estimates from the shape);
-    ``liger_loss``: Liger's fused loss alone after blocks compiled when ``compiled``."""
+    ``liger_loss``: Liger's fused loss alone after blocks compiled when ``compiled``. With
+    ``hf_kernels`` (and not ``liger``), meshrun's kernels for a Hugging Face model are patched
+    in for the trace (kernels/hf.py): its head loss is traced as meshrun's GPT's is."""
+    if hf_kernels and not liger:
+        from ..kernels.hf import patched
+
+        with patched(model):
+            return trace(model, mode, seq, blocks_path, compiled)
     if liger or liger_loss:
         from .trace_liger import liger_twin
 
@@ -628,12 +636,14 @@ def _as_base_model(model: nn.Module) -> Iterator[None]:
 
 def with_trace(spec: ModelSpec, model: nn.Module, seq: int, modes: tuple[str, ...],
                blocks_path: str | None = None, compiled: bool = True, liger: bool = False,
-               liger_loss: bool = False) -> ModelSpec:
+               liger_loss: bool = False, hf_kernels: bool = False) -> ModelSpec:
     """``spec`` with what ``model`` keeps for backward traced in each of ``modes`` at ``seq``
     tokens (unchanged where it cannot be traced); torch.compile's too when ``compiled``; as
-    Liger Kernel's kernels keep it when ``liger`` (its fused loss alone: ``liger_loss``). A
-    model holding low-rank adapters is traced as its base model (``_as_base_model``)."""
+    Liger Kernel's kernels keep it when ``liger`` (its fused loss alone: ``liger_loss``), or
+    meshrun's for a Hugging Face model when ``hf_kernels``. A model holding low-rank adapters
+    is traced as its base model (``_as_base_model``)."""
     with _as_base_model(model):
-        got = tuple(t for t in (trace(model, m, seq, blocks_path, compiled, liger, liger_loss) for m in modes)
+        got = tuple(t for t in (trace(model, m, seq, blocks_path, compiled, liger, liger_loss, hf_kernels)
+                                for m in modes)
                     if t is not None)
     return dataclasses.replace(spec, traced=got) if got else spec

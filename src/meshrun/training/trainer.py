@@ -25,6 +25,7 @@ from ..config import TrainConfig, resolve_seq_len, trackers, validate
 from ..config.resize import keep_global_batch, resized_line
 from ..defaults import val_micro
 from ..errors import MeshrunError
+from ..kernels.hf import hf_kernels_apply
 from ..kernels.liger import liger_applies
 from ..modelinfo.hf import export_record
 from ..modelinfo.read import context_of
@@ -95,9 +96,10 @@ class Trainer:
             resized_line(resized, resume_from, cfg.micro, dp)  # a batch that does not split: refused, sizes that fit
         gpu_mem = torch.cuda.get_device_properties(rt.device).total_memory if rt.cuda else None
         liger = cfg.kernels == "auto" and rt.cuda and liger_applies(model, rt.device, cfg.tp, cfg.pp)
+        hf_kernels = cfg.kernels == "auto" and rt.cuda and hf_kernels_apply(model, rt.device, cfg.tp, cfg.pp)
         card = card_of_device(torch.cuda.get_device_name(rt.device)) if rt.cuda else None  # its peaks, as plan's
         self.choice: Choice = decide(model, cfg, rt.world_size, rt.local_world_size, dp, gpu_mem, self.bf16, liger,
-                                     card)
+                                     card, hf_kernels=hf_kernels)
         sources = dict(cfg.sources)
         self.micro_is_ours = cfg.micro_batch is None  # meshrun's to change if it does not fit (batchfit.py)
         if cfg.micro_batch is None and self.choice.micro_batch != cfg.micro:

@@ -145,6 +145,10 @@ def parallelize(model: nn.Module, cfg: TrainConfig, rt: Runtime, choice: Choice,
         from ...kernels.liger import apply_liger
 
         kernels = apply_liger(model, loss_only=True)
+    elif choice.hf_kernels and not kernels:  # (a model Liger does not know: kernels/hf.py)
+        from ...kernels.hf import apply_hf_kernels
+
+        kernels = apply_hf_kernels(model)
     float8, after_update = None, None
     if is_float8(cfg.precision):  # before any wrapper or compiling sees the linear layers
         float8, after_update = convert_float8(model, cfg.precision, fsdp=kind.fsdp is not None)
