@@ -496,6 +496,30 @@ def test_the_defaults_matrix_reads_todays_first_lines_step_lines_and_closing_lin
     assert cli.gpus_of(lines) == 2 and cli.gpus_of([strategy_line("ddp", 2, 2, False, "fp32")]) is None
 
 
+def test_the_defaults_matrix_runs_each_candidate_path_of_a_hugging_face_model(tmp_path):
+    """--paths: one meshrun row per path for a Hugging Face model, the path's flags after the
+    row's own and --train-args; meshrun's GPT runs the default path alone; the table keeps a
+    row per path and names it, and each row's layout names Liger's loss and FlexAttention."""
+    from helpers import bench_module
+
+    bench_module("cli_train")
+    matrix = bench_module("defaults_matrix")
+    models = [matrix.CPU_MODELS["llama-tiny"], matrix.CPU_MODELS["gpt-tiny"]]
+    jobs = matrix.jobs_for(models, 2, str(tmp_path), None, True, None, ("default", "compiled-plain"),
+                           ("--global-batch", "8"))
+    assert [(j.model.name, j.path) for j in jobs] == [("llama-tiny", "default"), ("llama-tiny", "compiled-plain"),
+                                                      ("gpt-tiny", "default")]
+    assert jobs[1].argv[-6:] == ["--global-batch", "8", "--compile", "on", "--kernels", "plain"]
+    assert jobs[0].argv[-2:] == ["--global-batch", "8"] and jobs[0].log != jobs[1].log
+    rows = [{"kind": "meshrun", "model": "llama-tiny", "gpus": 1, "path": p, "status": "ran", "ran": True,
+             "tokens_per_s_per_gpu": n} for p, n in (("compiled-plain", 5), ("default", 7))]
+    text = matrix.table(rows)
+    assert "| llama-tiny | 1 |" in text and "| llama-tiny [compiled-plain] | 1 |" in text
+    assert text.index("| llama-tiny | 1 |") < text.index("[compiled-plain]")  # the default first
+    assert matrix.short_kernel("Liger's fused linear cross-entropy for llama") == "Liger loss"
+    assert matrix.short_kernel("FlexAttention (instead of eager attention)") == "FlexAttention"
+
+
 def test_a_users_modules_offer_the_hooks_by_their_methods_alone():
     """The trainer's hooks are declared protocols (models/hooks.py): a user's module that has
     the methods is treated as meshrun's own, without inheriting from anything of meshrun's."""

@@ -54,11 +54,12 @@ def cmd_export(ns: argparse.Namespace, env: Mapping[str, str]) -> int:
     check_path_text(ns.snapshot, "SNAPSHOT")
     check_path_text(ns.to, "--to")
     require_packages("export", EXPORT_PACKAGES, "torch")
+    fmt = ns.format if ns.format != "auto" else "safetensors" if ns.to.endswith(".safetensors") else "hf"
+    # the target is checked before the snapshot is read (reading a large one takes minutes)
+    # and before torch is imported (seconds)
+    _check_export_kind(ns.to, fmt)
     from ..training import snapshot
 
-    fmt = ns.format if ns.format != "auto" else "safetensors" if ns.to.endswith(".safetensors") else "hf"
-    # the target is checked before the snapshot is read: reading a large one takes minutes
-    _check_export_kind(ns.to, fmt)
     path = ns.snapshot
     if not os.path.isfile(os.path.join(path, snapshot.MARKER)):
         found = snapshot.latest(path) if os.path.isdir(path) else None
