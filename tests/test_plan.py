@@ -1055,6 +1055,19 @@ def test_the_policy_compiles_a_model_liger_knows_with_its_fused_loss_alone():
     # planned as it runs: Liger's fused loss holds no logits, so a larger micro-batch fits
     assert auto.largest_micro is not None and plain.largest_micro is not None
     assert auto.largest_micro > plain.largest_micro
+    # a Mixture-of-Experts model keeps its measured path, eager with Liger, unless --compile on
+    from transformers import MixtralConfig
+
+    from meshrun.modelinfo.hf import build_on_meta
+
+    moe = build_on_meta(MixtralConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                      num_experts_per_tok=2, max_position_embeddings=4096))
+    routed = decide(moe, cfg, 2, 2, 2, 141 * GiB, True, liger=True)
+    assert (routed.compile, routed.liger, routed.liger_loss) == (False, True, False)
+    assert any(r.startswith("a Mixture-of-Experts model: eager") for r in routed.reasons)
+    asked = decide(moe, validate(TrainConfig(seq_len=4096, compile="on")), 2, 2, 2, 141 * GiB, True, liger=True)
+    assert (asked.compile, asked.liger, asked.liger_loss) == (True, False, True)
     zero3 = decide(llama, validate(TrainConfig(seq_len=4096, strategy="zero3")), 2, 2, 2, 141 * GiB, True, liger=True)
     assert zero3.liger is False  # ZeRO-3's partitioned weights take the plain paths, and are planned so
     with torch.device("meta"):

@@ -248,19 +248,21 @@ def run_facts(cluster: ClusterSpec, precision: str, module: Any, builtin_gpt: bo
     resolve_with_module built it on the meta device (None for a preset of published shapes);
     ``builtin_gpt``: meshrun's GPT, with its own kernels. bf16 as the GPUs meshrun plans for
     (Ampere and newer) compute it."""
-    hf = liger = hf_kernels = False
+    hf = liger = hf_kernels = experts = False
     blocks = True
     if module is not None:
         from ..kernels.hf import hf_kernels_apply
-        from ..kernels.liger import liger_knows
+        from ..kernels.liger import liger_knows, mixture_of_experts
         from ..modelinfo.blocks import find_blocks
         from ..training.models.hf import is_transformers_model
 
         hf, blocks = is_transformers_model(module), find_blocks(module) is not None
         liger = hf and liger_knows(module)
         hf_kernels = hf and hf_kernels_apply(module)
+        experts = mixture_of_experts(module)
     return Facts(world=cluster.world, local_world=cluster.gpus_per_node, dp=cluster.world, gpu_mem=cluster.gpu_mem,
-                 bf16=precision != "fp32", liger=liger, hf_kernels=hf_kernels, hf=hf, blocks=blocks,
+                 bf16=precision != "fp32", liger=liger, hf_kernels=hf_kernels, hf=hf, experts=experts,
+                 blocks=blocks,
                  own_kernels=builtin_gpt, card=cluster.card)
 
 

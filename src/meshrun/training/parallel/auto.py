@@ -28,13 +28,15 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
     planned with its frozen weights stored without gradients or optimizer state (the model
     may already hold PEFT's adapters: the planner reads the base model's shape either way).
     Pure: no process group, no device (the model may live on the meta device)."""
+    from ...kernels.liger import mixture_of_experts
     from ..models.hf import is_transformers_model
     from ..models.hooks import KernelModel
 
     blocks = find_blocks(model, cfg.blocks) is not None
     facts = Facts(world=world, local_world=local_world, dp=dp, gpu_mem=gpu_mem, bf16=bf16, liger=liger,
                   hf_kernels=hf_kernels,
-                  hf=is_transformers_model(model), blocks=blocks, own_kernels=isinstance(model, KernelModel),
+                  hf=is_transformers_model(model), experts=mixture_of_experts(model),
+                  blocks=blocks, own_kernels=isinstance(model, KernelModel),
                   params=sum(p.numel() for p in model.parameters()), card=card)
     if gpu_mem is None:  # the CPU: the policy reads nothing of the model
         return resolve(None, cfg, facts)
