@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from meshrun.modelinfo.hf import build_on_meta  # noqa: E402
-from meshrun.training.models.masks import FLEX_HF, flex_for_eager, use_flex_in_transformers  # noqa: E402
+from meshrun.modelinfo.hf import build_on_meta, flex_for_eager  # noqa: E402
+from meshrun.training.models.masks import FLEX_HF, use_flex_in_transformers  # noqa: E402
 
 
 def _gemma2(softcap: float | None = 5.0, window: int = 8) -> object:

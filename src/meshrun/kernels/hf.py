@@ -161,12 +161,12 @@ def hf_kernels_apply(model: nn.Module, device: torch.device | None = None, tp: i
     GPU, as the planner and the dry run plan for): a Hugging Face model Liger Kernel does not
     know, on CUDA, neither tensor- nor pipeline-parallel, with a tanh GELU to swap or a loss
     the head loss can take."""
+    from ..modelinfo.hf import is_transformers_model
     from .liger import liger_knows
 
     if (device is not None and device.type != "cuda") or tp > 1 or pp > 1:
         return False
-    transformers_model = hasattr(model, "config") and hasattr(model.config, "_attn_implementation")
-    if not transformers_model or liger_knows(model):
+    if not is_transformers_model(model) or liger_knows(model):
         return False
     return bool(tanh_gelus(model)) or head_loss_refusal(model) is None
 

@@ -227,6 +227,11 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]  # the patch undone
 
 
+def is_transformers_model(model: Any) -> bool:
+    """Whether ``model`` is a transformers model (it has a config with an attention switch)."""
+    return hasattr(model, "config") and hasattr(model.config, "_attn_implementation")
+
+
 def soft_capped(config: Any) -> bool:
     """Whether ``config``'s attention soft-caps its scores (Gemma-2's ``attn_logit_softcapping``):
     torch's SDPA has no soft-capping, and transformers 5.17 built Gemma-2 on SDPA all the same,

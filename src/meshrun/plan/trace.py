@@ -102,20 +102,19 @@ def trace(model: nn.Module, mode: str, seq: int, blocks_path: str | None = None,
         return None
     blocks = list(found[1])
     first: dict[str, Any] = {}
-    try:
-        with _flex_as_fused(model):
+    with _flex_as_fused(model):
+        try:
             one, two = (_trace_once(model, blocks, mode, seq, micro, first if micro == 1 else None)
                         for micro in (1, 2))
-    except Exception:  # any model code that needs real values: the estimate stands
-        return None
+        except Exception:  # any model code that needs real values: the estimate stands
+            return None
+        kept = _compiled_block_bytes(blocks[0], first, mode) if compiled and one["first_block"] else None
     from ..modelinfo.loss import loss_mode
 
     largest, steepest = _largest_lines(one.pop("tail_made"), two.pop("tail_made"))
     pairs: dict[str, Any] = {k: (one[k], two[k]) for k in one if k != "first_block"}
     traced = Traced(mode=mode, seq=seq, **pairs, tail_largest=largest, tail_steepest=steepest,
                     loss_inside=loss_mode(model) != "logits", eval_logits=loss_mode(model) != "targets")
-    with _flex_as_fused(model):
-        kept = _compiled_block_bytes(blocks[0], first, mode) if compiled and one["first_block"] else None
     if kept is None:
         return traced
     ratio = kept / one["first_block"]

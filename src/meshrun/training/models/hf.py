@@ -7,10 +7,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ...errors import MeshrunError
-
-
-def is_transformers_model(model: nn.Module) -> bool:
-    return hasattr(model, "config") and hasattr(model.config, "_attn_implementation")
+from ...modelinfo.hf import is_transformers_model as is_transformers_model  # (the layouts read it here)
 
 
 def model_type(model: nn.Module) -> str:

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import MeshrunError
-from ...modelinfo.hf import flex_for_eager as flex_for_eager  # (re-exported: the trainer reads it here)
 from ..loaded import compiler_loaded
 
 Mask = Any  # a dense boolean tensor (batch, 1, queries, keys) or FlexAttention's BlockMask

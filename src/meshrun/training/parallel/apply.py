@@ -318,7 +318,8 @@ class Build:
         restarting position ids. On the CPU the masks are dense. A Hugging Face model left on
         eager attention (no SDPA path: Gemma-2's soft-capping) runs in FlexAttention on a GPU
         with or without document masks (``masks.flex_for_eager``)."""
-        from ..models.masks import flex_for_eager, use_flex_in_transformers, uses_flex
+        from ...modelinfo.hf import flex_for_eager
+        from ..models.masks import use_flex_in_transformers, uses_flex
 
         if not uses_flex(self.rt.device):
             return
