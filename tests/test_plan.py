@@ -1099,7 +1099,8 @@ def test_plan_and_train_agree_on_when_liger_runs():
             decided = compile_and_kernels(cfg, True, True)
             runs = decided.liger
             ns = argparse.Namespace(kernels=kernels, compile=compile_choice, micro_batch=None, global_batch=None,
-                                    precision="bf16", strategy=None, activation_checkpointing="auto", seq_len="4096")
+                                    precision="bf16", strategy=None, activation_checkpointing="auto", seq_len="4096",
+                                    lora=None, quantize=None)
             planned = settings(run_config(ns, None), facts)  # what plan traces with
             assert (planned.liger, planned.liger_loss) == (runs, decided.liger_loss)
             assert runs is (kernels == "auto" and compile_choice == "off")
@@ -1111,7 +1112,7 @@ def test_plan_and_train_agree_on_when_liger_runs():
             assert settings(run_config(ns, None), facts).liger is runs
             assert (compiled, runs) == ((True, False) if compile_choice == "auto" and kernels == "auto" else
                                         (compile_choice != "off", kernels == "auto" and compile_choice == "off"))
-            del ns.lora, ns.quantize
+            ns.lora = None
 
 
 def test_a_model_that_fits_nowhere_is_refused_before_it_runs_out_of_memory():

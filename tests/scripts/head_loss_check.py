@@ -18,14 +18,17 @@ BLOCK = ce_kernel.BLOCK
 
 
 torch.manual_seed(0)
-cfg = dict(vocab=512, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+# a vocabulary that is not a multiple of the head's alignment: its matmuls run padded
+cfg = dict(vocab=500, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+assert ce_kernel.padded_vocab(500) == 512 and ce_kernel.padded_vocab(512) == 512
 plain = GPT(GPTConfig(**cfg, head_loss=False)).to(dev)
-idx = torch.randint(0, 512, (2, 17), device=dev)
+idx = torch.randint(0, 500, (2, 17), device=dev)
 
 
 # head_cross_entropy: the head's matmul and the loss, the gradient written in the forward,
 # against F.cross_entropy(F.linear(h, w).float()): loss and both gradients, with ignored rows,
-# a vocabulary across blocks, an incoming gradient that is not 1, eager and compiled whole
+# a vocabulary across blocks and padded (5,000 -> 5,056), an incoming gradient that is not 1,
+# eager and compiled whole; then a vocabulary the head runs unpadded
 def head_pair(fn, n: int, v: int, d: int, ignored: tuple[int, ...] = ()):
     g = torch.Generator(device=dev).manual_seed(n + v)
     h0 = torch.randn(n, d, device=dev, generator=g)
@@ -49,6 +52,9 @@ for case, fn in (("eager", ce_kernel.head_cross_entropy),
     torch.testing.assert_close(dh1, dh2, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(dw1, dw2, rtol=1e-4, atol=1e-6)
     print("ok head loss", case, flush=True)
+(l1, dh1, dw1), (l2, dh2, dw2) = head_pair(ce_kernel.head_cross_entropy, 5, 3 * ce_kernel.VOCAB_ALIGN, 16)
+torch.testing.assert_close((l1, dh1, dw1), (l2, dh2, dw2), rtol=1e-4, atol=1e-6)
+print("ok head loss, a vocabulary that needs no padding", flush=True)
 (l1, dh1, _), (l2, _, _) = head_pair(ce_kernel.head_cross_entropy, 3, 100, 8, ignored=(0, 1, 2))
 assert l1.isnan() and l2.isnan() and not dh1.any(), (l1, l2)
 print("ok head loss, every token ignored", flush=True)

@@ -232,8 +232,7 @@ def run_config(ns: argparse.Namespace, context: int | None) -> TrainConfig:
                              "activation_checkpointing": None if ns.activation_checkpointing == "auto"
                              else ns.activation_checkpointing,
                              # a LoRA run's compile and kernels are its own (policy.compile_and_kernels)
-                             "lora": int_option(ns, "lora", 1) if getattr(ns, "lora", None) is not None else None,
-                             "quantize": getattr(ns, "quantize", None)}
+                             "lora": int_option(ns, "lora", 1), "quantize": ns.quantize}
     seq = int_option(ns, "seq_len", 1)
     sources = {k: "flag" for k, v in given.items() if v is not None}
     if seq is None:

@@ -126,14 +126,21 @@ class ModelSpec:
         # a position table the sequence sizes is looked up, not multiplied: beyond the
         # 1024-token table of the benchmarks' convention it adds no FLOPs
         active -= max(self.learned_positions - 1024, 0) * self.hidden
-        return 6 * active + 12 * self.layers * self.hidden * seq
+        return 6 * active + attention_flops(self.layers, self.hidden, seq)
 
     def work_flops_per_token(self, seq: int) -> float:
         """What the kernels compute: 6N + 6·L·h·s. Causal attention needs half of the score
         and value products, and fused attention kernels skip the masked blocks; the MFU
         convention above counts them whole (the benchmarks' formula, PaLM's). At 1024 tokens the
         two differ by 3-7%; at 256K tokens by 1.9x (what a long-sequence step time follows)."""
-        return self.flops_per_token(seq) - 6 * self.layers * self.hidden * seq
+        return self.flops_per_token(seq) - attention_flops(self.layers, self.hidden, seq) / 2
+
+
+def attention_flops(layers: int, hidden: int, seq: int) -> float:
+    """The attention's training FLOPs per token in the MFU convention (PaLM's, the
+    benchmarks'): 12·L·h·T, the score and value products forward and backward counted whole,
+    causal masking ignored. Every MFU figure meshrun reports adds this to 6N."""
+    return 12.0 * layers * hidden * seq
 
 
 def gpt_spec(name: str, hidden: int, layers: int, heads: int, vocab: int = 50304, seq: int = 1024,

@@ -5,7 +5,7 @@ ranks by it (plan/recommend.py)."""
 
 from __future__ import annotations
 
-from ..modelinfo.spec import ModelSpec
+from ..modelinfo.spec import ModelSpec, attention_flops
 from ..vocab import Engine
 from . import float8
 from .adapters import AdapterLayout
@@ -112,7 +112,7 @@ def compute_time(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Bat
     float8 peak (plan/float8.py); causal attention (6·L·h·s per token) runs as measured; +1/3
     with checkpointing (the recomputed forward), + the 1F1B bubble."""
     tokens = b.micro * b.accum * t.seq_len  # per data-parallel replica, which spans tp x pp x cp GPUs
-    attention = 6 * m.layers * m.hidden * t.seq_len
+    attention = attention_flops(m.layers, m.hidden, t.seq_len) / 2  # the causal half the kernels compute
     matmuls = m.work_flops_per_token(t.seq_len) - attention
     converted = 0.0
     if t.float8 and c.gpu_fp8_flops:

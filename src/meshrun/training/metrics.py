@@ -14,6 +14,7 @@ import torch
 
 from ..config.outdir import METRICS
 from ..errors import MeshrunError
+from ..modelinfo.spec import attention_flops
 from ..units import clock, fmt_bytes, span
 from . import tracking
 from .models.hooks import FlopsModel
@@ -62,7 +63,7 @@ def flops_per_token(model: Any, seq: int) -> float | None:
     layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
     if not (isinstance(layers, int) and isinstance(hidden, int)):
         return None
-    return 6.0 * _matmul_params(model) + 12.0 * layers * hidden * seq
+    return 6.0 * _matmul_params(model) + attention_flops(layers, hidden, seq)
 
 
 def _matmul_params(model: Any) -> int:
@@ -85,9 +86,9 @@ def lora_flops_per_token(model: Any, seq: int, full: float | None, adapters: int
     cfg = getattr(model, "cfg", None) if isinstance(model, FlopsModel) else None
     config = getattr(model, "config", None)
     if cfg is not None:
-        attention = 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
+        attention = attention_flops(cfg.n_layers, cfg.d_model, cfg.seq_len)
     elif config is not None:
-        attention = 12.0 * config.num_hidden_layers * config.hidden_size * seq
+        attention = attention_flops(config.num_hidden_layers, config.hidden_size, seq)
     else:
         return None
     return attention + 4.0 * (full - attention) / 6.0 + 6.0 * adapters

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...modelinfo.spec import attention_flops
 from ...vocab import GPT_PRESETS
 from ..loaded import is_dtensor
 from . import masks
@@ -228,7 +229,7 @@ class GPT(nn.Module):
             if moe is not None:  # held: all experts, or this rank's under --ep
                 held = sum(p.numel() for p in (moe.w_up, moe.b_up, moe.w_down, moe.b_down))
                 n -= held - held // len(moe.w_up) * moe.top_k
-        return 6 * n + 12 * self.cfg.n_layers * self.cfg.d_model * self.cfg.seq_len
+        return 6 * n + attention_flops(self.cfg.n_layers, self.cfg.d_model, self.cfg.seq_len)
 
 
 def gpt(preset: str = "gpt-small", seq_len: int = 256, vocab: int = 50304, n_experts: int = 0,

@@ -122,6 +122,20 @@ def _compiled_stance() -> Any:
 
 FLEX_HF = "meshrun_flex"  # transformers' attention and mask functions under meshrun's name
 
+# FlexAttention's kernels for heads wider than 128 on an H100/H200 (sm_90): 8 warps for the
+# backward and 128 x 64 query x key blocks at 8 warps for the forward, where Inductor's defaults
+# give 4 warps. At Gemma-2-2B's shapes (4 x 4,096 tokens, 8 query and 4 key/value heads of 256,
+# soft-capped, causal) the backward took 5.72 ms against 7.31, the forward 1.41 against 2.01
+# (1 x H200, torch 2.11; docs/decisions.md#softcap-attention). Narrower heads keep the defaults.
+WIDE_HEAD_OPTIONS = {"bwd_num_warps": 8, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8,
+                     "fwd_num_stages": 2}
+
+
+def kernel_options(head_width: int, capability: tuple[int, int] | None) -> dict[str, Any] | None:
+    """FlexAttention's kernel options for heads ``head_width`` wide on a GPU of compute
+    ``capability`` (None: no GPU): the measured ones for heads wider than 128 on sm_90, else None
+    (Inductor's defaults)."""
+    return dict(WIDE_HEAD_OPTIONS) if capability == (9, 0) and head_width > 128 else None
 
 
 def use_flex_in_transformers(model: Any) -> None:
@@ -137,11 +151,17 @@ def use_flex_in_transformers(model: Any) -> None:
     if not getattr(model, "_supports_flex_attn", False):
         raise ValueError(f"{type(model).__name__} has no FlexAttention in transformers")
 
-    def attention(*args: Any, **kwargs: Any) -> Any:
+    # (asked once here: inside a compiled block the query's width is a constant)
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+    def attention(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        options = kernel_options(query.shape[-1], capability)
+        if options:
+            kwargs.setdefault("kernel_options", options)
         if torch.compiler.is_compiling():
-            return flex_attention_forward(*args, **kwargs)
+            return flex_attention_forward(module, query, *args, **kwargs)
         with _compiled_stance():
-            return flex_attention_forward(*args, **kwargs)
+            return flex_attention_forward(module, query, *args, **kwargs)
 
     def mask(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
