@@ -169,7 +169,8 @@ def test_ddp_bucket_size_follows_compile_and_hosts(requested, compiled, world, l
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit's, raised as Inductor is imported
 def test_compile_tune_asks_inductor_for_tuned_kernels_torch_accepts():
-    """--compile-tune: coordinate-descent tuning, as options of the compiled graphs only.
+    """--compile-tune: coordinate-descent tuning, as options of the compiled graphs only (beside
+    the dropout setting every compiled graph takes).
     torch.compile checks option names when it is called, so a key this torch lacks would
     raise here rather than at a GPU job's first step. Tuning compiles (also on the CPU, where
     compiling is otherwise off by default), and refuses --compile off."""
@@ -177,8 +178,8 @@ def test_compile_tune_asks_inductor_for_tuned_kernels_torch_accepts():
     from meshrun.errors import MeshrunError
     from meshrun.training.parallel.apply import compile_options
 
-    assert compile_options(False) == {}
-    assert compile_options(True) == {"coordinate_descent_tuning": True}
+    assert compile_options(False) == {"fallback_random": True}
+    assert compile_options(True) == {"fallback_random": True, "coordinate_descent_tuning": True}
     torch.compile(lambda x: x + 1, options=compile_options(True))
     with pytest.raises(RuntimeError):  # the check this relies on
         torch.compile(lambda x: x + 1, options={"no_such_inductor_option": True})
@@ -573,3 +574,85 @@ def test_the_memory_grid_runs_a_row_through_meshrun_train(tmp_path):
     row = json.loads((tmp_path / "grid" / "matrix.jsonl").read_text())
     assert (row["status"], row["strategy"], row["micro"], row["held_out"]) == ("ran", "fsdp-full", 2, False)
     assert row["source"] == "user:llama_tiny" and row["metrics_lines"] == 4
+
+
+def test_profile_train_profiles_two_steps_of_a_real_meshrun_train(tmp_path):
+    """bench/profile_train.py: a real `meshrun train` (its rank in a process of its own) with
+    the profiling hook on the path prints the profiled steps' time and kernels, and the run
+    trains to its end."""
+    require("torch")
+    gpt = os.path.join(BENCH, "profile_train.py")
+    run = subprocess.run([sys.executable, gpt, "--at", "2", "--top", "3", "--", "--model-size", "gpt-tiny",
+                          "--data", "random", "--steps", "3", "--global-batch", "2", "--seq-len", "32",
+                          "--nproc", "1"], capture_output=True, text=True, timeout=300,
+                         env=clean_env(PYTHONPATH=os.path.join(os.path.dirname(BENCH), "src")))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("PROFILE ")]
+    assert lines[0].startswith("PROFILE wall ") and lines[1].startswith("PROFILE families ")
+    assert len(lines) == 2 + 3 and "aten::" in lines[2]
+    assert "finished step 3/3" in run.stdout
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit's, raised as Inductor is imported
+def test_compiled_dropout_draws_the_masks_eager_dropout_draws():
+    """meshrun's compiled graphs run dropout as torch's own kernel (compile_options:
+    fallback_random, measured faster): from the same seed a compiled block drops what the eager
+    block drops. Inductor's own random numbers would drop others."""
+    from meshrun.training.parallel.apply import compile_options
+
+    block = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.5))
+    x = torch.randn(8, 16)
+    torch.manual_seed(3)
+    eager = block(x)
+    compiled = torch.compile(block, options=compile_options(False))
+    torch.manual_seed(3)
+    out = compiled(x)
+    assert torch.equal(out == 0, eager == 0) and 0.3 < (eager == 0).float().mean() < 0.7
+    torch.testing.assert_close(out, eager)  # (the GELU compiled rounds differently in the last bit)
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    assert not torch.equal(torch.compile(block)(x) == 0, eager == 0)  # what the option changes
+
+
+def test_checkpointed_dropout_recomputes_the_forwards_masks():
+    """Activation checkpointing of blocks with dropout (a GPT-2's 0.1 on residuals and
+    attention): the recomputed forward drops what the forward dropped, so the gradients are the
+    unchecked model's. Recomputing with the generator moved on (the setting blocks without
+    dropout keep) gives another mask's gradients; a block without dropout is told apart."""
+    require("transformers")
+    import copy
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from meshrun.training.parallel.apply import apply_activation_checkpointing, has_dropout
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    x = torch.randint(0, 64, (2, 16))
+
+    def grads(m: torch.nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        m(input_ids=x, labels=x).loss.backward()
+        return [p.grad for p in m.parameters()]
+
+    reference = grads(model)
+    checked = copy.deepcopy(model)
+    checked.zero_grad(set_to_none=True)
+    apply_activation_checkpointing(checked.transformer.h)
+    for a, b in zip(grads(checked), reference):
+        torch.testing.assert_close(a, b)
+    unkept = copy.deepcopy(model)
+    unkept.zero_grad(set_to_none=True)
+    for i, block in enumerate(unkept.transformer.h):
+        unkept.transformer.h[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    assert not all(torch.allclose(a, b) for a, b in zip(grads(unkept), reference))
+
+    assert has_dropout(model.transformer.h[0])
+    quiet = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    assert not has_dropout(quiet.transformer.h[0])
+    llama = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2)
+    assert not has_dropout(LlamaDecoderLayer(LlamaConfig(**llama), 0))
+    assert has_dropout(LlamaDecoderLayer(LlamaConfig(**llama, attention_dropout=0.1), 0))  # a float SDPA is given
