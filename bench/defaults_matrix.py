@@ -472,13 +472,27 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 # ---- the matrix -------------------------------------------------------------------------------
 
-def estimate_s(kind: str, model: Model, gpus: int, cpu: bool) -> float:
-    """A run's expected duration (see SETUP_S); the CPU stand-ins: a flat guess."""
+def _flag(args: tuple[str, ...], name: str) -> int | None:
+    """The integer value of ``name`` in ``args`` (``--name V`` or ``--name=V``), else None."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args) and args[i + 1].isdigit():
+            return int(args[i + 1])
+        if arg.startswith(name + "=") and arg.split("=", 1)[1].isdigit():
+            return int(arg.split("=", 1)[1])
+    return None
+
+
+def estimate_s(kind: str, model: Model, gpus: int, cpu: bool, train_args: tuple[str, ...] = ()) -> float:
+    """A run's expected duration (see SETUP_S), a meshrun row's from the steps and global batch
+    its --train-args set (else the matrix's steps and meshrun's default batch); the CPU
+    stand-ins: a flat guess."""
     if cpu:
         return 30.0
     n = model.params_b * 1e9
     if kind == "meshrun":
-        tokens = model.steps * GLOBAL_BATCH_TOKENS / gpus
+        steps, batch = _flag(train_args, "--steps") or model.steps, _flag(train_args, "--global-batch")
+        seq = _flag(train_args, "--seq-len") or PEER_SEQ
+        tokens = steps * (batch * seq if batch else GLOBAL_BATCH_TOKENS) / gpus
         return SETUP_S + 6 * n * tokens / EFFECTIVE_FLOPS
     batch = int(model.peer_args[model.peer_args.index("--batch") + 1])
     recompute = 4 / 3 if "--ac" in model.peer_args else 1.0
@@ -521,7 +535,7 @@ def jobs_for(models: list[Model], gpus: int, out: str, peer: str | None, cpu: bo
                     "--steps", steps, "--warmup", warmup]
             runs.append(("peer", argv, f"{model.name}-{gpus}gpu-peer.log", "default"))
         for kind, argv, log, path in runs:
-            est = estimate_s(kind, model, gpus, cpu)
+            est = estimate_s(kind, model, gpus, cpu, train_args if kind == "meshrun" else ())
             limit = limit_s or min(LIMIT_MAX_S, max(LIMIT_MIN_S, LIMIT_FACTOR * est))
             jobs.append(Job(kind, model, gpus, argv, os.path.join(out, log), est, limit, path=path))
     return jobs

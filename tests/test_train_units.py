@@ -519,6 +519,13 @@ def test_the_defaults_matrix_runs_each_candidate_path_of_a_hugging_face_model(tm
     assert text.index("| llama-tiny | 1 |") < text.index("[compiled-plain]")  # the default first
     assert matrix.short_kernel("Liger's fused linear cross-entropy for llama") == "Liger loss"
     assert matrix.short_kernel("FlexAttention (instead of eager attention)") == "FlexAttention"
+    # a GPU row's expected duration follows the steps and batch --train-args set
+    llama = matrix.MODELS["llama3-8b"]
+    full = matrix.estimate_s("meshrun", llama, 1, False)
+    short = matrix.estimate_s("meshrun", llama, 1, False, ("--global-batch", "16", "--steps=4"))
+    tokens = 4 * 16 * matrix.PEER_SEQ
+    assert short == pytest.approx(matrix.SETUP_S + 6 * llama.params_b * 1e9 * tokens / matrix.EFFECTIVE_FLOPS)
+    assert short < full
 
 
 def test_a_users_modules_offer_the_hooks_by_their_methods_alone():

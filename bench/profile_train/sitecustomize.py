@@ -19,6 +19,7 @@ def _patch_trainer() -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import profile_step
+
     from meshrun.training import trainer
 
     original = trainer.Trainer.train_step
