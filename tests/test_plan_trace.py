@@ -311,6 +311,37 @@ def test_compiled_blocks_keep_what_inductors_partitioner_keeps():
     assert trace(inside, "fp32", seq).loss_inside is True
 
 
+def test_a_compiled_block_with_dropout_is_traced_as_the_trainer_compiles_it(monkeypatch):
+    """The trainer compiles with dropout as torch's kernel, its mask saved for the backward
+    (kernels/inductor.py); the planner's partition is cut under the same settings, so a block
+    with dropout keeps that boolean mask, one byte per value, beside what the block without
+    dropout keeps. Under Inductor's own dropout (the settings emptied) the mask is not kept."""
+    torch, nn, F = _torch()
+    from torch._inductor import config as inductor_config
+
+    from meshrun.kernels import inductor
+    from meshrun.plan.trace import trace
+
+    seq, h, f, layers = 16, 32, 128, 2
+
+    def model(p: float):
+        class Block(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.up, self.down, self.drop = nn.Linear(h, f), nn.Linear(f, h), nn.Dropout(p)
+
+            def forward(self, x):
+                return x + self.drop(self.down(torch.relu(self.up(x))))
+
+        return _stack(Block, layers, h, 50)
+
+    with_dropout, without = trace(model(0.1), "fp32", seq), trace(model(0.0), "fp32", seq)
+    assert with_dropout.blocks_compiled[0] == without.blocks_compiled[0] + layers * seq * h
+    assert not inductor_config.fallback_random  # the trace left torch's settings as they were
+    monkeypatch.setattr(inductor, "compile_options", lambda tune: {})
+    assert trace(model(0.1), "fp32", seq).blocks_compiled[0] < with_dropout.blocks_compiled[0]
+
+
 def test_the_planner_takes_compiled_blocks_a_compiled_loss_and_accumulated_gradients():
     """torch.compile: the blocks' term is the traced partition x the measured factor of the
     precision mode; the loss spike is compiled only where the model's forward takes the loss;

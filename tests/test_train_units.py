@@ -176,7 +176,7 @@ def test_compile_tune_asks_inductor_for_tuned_kernels_torch_accepts():
     compiling is otherwise off by default), and refuses --compile off."""
     from meshrun.config import validate
     from meshrun.errors import MeshrunError
-    from meshrun.training.parallel.apply import compile_options
+    from meshrun.kernels.inductor import compile_options
 
     assert compile_options(False) == {"fallback_random": True}
     assert compile_options(True) == {"fallback_random": True, "coordinate_descent_tuning": True}
@@ -605,7 +605,7 @@ def test_compiled_dropout_draws_the_masks_eager_dropout_draws():
     """meshrun's compiled graphs run dropout as torch's own kernel (compile_options:
     fallback_random, measured faster): from the same seed a compiled block drops what the eager
     block drops. Inductor's own random numbers would drop others."""
-    from meshrun.training.parallel.apply import compile_options
+    from meshrun.kernels.inductor import compile_options
 
     block = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.5))
     x = torch.randn(8, 16)

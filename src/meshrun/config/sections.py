@@ -452,7 +452,7 @@ class RuntimeOptions:
                           metavar="auto|on|off", nargs="?", const="on",
                           on_off=True)
     # Inductor's coordinate-descent tuning of its kernels (implies compile on): a slightly faster
-    # step for minutes more compiling (parallel/apply.py: compile_options;
+    # step for minutes more compiling (kernels/inductor.py: compile_options;
     # docs/decisions.md#rejected-coordinate-descent-tuning)
     compile_tune: bool = option(False, "Inductor's coordinate-descent tuning of the compiled kernels: a step up to "
                                 "2% faster (H200: GPT 124M +1.0-1.9%, 1.3B +0.3-0.7%) for ~4 minutes more "

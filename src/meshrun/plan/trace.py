@@ -458,7 +458,10 @@ def _compiled_block_bytes(block: nn.Module, first: dict[str, Any], mode: str) ->
     import torch.utils._pytree as pytree
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor import config as inductor_config
     from torch._inductor.decomposition import select_decomp_table
+
+    from ..kernels.inductor import compile_options
 
     if "args" not in first:
         return None
@@ -482,7 +485,9 @@ def _compiled_block_bytes(block: nn.Module, first: dict[str, Any], mode: str) ->
         return graphs["fw"], graphs["bw"]
 
     try:
-        with _warnings_off(), _gpu_kernels(compiled=True), _autocast(mode == "autocast"):
+        # (under the trainer's Inductor settings: with dropout's masks saved, its partition keeps them)
+        with _warnings_off(), _gpu_kernels(compiled=True), _autocast(mode == "autocast"), \
+                inductor_config.patch(compile_options(False)):
             f = aot_function(run, fw_compiler=cast(Any, _as_is), partition_fn=partition,
                              decompositions=select_decomp_table())
             f(states, *inputs)

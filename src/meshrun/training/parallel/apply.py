@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from ...config import TrainConfig
 from ...errors import MeshrunError, bad_value, first_line
+from ...kernels.inductor import compile_options
 from ...modelinfo.blocks import find_blocks
 from ...modelinfo.loss import loss_mode
 from ...vocab import Engine, StrategyKind
@@ -104,26 +105,6 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str = "full") ->
     kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
     for i, block in enumerate(blocks):
         blocks[i] = checkpoint_wrapper(block, preserve_rng_state=has_dropout(block), **kwargs)
-
-
-def compile_options(tune: bool) -> dict[str, bool]:
-    """``torch.compile(options=...)``: Inductor's settings for meshrun's compiled graphs.
-
-    ``fallback_random``: random operations (dropout) run as torch's own kernels, their masks
-    saved for the backward, where Inductor would draw them again inside its backward kernels.
-    A Hugging Face GPT-2 124M (dropout 0.1) trained 1.09x faster, 445,764 -> 487,962 tokens/s
-    (1 x H200, torch 2.11): Inductor's fused dropout-backward and layer-norm-backward kernel
-    took 70 of a 596-ms step, 10 with the masks saved (docs/decisions.md#dropout). Compiled
-    dropout then draws from torch's generator as eager dropout does. A model without random
-    operations compiles as before.
-
-    ``--compile-tune``: Inductor's coordinate-descent search of its Triton kernels' block
-    sizes. A step faster by about a percent or two, for minutes more compiling: not a default, a
-    short run loses more than it gains (docs/decisions.md#rejected-coordinate-descent-tuning).
-    Max-autotune matmuls are left out: cuBLAS beat every Triton template at these shapes, and
-    they cost more compiling and a large transient at the first step
-    (docs/decisions.md#rejected-max-autotune-matmuls)."""
-    return {"fallback_random": True, **({"coordinate_descent_tuning": True} if tune else {})}
 
 
 def apply_compile(model: nn.Module, blocks: nn.ModuleList | None, per_block: bool, tune: bool = False) -> None:
