@@ -494,7 +494,9 @@ def estimate_s(kind: str, model: Model, gpus: int, cpu: bool, train_args: tuple[
         seq = _flag(train_args, "--seq-len") or PEER_SEQ
         tokens = steps * (batch * seq if batch else GLOBAL_BATCH_TOKENS) / gpus
         return SETUP_S + 6 * n * tokens / EFFECTIVE_FLOPS
-    batch = int(model.peer_args[model.peer_args.index("--batch") + 1])
+    batch = _flag(model.peer_args, "--batch")
+    if batch is None:
+        raise ValueError(f"{model.name}: its peer arguments {model.peer_args} name no --batch")
     recompute = 4 / 3 if "--ac" in model.peer_args else 1.0
     return SETUP_S + 6 * n * (PEER_STEPS + PEER_WARMUP) * batch * PEER_SEQ * recompute / EFFECTIVE_FLOPS
 

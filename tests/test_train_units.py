@@ -588,8 +588,8 @@ def test_profile_train_profiles_two_steps_of_a_real_meshrun_train(tmp_path):
     the profiling hook on the path prints the profiled steps' time and kernels, and the run
     trains to its end."""
     require("torch")
-    gpt = os.path.join(BENCH, "profile_train.py")
-    run = subprocess.run([sys.executable, gpt, "--at", "2", "--top", "3", "--", "--model-size", "gpt-tiny",
+    script = os.path.join(BENCH, "profile_train.py")
+    run = subprocess.run([sys.executable, script, "--at", "2", "--top", "3", "--", "--model-size", "gpt-tiny",
                           "--data", "random", "--steps", "3", "--global-batch", "2", "--seq-len", "32",
                           "--nproc", "1"], capture_output=True, text=True, timeout=300,
                          env=clean_env(PYTHONPATH=os.path.join(os.path.dirname(BENCH), "src")))

@@ -55,7 +55,8 @@ def _report(prof, wall: float, steps: int, cuda: bool, ps) -> None:  # type: ign
     total = sum(getattr(e, attr) for e in events) or 1
     families: dict = {}
     for e in events:
-        families[ps.family(e.key)] = families.get(ps.family(e.key), 0) + getattr(e, attr)
+        fam = ps.family(e.key)
+        families[fam] = families.get(fam, 0) + getattr(e, attr)
     print(f"PROFILE wall {wall:.1f} ms/step, device {total / steps / 1e3:.1f} ms/step", flush=True)
     print("PROFILE families " + ", ".join(f"{k} {100 * v / total:.1f}%"
                                           for k, v in sorted(families.items(), key=lambda kv: -kv[1])), flush=True)
