@@ -106,7 +106,8 @@ def test_a_bad_option_raises_the_clis_one_line_error_before_anything_starts(tmp_
 IN_WORKER = """
 import json, os, meshrun
 r = meshrun.train(model_size="gpt-tiny", steps=1, data="random", seq_len=16, micro_batch=2)
-print("RESULT", os.environ["RANK"], json.dumps({"code": r.code, "step": r.metrics.get("step")}), flush=True)
+# one write per line: the ranks share torchrun's stdout, and print() writes its pieces apart
+os.write(1, f'RESULT {os.environ["RANK"]} {json.dumps({"code": r.code, "step": r.metrics.get("step")})}\\n'.encode())
 """
 
 
