@@ -599,13 +599,21 @@ def test_one_gpu_shards_over_its_one_rank_where_single_does_not_fit(tmp_path):
     assert rows["fsdp-full"].step_time_s < r.step_time_s and r.strategy.label == "single"
 
 
-def test_llama3_8b_on_one_h200_is_closest_with_fsdp2_on_one_rank():
+def test_llama3_8b_on_one_h200_keeps_adamws_moments_on_the_host():
     """Llama-3-8B's 16 bytes a parameter are 120 GiB: one H200's 141 GiB hold them, not its
-    127 usable (the 10% margin). FSDP2 on the one rank comes closest, under the GPU's memory."""
+    127 usable (the 10% margin). With the moments on the GPU, FSDP2 on the one rank comes
+    closest, under the GPU's memory; FSDP2 with AdamW's moments in host memory (8 bytes a
+    parameter there, two slices of them on the GPU) fits without checkpointing."""
     r, rows = _one_gpu("llama3-8b", 141)
-    assert r is not None and r.strategy.engine != "torch"  # nothing torch runs fits: said, offload picked
-    least = min(rows.values(), key=lambda x: x.memory.peak)
+    assert r is not None and r.strategy.label == "fsdp-offload", {k: x.fits for k, x in rows.items()}
+    on_gpu = [x for x in rows.values() if not x.strategy.offload_optimizer]
+    assert not any(x.fits for x in on_gpu)
+    least = min(on_gpu, key=lambda x: x.memory.peak)
     assert least.strategy.name == "fsdp-full" and least.memory.peak < 141 * GiB < rows["single+ac"].memory.peak
+    full = rows["fsdp-full"].memory.breakdown
+    assert r.memory.breakdown["optimizer"] == 0  # the moments on the host: 8 bytes a parameter, 2x the fp32 weights
+    assert r.memory.cpu_bytes_per_node == pytest.approx(2 * full["params"], rel=1e-6)
+    assert r.memory.breakdown["comm_buffers"] == full["comm_buffers"] + 2 * 4 * 2**26  # the two slice buffers
 
 
 def test_model_that_fits_only_with_sharded_optimizer_and_grads():

@@ -255,10 +255,11 @@ def test_nf4_adds_the_dequantization_of_every_adapted_weight(compiled, ac):
     assert nf4 - plain == pytest.approx(4 * (3 if ac else 2) * adapted * per_weight / 4.8e12, rel=1e-9)
 
 
-def test_train_plans_an_8b_lora_run_on_one_gpu_where_it_refuses_a_full_fine_tune(tmp_path):
+def test_train_plans_an_8b_lora_run_on_one_gpu_where_a_full_fine_tune_offloads(tmp_path):
     """`meshrun train --dry-run` decides as the ranks do (the run policy with the config's
-    --lora): Llama-3-8B's shape on one 140 GiB GPU is refused in one line for a full
-    fine-tune and planned as one process for a LoRA run."""
+    --lora): Llama-3-8B's shape on one 140 GiB GPU is planned with AdamW's moments in host
+    memory for a full fine-tune (a GPU of 40 GiB refuses it in one line) and as one process
+    for a LoRA run."""
     require("transformers")
     import transformers as T
 
@@ -268,7 +269,9 @@ def test_train_plans_an_8b_lora_run_on_one_gpu_where_it_refuses_a_full_fine_tune
     args = ("train", "--model", str(tmp_path), "--data", "random", "--dry-run", "--gpu-mem", "140GiB", "--nproc", "1",
             "--seq-len", "4096")
     full = meshrun_here(*args)
-    assert full.returncode == 2 and "does not fit 1 GPU(s) of 140 GiB" in full.stderr, full.stderr
+    assert full.returncode == 0 and "# strategy: fsdp-offload (planner)" in full.stdout, full.stderr
+    small = meshrun_here(*[a if a != "140GiB" else "40GiB" for a in args])
+    assert small.returncode == 2 and "does not fit 1 GPU(s) of 40 GiB" in small.stderr, small.stderr
     lora = meshrun_here(*args, "--lora", "16")
     assert lora.returncode == 0, lora.stderr
     assert "# strategy: single (planner)" in lora.stdout, lora.stdout

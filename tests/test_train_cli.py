@@ -117,7 +117,7 @@ ERRORS = [
     (["--example", "toy", "--kernels", "plain"], "--kernels='plain': chooses the kernels of meshrun's built-in GPT"),
     (["--strategy", "zero4"],
      "--strategy='zero4': unknown value (hint: choose one of auto, fsdp, single, ddp, "
-     "fsdp-grad-op, fsdp-full, fsdp-hybrid, fsdp-no-shard, zero1, zero2, zero3, zero2-offload"),
+     "fsdp-grad-op, fsdp-full, fsdp-offload, fsdp-hybrid, fsdp-no-shard, zero1, zero2, zero3, zero2-offload"),
     (["--strategy", "deepspeed"], "--strategy='deepspeed': unknown value"),
     (["--global-batch", "100", "--micro-batch", "8"],
      "--global-batch=100: is not a multiple of micro-batch 8 x data-parallel size 2 = 16 "

@@ -106,12 +106,13 @@ def test_layouts_match_one_process(reference, nproc, overrides):
 
 
 @pytest.mark.parametrize("nproc,micro,fsdp,sp", [(2, 8, "full", True), (2, 8, "full", False), (4, 4, "full", True),
-                                                 (4, 4, "grad_op", True)],
-                         ids=["tp2", "tp2-no-sp", "dp2xtp2-full", "dp2xtp2-grad_op"])
+                                                 (4, 4, "grad_op", True), (2, 8, "offload", True)],
+                         ids=["tp2", "tp2-no-sp", "dp2xtp2-full", "dp2xtp2-grad_op", "tp2-offload"])
 def test_tensor_parallel_matches_one(reference, nproc, micro, fsdp, sp):
     """TP=2 alone (each TP pair reads the same micro-batch of 8) and FSDP2 x TP on a 2 x 2
     mesh (2 data-parallel pairs, 4 each): the same global batch of 8 as the reference, with
-    sequence parallelism (the default) and without."""
+    sequence parallelism (the default) and without; and TP=2 with AdamW's moments in host
+    memory, stepped on each rank's tensor-parallel shards."""
     close(run(nproc, micro_batch=micro, strategy=f"fsdp-{fsdp.replace('_', '-')}", tp=2, sequence_parallel=sp),
           reference)
 
@@ -270,10 +271,13 @@ def _train_steps(overrides):
     overrides = dict(overrides)
     layers = overrides.pop("layers", 2)
     experts = overrides.pop("n_experts", 0)
+    with_layout = overrides.pop("with_layout", False)  # also the layout's description, as "layout"
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq_len=16, d_model=32, n_layers=layers, n_heads=4, n_experts=experts))
     cfg = TrainConfig(steps=STEPS, seq_len=16, lr=3e-3, warmup=2, log_every=1, precision="fp32", **overrides)
-    return {r["step"]: r["loss"] for r in Trainer(model, RandomTokens(512, 16, 64), None, cfg).fit()}
+    trainer = Trainer(model, RandomTokens(512, 16, 64), None, cfg)
+    out = {r["step"]: r["loss"] for r in trainer.fit()}
+    return {**out, "layout": trainer.layout.description} if with_layout else out
 
 
 def test_tensor_parallel_snapshot_resumes_on_another_layout(reference, tmp_path):
@@ -289,6 +293,24 @@ def test_tensor_parallel_snapshot_resumes_on_another_layout(reference, tmp_path)
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(reference[step - 1][0], rel=2e-4)
+
+
+def test_moments_on_the_host_train_the_same_and_resume_across_layouts(reference, tmp_path):
+    """FSDP2 with AdamW's moments in host memory (fsdp-offload) trains as one process does.
+    Its snapshot at step 3, the moments saved from host memory, resumes into steps 4-6 of the
+    same training both with the moments loaded back into host memory and under fsdp-full."""
+    out = str(tmp_path / "run")
+    first = meshrun.run(_train_steps, {"strategy": "fsdp-offload", "micro_batch": 4, "out": out, "save_every": 3,
+                                       "with_layout": True}, nproc=2, timeout_s=300)
+    assert first.pop("layout") == "fsdp-offload: FSDP2 full over 2 ranks -> AdamW's moments in host memory"
+    assert [first[s] for s in range(1, STEPS + 1)] == pytest.approx([r[0] for r in reference], rel=2e-4)
+    snap = os.path.join(out, "checkpoints", "step-00000003")
+    for strategy in ("fsdp-offload", "fsdp-full"):
+        resumed = meshrun.run(_train_steps, {"strategy": strategy, "micro_batch": 4, "out": out, "resume": snap},
+                              nproc=2, timeout_s=300)
+        assert sorted(resumed) == [4, 5, 6]
+        for step in (4, 5, 6):
+            assert resumed[step] == pytest.approx(reference[step - 1][0], rel=2e-4), strategy
 
 
 @pytest.fixture(scope="module")

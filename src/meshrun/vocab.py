@@ -71,7 +71,7 @@ class StrategyKind:
     about: str
     fsdp: str | None = None  # FSDP2's flavour: full | grad_op | hybrid | no_shard
     zero: int = 0  # DeepSpeed's ZeRO stage
-    offload: str = "none"  # DeepSpeed: none | optimizer | all (optimizer and parameters)
+    offload: str = "none"  # none | optimizer (DeepSpeed's CPU Adam; meshrun's moments on the host) | all (DeepSpeed)
     wrapper: str = "none"  # how meshrun's trainer runs it: none (one process) | ddp | fsdp | deepspeed
     composes: frozenset[str] = frozenset()  # the model-parallel dimensions meshrun train runs it with
     planned: bool = True  # the planner estimates it
@@ -123,6 +123,9 @@ KINDS: dict[str, StrategyKind] = {k.name: k for k in (
     StrategyKind("fsdp-grad-op", Engine.TORCH, "grads", "FSDP2, parameters kept gathered from forward to backward "
                  "(ZeRO-2)", fsdp="grad_op", wrapper="fsdp", composes=_ALL_MP),
     StrategyKind("fsdp-full", Engine.TORCH, "params", "FSDP2 full shard (ZeRO-3)", fsdp="full", wrapper="fsdp",
+                 composes=_ALL_MP),
+    StrategyKind("fsdp-offload", Engine.TORCH, "params", "FSDP2 full shard, AdamW's moments in host memory "
+                 "(streamed through the GPU for each step)", fsdp="full", offload="optimizer", wrapper="fsdp",
                  composes=_ALL_MP),
     StrategyKind("fsdp-hybrid", Engine.TORCH, "params", "FSDP2 sharded within a group (a node), replicated across "
                  "groups (HSDP)", fsdp="hybrid", wrapper="fsdp", composes=_EP),

@@ -82,10 +82,9 @@ def _memory(gpu: bool) -> int | None:
         from ..cluster.gpus import detect_gpu_memory
 
         return detect_gpu_memory()
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
+    from ..cluster.gpus import host_memory
+
+    return host_memory()
 
 
 def options(ns: argparse.Namespace, gpu: bool) -> dict[str, Any]:

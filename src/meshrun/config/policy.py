@@ -93,6 +93,7 @@ class Facts:
     own_kernels: bool = False  # meshrun's GPT, whose own GPU kernels --kernels auto runs
     params: int | None = None  # the live model's parameters, counted (None: the ModelSpec's)
     card: Card | None = None  # the GPU model, whose peaks the step-time estimate uses (None: not known)
+    cpu_mem: int | None = None  # a node's host memory, which the optimizer state offloaded to it must fit
 
 
 @dataclass(frozen=True)
@@ -311,14 +312,16 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
                       strategy_from=strategy_from, micro_from=micro_from)
     peak = fmt_bytes(pick.memory.peak) if pick.memory else "?"
     if not pick.fits and named is None and cfg.micro_batch is None and "activation_checkpointing" not in cfg.sources:
+        over = not pick.memory or pick.memory.peak > usable  # (else the host's memory refused an offload)
         # Nothing left to the planner fits: refused here, not out of memory at the first step
         # (models predicted over the usable memory ran out of it: docs/decisions.md#oom-fallback)
         raise MeshrunError(
             f"the model ({_params(model, facts) / 1e9:.2f}B parameters) does not fit {world} GPU(s) of "
             f"{fmt_bytes(gpu_mem)}: "
             f"the planner's least, {pick.strategy.name} at micro-batch {pick.batch.micro}"
-            f"{' with activation checkpointing' if pick.strategy.ac else ''}, needs {peak} per GPU of "
-            f"{fmt_bytes(usable)} usable (hint: more GPUs (--nproc, --nnodes), a shorter "
+            f"{' with activation checkpointing' if pick.strategy.ac else ''}, "
+            f"{f'needs {peak} per GPU of {fmt_bytes(usable)} usable' if over else pick.why_not}"
+            f" (hint: more GPUs (--nproc, --nnodes), a shorter "
             f"--seq-len, or to try anyway: --strategy {pick.strategy.kind.name} --micro-batch {pick.batch.micro} "
             f"--activation-checkpointing {'full' if pick.strategy.ac else 'none'})")
     if pick.fits:
@@ -337,6 +340,11 @@ def _decide(model: ModelSpec | None, cfg: TrainConfig, facts: Facts, s: Settings
     if pick.strategy.ac and ac != "full":
         reasons.append("activation checkpointing on to fit (--activation-checkpointing none to refuse it)")
         ac = "full"
+    if pick.strategy.offload_optimizer and pick.memory:
+        host = (f"of the node's {fmt_bytes(facts.cpu_mem)}" if facts.cpu_mem is not None
+                else "(the nodes' memory not known here: not checked)")
+        reasons.append(f"the optimizer state offloaded: {fmt_bytes(pick.memory.cpu_bytes_per_node)} of host memory "
+                       f"per node {host}")
     return Choice(STRATEGIES[pick.strategy.name], ac, micro, global_batch, tuple(reasons),
                   predicted_peak=pick.memory.peak if pick.memory else None, largest_micro=largest,
                   strategy_from=strategy_from, micro_from=micro_from)
@@ -361,7 +369,8 @@ def _planned(spec: ModelSpec, cfg: TrainConfig, facts: Facts, global_batch: int 
     ``ac_open`` the planner may turn on checkpointing; with ``adapters``, planned as that LoRA run."""
     gpu_mem = facts.gpu_mem or 0
     cluster = ClusterSpec(nodes=max(1, facts.world // max(1, facts.local_world)),
-                          gpus_per_node=max(1, facts.local_world), gpu_mem=gpu_mem, card=facts.card)
+                          gpus_per_node=max(1, facts.local_world), gpu_mem=gpu_mem, card=facts.card,
+                          cpu_mem=facts.cpu_mem)
     bf16 = cfg.precision in FLOAT8_PRECISIONS or facts.bf16
     train = TrainSpec(seq_len=cfg.seq, micro_batch=cfg.micro_batch, global_batch=global_batch,
                       max_micro_batch=max(1, MAX_MICRO_TOKENS // cfg.seq),

@@ -22,10 +22,11 @@ from .prelaunch import model_kind
 
 
 def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, card: Card | None = None,
-              adapters: Adapters | None = None) -> Choice:
+              adapters: Adapters | None = None, cpu_mem: int | None = None) -> Choice:
     """What the ranks of ``cfg`` on ``topo`` decide, on GPUs of ``gpu_mem`` bytes each (None:
     processes on the CPU) of model ``card`` (None: not known), for a LoRA run of ``adapters`` (None: cfg's own --lora)
-    (None: every parameter trains). Raises MeshrunError where the ranks would refuse the run."""
+    (None: every parameter trains), on nodes of ``cpu_mem`` bytes of host memory (None: not
+    known, an offload's need not checked). Raises MeshrunError where the ranks would refuse the run."""
     world, local = topo.world_size, topo.nproc_per_node
     dp = cfg.dp_size(world)
     if gpu_mem is None:
@@ -48,19 +49,19 @@ def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, card: Card 
     liger = cfg.kernels == "auto" and cfg.tp == 1 and cfg.pp == 1 and liger_knows(model)
     hf_kernels = cfg.kernels == "auto" and hf_kernels_apply(model, None, cfg.tp, cfg.pp)
     return decide(model, cfg, world, local, dp, gpu_mem, cfg.precision != "fp32", liger, card, adapters,
-                  hf_kernels=hf_kernels)
+                  hf_kernels=hf_kernels, cpu_mem=cpu_mem)
 
 
 def decided(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, gpus: int) -> tuple[dict[str, Any], list[str]]:
     """The dry run's decisions as JSON keys and as its short block of lines: for ``gpu_mem``
     when given, else for this machine's ``gpus`` (their memory read here), else the CPU."""
     where = "CPU processes"
-    card = None
+    card, cpu_mem = None, None  # (--gpu-mem: GPUs elsewhere, whose host this machine does not know)
     if gpu_mem is None and gpus:
-        from ..cluster.gpus import detect_gpu_memory, detect_gpu_name
+        from ..cluster.gpus import detect_gpu_memory, detect_gpu_name, host_memory
         from ..plan.cards import card_of_device
 
-        gpu_mem = detect_gpu_memory()
+        gpu_mem, cpu_mem = detect_gpu_memory(), host_memory()
         name = detect_gpu_name()  # this machine's card too, as the ranks read it
         card = card_of_device(name) if name else None
         if gpu_mem is None:
@@ -70,5 +71,5 @@ def decided(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, gpus: int) ->
         from ..units import fmt_bytes
 
         where = f"{topo.world_size} GPU(s) of {fmt_bytes(gpu_mem)}"
-    choice = decisions(cfg, topo, gpu_mem, card)
+    choice = decisions(cfg, topo, gpu_mem, card, cpu_mem=cpu_mem)
     return {"decided_for": where, **choice.summary()}, [f"decided for {where}:", *choice.lines()]

@@ -63,7 +63,10 @@ def reasons_for(m: ModelSpec, c: ClusterSpec, t: TrainSpec, cands: list[Candidat
         more = "1/2" if t.adapters is not None else "1/3"  # of a LoRA step's 4 FLOPs per weight, of a full one's 6
         out.append(f"with activation checkpointing (each block recomputed in backward, about {more} more compute): "
                    f"{s.label} {_peak(pick)} per GPU -> fits")
-    if s.offload_optimizer:
+    if s.offload_optimizer and s.engine is Engine.TORCH:
+        out.append("CPU offload, the last resort the guide names: AdamW's moments in host memory cross PCIe "
+                   "twice a step (counted in step~), the update stays on the GPU")
+    elif s.offload_optimizer:
         out.append("CPU offload: the last resort the guide names; expect a 2-5x slower step")
     if s.tp * s.pp > 1:
         out.append(f"tensor x pipeline parallelism: TP={s.tp} within a node, PP={s.pp}, DP={s.dp}")

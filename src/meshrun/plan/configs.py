@@ -77,7 +77,9 @@ def accelerate_config(plan: Plan, c: Candidate, ds_config_file: str = "ds_config
         out["distributed_type"] = "FSDP"
         fsdp: dict[str, Any] = {
             "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_reshard_after_forward": not s.keep_gathered, "fsdp_offload_params": False,
+            # Accelerate's FSDP moves the optimizer state to the host only with the parameters
+            # (FSDP2's CPUOffloadPolicy, the step on the host): its route to an offloading pick's memory
+            "fsdp_reshard_after_forward": not s.keep_gathered, "fsdp_offload_params": s.offload_optimizer,
             "fsdp_activation_checkpointing": s.ac, "fsdp_cpu_ram_efficient_loading": True,
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         }

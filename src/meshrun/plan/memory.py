@@ -100,6 +100,11 @@ class Strategy:
         return self.name + ("+ac" if self.ac else "+sac" if self.sac else "")
 
 
+# meshrun's AdamW with its moments on the host (training/offload.py) steps them through two
+# device buffers of this many fp32 values (the first and second moment of a slice).
+OFFLOAD_SLICE_ELEMENTS = 1 << 26
+
+
 BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "logits", "comm_buffers", "workspace",
                   "fragmentation", "cuda_context")
 
@@ -315,6 +320,11 @@ def model_states(m: ModelSpec, t: TrainSpec, s: Strategy) -> tuple[dict[str, int
     if s.keep_gathered:
         buffers = ((2 if mixed else 4) * (m.outer_params + m.layers * block) + 4 * block
                    - m.layers * float8.gathered_saving(m, t.precision, s.tp))
+    if s.offload_optimizer:  # the moments in host memory, a slice of them in two GPU buffers at a time
+        cpu += opt
+        opt = 0
+        buffers += 2 * 4 * OFFLOAD_SLICE_ELEMENTS
+        notes.append("AdamW's moments in host memory, streamed through the GPU for each step")
     return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
             "comm_buffers": int(buffers)}, int(cpu), notes
 
@@ -360,6 +370,11 @@ def adapter_states(m: ModelSpec, t: TrainSpec, s: Strategy, lo: AdapterLayout) -
         buffers = outer + 2 * block + 4 * lo.block_params
     if s.keep_gathered:
         buffers = outer + m.layers * block + 4 * lo.block_params
+    if s.offload_optimizer:  # the adapters' moments in host memory (training/offload.py)
+        cpu += opt
+        opt = 0
+        buffers += 2 * 4 * OFFLOAD_SLICE_ELEMENTS
+        notes.append("the adapters' AdamW moments in host memory, streamed through the GPU for each step")
     return {"params": int(params), "grads": int(grads), "optimizer": int(opt),
             "comm_buffers": int(buffers)}, int(cpu), notes
 

@@ -42,7 +42,8 @@ def _evaluate(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, limit: fl
         if mem.peak > limit:
             why = f"needs {fmt_bytes(mem.peak)} of {fmt_bytes(limit)} usable"
         elif c.cpu_mem is not None and mem.cpu_bytes_per_node > 0.9 * c.cpu_mem:
-            why = f"offload needs {fmt_bytes(mem.cpu_bytes_per_node)} of CPU memory per node"
+            why = (f"offload needs {fmt_bytes(mem.cpu_bytes_per_node)} of CPU memory per node, of "
+                   f"{fmt_bytes(c.cpu_mem)} there")
         cand = Candidate(s, batch, mem, not why, why, comm + inter, time)
         if cand.fits:
             return cand
@@ -98,8 +99,11 @@ def choose(cands: list[Candidate], t: TrainSpec) -> Candidate | None:
     micro-batch pays a third more compute for it. With the micro-batch fixed, the first that
     fits, DDP and FSDP2 grad_op swapped when the estimate says the other is faster
     (``_faster_twin``). On one GPU, either way, FSDP2 on the one rank only where the one
-    process does not fit with the same checkpointing (``one_process_first``). docs/decisions.md#strategy"""
+    process does not fit with the same checkpointing (``one_process_first``). The optimizer's
+    state offloaded to the host only where nothing else fits: the guide's last resort, whose
+    cost the estimate knows only roughly (PCIe's and the host's speed). docs/decisions.md#strategy"""
     fitting = one_process_first([x for x in cands if x.fits])
+    fitting = [x for x in fitting if not x.strategy.offload_optimizer] or fitting
     if not fitting:
         return None
     if by_step_time(t):

@@ -91,10 +91,16 @@ def ordered(plan: Plan) -> list[Candidate]:
     rest = [x for x in rows if x is not pick]
     if by_step_time(plan.train):
         engines = chosen_from(plan)
-        rest = (sorted((x for x in rest if x.fits and x.strategy.engine in engines), key=lambda x: x.step_time_s)
-                + sorted((x for x in rest if x.fits and x.strategy.engine not in engines), key=lambda x: x.step_time_s)
+        rest = (sorted((x for x in rest if x.fits and x.strategy.engine in engines), key=_last_resort_then_speed)
+                + sorted((x for x in rest if x.fits and x.strategy.engine not in engines), key=_last_resort_then_speed)
                 + [x for x in rest if not x.fits])
     return ([pick] if pick is not None else []) + rest
+
+
+def _last_resort_then_speed(x: Candidate) -> tuple[bool, float]:
+    """Rows that keep the optimizer state on the GPU before those that offload it (the pick's
+    last resort: recommend.choose), each fastest first."""
+    return x.strategy.offload_optimizer, x.step_time_s
 
 
 def chosen_from(plan: Plan) -> tuple[Engine, ...]:
@@ -178,6 +184,9 @@ def order_rule(plan: Plan) -> list[str]:
     fits = [x for x in plan.candidates if x.fits]
     one_gpu = (["  one GPU: FSDP2 on its one rank (fsdp-full) only where single does not fit with the same "
                 "checkpointing"] if one_process_first(fits) != fits else [])
+    if any(x.strategy.offload_optimizer for x in fits) and not all(x.strategy.offload_optimizer for x in fits):
+        one_gpu.append("  offload (the optimizer state in host memory) only where nothing else fits: those rows "
+                       "after the others")
     if by_step_time(plan.train):
         others = "" if not ours else " (other engines' after them: --framework any weighs them)"
         return [f"* the pick, first: the shortest step~ of the{ours} rows that fit (a tie within 1% goes to the "

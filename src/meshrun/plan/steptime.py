@@ -166,7 +166,10 @@ def step_parts(m: ModelSpec, c: ClusterSpec, t: TrainSpec, s: Strategy, b: Batch
     exposed = max(0.0, comm / bw - 0.8 * (compute + fsdp) * 2 / 3)
     lo = adapters_of(m, t.adapters)
     trained = m.params if lo is None else lo.params  # what the optimizer steps over
-    if s.offload_optimizer:
+    if s.offload_optimizer and s.engine is Engine.TORCH:  # the moments across PCIe and back, the step on the GPU
+        shard = trained / s.shard_group / (s.tp * s.pp)
+        optimizer = 2 * t.optimizer_bytes * shard / PCIE_BW + OPTIMIZER_S_PER_PARAM * shard
+    elif s.offload_optimizer:
         shard = trained / s.shard_group
         optimizer = 4 * shard / PCIE_BW + 16 * shard / CPU_ADAM_BW
     else:

@@ -11,26 +11,34 @@ import torch.nn as nn
 
 from .loaded import compiler_loaded
 
+BETAS, EPS = (0.9, 0.95), 1e-8
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters in two groups: weights of 2-D+ tensors (matmuls, embeddings)
+    decayed, biases and norm gains not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, fused: bool = True,
                     torchs: bool = False) -> torch.optim.AdamW:
-    """Decay weights of 2-D+ tensors (matmuls, embeddings); not biases and norm gains.
+    """AdamW over ``decay_groups``.
     ``torchs``: torch's own AdamW class, for DeepSpeed, whose ZeRO takes the optimizers it
     lists by their exact type (it refuses a subclass as "an untested ZeRO Optimizer").
 
     Fused (CUDA and CPU): one kernel for the whole update instead of several per tensor, and
     the only implementation that takes ``found_inf``, the device-side flag that skips a step
     whose gradients are not finite without the host waiting for the GPU (Trainer)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = decay_groups(model, weight_decay)
+    params = [p for g in groups for p in g["params"]]
     # The fused kernel takes all tensors of a device and dtype in one call, and DTensor refuses
     # plain tensors beside its own there (expert parallel's experts beside FSDP2's shards).
     mixed = len({hasattr(p, "device_mesh") for p in params}) > 1
     fused = fused and not mixed
     cls = torch.optim.AdamW if torchs else _PerMeshAdamW if fused and not _fused_takes_meshes(params) else AdamW
-    return cls(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    return cls(groups, lr=lr, betas=BETAS, eps=EPS, fused=fused)
 
 
 def _fused_takes_meshes(params: list[nn.Parameter]) -> bool:

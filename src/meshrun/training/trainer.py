@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset
 
+from ..cluster.gpus import host_memory
 from ..config import TrainConfig, resolve_seq_len, trackers, validate
 from ..config.resize import keep_global_batch, resized_line
 from ..defaults import val_micro
@@ -99,7 +100,7 @@ class Trainer:
         hf_kernels = cfg.kernels == "auto" and rt.cuda and hf_kernels_apply(model, rt.device, cfg.tp, cfg.pp)
         card = card_of_device(torch.cuda.get_device_name(rt.device)) if rt.cuda else None  # its peaks, as plan's
         self.choice: Choice = decide(model, cfg, rt.world_size, rt.local_world_size, dp, gpu_mem, self.bf16, liger,
-                                     card, hf_kernels=hf_kernels)
+                                     card, hf_kernels=hf_kernels, cpu_mem=host_memory())
         sources = dict(cfg.sources)
         self.micro_is_ours = cfg.micro_batch is None  # meshrun's to change if it does not fit (batchfit.py)
         if cfg.micro_batch is None and self.choice.micro_batch != cfg.micro:

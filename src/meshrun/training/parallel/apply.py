@@ -252,6 +252,11 @@ class Build:
             same_initial_weights(self.model)
 
     def _optimizer(self, module: nn.Module) -> Any:
+        if self.kind.engine is Engine.TORCH and self.kind.offload_optimizer:
+            from ..offload import build_offloaded
+
+            self.done.append("AdamW's moments in host memory")
+            return build_offloaded(module, self.cfg.lr, self.cfg.weight_decay)
         return build_optimizer(module, self.cfg.lr, self.cfg.weight_decay)
 
     def _quantize(self) -> None:

@@ -18,7 +18,7 @@ __all__ = ["GATHERED_COPY_SHARE", "Choice", "compile_and_kernels", "decide", "fs
 
 def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, gpu_mem: int | None,
            bf16: bool, liger: bool = False, card: Card | None = None, adapters: Adapters | None = None,
-           hf_kernels: bool = False) -> Choice:
+           hf_kernels: bool = False, cpu_mem: int | None = None) -> Choice:
     """The choice for ``model`` trained with ``cfg`` on ``world`` processes (``local_world``
     per node) whose data-parallel size is ``dp``; ``gpu_mem`` is one GPU's memory (None on
     the CPU); ``bf16``: the run computes in bf16; ``liger``: Liger Kernel can patch the model
@@ -26,7 +26,9 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
     ``card``: the GPU model, for its peaks (None: not known); ``adapters``: a LoRA run's
     (plan/adapters.py: rank, targets, quantize, dropout; None: those of cfg's --lora),
     planned with its frozen weights stored without gradients or optimizer state (the model
-    may already hold PEFT's adapters: the planner reads the base model's shape either way).
+    may already hold PEFT's adapters: the planner reads the base model's shape either way);
+    ``cpu_mem``: a node's host memory, which an offloaded optimizer state must fit (None: not
+    checked; the trainer gives this node's, ``host_memory``).
     Pure: no process group, no device (the model may live on the meta device)."""
     from ...kernels.liger import mixture_of_experts
     from ..models.hf import is_transformers_model
@@ -37,7 +39,7 @@ def decide(model: Any, cfg: TrainConfig, world: int, local_world: int, dp: int, 
                   hf_kernels=hf_kernels,
                   hf=is_transformers_model(model), experts=mixture_of_experts(model),
                   blocks=blocks, own_kernels=isinstance(model, KernelModel),
-                  params=sum(p.numel() for p in model.parameters()), card=card)
+                  params=sum(p.numel() for p in model.parameters()), card=card, cpu_mem=cpu_mem)
     if gpu_mem is None:  # the CPU: the policy reads nothing of the model
         return resolve(None, cfg, facts)
     spec = from_module(model, type(model).__name__, "the model")
