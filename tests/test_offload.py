@@ -163,3 +163,35 @@ def test_the_step_benchmark_runs_both_optimizers_on_the_same_tensors():
     assert out.returncode == 0, out.stderr[-2000:]
     row = json.loads(out.stdout.split("OFFLOAD ", 1)[1])
     assert row["bitwise_equal"] is True and row["params"] >= 10**6 and row["fused_s"] > 0 and row["streamed_s"] > 0
+
+
+def test_a_shard_that_is_not_contiguous_and_mixed_dtypes_step_as_fused_adamw():
+    """A parameter that is not contiguous goes whole (the buffers grow to it), and parameters
+    of another dtype take a run of their own: still fused AdamW's update, bit for bit."""
+    require("torch")
+    import torch
+
+    from meshrun.training.offload import StreamedAdamW
+
+    def params():
+        gen = torch.Generator().manual_seed(0)
+        wide = torch.nn.Parameter(torch.randn(3, 3000, generator=gen).t())  # 9,000 values, not contiguous
+        half = torch.nn.Parameter(torch.randn(700, generator=gen).to(torch.bfloat16))
+        plain = torch.nn.Parameter(torch.randn(5000, generator=gen))
+        return [wide, half, plain]
+
+    a, b = params(), params()
+    assert not a[0].is_contiguous()
+    fused = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.1, fused=True)
+    streamed = StreamedAdamW(b, slice_elements=1024, lr=1e-2, weight_decay=0.1, fused=True)
+    for i in range(3):
+        for ps, opt in ((a, fused), (b, streamed)):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i + p.numel())).to(p.dtype)
+                if not p.is_contiguous():
+                    p.grad = p.grad.t().contiguous().t()  # the parameter's own strides
+            opt.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    assert max(buf.numel() for pair in streamed._buffers.values() for buf in pair) == 9000
+    assert {dtype for _, dtype in streamed._buffers} == {torch.float32, torch.bfloat16}

@@ -60,20 +60,23 @@ Piece = tuple[torch.Tensor, int, int]  # a parameter, and the [start, end) of it
 
 
 def _pieces(params: list[torch.Tensor], size: int) -> Iterator[list[Piece]]:
-    """The parameters' shards as runs of pieces of at most ``size`` values each: small tensors
-    together, a long one cut into contiguous slices (a shard that is not contiguous goes whole)."""
+    """The parameters' shards as runs of pieces of at most ``size`` values each, every run of
+    one device and dtype (one buffer pair, one kernel call): small tensors together, a long one
+    cut into contiguous slices (a shard that is not contiguous goes whole, in a run of its own)."""
     run: list[Piece] = []
-    used = 0
+    used, kind = 0, None
     for p in params:
-        n = _local(p).numel()
-        step = size if _local(p).is_contiguous() else max(n, 1)
+        local = _local(p)
+        n = local.numel()
+        step = size if local.is_contiguous() else max(n, 1)
         for start in range(0, max(n, 1), step):
             end = min(n, start + step)
-            if run and used + end - start > size:
+            if run and (used + end - start > size or (local.device, local.dtype) != kind):
                 yield run
                 run, used = [], 0
             run.append((p, start, end))
             used += end - start
+            kind = (local.device, local.dtype)
     if run:
         yield run
 
@@ -98,10 +101,14 @@ class StreamedAdamW(AdamW):
         self._buffers: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending: Any = None  # the last step's copies back to the host, on CUDA
 
-    def _buffer(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if (device, dtype) not in self._buffers:
-            self._buffers[device, dtype] = (torch.empty(self.slice_elements, dtype=dtype, device=device),
-                                            torch.empty(self.slice_elements, dtype=dtype, device=device))
+    def _buffer(self, device: torch.device, dtype: torch.dtype, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device's pair of buffers for ``dtype``: a slice's values, or a longer shard that is
+        not contiguous (then grown to it)."""
+        have = self._buffers.get((device, dtype))
+        if have is None or have[0].numel() < need:
+            size = max(self.slice_elements, need)
+            self._buffers[device, dtype] = (torch.empty(size, dtype=dtype, device=device),
+                                            torch.empty(size, dtype=dtype, device=device))
         return self._buffers[device, dtype]
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
@@ -129,7 +136,7 @@ class StreamedAdamW(AdamW):
             last = {id(p): max(_local(p).numel(), 1) for p in params}  # the end of each shard
             for run in _pieces(params, self.slice_elements):
                 p0 = _local(run[0][0])
-                buf_m, buf_v = self._buffer(p0.device, p0.dtype)
+                buf_m, buf_v = self._buffer(p0.device, p0.dtype, sum(end - start for _, start, end in run))
                 ps, gs, ms, vs, steps, back = [], [], [], [], [], []
                 off = 0
                 for p, start, end in run:
