@@ -195,3 +195,31 @@ def test_a_shard_that_is_not_contiguous_and_mixed_dtypes_step_as_fused_adamw():
         assert torch.equal(p, q)
     assert max(buf.numel() for pair in streamed._buffers.values() for buf in pair) == 9000
     assert {dtype for _, dtype in streamed._buffers} == {torch.float32, torch.bfloat16}
+
+
+def test_a_dry_run_decides_for_the_host_memory_it_is_given(tmp_path):
+    """`meshrun train --dry-run --gpu-mem 141GiB` for Llama-3-8B's shape: --cpu-mem 128GiB
+    takes fsdp-offload and says how much of the node's memory the moments take; 32GiB refuses
+    it in one line that names the host's memory; without --cpu-mem (GPUs elsewhere) the reasons
+    say the host memory was not checked."""
+    require("transformers")
+    import transformers as T
+    from helpers import meshrun_here
+
+    T.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                  rope_theta=500000.0).save_pretrained(str(tmp_path))
+    args = ("train", "--model", str(tmp_path), "--data", "random", "--dry-run", "--json", "--gpu-mem", "141GiB",
+            "--nproc", "1", "--seq-len", "4096")
+
+    def decided(*more):
+        out = meshrun_here(*args, *more)
+        return out, (json.loads(out.stdout[out.stdout.index("{"):]) if out.returncode == 0 else None)
+
+    out, roomy = decided("--cpu-mem", "128GiB")
+    assert roomy is not None and roomy["strategy"] == "fsdp-offload", out.stderr[-2000:]
+    assert "the optimizer state offloaded: 59.8 GiB of host memory per node of the node's 128 GiB" in roomy["reasons"]
+    out, _ = decided("--cpu-mem", "32GiB")
+    assert out.returncode == 2 and "offload needs 59.8 GiB of CPU memory per node, of 32 GiB there" in out.stderr
+    _, unknown = decided()
+    assert any("not known here: not checked" in r for r in unknown["reasons"])

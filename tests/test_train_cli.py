@@ -119,6 +119,11 @@ ERRORS = [
      "--strategy='zero4': unknown value (hint: choose one of auto, fsdp, single, ddp, "
      "fsdp-grad-op, fsdp-full, fsdp-offload, fsdp-hybrid, fsdp-no-shard, zero1, zero2, zero3, zero2-offload"),
     (["--strategy", "deepspeed"], "--strategy='deepspeed': unknown value"),
+    (["--gpu-mem", "80GiB"], "--gpu-mem='80GiB': sets the GPUs a dry run decides for; the ranks read their own "
+     "(hint: add --dry-run, or drop it)"),
+    (["--cpu-mem", "32GiB"], "--cpu-mem='32GiB': sets the host memory a dry run decides for; the ranks read their "
+     "own (hint: add --dry-run, or drop it)"),
+    (["--cpu-mem", "lots", "--dry-run"], "--cpu-mem='lots': is not a size"),
     (["--global-batch", "100", "--micro-batch", "8"],
      "--global-batch=100: is not a multiple of micro-batch 8 x data-parallel size 2 = 16 "
      "(hint: use a multiple of 16, e.g. 96 or 112)"),

@@ -66,6 +66,10 @@ class JobOptions(WaitOptions):
     gpu_mem: str | None = option(None, "with --dry-run: decide for GPUs of this memory (e.g. 80GiB), one per "
                                  "process (default: this machine's GPUs; on a machine without any, CPU processes)",
                                  metavar="SIZE", everywhere=False)
+    cpu_mem: str | None = option(None, "with --dry-run: decide for nodes of this memory (e.g. 512GiB), which an "
+                                 "optimizer state offloaded to the host must fit (default: this machine's, unless "
+                                 "--gpu-mem decides for GPUs elsewhere: then not checked)", metavar="SIZE",
+                                 everywhere=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # option -> how it was given
 
     def source(self, name: str) -> str:
@@ -214,6 +218,11 @@ def gpu_bytes(job: JobOptions) -> int | None:
     return None if job.gpu_mem is None else parse_bytes(job.gpu_mem, job.source("gpu_mem"))
 
 
+def host_bytes(job: JobOptions) -> int | None:
+    """--cpu-mem in bytes; None when not given."""
+    return None if job.cpu_mem is None else parse_bytes(job.cpu_mem, job.source("cpu_mem"))
+
+
 def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str]) -> TrainResult:
     """Check, then run the job on this node (under ``job.dry_run``: start nothing, and return
     what would start in the result's ``dry_run``)."""
@@ -224,6 +233,9 @@ def run(cfg: TrainConfig, topo: Topology, job: JobOptions, env: Mapping[str, str
             raise bad_value(job.source("gpu_mem"), job.gpu_mem, "sets the GPUs a dry run decides for; the ranks "
                             "read their own", "add --dry-run, or drop it")
         gpus = topo.nproc_per_node  # (a GPU per process, as the dry run decides for)
+    if host_bytes(job) is not None and not job.dry_run:
+        raise bad_value(job.source("cpu_mem"), job.cpu_mem, "sets the host memory a dry run decides for; the ranks "
+                        "read their own", "add --dry-run, or drop it")
     check(cfg, topo, job, gpus)
     save_threads(env)  # a variable the ranks read at their first snapshot: checked now
     if topo.node_rank == 0 and not job.dry_run:  # (rank 0 logs: its node checks the trackers' servers)
@@ -313,7 +325,7 @@ def _launch(job: JobOptions, env: Mapping[str, str], cfg: TrainConfig, topo: Top
     if job.dry_run:
         from .preview import decided  # (torch-free on the CPU)
 
-        keys, lines = decided(cfg, topo, gpu_bytes(job), count_visible_gpus(env))
+        keys, lines = decided(cfg, topo, gpu_bytes(job), count_visible_gpus(env), host_bytes(job))
         return DryRun(cfg, topo, {name: getattr(job, name) for name in JOB_OPTIONS}, keys, tuple(lines), cmd)
     check_ports(topo, cmd, spec)
     if topo.node_rank == 0 and (topo.local_rank or 0) == 0:

@@ -52,16 +52,20 @@ def decisions(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, card: Card 
                   hf_kernels=hf_kernels, cpu_mem=cpu_mem)
 
 
-def decided(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, gpus: int) -> tuple[dict[str, Any], list[str]]:
+def decided(cfg: TrainConfig, topo: Topology, gpu_mem: int | None, gpus: int,
+            cpu_mem: int | None = None) -> tuple[dict[str, Any], list[str]]:
     """The dry run's decisions as JSON keys and as its short block of lines: for ``gpu_mem``
-    when given, else for this machine's ``gpus`` (their memory read here), else the CPU."""
+    when given, else for this machine's ``gpus`` (their memory read here), else the CPU; on
+    nodes of ``cpu_mem`` bytes when given, else of this machine's memory where its own GPUs
+    are decided for (with ``gpu_mem``, GPUs elsewhere: an offload's host memory not checked)."""
     where = "CPU processes"
-    card, cpu_mem = None, None  # (--gpu-mem: GPUs elsewhere, whose host this machine does not know)
+    card = None
     if gpu_mem is None and gpus:
         from ..cluster.gpus import detect_gpu_memory, detect_gpu_name, host_memory
         from ..plan.cards import card_of_device
 
-        gpu_mem, cpu_mem = detect_gpu_memory(), host_memory()
+        gpu_mem = detect_gpu_memory()
+        cpu_mem = host_memory() if cpu_mem is None else cpu_mem
         name = detect_gpu_name()  # this machine's card too, as the ranks read it
         card = card_of_device(name) if name else None
         if gpu_mem is None:
