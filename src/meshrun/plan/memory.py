@@ -101,7 +101,8 @@ class Strategy:
 
 
 # meshrun's AdamW with its moments on the host (training/offload.py) steps them through two
-# device buffers of this many fp32 values (the first and second moment of a slice).
+# device buffers of this many fp32 values (the first and second moment of a slice: 256 MiB
+# each); a slice is one fused kernel call (tensors longer are cut).
 OFFLOAD_SLICE_ELEMENTS = 1 << 26
 
 

@@ -28,6 +28,11 @@ def is_dtensor(t: object) -> bool:
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
+def local_tensor(t: Any) -> Any:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
 def eager() -> contextlib.AbstractContextManager[Any]:
     """Compiled modules run eager inside (``torch.compiler.set_stance("force_eager")``)."""
     if not compiler_loaded():

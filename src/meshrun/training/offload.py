@@ -3,13 +3,14 @@
 AdamW keeps two fp32 moments per parameter: 8 bytes, twice the fp32 weights, and the largest
 of a one-GPU run's states (60 GiB of Llama-3-8B's 120). ``StreamedAdamW`` keeps them in host
 memory (pinned on CUDA hosts) and steps the parameters where they are: slices of at most
-``SLICE_ELEMENTS`` moments are copied to a device buffer, torch's fused AdamW kernel updates
-the parameters, gradients and moments of the slice there, and the moments go back. Every copy
+``OFFLOAD_SLICE_ELEMENTS`` (64M) moments are copied to a device buffer, torch's fused AdamW
+kernel updates the parameters, gradients and moments of the slice there, and the moments go
+back. Every copy
 and kernel runs on the current stream, so the device's own ordering makes the update exactly
 AdamW(fused=True)'s (the kernel is elementwise: a slice is updated as the whole tensor would
 be), ``found_inf`` included. The host waits for the copies only when it reads the moments
 (``state_dict``). The price is the moments' PCIe traffic, 8 bytes per parameter each way per
-step, and two device buffers of ``SLICE_ELEMENTS`` fp32 values.
+step, and two device buffers of that many fp32 values (256 MiB each).
 
 Why not torchao's CPUOffloadOptimizer: it runs the update itself on the CPU, over the fp32
 weights, gradients and moments (16 bytes per parameter read and written by the host's cores),
@@ -25,21 +26,15 @@ import torch
 from torch.optim.adamw import adamw
 
 from ..plan.memory import OFFLOAD_SLICE_ELEMENTS
+from .loaded import local_tensor as _local
 from .optim import BETAS, EPS, AdamW, decay_groups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-# Moments per device buffer: 64M fp32 values, 256 MiB a moment, 512 MiB for the pair; a
-# slice is one fused kernel call over up to that many values (tensors longer are cut).
-SLICE_ELEMENTS = OFFLOAD_SLICE_ELEMENTS
 # Where a long tensor is cut: at multiples of this many values, so that every value takes the
 # same path through the kernel as in the whole tensor (CPU kernels run vector lanes from each
 # tensor's start and a scalar remainder at its end, whose rounding can differ: seen on torch
 # 2.13's CPU AdamW with cuts at 100 values).
 CUT_MULTIPLE = 1024
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard on this rank
 
 
 def host_like(p: torch.Tensor) -> torch.Tensor:
@@ -91,7 +86,7 @@ class StreamedAdamW(AdamW):
     host memory; the state dict and snapshots are AdamW's, the moments host tensors (DTensors
     for FSDP2's sharded parameters)."""
 
-    def __init__(self, params: Any, slice_elements: int = SLICE_ELEMENTS, **kwargs: Any) -> None:
+    def __init__(self, params: Any, slice_elements: int = OFFLOAD_SLICE_ELEMENTS, **kwargs: Any) -> None:
         if not kwargs.get("fused"):
             raise ValueError("StreamedAdamW runs torch's fused AdamW kernel (fused=True)")
         if slice_elements < CUT_MULTIPLE or slice_elements % CUT_MULTIPLE:
@@ -133,7 +128,6 @@ class StreamedAdamW(AdamW):
             if group.get("amsgrad") or group.get("maximize"):
                 raise ValueError("StreamedAdamW steps AdamW without amsgrad or maximize")
             beta1, beta2 = group["betas"]
-            last = {id(p): max(_local(p).numel(), 1) for p in params}  # the end of each shard
             for run in _pieces(params, self.slice_elements):
                 p0 = _local(run[0][0])
                 buf_m, buf_v = self._buffer(p0.device, p0.dtype, sum(end - start for _, start, end in run))
@@ -154,8 +148,8 @@ class StreamedAdamW(AdamW):
                     ms.append(dev[0])
                     vs.append(dev[1])
                     # the kernel counts the step on the tensor it is given: the shard's own
-                    # step once, at its last piece; a copy of it for the pieces before
-                    steps.append(st["step"] if end == last[id(p)] or whole == 0 else st["step"].clone())
+                    # step once, at its last piece (the one ending where it does); a copy before
+                    steps.append(st["step"] if end == whole else st["step"].clone())
                     off += end - start
                 adamw(ps, gs, ms, vs, [], steps, fused=True, grad_scale=None, found_inf=found_inf,
                       amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -190,18 +184,19 @@ class StreamedAdamW(AdamW):
         moments = {i: {k: v for k, v in st.items() if k in MOMENTS} for i, st in state_dict["state"].items()}
         light = {**state_dict, "state": {i: {k: v for k, v in st.items() if k not in MOMENTS}
                                           for i, st in state_dict["state"].items()}}
+        params = [p for g in self.param_groups for p in g["params"]]
+        held = {p: {k: self.state[p][k] for k in MOMENTS if k in self.state.get(p, {})} for p in params}
         super().load_state_dict(light)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(ids, params):
             for k, v in moments.get(i, {}).items():
-                st = self.state[p]
-                if _local(v).device.type == "cpu" and (_local(v).is_pinned() or _local(p).device.type != "cuda") \
-                        and type(v) is type(p.data):
-                    st[k] = v  # (torch.distributed.checkpoint loaded into this optimizer's own)
-                else:
-                    st[k] = host_like(p)
-                    _local(st[k]).copy_(_local(v))
+                mine = held[p].get(k)
+                if mine is None:
+                    mine = host_like(p)
+                # (torch.distributed.checkpoint loads into this optimizer's own moments: nothing to copy)
+                if _local(v).data_ptr() != _local(mine).data_ptr():
+                    _local(mine).copy_(_local(v))
+                self.state[p][k] = mine
 
 
 def build_offloaded(model: torch.nn.Module, lr: float, weight_decay: float) -> StreamedAdamW:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..loaded import local_tensor
+
 
 def _leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     if isinstance(obj, dict):
@@ -32,13 +34,9 @@ def _leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
         yield path, obj
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard on this rank
-
-
 def signature(state: Any) -> list[tuple]:
     """Where every tensor sits and what it holds: buffers are reused only for the same one."""
-    return [(path, type(v).__name__, tuple(_local(v).shape), _local(v).dtype)
+    return [(path, type(v).__name__, tuple(local_tensor(v).shape), local_tensor(v).dtype)
             for path, v in _leaves(state) if isinstance(v, torch.Tensor)]
 
 
@@ -50,7 +48,7 @@ def _on_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         out = [_on_cpu(v) for v in obj]
         return tuple(out) if isinstance(obj, tuple) else out
-    if isinstance(obj, torch.Tensor) and _local(obj).device.type != "cpu":
+    if isinstance(obj, torch.Tensor) and local_tensor(obj).device.type != "cpu":
         return obj.to("cpu")
     return obj
 
@@ -66,7 +64,7 @@ class Stager:
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-        cuda = any(_local(v).is_cuda for _, v in _leaves(state) if isinstance(v, torch.Tensor))
+        cuda = any(local_tensor(v).is_cuda for _, v in _leaves(state) if isinstance(v, torch.Tensor))
         sig = signature(state)
         if self._buffers is None or sig != self._signature:  # first save, or the state changed shape
             self._buffers = None  # free the old buffers before allocating new ones
